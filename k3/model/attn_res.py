@@ -1,0 +1,74 @@
+"""Block Attention Residuals (architecture.md §4; K3 report §2.2; AttnRes paper arXiv 2603.15031).
+
+Legend: n sources, J queries, B batch, T tokens, D model width.
+
+A read AR(w; v_1..v_n) softmax-averages earlier block representations over *depth*: keys are the
+sources RMS-normalised without gain, logits s_i = w·k_i, result Σ α_i v_i (values not normalised).
+The pseudo-query w is stored factorised as res_norm.weight ⊙ res_proj.weight[0], zero-initialised so
+every read starts as a uniform average. All of it in fp32, cast back once.
+
+Two exact forms:
+- `attn_res_read`: the direct form, one read over a list of sources;
+- `attn_res_phase1` + `attn_res_merge`: the two-phase inference form. Queries do not depend on the
+  input, so all reads of a block are batched over its sealed sources once (phase 1), and each read then
+  merges the running partial sum with an online-softmax step (phase 2).
+"""
+
+from __future__ import annotations
+
+import torch
+
+EPS = 1e-5
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _keys(v: torch.Tensor, eps: float) -> torch.Tensor:
+    return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def pseudo_query(norm_weight: torch.Tensor, proj_weight: torch.Tensor) -> torch.Tensor:
+    """[D] gain and [1, D] projection -> the effective query w [D] (fp32)."""
+    dtype = torch.float64 if proj_weight.dtype == torch.float64 else torch.float32
+    return norm_weight.to(dtype) * proj_weight[0].to(dtype)
+
+
+def attn_res_read(w: torch.Tensor, sources: list[torch.Tensor], eps: float = EPS) -> torch.Tensor:
+    """w [D]; sources: n tensors [B, T, D]. Returns [B, T, D] in the sources' dtype."""
+    if len(sources) == 1:
+        return sources[0]
+    compute = _compute_dtype(sources[0])
+    v = torch.stack(sources).to(compute)  # [n, B, T, D]
+    logits = _keys(v, eps) @ w.to(compute)  # [n, B, T]
+    alpha = torch.softmax(logits, dim=0)
+    return (alpha.unsqueeze(-1) * v).sum(0).to(sources[0].dtype)
+
+
+def attn_res_phase1(queries: torch.Tensor, sealed: list[torch.Tensor], eps: float = EPS):
+    """queries [J, D]; sealed: n tensors [B, T, D].
+
+    Returns (o1 [J, B, T, D], m1 [J, B, T], l1 [J, B, T]) in fp32: the normalised read over the sealed
+    sources, its max logit and its softmax denominator relative to that max.
+    """
+    compute = _compute_dtype(sealed[0])
+    v = torch.stack(sealed).to(compute)  # [n, B, T, D]
+    logits = torch.einsum("nbtd,jd->jnbt", _keys(v, eps), queries.to(compute))  # [J, n, B, T]
+    m1 = logits.amax(dim=1)  # [J, B, T]
+    p = torch.exp(logits - m1.unsqueeze(1))
+    l1 = p.sum(dim=1)
+    o1 = torch.einsum("jnbt,nbtd->jbtd", p, v) / l1.unsqueeze(-1)
+    return o1, m1, l1
+
+
+def attn_res_merge(o1: torch.Tensor, m1: torch.Tensor, l1: torch.Tensor, w: torch.Tensor,
+                   partial: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+    """Phase 2 for one query: merge phase-1 statistics (o1 [B, T, D], m1, l1 [B, T]) with the partial sum."""
+    compute = o1.dtype
+    p = partial.to(compute)
+    s2 = _keys(p, eps) @ w.to(compute)  # [B, T]
+    m = torch.maximum(m1, s2)
+    a1 = torch.exp(m1 - m) * l1
+    a2 = torch.exp(s2 - m)
+    return ((a1.unsqueeze(-1) * o1 + a2.unsqueeze(-1) * p) / (a1 + a2).unsqueeze(-1)).to(partial.dtype)

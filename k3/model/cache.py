@@ -1,0 +1,53 @@
+"""Per-sequence decoding cache of the hybrid stack (architecture.md §2.5, §3.3).
+
+Legend: B sequences, S cached tokens, H heads, K/V head dims, P = H·K, W conv width.
+
+KDA layers keep a fixed-size state: the last W-1 pre-conv q/k/v inputs and the fp32 recurrent state
+S [B, H, K, V]. Gated MLA layers keep the compressed latent of every past token: [ĉ (kv_lora_rank) ;
+k_pe (qk_rope_head_dim)], post-norm, in the activation dtype. This is the plain contiguous reference
+cache; the inference engine pages the same tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KDAState:
+    conv_q: torch.Tensor  # [B, W-1, P]
+    conv_k: torch.Tensor  # [B, W-1, P]
+    conv_v: torch.Tensor  # [B, W-1, P]
+    recurrent: torch.Tensor  # [B, H, K, V] fp32
+
+
+@dataclass
+class MLALatent:
+    latent: torch.Tensor  # [B, S, kv_lora_rank + qk_rope_head_dim]
+
+
+class K3Cache:
+    """One entry per decoder layer (None until the layer first runs) and the number of tokens seen."""
+
+    def __init__(self, num_layers: int, batch_size: int):
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        self.batch_size = batch_size
+        self.seq_len = 0
+        self.layers: list[KDAState | MLALatent | None] = [None] * num_layers
+
+    def check_batch(self, batch_size: int) -> None:
+        if batch_size != self.batch_size:
+            raise ValueError(f"this cache holds {self.batch_size} sequences but the input has {batch_size} rows")
+
+    def nbytes(self) -> int:
+        total = 0
+        for entry in self.layers:
+            if isinstance(entry, KDAState):
+                total += sum(t.numel() * t.element_size() for t in
+                             (entry.conv_q, entry.conv_k, entry.conv_v, entry.recurrent))
+            elif isinstance(entry, MLALatent):
+                total += entry.latent.numel() * entry.latent.element_size()
+        return total

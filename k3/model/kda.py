@@ -1,0 +1,117 @@
+"""Kimi Delta Attention layer (architecture.md §2; K3 report §2.1.1, Kimi Linear arXiv 2510.26692).
+
+Legend: B batch, T tokens, D model width, H heads, K = V head dim, P = H·K.
+
+Per token: q/k/v projections → causal depthwise short conv (width 4) + SiLU → per-head L2 norm of q, k
+→ β = σ(b_proj x) → low-rank decay logits z = f_b(f_a x) + dt_bias → the lower-bounded gate
+g = g_min·σ(exp(A_h)·z) → delta-rule recurrence with channel-wise decay → per-head RMSNorm →
+full-rank sigmoid output gate → o_proj. The recurrence itself lives in `k3.ops.kda`; the layer picks
+the implementation with `config.kda_impl`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import ModelConfig
+from k3.model.cache import KDAState
+from k3.model.norm import RMSNorm
+from k3.model.sequence import SequenceLayout
+from k3.ops.kda import naive_chunk_kda, naive_kda_gate, naive_recurrent_kda
+from k3.ops.short_conv import naive_causal_conv1d
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(‖x‖² + eps) over the last dim, in fp32."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class KimiDeltaAttention(nn.Module):
+    # Parameters kept in fp32 whatever the model dtype (as in the release, architecture.md §2.1).
+    fp32_params = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "dt_bias", "A_log", "o_norm.weight")
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        lin = config.linear_attn_config
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = lin.num_heads, lin.head_dim
+        self.conv_size = lin.short_conv_kernel_size
+        self.gate_lower_bound = lin.gate_lower_bound
+        self.impl = config.kda_impl
+        self.chunk_size = config.kda_chunk_size
+        D, H, K = config.hidden_size, self.num_heads, self.head_dim
+        P = H * K
+        self.q_proj = nn.Linear(D, P, bias=False)
+        self.k_proj = nn.Linear(D, P, bias=False)
+        self.v_proj = nn.Linear(D, P, bias=False)
+        self.q_conv1d = nn.Conv1d(P, P, self.conv_size, groups=P, bias=False)
+        self.k_conv1d = nn.Conv1d(P, P, self.conv_size, groups=P, bias=False)
+        self.v_conv1d = nn.Conv1d(P, P, self.conv_size, groups=P, bias=False)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        # decay logits are low-rank with rank = head_dim (architecture.md §2.1)
+        self.f_a_proj = nn.Linear(D, K, bias=False)
+        self.f_b_proj = nn.Linear(K, P, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(P))
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.o_norm = RMSNorm(K, config.rms_norm_eps)
+        self.g_proj = nn.Linear(D, P, bias=False)
+        self.o_proj = nn.Linear(P, D, bias=False)
+
+    @torch.no_grad()
+    def reset_special_parameters(self, generator: torch.Generator) -> None:
+        """A_log = 0 and Mamba-2-style dt_bias = softplus⁻¹(dt), dt ~ logU(1e-3, 1e-1) (architecture.md §2.3)."""
+        self.A_log.zero_()
+        u = torch.rand(self.dt_bias.shape, generator=generator, device=self.dt_bias.device, dtype=torch.float32)
+        dt = torch.exp(u * (torch.log(torch.tensor(1e-1)) - torch.log(torch.tensor(1e-3))) + torch.log(torch.tensor(1e-3)))
+        dt = dt.clamp(min=1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def forward(self, x: torch.Tensor, layout: SequenceLayout, state: KDAState | None = None,
+                use_cache: bool = False) -> tuple[torch.Tensor, KDAState | None]:
+        """x [B, T, D] (already input_layernorm'ed). Returns (y [B, T, D], new state or None)."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        cu = layout.cu_seqlens
+        if cu is not None and use_cache:
+            raise ValueError("packed sequences (cu_seqlens) cannot be combined with a decoding cache")
+
+        def conv_path(proj: nn.Linear, conv: nn.Conv1d, conv_state):
+            pre = proj(x)  # [B, T, P]
+            if cu is not None:
+                y, tail = naive_causal_conv1d(pre.view(1, B * T, -1), conv.weight, None, cu)
+                y = y.view(B, T, -1)
+            else:
+                y, tail = naive_causal_conv1d(pre, conv.weight, conv_state)
+            return F.silu(y), tail
+
+        q, tail_q = conv_path(self.q_proj, self.q_conv1d, state.conv_q if state else None)
+        k, tail_k = conv_path(self.k_proj, self.k_conv1d, state.conv_k if state else None)
+        v, tail_v = conv_path(self.v_proj, self.v_conv1d, state.conv_v if state else None)
+        q = l2_normalize(q.view(B, T, H, K))  # [B, T, H, K]
+        k = l2_normalize(k.view(B, T, H, K))  # [B, T, H, K]
+        v = v.view(B, T, H, K)  # [B, T, H, V]
+        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
+        z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)  # [B, T, H, K]
+        g = naive_kda_gate(z, self.A_log, self.dt_bias, self.gate_lower_bound)  # fp32, in (g_min, 0)
+
+        if cu is not None:
+            q, k, v, g, beta = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta))
+        initial = state.recurrent if state is not None else None
+        kda = self._kda_op(T)
+        o, final = kda(q, k, v, g, beta, initial_state=initial, output_final_state=use_cache, cu_seqlens=cu)
+        o = o.view(B, T, H, K)
+
+        o = self.o_norm(o)  # per-head norm, gain shared by heads
+        y = self.o_proj(torch.sigmoid(self.g_proj(x)) * o.reshape(B, T, H * K).to(x.dtype))
+        new_state = KDAState(tail_q, tail_k, tail_v, final) if use_cache else None
+        return y, new_state
+
+    def _kda_op(self, T: int):
+        if self.impl == "recurrent" or (self.impl == "chunk" and T == 1):
+            return naive_recurrent_kda
+        if self.impl == "chunk":
+            return lambda *a, **kw: naive_chunk_kda(*a, **kw, chunk_size=self.chunk_size)
+        raise ValueError(f"kda_impl {self.impl!r} is not available in this build")

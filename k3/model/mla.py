@@ -1,0 +1,114 @@
+"""Gated Multi-head Latent Attention with NoPE (architecture.md §3; K3 report §2.1.2).
+
+Legend: B batch, T new tokens, S attended tokens (cached + new), D model width, H heads,
+N = qk_nope_head_dim, R = qk_rope_head_dim (never rotated: NoPE), Vd = v_head_dim, C = kv_lora_rank.
+
+Two ways to compute the same attention, chosen by `config.mla_impl`:
+- `naive`: expand the latent into per-head keys and values with kv_b_proj (training, prefill);
+- `absorb`: fold W_UK into the query and attend in latent space, MQA-style, with 576-wide keys and
+  512-wide values, then apply W_UV per head (decode: the cache is read once, never expanded).
+W_UV cannot be folded into o_proj, because the sigmoid output gate sits between them.
+`auto` uses naive for multi-token calls and absorb for single-token decode steps.
+Scores and softmax are fp32; the output is cast once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3.config import ModelConfig
+from k3.model.cache import MLALatent
+from k3.model.norm import RMSNorm
+from k3.model.sequence import SequenceLayout
+
+
+def attention_mask(layout: SequenceLayout, T: int, offset: int, device) -> torch.Tensor:
+    """[B or 1, T, offset + T] bool: causal over absolute positions, and within one document when packed."""
+    q_pos = torch.arange(T, device=device) + offset
+    k_pos = torch.arange(offset + T, device=device)
+    mask = (k_pos[None, :] <= q_pos[:, None]).unsqueeze(0)  # [1, T, S]
+    if layout.segment_ids is not None:
+        seg = layout.segment_ids
+        mask = mask & (seg[:, :, None] == seg[:, None, :])  # [B, T, T]
+    return mask
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.impl = config.mla_impl
+        D, H = config.hidden_size, config.num_attention_heads
+        self.num_heads = H
+        self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        # NoPE: the 64 "rope" channels are kept but never rotated, so the scale covers all 192 dims
+        self.softmax_scale = (self.nope_dim + self.rope_dim) ** -0.5
+        self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, H * (self.nope_dim + self.rope_dim), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * (self.nope_dim + self.v_dim), bias=False)
+        self.g_proj = nn.Linear(D, H * self.v_dim, bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, D, bias=False)
+
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """The cached quantity: [ĉ ; k_pe] = [RMSNorm(c) ; k_pe], [B, T, C + R]."""
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
+
+    def forward(self, x: torch.Tensor, layout: SequenceLayout, state: MLALatent | None = None,
+                use_cache: bool = False, impl: str | None = None,
+                max_logits: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, MLALatent | None]:
+        """x [B, T, D] (already input_layernorm'ed). Returns (y [B, T, D], the grown latent cache or None).
+
+        If `max_logits` is a list, the per-head max of the scaled logits over unmasked pairs ([H] fp32,
+        for QK-Clip) is appended to it.
+        """
+        B, T, _ = x.shape
+        H = self.num_heads
+        if layout.packed and use_cache:
+            raise ValueError("packed sequences (cu_seqlens) cannot be combined with a decoding cache")
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, -1)  # [B, T, H, N + R]
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        new_latent = self.latent(x)  # [B, T, C + R]
+        offset = 0
+        if state is not None:
+            offset = state.latent.shape[1]
+            latent = torch.cat([state.latent, new_latent.to(state.latent.dtype)], dim=1)  # [B, S, C + R]
+        else:
+            latent = new_latent
+        c, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        mask = attention_mask(layout, T, offset, x.device)
+
+        impl = impl or self.impl
+        if impl == "auto":
+            impl = "absorb" if T == 1 else "naive"
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        w_kv = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)  # [H, N, C], [H, Vd, C]
+        if impl == "naive":
+            kv = self.kv_b_proj(c).view(B, -1, H, self.nope_dim + self.v_dim)  # [B, S, H, N + Vd]
+            k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+            scores = torch.einsum("bthn,bshn->bhts", q_nope.to(compute), k_nope.to(compute))
+        elif impl == "absorb":
+            q_lat = torch.einsum("bthn,hnc->bthc", q_nope.to(compute), w_uk.to(compute))  # [B, T, H, C]
+            scores = torch.einsum("bthc,bsc->bhts", q_lat, c.to(compute))
+        else:
+            raise ValueError(f"mla impl must be naive|absorb|auto, got {impl!r}")
+        scores = scores + torch.einsum("bthr,bsr->bhts", q_pe.to(compute), k_pe.to(compute))
+        scores = scores * self.softmax_scale  # [B, H, T, S]
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        if max_logits is not None:
+            max_logits.append(scores.detach().amax(dim=(0, 2, 3)).float())
+        probs = torch.softmax(scores, dim=-1)
+        if impl == "naive":
+            o = torch.einsum("bhts,bshv->bthv", probs, v.to(compute))  # [B, T, H, Vd]
+        else:
+            o_lat = torch.einsum("bhts,bsc->bthc", probs, c.to(compute))  # [B, T, H, C]
+            o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv.to(compute))  # [B, T, H, Vd]
+        o = o.reshape(B, T, H * self.v_dim).to(x.dtype)
+        y = self.o_proj(torch.sigmoid(self.g_proj(x)) * o)
+        return y, (MLALatent(latent) if use_cache else None)

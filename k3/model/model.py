@@ -1,0 +1,264 @@
+"""The K3 text stack: decoder layers, Block AttnRes wiring, head (architecture.md §1, §4.2).
+
+Legend: B batch, T tokens, D model width, V vocabulary.
+
+    ids → embed_tokens → L × DecoderLayer → output AttnRes read → norm → lm_head → logits
+    DecoderLayer ℓ: a = AR_attn(blocks) → y = Mixer_ℓ(input_layernorm a)       (KDA or Gated MLA)
+                    m = AR_mlp(blocks)  → z = FFN_ℓ(post_attention_layernorm m) (dense at ℓ=0, else MoE)
+                    y and z are summed into the current AttnRes block
+
+One forward serves training (packed rows with `cu_seqlens`), prefill and incremental decoding (with a
+`K3Cache`). Parameter names follow the release's text stack without the `language_model.` prefix,
+except the routed experts, which are stacked per kind (`experts.w1` [E, I, L]); `k3.convert` maps them.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from k3.config import ModelConfig
+from k3.model.attn_res import attn_res_merge, attn_res_phase1, attn_res_read, pseudo_query
+from k3.model.cache import K3Cache
+from k3.model.kda import KimiDeltaAttention
+from k3.model.mla import GatedMLA
+from k3.model.moe import LatentExperts, RouterInfo, SiTUMLP, StableLatentMoE
+from k3.model.norm import RMSNorm
+from k3.model.sequence import SequenceLayout
+
+
+@dataclass
+class K3Output:
+    logits: torch.Tensor  # [B, T, V]
+    cache: K3Cache | None = None
+    router_infos: list[RouterInfo] | None = None  # one per MoE layer, in layer order
+    mla_max_logits: torch.Tensor | None = None  # [num MLA layers, H] fp32, for QK-Clip
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        D, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.is_kda = config.is_kda_layer(layer_idx)
+        self.is_moe = config.is_moe_layer(layer_idx)
+        self.input_layernorm = RMSNorm(D, eps)
+        self.post_attention_layernorm = RMSNorm(D, eps)
+        # AttnRes pseudo-queries, stored factorised as in the release: w = res_norm.weight ⊙ res_proj.weight[0]
+        self.self_attention_res_norm = RMSNorm(D, eps)
+        self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
+        self.mlp_res_norm = RMSNorm(D, eps)
+        self.mlp_res_proj = nn.Linear(D, 1, bias=False)
+        self.self_attn = KimiDeltaAttention(config, layer_idx) if self.is_kda else GatedMLA(config, layer_idx)
+        if self.is_moe:
+            self.block_sparse_moe = StableLatentMoE(config)
+        else:
+            self.mlp = SiTUMLP(D, config.intermediate_size, config.activation_situ_beta,
+                               config.activation_situ_linear_beta)
+
+    def attn_query(self) -> torch.Tensor:
+        return pseudo_query(self.self_attention_res_norm.weight, self.self_attention_res_proj.weight)
+
+    def mlp_query(self) -> torch.Tensor:
+        return pseudo_query(self.mlp_res_norm.weight, self.mlp_res_proj.weight)
+
+    def mixer(self, a, layout, state, use_cache, mla_max_logits):
+        x = self.input_layernorm(a)
+        if self.is_kda:
+            return self.self_attn(x, layout, state, use_cache)
+        return self.self_attn(x, layout, state, use_cache, max_logits=mla_max_logits)
+
+    def ffn(self, m, router_infos):
+        x = self.post_attention_layernorm(m)
+        if self.is_moe:
+            return self.block_sparse_moe(x, router_infos)
+        return self.mlp(x)
+
+
+class K3Model(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        D = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, D)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(D, config.rms_norm_eps)
+        self.output_attn_res_norm = RMSNorm(D, config.rms_norm_eps)
+        self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
+
+    def output_query(self) -> torch.Tensor:
+        return pseudo_query(self.output_attn_res_norm.weight, self.output_attn_res_proj.weight)
+
+    def forward(self, input_ids, layout, cache=None, router_infos=None, mla_max_logits=None):
+        """input_ids [B, T] -> final normed hidden states [B, T, D]."""
+        h = self.embed_tokens(input_ids)
+        if self.config.attn_res_impl == "two_phase":
+            h = self._layers_two_phase(h, layout, cache, router_infos, mla_max_logits)
+        else:
+            h = self._layers_direct(h, layout, cache, router_infos, mla_max_logits)
+        return self.norm(h)
+
+    def _run_mixer(self, layer, a, layout, cache, mla_max_logits):
+        state = cache.layers[layer.layer_idx] if cache is not None else None
+        y, new_state = layer.mixer(a, layout, state, cache is not None, mla_max_logits)
+        if cache is not None:
+            cache.layers[layer.layer_idx] = new_state
+        return y
+
+    def _layers_direct(self, h, layout, cache, router_infos, mla_max_logits):
+        S = self.config.attn_res_block_size
+        sealed: list[torch.Tensor] = []
+        partial = h
+        for layer in self.layers:
+            a = partial if not sealed else attn_res_read(layer.attn_query(), sealed + [partial])
+            if layer.layer_idx % S == 0:
+                # seal before the mixer runs: the finished block (or the embedding) becomes a source
+                sealed.append(partial)
+                partial = None
+            y = self._run_mixer(layer, a, layout, cache, mla_max_logits)
+            partial = y if partial is None else partial + y
+            m = attn_res_read(layer.mlp_query(), sealed + [partial])
+            partial = partial + layer.ffn(m, router_infos)
+        return attn_res_read(self.output_query(), sealed + [partial])
+
+    def _layers_two_phase(self, h, layout, cache, router_infos, mla_max_logits):
+        """Same result as `_layers_direct`; sealed sources are read once per block (architecture.md §4.4)."""
+        S, L = self.config.attn_res_block_size, len(self.layers)
+        sealed: list[torch.Tensor] = []
+        partial = h
+        for layer in self.layers:
+            i = layer.layer_idx
+            if i % S == 0:
+                sealed.append(partial)
+                partial = None
+                block = self.layers[i : min(i + S, L)]
+                queries = [lay.attn_query() for lay in block] + [lay.mlp_query() for lay in block]
+                if i + S >= L:
+                    queries.append(self.output_query())
+                # query slots: attn reads of the block, then its mlp reads, then the output read
+                o1, m1, l1 = attn_res_phase1(torch.stack(queries), sealed)
+                block_start, block_len = i, len(block)
+                a = o1[0].to(h.dtype)
+            else:
+                j = i - block_start
+                a = attn_res_merge(o1[j], m1[j], l1[j], layer.attn_query(), partial)
+            y = self._run_mixer(layer, a, layout, cache, mla_max_logits)
+            partial = y if partial is None else partial + y
+            j = block_len + i - block_start
+            m = attn_res_merge(o1[j], m1[j], l1[j], layer.mlp_query(), partial)
+            partial = partial + layer.ffn(m, router_infos)
+        return attn_res_merge(o1[-1], m1[-1], l1[-1], self.output_query(), partial)
+
+
+class K3ForCausalLM(nn.Module):
+    """The K3 language model. Build with `build_model` for seeded initialisation."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = K3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def new_cache(self, batch_size: int) -> K3Cache:
+        return K3Cache(self.config.num_hidden_layers, batch_size)
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                cache: K3Cache | None = None, return_router_infos: bool = False,
+                return_mla_max_logits: bool = False) -> K3Output:
+        """input_ids [B, T] int.
+
+        - Training / packed prefill: `cu_seqlens` [N+1] offsets into the flattened B·T tokens
+          (every row boundary must be a document boundary); nothing crosses documents.
+        - Incremental: pass a `K3Cache` (from `new_cache(B)`); it is updated in place and returned.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be integer token ids, got {input_ids.dtype}")
+        B, T = input_ids.shape
+        if T == 0:
+            raise ValueError("input_ids has no tokens")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got range [{lo}, {hi}]")
+        if cache is not None:
+            cache.check_batch(B)
+            if cu_seqlens is not None:
+                raise ValueError("cu_seqlens (packed documents) cannot be combined with a decoding cache")
+        layout = SequenceLayout.build(B, T, cu_seqlens, input_ids.device)
+        router_infos = [] if return_router_infos else None
+        max_logits = [] if return_mla_max_logits else None
+        h = self.model(input_ids, layout, cache, router_infos, max_logits)
+        logits = self.lm_head(h)
+        if cache is not None:
+            cache.seq_len += T
+        return K3Output(
+            logits=logits,
+            cache=cache,
+            router_infos=router_infos,
+            mla_max_logits=torch.stack(max_logits) if max_logits else None,
+        )
+
+    # ---- initialisation and dtype ---------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Seeded, deterministic init. Every tensor draws from its own generator, seeded from (seed, name),
+        so the result does not depend on construction order, device placement or sharding."""
+        std = self.config.initializer_range
+
+        def gen(name: str, device) -> torch.Generator:
+            return torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                if name.endswith("_res_proj"):
+                    module.weight.zero_()  # AttnRes reads start as uniform averages
+                else:
+                    module.weight.normal_(0.0, std, generator=gen(name, module.weight.device))
+            elif isinstance(module, nn.Embedding):
+                module.weight.normal_(0.0, std, generator=gen(name, module.weight.device))
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, nn.Conv1d):
+                bound = 1.0 / module.weight.shape[-1] ** 0.5  # PyTorch's default for a depthwise conv
+                module.weight.uniform_(-bound, bound, generator=gen(name, module.weight.device))
+            elif isinstance(module, LatentExperts):
+                for pname, p in module.named_parameters():
+                    p.normal_(0.0, std, generator=gen(f"{name}.{pname}", p.device))
+            elif isinstance(module, StableLatentMoE):
+                module.gate.weight.normal_(0.0, std, generator=gen(f"{name}.gate", module.gate.weight.device))
+                module.gate.e_score_correction_bias.zero_()
+            if isinstance(module, KimiDeltaAttention):
+                module.reset_special_parameters(gen(f"{name}.dt_bias", module.dt_bias.device))
+
+    def fp32_tensor_names(self) -> list[str]:
+        """Parameters and buffers kept in fp32 whatever the model dtype (as stored in the release)."""
+        names = []
+        for name, module in self.named_modules():
+            if isinstance(module, KimiDeltaAttention):
+                names += [f"{name}.{p}" for p in KimiDeltaAttention.fp32_params]
+            elif isinstance(module, StableLatentMoE):
+                names.append(f"{name}.gate.e_score_correction_bias")
+        return names
+
+    def cast(self, dtype: torch.dtype) -> K3ForCausalLM:
+        """Cast to `dtype`, keeping the KDA gate/conv/norm tensors and router biases in fp32."""
+        self.to(dtype)
+        keep = set(self.fp32_tensor_names())
+        for name, t in list(self.named_parameters()) + list(self.named_buffers()):
+            if name in keep:
+                t.data = t.data.float()
+        return self
+
+
+def build_model(config: ModelConfig, seed: int = 0, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> K3ForCausalLM:
+    """Construct on the meta device, materialise on `device`, initialise from `seed`, cast to `dtype`."""
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model.cast(dtype)

@@ -1,0 +1,135 @@
+"""Stable LatentMoE and the dense SiTU-GLU FFN (architecture.md §5; K3 report §2.3).
+
+Legend: N tokens, D model width, E experts, k experts per token, L latent width (D/2),
+I expert hidden width.
+
+Routing: sigmoid scores on the full-width input (fp32 logits); selection by top-k of scores + bias,
+where the bias (`e_score_correction_bias`, set by Quantile Balancing) only selects; the weights are the
+selected *unbiased* scores renormalised. Routed experts run in a shared latent space: one down-projection
+D → L for all experts, SiTU-GLU experts L → I → L, weighted sum in fp32, RMSNorm (the "stable" part,
+which removes the scale of the routed sum), one up-projection L → D. Shared experts run at full width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import ModelConfig
+from k3.model.norm import RMSNorm
+from k3.model.quantile_balancing import route_topk_with_cutoff
+from k3.ops.situ import naive_situ_glu
+
+
+class SiTUMLP(nn.Module):
+    """down_proj(SiTU-GLU(gate_proj x, up_proj x)): the dense layer-0 FFN and the shared experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, beta1: float, beta2: float):
+        super().__init__()
+        self.beta1, self.beta2 = beta1, beta2
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(naive_situ_glu(self.gate_proj(x), self.up_proj(x), self.beta1, self.beta2))
+
+
+class Router(nn.Module):
+    """`gate.weight` [E, D] and the selection-only bias buffer `gate.e_score_correction_bias` [E] (fp32)."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h [N, D] -> sigmoid scores [N, E] in fp32."""
+        compute = torch.float64 if h.dtype == torch.float64 else torch.float32
+        return torch.sigmoid(F.linear(h.to(compute), self.weight.to(compute)))
+
+
+class LatentExperts(nn.Module):
+    """Routed experts stacked per kind: w1 (gate) and w3 (up) [E, I, L], w2 (down) [E, L, I]."""
+
+    def __init__(self, num_experts: int, latent_size: int, intermediate_size: int, beta1: float, beta2: float):
+        super().__init__()
+        self.beta1, self.beta2 = beta1, beta2
+        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, latent_size))
+        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate_size, latent_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, latent_size, intermediate_size))
+
+    def expert(self, e: int, z: torch.Tensor) -> torch.Tensor:
+        """Expert e on latent rows z [n, L] -> [n, L]."""
+        act = naive_situ_glu(z @ self.w1[e].t(), z @ self.w3[e].t(), self.beta1, self.beta2)
+        return act @ self.w2[e].t()
+
+    def forward(self, z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """z [N, L]; topk_idx [N, k]; weights [N, k] fp32. Returns Σ_j weights_j · E_j(z) [N, L] in fp32.
+
+        Reference dispatch: sort the N·k (token, expert) pairs by expert, run each expert on its rows.
+        """
+        N, k = topk_idx.shape
+        flat_expert = topk_idx.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)
+        token_of = order // k  # [N·k] source token of each sorted pair
+        counts = torch.bincount(flat_expert, minlength=self.w1.shape[0]).tolist()
+        rows = z[token_of]  # [N·k, L]
+        outputs = []
+        for e, chunk in enumerate(torch.split(rows, counts)):
+            if counts[e]:
+                outputs.append(self.expert(e, chunk))
+        out = torch.cat(outputs) if outputs else rows.new_zeros(0, z.shape[1])
+        accum = torch.float64 if z.dtype == torch.float64 else torch.float32
+        weighted = out.to(accum) * weights.reshape(-1)[order].unsqueeze(-1).to(accum)
+        return torch.zeros(N, z.shape[1], dtype=accum, device=z.device).index_add_(0, token_of, weighted)
+
+
+@dataclass
+class RouterInfo:
+    """What a training step needs from one MoE layer (detached): for Quantile Balancing and load metrics."""
+
+    scores: torch.Tensor  # [N, E] fp32 sigmoid scores
+    cutoff: torch.Tensor  # [N] the (k+1)-th biased score of every token
+    topk_idx: torch.Tensor  # [N, k]
+
+
+class StableLatentMoE(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        D, L = config.hidden_size, config.routed_expert_hidden_size
+        b1, b2 = config.activation_situ_beta, config.activation_situ_linear_beta
+        self.top_k = config.num_experts_per_token
+        self.renormalize = config.moe_renormalize
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.gate = Router(D, config.num_experts)
+        self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
+        self.experts = LatentExperts(config.num_experts, L, config.moe_intermediate_size, b1, b2)
+        self.routed_expert_norm = RMSNorm(L, config.rms_norm_eps)
+        self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
+        self.shared_experts = SiTUMLP(D, config.num_shared_experts * config.moe_intermediate_size, b1, b2)
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [N, D] -> (scores [N, E], topk_idx [N, k], weights [N, k], cutoff [N])."""
+        scores = self.gate(h)
+        bias = self.gate.e_score_correction_bias.to(scores.dtype)
+        topk_idx, cutoff = route_topk_with_cutoff(scores.detach(), bias, self.top_k)
+        weights = scores.gather(1, topk_idx)  # unbiased: the bias only selects
+        if self.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return scores, topk_idx, weights * self.routed_scaling_factor, cutoff
+
+    def forward(self, h: torch.Tensor, router_infos: list[RouterInfo] | None = None) -> torch.Tensor:
+        """h [B, T, D] -> [B, T, D]. Appends this layer's RouterInfo to `router_infos` when given."""
+        shape = h.shape
+        h = h.reshape(-1, shape[-1])  # [N, D]
+        scores, topk_idx, weights, cutoff = self.route(h)
+        if router_infos is not None:
+            router_infos.append(RouterInfo(scores.detach(), cutoff.detach(), topk_idx))
+        z = self.routed_expert_down_proj(h)  # [N, L]
+        u = self.experts(z, topk_idx, weights)  # [N, L] fp32
+        routed = self.routed_expert_up_proj(self.routed_expert_norm(u).to(h.dtype))
+        return (self.shared_experts(h) + routed).view(shape)
