@@ -133,7 +133,7 @@ class ModelConfig:
     vision_config: VisionConfig | None = None
     # k3 runtime switches (RUNTIME_FIELDS): never serialised.
     kda_impl: KDAImpl = "chunk"
-    kda_chunk_size: int = 64
+    kda_chunk_size: int = 16
     mla_impl: MLAImpl = "auto"
     attn_res_impl: AttnResImpl = "direct"
 

@@ -50,6 +50,7 @@ def naive_causal_conv1d(
         tap = xs[:, j : j + T].to(compute) * w[:, j].to(compute)
         if valid is not None and lag > 0:
             # a tap that reaches before this token's document start reads zero history
-            tap = tap * (valid >= lag)
+            # (where, not multiply: a NaN in one document must not leak into the next)
+            tap = torch.where(valid >= lag, tap, torch.zeros((), dtype=compute, device=x.device))
         y = y + tap
     return y.to(x.dtype), xs[:, T:].clone() if W > 1 else xs[:, :0].clone()

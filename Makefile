@@ -1,0 +1,33 @@
+# Two commands on a fresh machine:  `make demo` (set up + main job)  and  `make test` (set up + tests).
+# CPU machines get torch==2.13.0. GPU machines: `make setup TORCH="torch --index-url https://download.pytorch.org/whl/cu128"`
+# (or any CUDA build of torch >= 2.11 installed into .venv before `make`).
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test test-all bench clean
+
+$(BIN)/k3: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+setup: $(BIN)/k3
+
+demo: setup
+	$(BIN)/k3 info --preset tiny
+	$(BIN)/k3 forward --preset tiny
+
+test: setup
+	$(BIN)/pytest -q
+
+test-all: setup
+	$(BIN)/pytest -q --runslow
+
+bench: setup
+	$(BIN)/python benchmarks/model_cpu.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,223 @@
+"""Pure-PyTorch references for Kimi Delta Attention (KDA): the gate, the token recurrence, the chunked form.
+
+`naive_recurrent_kda` is the ground truth: it runs the per-token recurrence of architecture.md §2.2 step 7
+literally. `naive_chunk_kda` is the UT-transform chunked form of §2.4; it computes every intra-chunk
+quantity for all chunks at once and loops in Python only over the inter-chunk state hand-off, so it is
+fast enough to train small models on CPU with autograd. Both accept packed documents through `cu_seqlens`.
+The chunked form computes the decay between positions r ≥ i as exp(G[r] − G[i]) directly (never the
+factorised exp(G[r])·exp(−G[i]) that fast kernels use), so it is exact for any chunk size. The math is
+derived in docs/kda.md. Follows the Kimi K3 report §2.1.1 and the Kimi Linear paper.
+
+Dimensions: B batch, T tokens, H heads, K key dim, V value dim, N sequences, NT chunks, C chunk size.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def naive_kda_gate(
+    z: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float = -5.0,
+) -> torch.Tensor:
+    """Lower-bounded log-decay g = lower_bound · σ(exp(A_log[h]) · (z + dt_bias)) (§2.2 step 6).
+
+    z: [..., H, K] raw decay logits, any float dtype. A_log: [H]. dt_bias: [H*K], [H, K] or None.
+    Returns g with z's shape, in float32 (float64 if z is float64), within [lower_bound, 0].
+    """
+    if z.dim() < 2:
+        raise ValueError(f"z must be [..., H, K], got shape {tuple(z.shape)}")
+    H, K = z.shape[-2:]
+    if A_log.numel() != H:
+        raise ValueError(f"A_log must have H={H} entries, got shape {tuple(A_log.shape)}")
+    dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
+    x = z.to(dtype)
+    if dt_bias is not None:
+        if dt_bias.numel() != H * K:
+            raise ValueError(f"dt_bias must have H*K={H * K} entries, got shape {tuple(dt_bias.shape)}")
+        x = x + dt_bias.to(dtype).reshape(H, K)
+    # σ saturates to exactly 0 or 1 for huge |z|, so g stays finite and inside [lower_bound, 0].
+    return lower_bound * torch.sigmoid(A_log.to(dtype).exp().reshape(H, 1) * x)
+
+
+def naive_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-by-token KDA, the ground truth.
+
+    q, k: [B, T, H, K] (already L2-normalised); v: [B, T, H, V]; g: [B, T, H, K] log-decay ≤ 0;
+    beta: [B, T, H] in (0, 1). scale multiplies q (default K**-0.5). initial_state: [N, H, K, V] with
+    N = B, or N = number of documents when cu_seqlens ([N+1] int offsets into T, B = 1) is given.
+    Computes in float64 if q is float64, else float32. Returns o [B, T, H, V] in v's dtype and the
+    final state [N, H, K, V] in the compute dtype (None unless output_final_state).
+    """
+    v_dtype = v.dtype
+    q, k, v, g, beta, S0, bounds = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    if bounds is None:
+        o, S = _recurrent(q, k, v, g, beta, S0)
+    else:
+        # Ground truth may be slow: one independent run per document.
+        outs, states = [], []
+        for n, (bos, eos) in enumerate(bounds):
+            o_n, S_n = _recurrent(
+                q[:, bos:eos], k[:, bos:eos], v[:, bos:eos], g[:, bos:eos], beta[:, bos:eos], S0[n : n + 1]
+            )
+            outs.append(o_n)
+            states.append(S_n)
+        o, S = torch.cat(outs, 1), torch.cat(states, 0)
+    return o.to(v_dtype), (S if output_final_state else None)
+
+
+def naive_chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA via the UT transform (§2.4); same arguments and results as `naive_recurrent_kda`.
+
+    chunk_size: any C ≥ 1; T need not be a multiple of it. With cu_seqlens the documents are gathered
+    into a zero-padded batch [N, T_max, H, ·], run once, and scattered back.
+    """
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    v_dtype = v.dtype
+    q, k, v, g, beta, S0, bounds = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    if bounds is None:
+        o, S = _chunk(q, k, v, g, beta, S0, chunk_size)
+    else:
+        N = len(bounds)
+        lengths = torch.tensor([eos - bos for bos, eos in bounds], device=q.device)
+        L = int(lengths.max())
+        # mask[n, j]: position j of document n is real; the rest stays zero, which leaves the state unchanged.
+        mask = torch.arange(L, device=q.device) < lengths[:, None]  # [N, L]
+        padded = []
+        for x in (q, k, v, g, beta):
+            x_pad = x.new_zeros((N, L) + x.shape[2:])  # [N, L, H, ·]
+            x_pad[mask] = x[0]
+            padded.append(x_pad)
+        o_pad, S = _chunk(*padded, S0, chunk_size)
+        # Documents are contiguous and in order, so the masked rows come back in token order.
+        o = o_pad[mask].unsqueeze(0)  # [1, T, H, V]
+    return o.to(v_dtype), (S if output_final_state else None)
+
+
+def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens):
+    """Validate shapes and offsets, cast to the compute dtype, scale q, and build the initial state."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must match q {tuple(q.shape)}, got {tuple(k.shape)}")
+    if g.shape != q.shape:
+        raise ValueError(f"g must match q {tuple(q.shape)}, got {tuple(g.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"beta must be [B, T, H] = [{B}, {T}, {H}], got {tuple(beta.shape)}")
+    V = v.shape[-1]
+
+    bounds = None
+    N = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens requires batch size 1 (packed documents), got B={B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N+1] with N ≥ 1, got {cu_seqlens!r}")
+        offsets = cu_seqlens.tolist()
+        if offsets[0] != 0 or offsets[-1] != T:
+            raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {offsets[0]} … {offsets[-1]}")
+        if any(b < a for a, b in zip(offsets, offsets[1:])):
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
+        bounds = list(zip(offsets[:-1], offsets[1:]))
+        N = len(bounds)
+
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if initial_state is None:
+        S0 = q.new_zeros(N, H, K, V, dtype=dtype)
+    else:
+        if initial_state.shape != (N, H, K, V):
+            raise ValueError(
+                f"initial_state must be [N, H, K, V] = [{N}, {H}, {K}, {V}], got {tuple(initial_state.shape)}"
+            )
+        S0 = initial_state.to(dtype)
+    scale = K**-0.5 if scale is None else scale
+    q = q.to(dtype) * scale
+    k, v, g, beta = k.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype)
+    return q, k, v, g, beta, S0, bounds
+
+
+def _recurrent(q, k, v, g, beta, S):
+    """§2.2 step 7, one token at a time. Inputs [B, T, H, ·] (q scaled), S [B, H, K, V]."""
+    B, T, H, _ = q.shape
+    outs = []
+    for t in range(T):
+        S = S * g[:, t, :, :, None].exp()
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t]))  # [B, H, V]
+        S = S + k[:, t, :, :, None] * u[:, :, None, :]
+        # Read after the write: the token sees its own value.
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    o = torch.stack(outs, 1) if outs else v.new_zeros(B, 0, H, v.shape[-1])  # [B, T, H, V]
+    return o, S
+
+
+def _chunk(q, k, v, g, beta, S, C):
+    """§2.4 for a batch: intra-chunk terms for all chunks at once, then the state hand-off chunk by chunk.
+
+    Inputs [B, T, H, ·] (q scaled), S [B, H, K, V]. Returns o [B, T, H, V] and the final state.
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    if T == 0:
+        return v.new_zeros(B, 0, H, V), S
+    NT = -(-T // C)
+    pad = NT * C - T
+    # Padded tokens have g = k = v = beta = 0: no decay, no write, so the state passes through exactly.
+    q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+    beta = F.pad(beta, (0, 0, 0, pad))
+    q, k, v, g = (x.transpose(1, 2).reshape(B, H, NT, C, -1) for x in (q, k, v, g))  # [B, H, NT, C, ·]
+    beta = beta.transpose(1, 2).reshape(B, H, NT, C, 1)  # [B, H, NT, C, 1]
+
+    G = g.cumsum(-2)  # [B, H, NT, C, K]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # [C(r), C(i)]
+    # exp(G[r] − G[i]) ≤ 1 for i ≤ r; the upper triangle would overflow, so it is masked before the exp.
+    diff = G[..., :, None, :] - G[..., None, :, :]  # [B, H, NT, C(r), C(i), K], G[r] − G[i]
+    decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()
+    kd = decay * k[..., None, :, :]  # [B, H, NT, C(r), C(i), K]
+    # Row r of both score matrices in one batched matmul (much cheaper to differentiate than two einsums).
+    kq = torch.stack((k, q), -2) @ kd.transpose(-1, -2)  # [B, H, NT, C(r), 2, C(i)]
+    Akk = (beta * kq[..., 0, :]).tril(-1)  # [B, H, NT, C, C]
+    Aqk = kq[..., 1, :]  # [B, H, NT, C, C], diagonal kept: the output reads the post-write state
+
+    Gam = G.exp()
+    # W = T·diag(β)(K⊙Γ) and U = T·diag(β)V with T = (I + Akk)^{-1}: one unit-lower-triangular solve for both.
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    rhs = torch.cat((beta * k * Gam, beta * v), -1)  # [B, H, NT, C, K+V]
+    W, U = torch.linalg.solve_triangular(eye + Akk, rhs, upper=False, unitriangular=True).split((K, V), -1)
+
+    q_in = q * Gam  # [B, H, NT, C, K], reads the incoming state
+    k_out = k * (G[..., -1:, :] - G).exp()  # [B, H, NT, C, K], writes decayed to the chunk end
+    decay_chunk = G[..., -1, :, None].exp()  # [B, H, NT, K, 1]
+
+    outs = []
+    for n in range(NT):
+        v_new = U[:, :, n] - W[:, :, n] @ S  # [B, H, C, V], the effective writes u_t
+        outs.append(q_in[:, :, n] @ S + Aqk[:, :, n] @ v_new)
+        S = decay_chunk[:, :, n] * S + k_out[:, :, n].transpose(-1, -2) @ v_new
+    o = torch.stack(outs, 2).reshape(B, H, NT * C, V)[:, :, :T].transpose(1, 2)  # [B, T, H, V]
+    return o, S
