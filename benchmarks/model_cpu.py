@@ -41,7 +41,7 @@ def main():
     for col in ("preset", "kda impl", "params total / active", "fwd tok/s", "fwd+bwd tok/s", "fwd+bwd GFLOP/s (6·N_act)"):
         table.add_column(col, justify="right")
     for name in args.presets:
-        for kda_impl in ("chunk", "recurrent"):
+        for kda_impl in ("torch", "naive", "recurrent"):
             config = get_preset(name).replace(kda_impl=kda_impl)
             model = build_model(config, seed=0)
             ids = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-KDAImpl = Literal["chunk", "recurrent", "triton"]
+KDAImpl = Literal["torch", "naive", "recurrent", "triton"]
 MLAImpl = Literal["auto", "naive", "absorb"]
 AttnResImpl = Literal["direct", "two_phase"]
 
@@ -132,7 +132,7 @@ class ModelConfig:
     ignore_index: int = -100
     vision_config: VisionConfig | None = None
     # k3 runtime switches (RUNTIME_FIELDS): never serialised.
-    kda_impl: KDAImpl = "chunk"
+    kda_impl: KDAImpl = "torch"
     kda_chunk_size: int = 16
     mla_impl: MLAImpl = "auto"
     attn_res_impl: AttnResImpl = "direct"
@@ -221,8 +221,12 @@ class ModelConfig:
             problems.append("MTP layers (num_nextn_predict_layers > 0) are not supported")
         if self.qk_rope_head_dim < 0:
             problems.append("qk_rope_head_dim must be >= 0")
-        if self.kda_impl not in ("chunk", "recurrent", "triton"):
-            problems.append(f"kda_impl must be chunk|recurrent|triton, got {self.kda_impl!r}")
+        if self.kda_impl not in ("torch", "naive", "recurrent", "triton"):
+            problems.append(f"kda_impl must be torch|naive|recurrent|triton, got {self.kda_impl!r}")
+        if self.kda_impl == "torch" and (not 1 <= self.kda_chunk_size <= 16
+                                         or self.kda_chunk_size * abs(lin.gate_lower_bound) > 80):
+            problems.append(f"kda_impl 'torch' needs kda_chunk_size in [1, 16] with chunk × |gate_lower_bound| "
+                            f"<= 80 nats (factorised decays stay in fp32 range), got {self.kda_chunk_size}")
         if self.mla_impl not in ("auto", "naive", "absorb"):
             problems.append(f"mla_impl must be auto|naive|absorb, got {self.mla_impl!r}")
         if self.attn_res_impl not in ("direct", "two_phase"):

@@ -42,7 +42,7 @@ def test_config_json_round_trip(tmp_path):
     assert "kda_impl" not in data["text_config"], "runtime switches are not part of config.json"
     assert data["vision_config"]["_attn_implementation"] == "flash_attention_2"
     loaded = ModelConfig.load(tmp_path)
-    assert loaded == cfg.replace(kda_impl="chunk")
+    assert loaded == cfg.replace(kda_impl="torch")
     assert ModelConfig.load(tmp_path, kda_impl="recurrent") == cfg
 
 

@@ -19,7 +19,7 @@ from k3.config import ModelConfig
 from k3.model.cache import KDAState
 from k3.model.norm import RMSNorm
 from k3.model.sequence import SequenceLayout
-from k3.ops.kda import naive_chunk_kda, naive_kda_gate, naive_recurrent_kda
+from k3.ops.kda import naive_chunk_kda, naive_kda_gate, naive_recurrent_kda, torch_chunk_kda
 from k3.ops.short_conv import naive_causal_conv1d
 
 
@@ -100,18 +100,19 @@ class KimiDeltaAttention(nn.Module):
         if cu is not None:
             q, k, v, g, beta = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta))
         initial = state.recurrent if state is not None else None
-        kda = self._kda_op(T)
-        o, final = kda(q, k, v, g, beta, initial_state=initial, output_final_state=use_cache, cu_seqlens=cu)
+        kw = dict(initial_state=initial, output_final_state=use_cache, cu_seqlens=cu)
+        if self.impl == "recurrent" or T == 1:
+            o, final = naive_recurrent_kda(q, k, v, g, beta, **kw)
+        elif self.impl == "torch":
+            o, final = torch_chunk_kda(q, k, v, g, beta, **kw, chunk_size=self.chunk_size,
+                                       gate_lower_bound=self.gate_lower_bound)
+        elif self.impl == "naive":
+            o, final = naive_chunk_kda(q, k, v, g, beta, **kw, chunk_size=self.chunk_size)
+        else:
+            raise ValueError(f"kda_impl {self.impl!r} is not available in this build")
         o = o.view(B, T, H, K)
 
         o = self.o_norm(o)  # per-head norm, gain shared by heads
         y = self.o_proj(torch.sigmoid(self.g_proj(x)) * o.reshape(B, T, H * K).to(x.dtype))
         new_state = KDAState(tail_q, tail_k, tail_v, final) if use_cache else None
         return y, new_state
-
-    def _kda_op(self, T: int):
-        if self.impl == "recurrent" or (self.impl == "chunk" and T == 1):
-            return naive_recurrent_kda
-        if self.impl == "chunk":
-            return lambda *a, **kw: naive_chunk_kda(*a, **kw, chunk_size=self.chunk_size)
-        raise ValueError(f"kda_impl {self.impl!r} is not available in this build")

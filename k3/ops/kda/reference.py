@@ -61,7 +61,7 @@ def naive_recurrent_kda(
     final state [N, H, K, V] in the compute dtype (None unless output_final_state).
     """
     v_dtype = v.dtype
-    q, k, v, g, beta, S0, bounds = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    q, k, v, g, beta, S0, bounds = prepare_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     if bounds is None:
         o, S = _recurrent(q, k, v, g, beta, S0)
     else:
@@ -97,27 +97,36 @@ def naive_chunk_kda(
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     v_dtype = v.dtype
-    q, k, v, g, beta, S0, bounds = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-    if bounds is None:
-        o, S = _chunk(q, k, v, g, beta, S0, chunk_size)
-    else:
-        N = len(bounds)
-        lengths = torch.tensor([eos - bos for bos, eos in bounds], device=q.device)
-        L = int(lengths.max())
-        # mask[n, j]: position j of document n is real; the rest stays zero, which leaves the state unchanged.
-        mask = torch.arange(L, device=q.device) < lengths[:, None]  # [N, L]
-        padded = []
-        for x in (q, k, v, g, beta):
-            x_pad = x.new_zeros((N, L) + x.shape[2:])  # [N, L, H, ·]
-            x_pad[mask] = x[0]
-            padded.append(x_pad)
-        o_pad, S = _chunk(*padded, S0, chunk_size)
-        # Documents are contiguous and in order, so the masked rows come back in token order.
-        o = o_pad[mask].unsqueeze(0)  # [1, T, H, V]
+    q, k, v, g, beta, S0, bounds = prepare_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    o, S = run_padded_documents(_chunk, q, k, v, g, beta, S0, bounds, chunk_size)
     return o.to(v_dtype), (S if output_final_state else None)
 
 
-def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens):
+def run_padded_documents(fn, q, k, v, g, beta, S0, bounds, *args):
+    """Run a batched KDA form `fn(q, k, v, g, beta, S0, *args) -> (o, S)` over packed documents.
+
+    Without documents (bounds None) this is just `fn`. With documents, they are gathered into a zero-padded
+    batch [N, T_max, H, ·], run once, and scattered back: trailing zeros (g = k = v = β = 0) leave every
+    document's final state exactly unchanged.
+    """
+    if bounds is None:
+        return fn(q, k, v, g, beta, S0, *args)
+    N = len(bounds)
+    lengths = torch.tensor([eos - bos for bos, eos in bounds], device=q.device)
+    L = int(lengths.max())
+    # mask[n, j]: position j of document n is real; the rest stays zero, which leaves the state unchanged.
+    mask = torch.arange(L, device=q.device) < lengths[:, None]  # [N, L]
+    padded = []
+    for x in (q, k, v, g, beta):
+        x_pad = x.new_zeros((N, L) + x.shape[2:])  # [N, L, H, ·]
+        x_pad[mask] = x[0]
+        padded.append(x_pad)
+    o_pad, S = fn(*padded, S0, *args)
+    # Documents are contiguous and in order, so the masked rows come back in token order.
+    return o_pad[mask].unsqueeze(0), S  # [1, T, H, V]
+
+
+def prepare_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     """Validate shapes and offsets, cast to the compute dtype, scale q, and build the initial state."""
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
