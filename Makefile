@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 $(BIN)/k3: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,data]"
 	touch $@
 
 setup: $(BIN)/k3

@@ -84,6 +84,92 @@ def cmd_forward(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    import dataclasses
+
+    from k3.train.loop import ContextStage, TrainConfig, TrainingError, train
+
+    cfg = TrainConfig(preset=args.preset, data=args.data, out=args.out or f"runs/{args.preset}")
+    overrides = {"max_steps": args.max_steps, "max_tokens": args.max_tokens, "time_budget_min": args.time_budget,
+                 "lr": args.lr, "tokens_per_step": args.tokens_per_step, "micro_batches": args.micro_batches,
+                 "seed": args.seed, "eval_every": args.eval_every, "checkpoint_every": args.checkpoint_every,
+                 "device": args.device, "vocab_size": args.vocab_size}
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    if args.seq_len:
+        cfg.stages = [ContextStage(args.seq_len, 1.0)]
+    if not (cfg.max_steps or cfg.max_tokens or cfg.time_budget_min):
+        cfg.time_budget_min = 8.0
+    try:
+        summary = train(cfg, resume=args.resume)
+    except TrainingError as e:
+        print(f"k3 train: {e}", file=sys.stderr)
+        return 3
+    print(f"trained {summary.steps} steps, {summary.tokens:,} tokens in {summary.seconds / 60:.1f} min: "
+          f"train loss {summary.final_train_loss:.3f}, held-out loss {summary.final_eval_loss:.3f} nats/token "
+          f"(unigram entropy of the corpus {summary.unigram_entropy:.3f}); "
+          f"checkpoint {summary.checkpoint}; plots in {summary.out / 'plots'}")
+    return 0
+
+
+def _load_trained(path: str):
+    """A model and tokenizer from a run folder or a checkpoint folder (newest committed checkpoint)."""
+    from pathlib import Path
+
+    import torch
+
+    from k3.config import ModelConfig
+    from k3.model.model import K3ForCausalLM
+    from k3.train.checkpoint import latest_checkpoint, load_checkpoint
+    from k3.train.tokenizer import Tokenizer
+
+    root = Path(path)
+    ckpt = root if (root / "model.safetensors").exists() else latest_checkpoint(root / "checkpoints")
+    if ckpt is None:
+        raise ValueError(f"no committed checkpoint under {root}")
+    tensors, _ = load_checkpoint(ckpt)
+    config = ModelConfig.load(ckpt / "config.json")
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    model.to_empty(device="cpu")
+    model.load_state_dict(tensors)
+    return model.eval(), Tokenizer.load(ckpt / "tokenizer"), ckpt
+
+
+def cmd_generate(args) -> int:
+    from k3.infer.generate import generate
+
+    model, tokenizer, ckpt = _load_trained(args.run)
+    prompt = args.prompt.encode().decode("unicode_escape") if args.escapes else args.prompt
+    ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
+    print(f"# {ckpt}", file=sys.stderr)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    out: list[int] = []
+    printed = ""
+    for token in generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, stop_ids=set(tokenizer.stop_ids), seed=args.seed):
+        out.append(token)
+        text = tokenizer.decode(out)
+        # print only whole characters: a byte-level token can end inside a UTF-8 sequence
+        if not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+    sys.stdout.write(tokenizer.decode(out)[len(printed):] + "\n")
+    return 0
+
+
+def cmd_tokenizer_train(args) -> int:
+    from k3.train.data import read_documents, stdlib_documents
+    from k3.train.tokenizer import train_bpe
+
+    docs = stdlib_documents() if args.data is None else read_documents(args.data)
+    tokenizer = train_bpe((text for _, text in docs), args.vocab_size)
+    tokenizer.save(args.out)
+    print(f"saved a {tokenizer.vocab_size}-token tokenizer to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3", description="Kimi K3 architecture: model, training, serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +189,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_forward)
+
+    p = sub.add_parser("train", help="train a preset (default data: this Python's standard library sources)")
+    p.add_argument("--preset", default="tiny", help="debug | tiny | small | k3 (default tiny)")
+    p.add_argument("--data", help="a text/JSONL/Parquet file, a folder of them, or a saved HF dataset")
+    p.add_argument("--out", help="run folder (default runs/PRESET)")
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--time-budget", type=float, help="minutes; the step count is measured to fit (default 8)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--tokens-per-step", type=int)
+    p.add_argument("--micro-batches", type=int, help="gradient accumulation steps")
+    p.add_argument("--seq-len", type=int, help="one fixed context length instead of the preset's stages")
+    p.add_argument("--vocab-size", type=int, help="tokenizer vocabulary (default: the preset's)")
+    p.add_argument("--eval-every", type=int)
+    p.add_argument("--checkpoint-every", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--device", help="cpu | cuda | auto")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("generate", help="complete a prompt with a trained run or checkpoint")
+    p.add_argument("run", help="a run folder (uses its newest checkpoint) or a checkpoint folder")
+    p.add_argument("--prompt", default="def ")
+    p.add_argument("--escapes", action="store_true", help="interpret backslash escapes (\\n) in --prompt")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("tokenizer", help="tokenizer tools")
+    tsub = p.add_subparsers(dest="tokenizer_command", required=True)
+    t = tsub.add_parser("train", help="train a byte-level BPE with K3's special-token layout")
+    t.add_argument("--data", help="text/JSONL/Parquet file or folder (default: the standard library sources)")
+    t.add_argument("--vocab-size", type=int, default=8192)
+    t.add_argument("--out", required=True)
+    t.set_defaults(func=cmd_tokenizer_train)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Inference on top of the single-device model."""

@@ -1,0 +1,153 @@
+"""Crash-safe checkpoints of a single-process training run (systems.md §4).
+
+A checkpoint is a directory `step_000123/` holding:
+- `model.safetensors` — every parameter and persistent buffer (Quantile Balancing biases included);
+- `config.json` — the released-layout model config; `tokenizer/` — the run's tokenizer files;
+- `train_state.pt` — optimizer, scheduler, data position, RNG states, step and token counters;
+- `manifest.json` — size and SHA-256 of every file above;
+- `COMMITTED` — written last.
+
+Writing goes to `step_000123.tmp/`, every file is fsynced, then the directory is renamed into place and
+the parent directory fsynced, so a crash at any point leaves either the complete checkpoint or a `.tmp`
+directory that loading ignores (and the next save removes). Loading verifies the manifest, so a
+truncated or corrupted file is reported with a clear error instead of being loaded. The newest `keep`
+committed checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+COMMITTED = "COMMITTED"
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, partial, corrupted or incompatible."""
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def committed_checkpoints(root: str | Path) -> list[Path]:
+    """Committed checkpoint directories under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    dirs = [d for d in root.iterdir() if d.is_dir() and d.name.startswith("step_") and not d.name.endswith(".tmp")
+            and (d / COMMITTED).exists()]
+    return sorted(dirs, key=lambda d: int(d.name.split("_")[1]))
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    found = committed_checkpoints(root)
+    return found[-1] if found else None
+
+
+def save_checkpoint(root: str | Path, step: int, state_dict: dict[str, torch.Tensor], train_state: dict[str, Any],
+                    extra_files: dict[str, Path | str] | None = None, extra_dirs: dict[str, Path] | None = None,
+                    keep: int = 3) -> Path:
+    """Atomically write checkpoint `step` under `root`; returns its directory.
+
+    state_dict: model tensors (saved with safetensors); train_state: anything torch.save can pickle with
+    weights_only loading (tensors, numbers, strings, lists, dicts); extra_files: name -> source path or
+    text content; extra_dirs: name -> directory copied in.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(step)
+    if final.exists():
+        raise CheckpointError(f"{final} already exists; refusing to overwrite a checkpoint")
+    tmp = root / (final.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    save_file(tensors, str(tmp / "model.safetensors"))
+    torch.save(train_state, tmp / "train_state.pt")
+    for name, source in (extra_files or {}).items():
+        if isinstance(source, Path):
+            shutil.copyfile(source, tmp / name)
+        else:
+            (tmp / name).write_text(source)
+    for name, source in (extra_dirs or {}).items():
+        shutil.copytree(source, tmp / name)
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1))
+    for p in files + [tmp / MANIFEST]:
+        _fsync_file(p)
+    (tmp / COMMITTED).write_text(str(step))
+    _fsync_file(tmp / COMMITTED)
+    _fsync_dir(tmp)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _prune(root, keep)
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    for stale in root.glob("step_*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    committed = committed_checkpoints(root)
+    for old in committed[: max(0, len(committed) - keep)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def verify_checkpoint(path: str | Path) -> dict:
+    """Check COMMITTED and every file's size and hash; returns the manifest. Raises CheckpointError."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint directory at {path}")
+    if not (path / COMMITTED).exists():
+        raise CheckpointError(f"{path} is a partial checkpoint (no {COMMITTED} marker); it was never finished")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable {MANIFEST}: {e}") from e
+    for name, meta in manifest["files"].items():
+        f = path / name
+        if not f.exists():
+            raise CheckpointError(f"{path}: {name} is missing")
+        if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
+            raise CheckpointError(f"{path}: {name} is corrupted (size or SHA-256 differs from the manifest)")
+    return manifest
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Verify, then load (model tensors, train_state). Raises CheckpointError on any problem."""
+    path = Path(path)
+    verify_checkpoint(path)
+    tensors = load_file(str(path / "model.safetensors"))
+    train_state = torch.load(path / "train_state.pt", weights_only=True)
+    return tensors, train_state

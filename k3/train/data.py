@@ -1,0 +1,513 @@
+"""Training data: documents in, packed `[B, T]` batches with `cu_seqlens` out (systems.md §3).
+
+Legend: B rows per batch, T tokens per row, N documents (fragments in `cu_seqlens`), W data-parallel ranks.
+
+    documents (name, text) ─ split_documents ─▶ train / held-out        (by a hash of the name, stable)
+    prepare_corpus: [BOS] text [EOS] per document → tokens.bin (uint32) + offsets.npy   (offline, once)
+    PackedBatches: a per-epoch permutation of documents → stream → rows of T tokens → Batch
+
+Design choices worth knowing:
+- The default corpus is the running Python's standard library (`.py` files, no test folders): it needs
+  no download and is code, which suits K3.
+- Rows are cut from one continuous document stream (epoch after epoch, no padding while training); a
+  document that does not fit continues at the start of the next row as a fragment without BOS. Each
+  fragment is its own `cu_seqlens` segment, and its last position has label -100, so no prediction
+  crosses a row or a document boundary.
+- The loader position is {epoch, document cursor, offset inside that document, global row}: plain ints,
+  the same on every rank (rank r of W keeps the global rows ≡ r mod W), and independent of B and T.
+- The shuffle is our own hash-based permutation (splitmix64 of (seed, epoch, index), then argsort), so
+  it never changes with numpy or torch versions and a resumed run sees exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sysconfig
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+Document = tuple[str, str]  # (name, text); the name decides the held-out split
+
+# ---- documents --------------------------------------------------------------------------------------
+
+_SKIP_STDLIB_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+
+
+def stdlib_documents() -> list[Document]:
+    """(path relative to the stdlib folder, text) of every `.py` file of this Python's standard library.
+
+    Sorted by path. Skips `site-packages` and the test suites (`test/`, `tests/`, `idle_test/`: they
+    are large, repetitive, and hold deliberately odd files) and any file that is not valid UTF-8.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if _SKIP_STDLIB_DIRS.intersection(rel.parts[:-1]) or not path.is_file():
+            continue
+        text = _read_text(path)
+        if text:
+            docs.append((rel.as_posix(), text))
+    docs.sort(key=lambda d: d[0])
+    return docs
+
+
+def split_documents(docs: Sequence[Document], heldout_fraction: float = 0.02,
+                    seed: int = 0) -> tuple[list[Document], list[Document]]:
+    """Split into (train, held-out) by a hash of each document's name, so adding files moves no others.
+
+    Order inside each part follows `docs`. If the hash puts no document in the held-out part although
+    `heldout_fraction > 0` (tiny corpora), the document with the smallest hash is held out.
+    """
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+    scores = [_name_hash(seed, name) for name, _ in docs]
+    held = [s < heldout_fraction for s in scores]
+    if heldout_fraction > 0 and not any(held) and len(docs) >= 2:
+        held[int(np.argmin(scores))] = True
+    train = [d for d, h in zip(docs, held) if not h]
+    heldout = [d for d, h in zip(docs, held) if h]
+    return train, heldout
+
+
+def _name_hash(seed: int, name: str) -> float:
+    digest = hashlib.blake2b(f"{seed}\0{name}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64
+
+
+def read_documents(path: str | os.PathLike) -> list[Document]:
+    """Documents from a local file or folder.
+
+    - `.jsonl`: one document per line, its `"text"` field; `.parquet`: the `text` column (needs pyarrow);
+    - any other file: one document, if it is UTF-8 text (a folder's binary files are skipped);
+    - a folder: every file below it (sorted, hidden entries and `__pycache__` skipped); a folder written
+      by HF `datasets`' `save_to_disk` is read with `load_from_disk` (needs `datasets`), every split.
+    Names are paths relative to `path` (plus `:line` / `:row` / `split/index`). Missing path or no
+    documents → ValueError.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise ValueError(f"data path {str(path)!r} does not exist")
+    if root.is_dir() and _is_hf_dataset(root):
+        docs = _read_hf_dataset(root)
+    elif root.is_dir():
+        docs = []
+        for file in sorted(p for p in root.rglob("*") if p.is_file()):
+            rel = file.relative_to(root)
+            if any(part.startswith(".") or part == "__pycache__" for part in rel.parts):
+                continue
+            docs.extend(_read_file(file, rel.as_posix(), strict=False))
+    else:
+        docs = _read_file(root, root.name, strict=True)
+    if not docs:
+        raise ValueError(f"no documents found in {str(path)!r} (empty, or no UTF-8 text / jsonl / parquet in it)")
+    return docs
+
+
+def _read_file(file: Path, name: str, strict: bool) -> list[Document]:
+    suffix = file.suffix.lower()
+    if suffix == ".jsonl":
+        docs = []
+        with open(file, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    text = record["text"]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{file}:{lineno}: expected a JSON object with a \"text\" field") from e
+                if not isinstance(text, str):
+                    raise ValueError(f"{file}:{lineno}: \"text\" must be a string")
+                if text:
+                    docs.append((f"{name}:{lineno}", text))
+        return docs
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise ValueError(f"reading {file} needs pyarrow: pip install 'k3[data]'") from e
+        schema = pq.read_schema(file)
+        if "text" not in schema.names:
+            raise ValueError(f"{file} has no 'text' column (columns: {schema.names})")
+        column = pq.read_table(file, columns=["text"]).column("text").to_pylist()
+        return [(f"{name}:{row}", text) for row, text in enumerate(column) if text]
+    text = _read_text(file)
+    if text is None and strict:
+        raise ValueError(f"{file} is not UTF-8 text")
+    return [(name, text)] if text else []
+
+
+def _read_text(file: Path) -> str | None:
+    """The file's text, or None if it is binary (a NUL byte) or not valid UTF-8."""
+    data = file.read_bytes()
+    if b"\x00" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _is_hf_dataset(folder: Path) -> bool:
+    # what `save_to_disk` writes: dataset_dict.json for a DatasetDict, state.json + dataset_info.json for one split
+    return (folder / "dataset_dict.json").is_file() or all(
+        (folder / f).is_file() for f in ("state.json", "dataset_info.json"))
+
+
+def _read_hf_dataset(folder: Path) -> list[Document]:
+    try:
+        import datasets
+    except ImportError as e:
+        raise ValueError(f"{folder} is a Hugging Face datasets folder; reading it needs `pip install datasets`") from e
+    loaded = datasets.load_from_disk(str(folder))
+    splits = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [("", loaded)]
+    docs = []
+    for split, ds in sorted(splits, key=lambda kv: kv[0]):
+        if "text" not in ds.column_names:
+            raise ValueError(f"{folder}: split {split or '(single)'} has no 'text' column ({ds.column_names})")
+        prefix = f"{split}/" if split else ""
+        docs.extend((f"{prefix}{i}", text) for i, text in enumerate(ds["text"]) if text)
+    return docs
+
+
+# ---- the tokenized corpus ---------------------------------------------------------------------------
+
+def documents_fingerprint(documents: Iterable[Document | str]) -> str:
+    """A hash of the documents' texts in order: with the tokenizer's fingerprint, decides if a prepared
+    corpus can be reused."""
+    h = hashlib.sha256()
+    for doc in documents:
+        text = doc[1] if isinstance(doc, tuple) else doc
+        data = text.encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()
+
+
+def prepare_corpus(documents: Sequence[Document | str], tokenizer, directory: str | os.PathLike,
+                   show_progress: bool = True) -> TokenizedCorpus:
+    """Tokenize every document as [BOS] tokens [EOS] into `directory` (replacing it atomically).
+
+    Writes `tokens.bin` (uint32, all documents back to back), `offsets.npy` (int64 [N+1], document i is
+    tokens[offsets[i]:offsets[i+1]]) and `meta.json`, into a temporary folder that is then renamed.
+    `tokenizer`: a `k3.train.tokenizer.Tokenizer`. Empty texts are skipped.
+    """
+    from tqdm.auto import tqdm
+
+    texts = [doc[1] if isinstance(doc, tuple) else doc for doc in documents]
+    texts = [t for t in texts if t]
+    if not texts:
+        raise ValueError("prepare_corpus got no non-empty documents")
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+
+    bos, eos = tokenizer.bos_id, tokenizer.document_end_id
+    lengths = np.empty(len(texts), dtype=np.int64)
+    with open(tmp / "tokens.bin", "wb") as f, tqdm(total=len(texts), unit="doc", desc="tokenizing",
+                                                    disable=not show_progress) as bar:
+        start = 0
+        # batches of ~8M characters keep the Rust tokenizer's threads busy and the progress bar moving
+        while start < len(texts):
+            stop, chars = start, 0
+            while stop < len(texts) and (stop == start or chars < 8_000_000):
+                chars += len(texts[stop])
+                stop += 1
+            encoded = tokenizer.encode_batch(texts[start:stop])
+            flat: list[int] = []
+            for k, ids in enumerate(encoded):
+                flat.append(bos)
+                flat.extend(ids)
+                flat.append(eos)
+                lengths[start + k] = len(ids) + 2
+            f.write(np.asarray(flat, dtype=np.uint32).tobytes())
+            bar.update(stop - start)
+            start = stop
+        f.flush()
+        os.fsync(f.fileno())
+
+    offsets = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    with open(tmp / "offsets.npy", "wb") as f:
+        np.save(f, offsets)
+        f.flush()
+        os.fsync(f.fileno())
+    meta = {
+        "format": 1,
+        "num_documents": len(texts),
+        "num_tokens": int(offsets[-1]),
+        "vocab_size": tokenizer.vocab_size,
+        "bos_id": bos,
+        "document_end_id": eos,
+        "pad_id": tokenizer.pad_id,
+        "tokenizer": tokenizer.fingerprint(),
+        "documents": documents_fingerprint(texts),
+    }
+    with open(tmp / "meta.json", "w") as f:
+        f.write(json.dumps(meta, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+    old = directory.parent / f".{directory.name}.old-{os.getpid()}"
+    if directory.exists():
+        os.replace(directory, old)
+    os.replace(tmp, directory)
+    _fsync_dir(directory.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    return TokenizedCorpus.open(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class TokenizedCorpus:
+    """A prepared corpus: `tokens` (uint32 memmap [num_tokens]), `offsets` (int64 [N+1]), `meta` (dict)."""
+
+    def __init__(self, directory: Path, tokens: np.ndarray, offsets: np.ndarray, meta: dict[str, Any]):
+        self.directory = directory
+        self.tokens = tokens
+        self.offsets = offsets
+        self.meta = meta
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike) -> TokenizedCorpus:
+        directory = Path(directory)
+        files = [directory / n for n in ("meta.json", "offsets.npy", "tokens.bin")]
+        if not all(f.is_file() for f in files):
+            raise ValueError(f"{directory} is not a prepared corpus (needs meta.json, offsets.npy, tokens.bin)")
+        meta = json.loads(files[0].read_text())
+        offsets = np.load(files[1])
+        size = files[2].stat().st_size
+        n = meta["num_tokens"]
+        if (offsets.ndim != 1 or len(offsets) != meta["num_documents"] + 1 or offsets[0] != 0
+                or offsets[-1] != n or size != 4 * n or bool((np.diff(offsets) <= 0).any())):
+            raise ValueError(f"{directory}: tokens.bin / offsets.npy / meta.json disagree (corrupted corpus?)")
+        tokens = np.memmap(files[2], dtype=np.uint32, mode="r", shape=(n,))
+        return cls(directory, tokens, offsets, meta)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def __len__(self) -> int:
+        return self.num_documents
+
+    def document(self, i: int) -> np.ndarray:
+        """Document i's tokens, [BOS] … [EOS] (uint32 view)."""
+        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+
+    def unigram_entropy(self) -> float:
+        """Entropy (nats/token) of the corpus's token frequencies: the loss of the best context-free model."""
+        counts = np.bincount(np.asarray(self.tokens), minlength=self.meta["vocab_size"]).astype(np.float64)
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log(p)).sum())
+
+
+# ---- packing ----------------------------------------------------------------------------------------
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor   # [B, T] int64
+    labels: torch.Tensor      # [B, T] int64; -100 = no loss at this position
+    cu_seqlens: torch.Tensor  # [N+1] int64, offsets into the flattened B·T tokens; every row end is one
+    num_tokens: int           # labelled positions in this batch (labels != -100)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return Batch(self.input_ids.to(device, non_blocking=non_blocking),
+                     self.labels.to(device, non_blocking=non_blocking),
+                     self.cu_seqlens.to(device, non_blocking=non_blocking), self.num_tokens)
+
+
+def document_permutation(num_documents: int, seed: int, epoch: int) -> np.ndarray:
+    """The order of documents in `epoch`: argsort of a splitmix64 hash of (seed, epoch, index)."""
+    key = _splitmix64_int((seed * 0x9E3779B97F4A7C15 + epoch) & _MASK64)
+    x = np.arange(num_documents, dtype=np.uint64) ^ np.uint64(key)
+    return np.argsort(_splitmix64(x), kind="stable")
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64_int(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class PackedBatches:
+    """An iterator of `Batch`es of B rows × T tokens cut from the document stream.
+
+    Training (`shuffle=True, loop=True`, the default): documents in a per-epoch permutation from `seed`,
+    epoch after epoch without end; rows are always full. Evaluation (`PackedBatches.eval`): documents in
+    corpus order, once; the last row is completed with `[PAD]` (its own segment, labels -100) and the last
+    batch with all-`[PAD]` rows, so every held-out token is scored exactly once.
+
+    With W data-parallel ranks, rank r keeps the global rows ≡ r (mod W): batch k of rank r is global rows
+    k·B·W + r + j·W, j < B. `state_dict()` is the position after the last batch returned, identical on all
+    ranks; `load_state_dict` makes a fresh iterator continue exactly there (also at another W, B or T).
+    """
+
+    def __init__(self, corpus: TokenizedCorpus, batch_size: int, seq_len: int, *, seed: int = 0,
+                 shuffle: bool = True, loop: bool = True, rank: int = 0, world_size: int = 1):
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+        need = batch_size * seq_len * world_size
+        if loop and corpus.num_tokens < need:
+            raise ValueError(f"the corpus has {corpus.num_tokens:,} tokens, fewer than one batch "
+                             f"({batch_size} × {seq_len}{f' × {world_size} ranks' if world_size > 1 else ''}"
+                             f" = {need:,}); use more data or a smaller batch / sequence length")
+        self.corpus = corpus
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.seed = seed
+        self.shuffle = shuffle
+        self.loop = loop
+        self.rank = rank
+        self.world_size = world_size
+        self.pad_id = int(corpus.meta["pad_id"])
+        self._lengths = np.diff(corpus.offsets)
+        self._set_position(epoch=0, document=0, offset=0, row=0)
+
+    @classmethod
+    def eval(cls, corpus: TokenizedCorpus, batch_size: int, seq_len: int, *, rank: int = 0,
+             world_size: int = 1) -> PackedBatches:
+        """One deterministic pass over `corpus` in its own order (for held-out evaluation)."""
+        return cls(corpus, batch_size, seq_len, shuffle=False, loop=False, rank=rank, world_size=world_size)
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        """Batches per rank in one full pass (evaluation mode only)."""
+        if self.loop:
+            raise TypeError("a looping PackedBatches has no length")
+        rows = -(-self.corpus.num_tokens // self.seq_len)
+        return -(-rows // (self.batch_size * self.world_size))
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def order(self, epoch: int) -> np.ndarray:
+        """Document indices in the order epoch `epoch` visits them."""
+        if not self.shuffle:
+            return np.arange(self.corpus.num_documents)
+        return document_permutation(self.corpus.num_documents, self.seed, epoch)
+
+    # ---- position -----------------------------------------------------------------------------------
+
+    def _set_position(self, epoch: int, document: int, offset: int, row: int) -> None:
+        self._epoch, self._document, self._offset, self._row = epoch, document, offset, row
+        self._order = self.order(epoch)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "document": self._document, "offset": self._offset, "row": self._row,
+                "seed": self.seed, "shuffle": int(self.shuffle), "num_documents": self.corpus.num_documents,
+                "num_tokens": self.corpus.num_tokens}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        mine = self.state_dict()
+        for key in ("seed", "shuffle", "num_documents", "num_tokens"):
+            if int(state[key]) != mine[key]:
+                raise ValueError(f"loader state does not fit this data: {key} is {state[key]} in the state, "
+                                 f"{mine[key]} here (different corpus or seed?)")
+        epoch, document, offset = int(state["epoch"]), int(state["document"]), int(state["offset"])
+        n_docs = self.corpus.num_documents
+        inside = 0 <= document < n_docs and 0 <= offset < self._lengths[self.order(epoch)[document]]
+        if epoch < 0 or not (inside or (document == n_docs and offset == 0)):
+            raise ValueError(f"loader state points outside the corpus: {state}")
+        self._set_position(epoch, document, offset, int(state["row"]))
+
+    # ---- rows and batches ---------------------------------------------------------------------------
+
+    def _next_row(self) -> list[tuple[int, int]]:
+        """Advance by one global row: its fragments as (start, end) token ranges, in order.
+
+        Fewer than T tokens only at the end of a single pass (eval); empty once the pass is over."""
+        fragments, filled, T = [], 0, self.seq_len
+        n_docs = self.corpus.num_documents
+        while filled < T:
+            if self._document == n_docs:
+                if not self.loop:
+                    break
+                self._set_position(self._epoch + 1, 0, 0, self._row)
+            doc = int(self._order[self._document])
+            length = int(self._lengths[doc])
+            take = min(length - self._offset, T - filled)
+            start = int(self.corpus.offsets[doc]) + self._offset
+            fragments.append((start, start + take))
+            filled += take
+            if self._offset + take == length:
+                self._document, self._offset = self._document + 1, 0
+            else:
+                self._offset += take
+        self._row += 1
+        return fragments
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        if not self.loop and self._document == self.corpus.num_documents:
+            raise StopIteration
+        B, T, W = self.batch_size, self.seq_len, self.world_size
+        ids = np.empty((B, T), dtype=np.int64)
+        labels = np.empty((B, T), dtype=np.int64)
+        cu = [0]
+        for b in range(B):
+            for g in range(W):
+                fragments = self._next_row()
+                if g == self.rank:
+                    row_fragments = fragments
+            self._fill_row(row_fragments, ids[b], labels[b], cu, b * T)
+        cu_seqlens = torch.tensor(cu, dtype=torch.int64)
+        num_tokens = int((labels != IGNORE_INDEX).sum())
+        return Batch(torch.from_numpy(ids), torch.from_numpy(labels), cu_seqlens, num_tokens)
+
+    def _fill_row(self, fragments: list[tuple[int, int]], ids: np.ndarray, labels: np.ndarray,
+                  cu: list[int], row_start: int) -> None:
+        """Write one row's tokens and labels: label t = token t+1 of the same fragment, last one -100."""
+        pos = 0
+        for start, end in fragments:
+            n = end - start
+            piece = self.corpus.tokens[start:end]
+            ids[pos:pos + n] = piece
+            labels[pos:pos + n - 1] = piece[1:]
+            labels[pos + n - 1] = IGNORE_INDEX
+            pos += n
+            cu.append(row_start + pos)
+        if pos < self.seq_len:
+            # end of a single pass: the rest of the row is one [PAD] segment with no labels
+            ids[pos:] = self.pad_id
+            labels[pos:] = IGNORE_INDEX
+            cu.append(row_start + self.seq_len)

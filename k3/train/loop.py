@@ -1,0 +1,472 @@
+"""The training loop, top to bottom: data → model → Per-Head Muon/AdamW → QK-Clip → Quantile Balancing.
+
+One optimizer step:
+1. draw the step's micro-batches (packed rows with `cu_seqlens`; labels -100 at fragment ends);
+2. for each: forward with router statistics and MLA max logits, loss = Σ token CE / (labelled tokens of
+   the whole step), backward; add the router's required biases to each MoE layer's QB histogram;
+3. clip the gradient norm; skip the update if the loss or the norm is not finite;
+4. optimizer step, learning-rate step, QK-Clip with the step's per-head max logits;
+5. Quantile Balancing: each MoE layer's bias becomes the histogram quantile, used from the next step.
+Evaluation freezes the biases (no histogram). Checkpoints are atomic (`checkpoint.py`) and a resumed run
+continues exactly: same data position, optimizer and scheduler state, RNG, biases and metrics log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from k3.config import ModelConfig, get_preset
+from k3.model.model import K3ForCausalLM, build_model
+from k3.model.moe import StableLatentMoE
+from k3.model.quantile_balancing import QuantileHistogram, expert_loads, imbalance_metrics
+from k3.optim import MuonAdamW, cosine_schedule, qk_clip_
+from k3.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from k3.train.data import (PackedBatches, TokenizedCorpus, documents_fingerprint, prepare_corpus, read_documents,
+                           split_documents, stdlib_documents)
+from k3.train.metrics import MetricsLog, plot_run
+from k3.train.tokenizer import Tokenizer, train_bpe
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (e.g. repeated non-finite losses); the last checkpoint is usable."""
+
+
+@dataclass
+class ContextStage:
+    """Train at `seq_len` for this `fraction` of the optimizer steps (progressive context extension)."""
+
+    seq_len: int
+    fraction: float
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "tiny"
+    data: str | None = None  # None: the running Python's standard library sources
+    out: str = "runs/tiny"
+    # batch: tokens per optimizer step = batch_rows × seq_len of the current stage (constant across stages)
+    tokens_per_step: int = 4096
+    micro_batches: int = 1  # gradient accumulation
+    stages: list[ContextStage] = field(default_factory=lambda: [ContextStage(256, 0.8), ContextStage(512, 0.2)])
+    # length of the run: the first of these that is set
+    max_steps: int | None = None
+    max_tokens: int | None = None
+    time_budget_min: float | None = None
+    # optimizer (systems.md §1): one learning rate for Muon (RMS-matched) and AdamW
+    lr: float = 4e-3
+    min_lr_ratio: float = 0.1
+    warmup_frac: float = 0.01
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    qk_clip_tau: float = 100.0
+    qb_bins: int = 1000
+    # evaluation, checkpoints, logging
+    eval_every: int = 50
+    eval_tokens: int = 32768
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 3
+    log_every: int = 1
+    max_bad_steps: int = 5
+    seed: int = 0
+    heldout_fraction: float = 0.02
+    vocab_size: int | None = None  # default: the preset's
+    device: str = "auto"
+
+    def validate(self) -> None:
+        if not self.stages:
+            raise ValueError("at least one context stage is needed")
+        if abs(sum(s.fraction for s in self.stages) - 1.0) > 1e-6:
+            raise ValueError(f"stage fractions must sum to 1, got {[s.fraction for s in self.stages]}")
+        for s in self.stages:
+            if s.seq_len < 2 or self.tokens_per_step % (s.seq_len * self.micro_batches):
+                raise ValueError(f"tokens_per_step ({self.tokens_per_step}) must be a multiple of seq_len × "
+                                 f"micro_batches ({s.seq_len} × {self.micro_batches})")
+        for name in ("max_steps", "max_tokens"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be positive, got {v}")
+        if self.time_budget_min is not None and self.time_budget_min <= 0:
+            raise ValueError("time_budget_min must be positive")
+        if self.lr <= 0:
+            raise ValueError("lr must be positive")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        data = dict(data)
+        data["stages"] = [ContextStage(**s) for s in data["stages"]]
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown training settings: {sorted(unknown)}")
+        return cls(**data)
+
+
+# Settings that may differ between a run and its resumption (they do not change what is computed).
+RESUMABLE_OVERRIDES = {"max_steps", "max_tokens", "time_budget_min", "eval_every", "checkpoint_every",
+                       "keep_checkpoints", "log_every", "device", "max_bad_steps"}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def git_state() -> dict[str, str]:
+    """The source revision and the diff of uncommitted changes, when running from a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        diff = subprocess.run(["git", "diff", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return {"revision": "unknown", "diff": ""}
+    return {"revision": rev.stdout.strip() or "unknown", "diff": diff.stdout}
+
+
+# ---- data ------------------------------------------------------------------------------------------
+
+def prepare_data(cfg: TrainConfig, vocab_size: int, out: Path, log) -> tuple[Tokenizer, TokenizedCorpus,
+                                                                               TokenizedCorpus]:
+    """Tokenizer and tokenized train/held-out corpora under `out/`, reused when already built."""
+    docs = stdlib_documents() if cfg.data is None else read_documents(cfg.data)
+    if not docs:
+        raise ValueError(f"no documents found in {cfg.data!r}")
+    train_docs, heldout_docs = split_documents(docs, cfg.heldout_fraction, seed=cfg.seed)
+    if not train_docs or not heldout_docs:
+        raise ValueError(f"the data holds {len(docs)} document(s); at least 2 are needed for a held-out split")
+    tok_dir = out / "tokenizer"
+    if (tok_dir / "tokenizer.json").exists() or (tok_dir / "tiktoken.model").exists():
+        tokenizer = Tokenizer.load(tok_dir)
+    else:
+        log(f"training a {vocab_size}-token byte-level BPE on {len(train_docs):,} documents")
+        tokenizer = train_bpe((text for _, text in train_docs), vocab_size)
+        tokenizer.save(tok_dir)
+    corpora = []
+    for split, split_docs in (("train", train_docs), ("heldout", heldout_docs)):
+        directory = out / "data" / split
+        fingerprint = documents_fingerprint(split_docs) + tokenizer.fingerprint()
+        meta_path = directory / "meta.json"
+        if not (meta_path.exists() and json.loads(meta_path.read_text()).get("run_fingerprint") == fingerprint):
+            corpus = prepare_corpus(split_docs, tokenizer, directory)
+            meta = json.loads(meta_path.read_text())
+            meta["run_fingerprint"] = fingerprint
+            meta_path.write_text(json.dumps(meta))
+        corpora.append(TokenizedCorpus.open(directory))
+    return tokenizer, corpora[0], corpora[1]
+
+
+# ---- one step ----------------------------------------------------------------------------------------
+
+def moe_layers(model: K3ForCausalLM) -> list[StableLatentMoE]:
+    return [layer.block_sparse_moe for layer in model.model.layers if layer.is_moe]
+
+
+def autocast_context(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: TrainConfig,
+               device: torch.device) -> dict[str, Any]:
+    """One optimizer step over `batches` (micro-batches). Returns the step's metrics."""
+    model.train()
+    moes = moe_layers(model)
+    histograms = [QuantileHistogram(m.gate.e_score_correction_bias, cfg.qb_bins) for m in moes]
+    loads = [torch.zeros(m.gate.e_score_correction_bias.numel(), dtype=torch.int64, device=device) for m in moes]
+    max_logits = None
+    total_tokens = sum(b.num_tokens for b in batches)
+    loss_sum = 0.0
+    for batch in batches:
+        batch = batch.to(device)
+        with autocast_context(device):
+            out = model(batch.input_ids, cu_seqlens=batch.cu_seqlens, return_router_infos=True,
+                        return_mla_max_logits=True)
+        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), batch.labels.flatten(), reduction="sum",
+                               ignore_index=-100)
+        (loss / total_tokens).backward()
+        loss_sum += loss.item()
+        for hist, layer_loads, info in zip(histograms, loads, out.router_infos):
+            hist.add(info.scores, info.cutoff)
+            layer_loads += expert_loads(info.topk_idx, layer_loads.numel())
+        if out.mla_max_logits is not None:
+            max_logits = out.mla_max_logits if max_logits is None else torch.maximum(max_logits, out.mla_max_logits)
+    loss_value = loss_sum / total_tokens
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+    lr = optimizer.param_groups[0]["lr"]
+    metrics: dict[str, Any] = {"loss": loss_value, "grad_norm": grad_norm, "lr": lr, "tokens": total_tokens}
+    if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+        # a bad step changes nothing: no update, no bias update; the schedule still advances
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        metrics["skipped"] = True
+        return metrics
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    if max_logits is not None and cfg.qk_clip_tau > 0:
+        clip = qk_clip_(model, max_logits, cfg.qk_clip_tau)
+        metrics["qk_clip_heads"] = int(clip.get("clipped_heads", 0))
+        metrics["mla_max_logit"] = float(max_logits.max())
+    with torch.no_grad():
+        for moe, hist in zip(moes, histograms):
+            moe.gate.e_score_correction_bias.copy_(hist.bias(moe.top_k))
+    stats = [imbalance_metrics(layer_loads) for layer_loads in loads]
+    metrics["moe_max_over_mean"] = [s["max_over_mean"] for s in stats]
+    metrics["moe_max_vio"] = [s["max_vio"] for s in stats]
+    return metrics
+
+
+@torch.no_grad()
+def evaluate(model: K3ForCausalLM, corpus: TokenizedCorpus, seq_len: int, max_tokens: int,
+             device: torch.device) -> dict[str, float]:
+    """Mean held-out loss per token (QB biases frozen: routing is plain top-k of s + b)."""
+    model.eval()
+    rows = max(1, min(8, max_tokens // seq_len))
+    loss_sum, count = 0.0, 0
+    for batch in PackedBatches.eval(corpus, rows, seq_len):
+        batch = batch.to(device)
+        with autocast_context(device):
+            logits = model(batch.input_ids, cu_seqlens=batch.cu_seqlens).logits
+        loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), reduction="sum",
+                                    ignore_index=-100).item()
+        count += batch.num_tokens
+        if count >= max_tokens:
+            break
+    loss = loss_sum / max(count, 1)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
+
+
+# ---- run bookkeeping ---------------------------------------------------------------------------------
+
+def _check_out_dir(out: Path, cfg: TrainConfig, resume: bool) -> TrainConfig:
+    """Refuse to mix runs; on resume, return the stored configuration (with allowed overrides applied)."""
+    run_file = out / "run.json"
+    if run_file.exists():
+        stored = TrainConfig.from_dict(json.loads(run_file.read_text())["train_config"])
+        if not resume:
+            raise ValueError(f"{out} already holds a training run; pass --resume to continue it, "
+                             f"or choose another --out")
+        new, old = cfg.as_dict(), stored.as_dict()
+        differing = sorted(k for k in new if new[k] != old[k] and k not in RESUMABLE_OVERRIDES)
+        if differing:
+            raise ValueError(f"{out} holds a run with different settings ({', '.join(differing)}); "
+                             f"resume it with its own settings or choose another --out")
+        return cfg
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not a k3 training run (no run.json); choose another --out")
+    return cfg
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+             "python_pos": random.getstate()[2], "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+             "numpy_pos": int(np_state[2])}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((3, tuple(state["python"]), state["python_pos"]))
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def stage_at(cfg: TrainConfig, step: int, total_steps: int) -> ContextStage:
+    boundary = 0.0
+    for stage in cfg.stages:
+        boundary += stage.fraction * total_steps
+        if step < round(boundary):
+            return stage
+    return cfg.stages[-1]
+
+
+@dataclass
+class RunSummary:
+    out: Path
+    steps: int
+    tokens: int
+    final_train_loss: float
+    final_eval_loss: float
+    unigram_entropy: float
+    seconds: float
+    checkpoint: Path | None
+
+
+def train(cfg: TrainConfig, resume: bool = False, log=print, progress: bool = True) -> RunSummary:
+    """Run (or resume) training as configured; returns a summary. Raises ValueError on bad settings."""
+    cfg.validate()
+    out = Path(cfg.out)
+    cfg = _check_out_dir(out, cfg, resume)
+    device = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    started = time.perf_counter()
+
+    preset = get_preset(cfg.preset)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer, train_corpus, heldout_corpus = prepare_data(cfg, cfg.vocab_size or preset.vocab_size, out, log)
+    model_config = preset.replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
+                                  eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+                                  media_placeholder_token_id=tokenizer.special_id("<|media_pad|>"))
+    model = build_model(model_config, seed=cfg.seed, device=device)
+    optimizer = MuonAdamW(model.named_parameters(), model_config, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    run_file = out / "run.json"
+    metrics_log = MetricsLog(out / "metrics.jsonl")
+    ckpt_root = out / "checkpoints"
+    start_step, tokens_seen, data_state = 0, 0, None
+    if run_file.exists():
+        run_info = json.loads(run_file.read_text())
+        total_steps = run_info["total_steps"]
+    else:
+        total_steps = _resolve_total_steps(cfg, model, train_corpus, device, log)
+        git = git_state()
+        run_info = {"train_config": cfg.as_dict(), "total_steps": total_steps, "git_revision": git["revision"],
+                    "python": sys.version, "torch": torch.__version__}
+        model_config.save(out / "config.json")
+        (out / "git.diff").write_text(git["diff"])
+        run_file.write_text(json.dumps(run_info, indent=2))
+    scheduler = cosine_schedule(optimizer, total_steps, cfg.warmup_frac, cfg.min_lr_ratio)
+
+    if resume:
+        ckpt = latest_checkpoint(ckpt_root)
+        if ckpt is not None:
+            tensors, state = load_checkpoint(ckpt)
+            stored_config = ModelConfig.load(ckpt / "config.json")
+            if stored_config != model_config:
+                raise CheckpointError(f"{ckpt} was written for a different model configuration")
+            model.load_state_dict({k: v.to(device) for k, v in tensors.items()})
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            _set_rng_state(state["rng"])
+            start_step, tokens_seen, data_state = state["step"], state["tokens"], state["data"]
+            log(f"resumed from {ckpt} (step {start_step})")
+        metrics_log.truncate_after(start_step)
+    unigram = train_corpus.unigram_entropy()
+    if start_step == 0:
+        metrics_log.write({"kind": "event", "step": 0, "event": "start", "unigram_entropy": unigram,
+                           "train_tokens": train_corpus.num_tokens, "heldout_tokens": heldout_corpus.num_tokens,
+                           "total_steps": total_steps, "params": sum(p.numel() for p in model.parameters())})
+
+    stage = stage_at(cfg, start_step, total_steps)
+    batches = _make_batches(train_corpus, cfg, stage)
+    if data_state is not None:
+        batches.load_state_dict(data_state)
+
+    def save(step: int) -> Path:
+        state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
+                 "step": step, "tokens": tokens_seen, "data": batches.state_dict()}
+        return save_checkpoint(ckpt_root, step, model.state_dict(), state,
+                               extra_files={"config.json": json.dumps(model_config.to_config_json(), indent=2)},
+                               extra_dirs={"tokenizer": out / "tokenizer"}, keep=cfg.keep_checkpoints)
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total_steps, initial=start_step, desc=f"train {cfg.preset}", unit="step",
+               disable=not progress, dynamic_ncols=True)
+    bad_in_a_row, last_eval, last_ckpt = 0, float("nan"), latest_checkpoint(ckpt_root)
+    last_train_loss = float("nan")
+    window_start, window_tokens = time.perf_counter(), 0
+    step = start_step
+    try:
+        while step < total_steps:
+            new_stage = stage_at(cfg, step, total_steps)
+            if new_stage.seq_len != batches.seq_len:
+                state = batches.state_dict()
+                batches = _make_batches(train_corpus, cfg, new_stage)
+                batches.load_state_dict(state)
+                metrics_log.write({"kind": "event", "step": step, "event": "stage", "seq_len": new_stage.seq_len})
+            micro = [next(batches) for _ in range(cfg.micro_batches)]
+            metrics = train_step(model, optimizer, scheduler, micro, cfg, device)
+            step += 1
+            tokens_seen += metrics["tokens"]
+            window_tokens += metrics["tokens"]
+            record = {"kind": "train", "step": step, "tokens_seen": tokens_seen, "seq_len": batches.seq_len,
+                      **metrics}
+            if metrics.get("skipped"):
+                bad_in_a_row += 1
+                log(f"step {step}: non-finite loss or gradient (loss {metrics['loss']}, grad norm "
+                    f"{metrics['grad_norm']}); update skipped ({bad_in_a_row} in a row)")
+                if bad_in_a_row >= cfg.max_bad_steps:
+                    metrics_log.write(record)
+                    raise TrainingError(f"{bad_in_a_row} non-finite steps in a row at step {step}; stopping. "
+                                        f"The last good checkpoint is {last_ckpt}")
+            else:
+                bad_in_a_row = 0
+                last_train_loss = metrics["loss"]
+            elapsed = time.perf_counter() - window_start
+            record["tokens_per_s"] = window_tokens / max(elapsed, 1e-9)
+            metrics_log.write(record)
+            if step % cfg.eval_every == 0 or step == total_steps:
+                ev = evaluate(model, heldout_corpus, batches.seq_len, cfg.eval_tokens, device)
+                last_eval = ev["loss"]
+                metrics_log.write({"kind": "eval", "step": step, **ev})
+            if step % cfg.checkpoint_every == 0 or step == total_steps:
+                last_ckpt = save(step)
+            bar.set_postfix(loss=f"{last_train_loss:.3f}", eval=f"{last_eval:.3f}",
+                            tok_s=f"{record['tokens_per_s']:,.0f}", lr=f"{metrics['lr']:.2e}")
+            bar.update(1)
+            window_start, window_tokens = time.perf_counter(), 0
+    finally:
+        bar.close()
+    plot_run(out / "metrics.jsonl", out / "plots", title=f"k3 {cfg.preset}")
+    return RunSummary(out, step, tokens_seen, last_train_loss, last_eval, unigram,
+                      time.perf_counter() - started, last_ckpt)
+
+
+def _make_batches(corpus: TokenizedCorpus, cfg: TrainConfig, stage: ContextStage) -> PackedBatches:
+    rows = cfg.tokens_per_step // (stage.seq_len * cfg.micro_batches)
+    return PackedBatches(corpus, rows, stage.seq_len, seed=cfg.seed)
+
+
+def _resolve_total_steps(cfg: TrainConfig, model: K3ForCausalLM, corpus: TokenizedCorpus, device: torch.device,
+                         log) -> int:
+    """Total optimizer steps: from max_steps, max_tokens, or a time budget measured on this machine."""
+    if cfg.max_steps is not None:
+        return cfg.max_steps
+    if cfg.max_tokens is not None:
+        return max(1, cfg.max_tokens // cfg.tokens_per_step)
+    if cfg.time_budget_min is None:
+        raise ValueError("set one of max_steps, max_tokens or time_budget_min")
+    # time two full steps (the second is warm) on a copy of the model; nothing of the run is touched
+    probe = build_model(model.config, seed=cfg.seed, device=device)
+    probe_opt = MuonAdamW(probe.named_parameters(), model.config, lr=0.0)
+    probe_sched = cosine_schedule(probe_opt, 10)
+    seconds = {}
+    for stage in cfg.stages:
+        if stage.seq_len in seconds:
+            continue
+        batches = _make_batches(corpus, cfg, stage)
+        micro = [next(batches) for _ in range(cfg.micro_batches)]
+        train_step(probe, probe_opt, probe_sched, micro, cfg, device)
+        start = time.perf_counter()
+        train_step(probe, probe_opt, probe_sched, micro, cfg, device)
+        seconds[stage.seq_len] = time.perf_counter() - start
+    step_seconds = sum(seconds[st.seq_len] * st.fraction for st in cfg.stages)
+    # evaluation and checkpoints take a share of the budget too; leave 15%
+    total = max(1, int(cfg.time_budget_min * 60 * 0.85 / step_seconds))
+    log(f"time budget {cfg.time_budget_min:g} min at ~{step_seconds:.2f} s/step → {total} steps")
+    return total
