@@ -306,7 +306,7 @@ def k3_shaped_tiny(L: int, S: int):
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=88,
         num_experts=4, num_experts_per_token=1, moe_intermediate_size=8, routed_expert_hidden_size=16,
         linear_attn_config=LinearAttnConfig(num_heads=1, head_dim=16, kda_layers=kda, full_attn_layers=full),
-        vision_config=None)
+        vision_config=None, attn_res_impl="direct")
 
 
 @pytest.mark.parametrize("L,S", [(93, 12), (5, 2), (7, 3)])
