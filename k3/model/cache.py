@@ -29,14 +29,25 @@ class MLALatent:
 
 
 class K3Cache:
-    """One entry per decoder layer (None until the layer first runs) and the number of tokens seen."""
+    """One entry per decoder layer (None until the layer first runs) and the tokens seen per sequence.
+
+    Sequences may have different lengths (ragged decoding with packed input, see `K3ForCausalLM.forward`);
+    MLA latents are then padded rows, row n valid up to `lengths[n]`.
+    """
 
     def __init__(self, num_layers: int, batch_size: int):
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         self.batch_size = batch_size
-        self.seq_len = 0
+        self.lengths = [0] * batch_size
         self.layers: list[KDAState | MLALatent | None] = [None] * num_layers
+
+    @property
+    def seq_len(self) -> int:
+        """The common length of all sequences (ValueError when they differ)."""
+        if len(set(self.lengths)) != 1:
+            raise ValueError(f"the cached sequences have different lengths {self.lengths}")
+        return self.lengths[0]
 
     def check_batch(self, batch_size: int) -> None:
         if batch_size != self.batch_size:

@@ -75,13 +75,12 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         cu = layout.cu_seqlens
-        if cu is not None and use_cache:
-            raise ValueError("packed sequences (cu_seqlens) cannot be combined with a decoding cache")
 
         def conv_path(proj: nn.Linear, conv: nn.Conv1d, conv_state):
             pre = proj(x)  # [B, T, P]
             if cu is not None:
-                y, tail = naive_causal_conv1d(pre.view(1, B * T, -1), conv.weight, None, cu)
+                # packed documents; with a cache each document continues its own sequence's history
+                y, tail = naive_causal_conv1d(pre.view(1, B * T, -1), conv.weight, conv_state, cu)
                 y = y.view(B, T, -1)
             else:
                 y, tail = naive_causal_conv1d(pre, conv.weight, conv_state)

@@ -64,29 +64,61 @@ class GatedMLA(nn.Module):
                 max_logits: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, MLALatent | None]:
         """x [B, T, D] (already input_layernorm'ed). Returns (y [B, T, D], the grown latent cache or None).
 
+        Ragged incremental mode (the inference engine's): `layout.past_lengths` set, B = 1, documents of
+        `layout.cu_seqlens` continue the cache's sequences, whose latents are rows of `state.latent`
+        (padded; row n valid up to past_lengths[n]).
         If `max_logits` is a list, the per-head max of the scaled logits over unmasked pairs ([H] fp32,
         for QK-Clip) is appended to it.
         """
         B, T, _ = x.shape
         H = self.num_heads
-        if layout.packed and use_cache:
-            raise ValueError("packed sequences (cu_seqlens) cannot be combined with a decoding cache")
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, -1)  # [B, T, H, N + R]
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         new_latent = self.latent(x)  # [B, T, C + R]
-        offset = 0
-        if state is not None:
-            offset = state.latent.shape[1]
-            latent = torch.cat([state.latent, new_latent.to(state.latent.dtype)], dim=1)  # [B, S, C + R]
-        else:
-            latent = new_latent
-        c, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        mask = attention_mask(layout, T, offset, x.device)
-
         impl = impl or self.impl
+        if layout.packed and use_cache and layout.past_lengths is None:
+            raise ValueError("packed sequences build a cache only in ragged mode (layout.past_lengths)")
+        if layout.past_lengths is not None:
+            o, grown = self._ragged(q, new_latent, layout, state, impl)
+        else:
+            if state is not None:
+                offset = state.latent.shape[1]
+                latent = torch.cat([state.latent, new_latent.to(state.latent.dtype)], dim=1)  # [B, S, C + R]
+            else:
+                offset, latent = 0, new_latent
+            mask = attention_mask(layout, T, offset, x.device)
+            o = self.attend(q, latent, mask, impl, max_logits)
+            grown = latent
+        o = o.reshape(B, T, H * self.v_dim).to(x.dtype)
+        y = self.o_proj(torch.sigmoid(self.g_proj(x)) * o)
+        return y, (MLALatent(grown) if use_cache else None)
+
+    def _ragged(self, q, new_latent, layout, state, impl):
+        """Each document attends to its own sequence's past latents plus its new ones (causal)."""
+        cu = layout.cu_seqlens.tolist()
+        past = layout.past_lengths
+        outs, rows = [], []
+        for n, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+            old = state.latent[n, : past[n]] if state is not None else new_latent.new_zeros(0, new_latent.shape[-1])
+            latent = torch.cat([old, new_latent[0, a:b].to(old.dtype)])[None]  # [1, S_n, C + R]
+            rows.append(latent[0])
+            if b > a:
+                mask = attention_mask(SequenceLayout(1, b - a), b - a, past[n], q.device)
+                outs.append(self.attend(q[:, a:b], latent, mask, impl, None))
+        S = max(r.shape[0] for r in rows)
+        grown = new_latent.new_zeros(len(rows), S, new_latent.shape[-1], dtype=rows[0].dtype)
+        for n, r in enumerate(rows):
+            grown[n, : r.shape[0]] = r
+        return torch.cat(outs, dim=1), grown
+
+    def attend(self, q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor, impl: str,
+               max_logits: list[torch.Tensor] | None) -> torch.Tensor:
+        """q [B, T, H, N + R]; latent [B, S, C + R]; mask [B or 1, T, S] -> o [B, T, H, Vd] (fp32)."""
+        B, T, H, _ = q.shape
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        c, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         if impl == "auto":
             impl = "absorb" if T == 1 else "naive"
-        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         w_kv = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)  # [H, N, C], [H, Vd, C]
         if impl == "naive":
@@ -105,10 +137,6 @@ class GatedMLA(nn.Module):
             max_logits.append(scores.detach().amax(dim=(0, 2, 3)).float())
         probs = torch.softmax(scores, dim=-1)
         if impl == "naive":
-            o = torch.einsum("bhts,bshv->bthv", probs, v.to(compute))  # [B, T, H, Vd]
-        else:
-            o_lat = torch.einsum("bhts,bsc->bthc", probs, c.to(compute))  # [B, T, H, C]
-            o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv.to(compute))  # [B, T, H, Vd]
-        o = o.reshape(B, T, H * self.v_dim).to(x.dtype)
-        y = self.o_proj(torch.sigmoid(self.g_proj(x)) * o)
-        return y, (MLALatent(latent) if use_cache else None)
+            return torch.einsum("bhts,bshv->bthv", probs, v.to(compute))  # [B, T, H, Vd]
+        o_lat = torch.einsum("bhts,bsc->bthc", probs, c.to(compute))  # [B, T, H, C]
+        return torch.einsum("bthc,hvc->bthv", o_lat, w_uv.to(compute))  # [B, T, H, Vd]

@@ -173,6 +173,8 @@ class K3ForCausalLM(nn.Module):
         - Training / packed prefill: `cu_seqlens` [N+1] offsets into the flattened B·T tokens
           (every row boundary must be a document boundary); nothing crosses documents.
         - Incremental: pass a `K3Cache` (from `new_cache(B)`); it is updated in place and returned.
+        - Ragged incremental (the inference engine's): a cache of N sequences with any lengths and
+          input_ids [1, T] holding N packed documents (`cu_seqlens` [N+1]); document n continues sequence n.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -184,17 +186,27 @@ class K3ForCausalLM(nn.Module):
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= self.config.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got range [{lo}, {hi}]")
-        if cache is not None:
-            cache.check_batch(B)
-            if cu_seqlens is not None:
-                raise ValueError("cu_seqlens (packed documents) cannot be combined with a decoding cache")
         layout = SequenceLayout.build(B, T, cu_seqlens, input_ids.device)
+        if cache is not None and cu_seqlens is not None:
+            if B != 1:
+                raise ValueError("with a cache, packed documents must come as one row (input_ids [1, T])")
+            cache.check_batch(layout.cu_seqlens.numel() - 1)
+            layout.past_lengths = list(cache.lengths)
+        elif cache is not None:
+            cache.check_batch(B)
+            if len(set(cache.lengths)) != 1:
+                raise ValueError("the cached sequences have different lengths; continue them with packed input "
+                                 "(input_ids [1, T] and cu_seqlens, one document per sequence)")
         router_infos = [] if return_router_infos else None
         max_logits = [] if return_mla_max_logits else None
         h = self.model(input_ids, layout, cache, router_infos, max_logits)
         logits = self.lm_head(h)
         if cache is not None:
-            cache.seq_len += T
+            if cu_seqlens is not None:
+                added = (layout.cu_seqlens[1:] - layout.cu_seqlens[:-1]).tolist()
+            else:
+                added = [T] * B
+            cache.lengths = [n + a for n, a in zip(cache.lengths, added)]
         return K3Output(
             logits=logits,
             cache=cache,

@@ -20,6 +20,8 @@ class SequenceLayout:
     seq_len: int
     cu_seqlens: torch.Tensor | None = None  # [N+1] int32, offsets into B·T
     segment_ids: torch.Tensor | None = None  # [B, T] int64 document index of every token
+    # ragged incremental decoding: tokens already cached for each document's sequence (B = 1)
+    past_lengths: list[int] | None = None
 
     @property
     def packed(self) -> bool:

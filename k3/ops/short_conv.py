@@ -25,32 +25,58 @@ def naive_causal_conv1d(
     conv_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, T, C]; weight [C, 1, W] or [C, W]; conv_state [B, W-1, C] (pre-conv history) or None.
+    """x [B, T, C]; weight [C, 1, W] or [C, W]; conv_state (pre-conv history) or None (zeros).
 
-    Returns (y [B, T, C] in x's dtype, new_state [B, W-1, C] = the last W-1 inputs incl. history).
-    Computed in fp32 (fp64 for fp64 input). `cu_seqlens` (with B == 1) may not be combined with a state.
+    Without `cu_seqlens`: conv_state is [B, W-1, C]; returns (y [B, T, C], new_state [B, W-1, C]).
+    With `cu_seqlens` [N+1] (B must be 1, documents packed along T): conv_state is [N, W-1, C], one
+    history per document, and the new state is [N, W-1, C] — the last W-1 inputs of each document's
+    history followed by its tokens. Computed in fp32 (fp64 for fp64 input); y is in x's dtype.
     """
     B, T, C = x.shape
     w = weight.reshape(C, -1)
     W = w.shape[1]
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if cu_seqlens is not None:
+        return _varlen_conv(x, w, conv_state, cu_seqlens, compute)
     if conv_state is None:
         conv_state = x.new_zeros(B, W - 1, C)
     elif conv_state.shape != (B, W - 1, C):
         raise ValueError(f"conv_state must be [{B}, {W - 1}, {C}], got {tuple(conv_state.shape)}")
     xs = torch.cat([conv_state.to(x.dtype), x], dim=1)  # [B, W-1+T, C]
-    valid = None
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError("cu_seqlens requires a batch of 1 (packed sequences)")
-        valid = positions_in_documents(cu_seqlens, T).unsqueeze(-1)  # [T, 1]
     y = torch.zeros(B, T, C, dtype=compute, device=x.device)
     for j in range(W):
+        y = y + xs[:, j : j + T].to(compute) * w[:, j].to(compute)
+    return y.to(x.dtype), xs[:, T:].clone()
+
+
+def _varlen_conv(x, w, conv_state, cu_seqlens, compute):
+    """Packed documents, each with its own history. Every tap is a gather from [histories ; tokens], so a
+    tap before a document's start reads that document's history (zeros by default), never a neighbour."""
+    B, T, C = x.shape
+    W = w.shape[1]
+    if B != 1:
+        raise ValueError("cu_seqlens requires a batch of 1 (packed sequences)")
+    N = cu_seqlens.numel() - 1
+    if conv_state is None:
+        conv_state = x.new_zeros(N, W - 1, C)
+    elif conv_state.shape != (N, W - 1, C):
+        raise ValueError(f"conv_state must be [{N}, {W - 1}, {C}] (one history per document), "
+                         f"got {tuple(conv_state.shape)}")
+    H = W - 1
+    pool = torch.cat([conv_state.to(x.dtype).reshape(N * H, C), x[0]])  # [N·H + T, C]
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    doc = torch.repeat_interleave(torch.arange(N, device=x.device), lengths)  # [T]
+    pos = positions_in_documents(cu_seqlens, T)  # [T]
+    t = torch.arange(T, device=x.device)
+    y = torch.zeros(T, C, dtype=compute, device=x.device)
+    for j in range(W):
         lag = W - 1 - j
-        tap = xs[:, j : j + T].to(compute) * w[:, j].to(compute)
-        if valid is not None and lag > 0:
-            # a tap that reaches before this token's document start reads zero history
-            # (where, not multiply: a NaN in one document must not leak into the next)
-            tap = torch.where(valid >= lag, tap, torch.zeros((), dtype=compute, device=x.device))
-        y = y + tap
-    return y.to(x.dtype), xs[:, T:].clone() if W > 1 else xs[:, :0].clone()
+        # inside the document: token t - lag; before its start: history slot H - lag + pos of this document
+        index = torch.where(pos >= lag, N * H + t - lag, doc * H + H - lag + pos)
+        y = y + pool[index].to(compute) * w[:, j].to(compute)
+    # new history of document n: the last H entries of [history_n ; tokens_n]
+    i = torch.arange(H, device=x.device)
+    k = lengths[:, None] - H + i[None, :]  # [N, H] position inside the document (negative: history)
+    starts = cu_seqlens[:-1].long()[:, None]
+    index = torch.where(k >= 0, N * H + starts + k, torch.arange(N, device=x.device)[:, None] * H + H + k)
+    return y.unsqueeze(0).to(x.dtype), pool[index].clone()  # [1, T, C], [N, H, C]

@@ -121,3 +121,17 @@ def test_varlen_nan_stays_in_its_document():
     poisoned, _ = naive_causal_conv1d(x2, weight, cu_seqlens=cu)
     assert torch.equal(poisoned[:, :3], base[:, :3])
     assert torch.equal(poisoned[:, 8:], base[:, 8:])
+
+
+def test_varlen_with_per_document_history_equals_separate_calls():
+    """Each packed document continues from its own history (the engine's ragged decode/prefill)."""
+    W, C = 4, 5
+    lengths = [6, 1, 0, 2, 9]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    x, weight = _inputs(1, sum(lengths), C, W, seed=7)
+    states = torch.randn(len(lengths), W - 1, C, dtype=x.dtype, generator=torch.Generator().manual_seed(8))
+    y, new_states = naive_causal_conv1d(x, weight, states, cu_seqlens=cu)
+    for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        ref_y, ref_state = naive_causal_conv1d(x[:, a:b], weight, states[n : n + 1])
+        assert torch.equal(y[:, a:b], ref_y)
+        assert torch.equal(new_states[n], ref_state[0])
