@@ -139,7 +139,7 @@ def cmd_generate(args) -> int:
     from k3.infer.generate import generate
 
     model, tokenizer, ckpt = _load_trained(args.run)
-    prompt = args.prompt.encode().decode("unicode_escape") if args.escapes else args.prompt
+    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t") if args.escapes else args.prompt
     ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
     print(f"# {ckpt}", file=sys.stderr)
     sys.stdout.write(prompt)

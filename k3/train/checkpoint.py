@@ -39,7 +39,7 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -109,9 +109,9 @@ def save_checkpoint(root: str | Path, step: int, state_dict: dict[str, torch.Ten
         _fsync_file(p)
     (tmp / COMMITTED).write_text(str(step))
     _fsync_file(tmp / COMMITTED)
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     _prune(root, keep)
     return final
 

@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from k3.train.checkpoint import fsync_dir
+
 IGNORE_INDEX = -100
 Document = tuple[str, str]  # (name, text); the name decides the held-out split
 
@@ -263,17 +265,9 @@ def prepare_corpus(documents: Sequence[Document | str], tokenizer, directory: st
     if directory.exists():
         os.replace(directory, old)
     os.replace(tmp, directory)
-    _fsync_dir(directory.parent)
+    fsync_dir(directory.parent)
     shutil.rmtree(old, ignore_errors=True)
     return TokenizedCorpus.open(directory)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class TokenizedCorpus:

@@ -21,9 +21,8 @@ Legend: B batch, T tokens, H heads, K key dim, V value dim, NT chunks, C chunk s
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from k3.ops.kda.reference import prepare_kda_inputs, run_padded_documents
+from k3.ops.kda.reference import chunk_form, prepare_kda_inputs, run_padded_documents
 
 MAX_CHUNK = 16  # 16 tokens × |g_min| = 80 nats: the factorised exponents stay inside fp32 range
 
@@ -49,44 +48,16 @@ def torch_chunk_kda(
         raise ValueError(f"chunk_size {chunk_size} × |gate_lower_bound| {abs(gate_lower_bound)} exceeds 80 nats")
     v_dtype = v.dtype
     q, k, v, g, beta, S0, bounds = prepare_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-    o, S = run_padded_documents(_factorised_chunk, q, k, v, g, beta, S0, bounds, chunk_size)
+    o, S = run_padded_documents(chunk_form, q, k, v, g, beta, S0, bounds, chunk_size, _factorised_scores)
     return o.to(v_dtype), (S if output_final_state else None)
 
 
-def _factorised_chunk(q, k, v, g, beta, S, C):
-    """Inputs [B, T, H, ·] (q scaled), S [B, H, K, V]. Returns o [B, T, H, V] and the final state."""
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    if T == 0:
-        return v.new_zeros(B, 0, H, V), S
-    NT = -(-T // C)
-    pad = NT * C - T
-    # Padded tokens have g = k = v = β = 0: no decay, no write, so the state passes through exactly.
-    q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
-    beta = F.pad(beta, (0, 0, 0, pad))
-    q, k, v, g = (x.transpose(1, 2).reshape(B, H, NT, C, -1) for x in (q, k, v, g))  # [B, H, NT, C, ·]
-    beta = beta.transpose(1, 2).reshape(B, H, NT, C, 1)  # [B, H, NT, C, 1]
-
-    G = g.cumsum(-2)  # [B, H, NT, C, K], inclusive
+def _factorised_scores(q, k, beta, G):
+    """Akk and Aqk as [C, K] @ [K, C] matmuls, anchored at each chunk's first token (see module docstring)."""
     anchor = G[..., :1, :]  # [B, H, NT, 1, K]
     rows_scale = (G - anchor).exp()  # exp(G[r] − a) ∈ [e^−75, 1]
     cols_scale = (anchor - G).exp()  # exp(a − G[i]) ∈ [1, e^75]
     k_cols = k * cols_scale  # [B, H, NT, C, K]
     Akk = (beta * ((k * rows_scale) @ k_cols.transpose(-1, -2))).tril(-1)  # [B, H, NT, C, C]
     Aqk = ((q * rows_scale) @ k_cols.transpose(-1, -2)).tril()  # diagonal kept: read after write
-
-    Gam = G.exp()  # ≤ 1
-    eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    rhs = torch.cat((beta * k * Gam, beta * v), -1)  # [B, H, NT, C, K+V]
-    W, U = torch.linalg.solve_triangular(eye + Akk, rhs, upper=False, unitriangular=True).split((K, V), -1)
-
-    q_in = q * Gam  # reads the incoming state
-    k_out = k * (G[..., -1:, :] - G).exp()  # writes decayed to the chunk end
-    decay_chunk = G[..., -1, :, None].exp()  # [B, H, NT, K, 1]
-    outs = []
-    for n in range(NT):
-        v_new = U[:, :, n] - W[:, :, n] @ S  # [B, H, C, V], the effective writes u_t
-        outs.append(q_in[:, :, n] @ S + Aqk[:, :, n] @ v_new)
-        S = decay_chunk[:, :, n] * S + k_out[:, :, n].transpose(-1, -2) @ v_new
-    o = torch.stack(outs, 2).reshape(B, H, NT * C, V)[:, :, :T].transpose(1, 2)  # [B, T, H, V]
-    return o, S
+    return Akk, Aqk

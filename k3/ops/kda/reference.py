@@ -98,7 +98,7 @@ def naive_chunk_kda(
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     v_dtype = v.dtype
     q, k, v, g, beta, S0, bounds = prepare_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-    o, S = run_padded_documents(_chunk, q, k, v, g, beta, S0, bounds, chunk_size)
+    o, S = run_padded_documents(chunk_form, q, k, v, g, beta, S0, bounds, chunk_size)
     return o.to(v_dtype), (S if output_final_state else None)
 
 
@@ -185,10 +185,12 @@ def _recurrent(q, k, v, g, beta, S):
     return o, S
 
 
-def _chunk(q, k, v, g, beta, S, C):
+def chunk_form(q, k, v, g, beta, S, C, scores=None):
     """§2.4 for a batch: intra-chunk terms for all chunks at once, then the state hand-off chunk by chunk.
 
     Inputs [B, T, H, ·] (q scaled), S [B, H, K, V]. Returns o [B, T, H, V] and the final state.
+    `scores(q, k, beta, G) -> (Akk, Aqk)` builds the two intra-chunk matrices; the default is the exact
+    direct form below, chunk.py supplies the factorised one.
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -203,15 +205,7 @@ def _chunk(q, k, v, g, beta, S, C):
     beta = beta.transpose(1, 2).reshape(B, H, NT, C, 1)  # [B, H, NT, C, 1]
 
     G = g.cumsum(-2)  # [B, H, NT, C, K]
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # [C(r), C(i)]
-    # exp(G[r] − G[i]) ≤ 1 for i ≤ r; the upper triangle would overflow, so it is masked before the exp.
-    diff = G[..., :, None, :] - G[..., None, :, :]  # [B, H, NT, C(r), C(i), K], G[r] − G[i]
-    decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()
-    kd = decay * k[..., None, :, :]  # [B, H, NT, C(r), C(i), K]
-    # Row r of both score matrices in one batched matmul (much cheaper to differentiate than two einsums).
-    kq = torch.stack((k, q), -2) @ kd.transpose(-1, -2)  # [B, H, NT, C(r), 2, C(i)]
-    Akk = (beta * kq[..., 0, :]).tril(-1)  # [B, H, NT, C, C]
-    Aqk = kq[..., 1, :]  # [B, H, NT, C, C], diagonal kept: the output reads the post-write state
+    Akk, Aqk = (scores or _direct_scores)(q, k, beta, G)  # [B, H, NT, C, C] each
 
     Gam = G.exp()
     # W = T·diag(β)(K⊙Γ) and U = T·diag(β)V with T = (I + Akk)^{-1}: one unit-lower-triangular solve for both.
@@ -230,3 +224,18 @@ def _chunk(q, k, v, g, beta, S, C):
         S = decay_chunk[:, :, n] * S + k_out[:, :, n].transpose(-1, -2) @ v_new
     o = torch.stack(outs, 2).reshape(B, H, NT * C, V)[:, :, :T].transpose(1, 2)  # [B, T, H, V]
     return o, S
+
+
+def _direct_scores(q, k, beta, G):
+    """Akk (strictly lower, β-weighted) and Aqk (lower incl. diagonal) with exp(G[r] − G[i]) formed directly."""
+    C = G.shape[-2]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # [C(r), C(i)]
+    # exp(G[r] − G[i]) ≤ 1 for i ≤ r; the upper triangle would overflow, so it is masked before the exp.
+    diff = G[..., :, None, :] - G[..., None, :, :]  # [B, H, NT, C(r), C(i), K], G[r] − G[i]
+    decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()
+    kd = decay * k[..., None, :, :]  # [B, H, NT, C(r), C(i), K]
+    # Row r of both score matrices in one batched matmul (much cheaper to differentiate than two einsums).
+    kq = torch.stack((k, q), -2) @ kd.transpose(-1, -2)  # [B, H, NT, C(r), 2, C(i)]
+    Akk = (beta * kq[..., 0, :]).tril(-1)
+    Aqk = kq[..., 1, :]  # diagonal kept: the output reads the post-write state
+    return Akk, Aqk
