@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from k3.convert.cli import add_convert_parser
+
 
 def _human(n: float, unit: str = "") -> str:
     for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -227,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vocab-size", type=int, default=8192)
     t.add_argument("--out", required=True)
     t.set_defaults(func=cmd_tokenizer_train)
+
+    add_convert_parser(sub)
     return parser
 
 
