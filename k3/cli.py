@@ -7,6 +7,7 @@ import json
 import sys
 
 from k3.convert.cli import add_convert_parser
+from k3.serve.cli import add_serve_parser
 
 
 def _human(n: float, unit: str = "") -> str:
@@ -231,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_tokenizer_train)
 
     add_convert_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

@@ -1,0 +1,492 @@
+"""The inference engine: requests in token ids, continuous batching over the hybrid paged cache (systems.md §8).
+
+    add_request ─► Scheduler (waiting → running, budgets, chunked prefill, preemption)
+                   │  Batch: N sequences × their next pieces
+                   ▼
+    ModelRunner: gather pages → K3Cache ─► model(ragged packed step) ─► scatter back; last-position logits
+                   ▼
+    Scheduler.after_forward (index hash blocks, save KDA checkpoints) ─► sampling ─► stop checks ─► RequestOutput
+
+`Engine` is synchronous and single-threaded; `AsyncEngine` runs it in a background thread and streams
+outputs to asyncio consumers (what the server uses). Split after nano-vllm: sequence.py, scheduler.py,
+cache.py (the pool), prefix_cache.py, kv_pool.py, sampling.py, metrics.py; the runner is below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import random
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import torch
+
+from k3.infer.api import AdmissionError, ContextLengthError, RequestOutput, SamplingParams
+from k3.infer.cache import CacheSpec, PagePool, gather, scatter
+from k3.infer.config import EngineConfig
+from k3.infer.kv_pool import HostKVPool
+from k3.infer.metrics import EngineMetrics
+from k3.infer.prefix_cache import PrefixCache
+from k3.infer.sampling import sample
+from k3.infer.scheduler import Batch, Scheduler
+from k3.infer.sequence import Sequence, SequenceStatus
+from k3.model.model import K3ForCausalLM
+
+
+class ModelRunner:
+    """One engine step on the model: pages → K3Cache → ragged forward → pages; returns last-position logits."""
+
+    def __init__(self, model: K3ForCausalLM, pool: PagePool):
+        self.model = model
+        self.pool = pool
+        self.device = pool.device
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> torch.Tensor:
+        """-> logits [N, V] at the last new token of each scheduled sequence."""
+        ids, cu = [], [0]
+        for seq, n in zip(batch.seqs, batch.counts):
+            ids.extend(seq.tokens[seq.num_computed : seq.num_computed + n])
+            cu.append(cu[-1] + n)
+        blocks = [s.blocks for s in batch.seqs]
+        kda = [s.kda_pages for s in batch.seqs]
+        lengths = [s.num_computed for s in batch.seqs]
+        cache = gather(self.pool, blocks, kda, lengths)
+        cu_t = torch.tensor(cu, device=self.device)
+        out = self.model(torch.tensor(ids, device=self.device)[None], cu_seqlens=cu_t, cache=cache)
+        scatter(self.pool, cache, blocks, kda, lengths, batch.counts)
+        return out.logits[0, cu_t[1:] - 1]
+
+
+class Engine:
+    """Continuous-batching engine over one model. Not thread-safe (see AsyncEngine)."""
+
+    def __init__(self, model: K3ForCausalLM, config: EngineConfig | None = None, tokenizer=None):
+        config = config or EngineConfig()
+        config.validate()
+        self.model = model.eval()
+        self.tokenizer = tokenizer  # anything with decode(list[int]) -> str; needed for text and stop strings
+        mcfg = model.config
+        self.vocab_size = mcfg.vocab_size
+        device = next(model.parameters()).device
+        dtype = model.model.embed_tokens.weight.dtype
+        self.spec = spec = CacheSpec.build(mcfg, config.hash_block_size, dtype, config.page_tokens)
+        n_mla, n_kda = len(spec.mla_layers), len(spec.kda_layers)
+        pool_bytes = config.pool_bytes
+        if pool_bytes is None:
+            pool_bytes = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else 256 * 2**20
+        num_pages = config.num_pages or pool_bytes // spec.page_bytes
+        # the pool must hold one request of the context limit (plus a copy-on-write page): then preemption
+        # can always make room and no request that passed the context check ever fails
+        fit = (num_pages - n_kda - n_mla) // n_mla * spec.page_tokens
+        if fit < 2:
+            raise ValueError(f"a pool of {num_pages} pages of {spec.page_bytes} B cannot hold one request "
+                             f"(needs {n_kda + 2 * n_mla} pages at least); raise pool_bytes / num_pages")
+        max_context = min(config.max_context or mcfg.max_position_embeddings, mcfg.max_position_embeddings, fit)
+        capacity = (num_pages - n_kda * min(config.max_running, 8)) // n_mla * spec.page_tokens
+        self.config = config.replace(
+            page_tokens=spec.page_tokens, pool_bytes=num_pages * spec.page_bytes, num_pages=num_pages,
+            max_context=max_context,
+            short_budget_tokens=config.short_budget_tokens or max(2 * capacity, config.long_request_tokens),
+            long_budget_tokens=config.long_budget_tokens or max(capacity, max_context),
+            eos_token_ids=(config.eos_token_ids if config.eos_token_ids is not None else (mcfg.eos_token_id,)),
+        )
+        self.max_context = max_context
+        self.pool = PagePool(spec, num_pages, device)
+        host = None
+        if config.cpu_pool_bytes:
+            host = HostKVPool(config.cpu_pool_bytes // spec.page_bytes, spec.page_bytes, self.pool.device)
+        self.host_pool = host
+        self.metrics_state = EngineMetrics()
+        self.prefix = PrefixCache(self.pool, config.enable_prefix_caching, config.checkpoint_every_blocks,
+                                  config.model_id, host)
+        self.scheduler = Scheduler(self.config, spec, self.pool, self.prefix, self.metrics_state)
+        self.runner = ModelRunner(model, self.pool)
+        self.requests: dict[str, Sequence] = {}
+        self._outstanding = {False: 0, True: 0}  # admitted budget tokens per class (long?)
+        self._count = {False: 0, True: 0}
+        self._seed_rng = random.Random(config.seed)
+        self._ids = itertools.count()
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams | None = None) -> None:
+        """Queue a request. Raises ValueError (bad input), ContextLengthError (prompt + max_tokens over the
+        context limit) or AdmissionError (over the class budget: retry after `retry_after` seconds)."""
+        sampling = sampling or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt_ids = list(prompt_ids)
+        if not prompt_ids:
+            raise ValueError("prompt_ids: the prompt must hold at least one token")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt_ids: token ids must be ints in [0, {self.vocab_size})")
+        sampling.validate(self.vocab_size)
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need an engine with a tokenizer")
+        total = len(prompt_ids) + sampling.max_tokens
+        if total > self.max_context:
+            raise ContextLengthError(
+                f"this engine's context limit is {self.max_context} tokens, but the request needs "
+                f"{total} ({len(prompt_ids)} prompt + {sampling.max_tokens} max_tokens)")
+        long = total >= self.config.long_request_tokens
+        budget = self.config.long_budget_tokens if long else self.config.short_budget_tokens
+        max_requests = self.config.long_max_requests if long else self.config.short_max_requests
+        if self._outstanding[long] + total > budget or self._count[long] >= max_requests:
+            self.metrics_state.inc("admission_rejections_total")
+            raise AdmissionError(
+                f"the engine is at its {'long' if long else 'short'}-request budget "
+                f"({self._count[long]} requests, {self._outstanding[long]} of {budget} tokens); retry later",
+                retry_after=self._retry_after(self._outstanding[long] + total - budget), status=503)
+        seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
+        gen = torch.Generator(device=self.pool.device).manual_seed(seed)
+        seq = Sequence(request_id, prompt_ids, sampling, gen, long=long)
+        self.requests[request_id] = seq
+        self._outstanding[long] += total
+        self._count[long] += 1
+        self.scheduler.add(seq)
+
+    def _retry_after(self, excess_tokens: int) -> float:
+        rate, _ = self.metrics_state.rates()
+        est = max(excess_tokens, 1) / rate if rate > 0 else 1.0
+        return float(min(60.0, max(1.0, math.ceil(est))))
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free every page and slot it holds. False if it is unknown or finished."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, "abort")
+        return True
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        seq.status = SequenceStatus.FINISHED
+        self.scheduler.remove(seq)
+        del self.requests[seq.request_id]
+        self._outstanding[seq.long] -= seq.budget_tokens
+        self._count[seq.long] -= 1
+        self.metrics_state.inc("requests_finished_total")
+        self.metrics_state.observe("e2e_request_latency_seconds", time.monotonic() - seq.arrival)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step --------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one forward over the scheduled pieces; return what each request produced (new tokens, or
+        its finish). Requests still prefilling produce nothing."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        m = self.metrics_state
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.admit_time is None:
+                seq.admit_time = now
+                m.observe("queue_time_seconds", now - seq.arrival)
+                m.inc("prompt_tokens_total", seq.num_prompt)
+        logits = self.runner.run(batch)
+        ready = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.counts)):
+            self.scheduler.after_forward(seq, n)
+            if seq.num_computed == len(seq.tokens):
+                ready.append(i)
+        outputs = []
+        if ready:
+            seqs = [batch.seqs[i] for i in ready]
+            tokens, logprobs = sample(logits[ready], [s.sampling for s in seqs], [s.generator for s in seqs],
+                                      [s.prompt_ids for s in seqs], [s.output_ids for s in seqs])
+            now = time.monotonic()
+            for seq, tok, lp in zip(seqs, tokens, logprobs):
+                outputs.append(self._append(seq, tok, lp, now))
+        m.inc("steps_total")
+        m.inc("forward_tokens_total", batch.num_tokens)
+        m.inc("generation_tokens_total", len(ready))
+        m.record_step(len(ready), batch.num_tokens)
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, lp, now: float) -> RequestOutput:
+        m = self.metrics_state
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            m.observe("time_to_first_token_seconds", now - seq.arrival)
+        else:
+            m.observe("inter_token_latency_seconds", now - seq.last_token_time)
+        seq.last_token_time = now
+        seq.tokens.append(token)
+        seq.output_ids.append(token)
+        if lp is not None:
+            seq.pending_logprobs.append(lp)
+        sp = seq.sampling
+        reason = None
+        stop_token = token in sp.stop_token_ids or token in self.config.eos_token_ids
+        if stop_token:
+            reason = "stop"
+        elif len(seq.output_ids) >= sp.max_tokens or len(seq.tokens) >= self.max_context:
+            reason = "length"
+        upto = None
+        if self.tokenizer is not None:
+            ids = seq.output_ids[:-1] if stop_token else seq.output_ids
+            text = self.tokenizer.decode(ids)
+            if sp.stop:
+                found = _find_stop(text, sp.stop, max(0, seq.emitted_text - max(map(len, sp.stop))))
+                if found is not None:
+                    at, s = found
+                    text = text[: at + (len(s) if sp.include_stop_str_in_output else 0)]
+                    reason = "stop"
+            seq.text = text
+            upto = len(text)
+            if reason is None:
+                # hold back an incomplete UTF-8 character and a tail that may still become a stop string
+                if text.endswith("\ufffd"):
+                    upto = len(text.rstrip("\ufffd"))
+                upto -= _stop_prefix_len(text[:upto], sp.stop)
+            upto = max(upto, seq.emitted_text)
+        out = RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=seq.output_ids[seq.emitted_tokens :],
+            new_text=seq.text[seq.emitted_text : upto] if upto is not None else "",
+            logprobs=seq.pending_logprobs if sp.logprobs is not None else None,
+            finished=reason is not None,
+            finish_reason=reason,
+            prompt_tokens=seq.num_prompt,
+            cached_tokens=seq.cached_tokens,
+            completion_tokens=len(seq.output_ids),
+        )
+        seq.emitted_tokens = len(seq.output_ids)
+        seq.pending_logprobs = []
+        if upto is not None:
+            seq.emitted_text = upto
+        if reason is not None:
+            self._finish(seq, reason)
+        return out
+
+    # ---- introspection ---------------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        """A snapshot for `render_prometheus` (plain numbers and histogram dicts)."""
+        snap = self.metrics_state.snapshot()
+        pool = self.pool
+        cached = self.prefix.cached_pages()
+        used = pool.num_pages - pool.num_free - cached
+        waiting = len(self.scheduler.waiting)
+        snap.update(
+            requests_running=len(self.scheduler.running),
+            requests_waiting=waiting,
+            kv_pages_total=pool.num_pages,
+            kv_pages_used=used,
+            kv_pages_cached=cached,
+            kv_pages_free=pool.num_free,
+            kv_utilization=used / pool.num_pages,
+            kda_slots_used=len(self.scheduler.running),
+            kda_slots_total=self.config.max_running,
+            prefix_evictions_total=self.prefix.evictions,
+        )
+        host = self.host_pool
+        snap.update(
+            cpu_pool_hits_total=host.loads if host else 0,
+            cpu_pool_bytes_out_total=host.bytes_out if host else 0,
+            cpu_pool_bytes_in_total=host.bytes_in if host else 0,
+            cpu_pool_slots_used=host.used_slots if host else 0,
+            cpu_pool_slots_total=host.num_slots if host else 0,
+        )
+        return snap
+
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None) -> RequestOutput:
+        """Run one request to completion on an otherwise idle engine; returns all its tokens in one output."""
+        if self.has_unfinished():
+            raise ValueError("generate() needs an idle engine; use add_request/step with other requests queued")
+        sampling = sampling or SamplingParams()
+        rid = f"generate-{next(self._ids)}"
+        self.add_request(rid, prompt_ids, sampling)
+        total = RequestOutput(rid, [], logprobs=[] if sampling.logprobs is not None else None)
+        while True:
+            for out in self.step():
+                merge_output(total, out)
+            if total.finished:
+                return total
+
+
+def merge_output(total: RequestOutput, out: RequestOutput) -> None:
+    """Accumulate a streamed increment into a running total (in place)."""
+    total.new_token_ids = total.new_token_ids + out.new_token_ids
+    total.new_text += out.new_text
+    if out.logprobs is not None:
+        total.logprobs = (total.logprobs or []) + out.logprobs
+    total.finished, total.finish_reason = out.finished, out.finish_reason
+    total.prompt_tokens, total.cached_tokens = out.prompt_tokens, out.cached_tokens
+    total.completion_tokens = out.completion_tokens
+
+
+def _find_stop(text: str, stops, start: int) -> tuple[int, str] | None:
+    """The earliest stop string in text[start:] -> (index, the stop string)."""
+    best = None
+    for s in stops:
+        if not s:
+            continue
+        i = text.find(s, start)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
+
+
+def _stop_prefix_len(text: str, stops) -> int:
+    """Length of the longest suffix of text that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+class AsyncEngine:
+    """`Engine` in a background thread, streamed to asyncio. Thread-safe.
+
+    `stream(...)` is an async generator of `RequestOutput` increments (the last one has `finished=True`);
+    it raises ValueError / ContextLengthError / AdmissionError at its first `__anext__`, before any
+    output. Closing it early (client disconnect, task cancelled) aborts the request and frees its cache.
+    `abort(request_id)` ends the stream with a final output whose finish_reason is "abort". Neither
+    `abort` nor `metrics` waits for a running step.
+    """
+
+    def __init__(self, engine: Engine, idle_wait: float = 0.05):
+        self.engine = engine
+        self.idle_wait = idle_wait
+        self._engine_lock = threading.Lock()  # held around every Engine call
+        self._lock = threading.Lock()  # guards the small shared state below; never held across a step
+        self._wake = threading.Event()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._aborts: list[str] = []
+        self._early_aborts: set[str] = set()
+        self._metrics = engine.metrics()
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
+        self._thread.start()
+
+    # ---- API -----------------------------------------------------------------------------------------
+    async def stream(self, request_id: str, prompt_ids: list[int],
+                     sampling: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        added = finished = False
+        try:
+            try:
+                await asyncio.to_thread(self._add, request_id, list(prompt_ids), sampling, loop, queue)
+            except asyncio.CancelledError:
+                self.abort(request_id, notify=False)  # the add may still land: `_add` checks for this
+                raise
+            added = True
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise RuntimeError(f"the engine failed: {item!r}") from item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if added and not finished:
+                self.abort(request_id, notify=False)
+
+    def abort(self, request_id: str, notify: bool = True) -> None:
+        """Abort a request; its pages are freed before the next step."""
+        with self._lock:
+            self._aborts.append(request_id)
+            entry = self._queues.pop(request_id, None)
+        self._wake.set()
+        if entry is not None and notify:
+            loop, queue = entry
+            out = RequestOutput(request_id, [], finished=True, finish_reason="abort")
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def metrics(self) -> dict:
+        """The latest snapshot (refreshed every 0.25 s while busy, and whenever the engine goes idle)."""
+        with self._lock:
+            return self._metrics
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    def idle(self) -> bool:
+        """No request queued or running, and no abort pending."""
+        with self._engine_lock, self._lock:
+            return not self.engine.has_unfinished() and not self._aborts
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # ---- background thread -------------------------------------------------------------------------------
+    def _add(self, request_id, prompt_ids, sampling, loop, queue) -> None:
+        with self._engine_lock:
+            if self._error is not None:
+                raise RuntimeError(f"the engine failed earlier: {self._error!r}")
+            try:
+                self.engine.add_request(request_id, prompt_ids, sampling)
+            except Exception:
+                self._early_aborts.discard(request_id)
+                raise
+            if request_id in self._early_aborts:
+                self._early_aborts.discard(request_id)
+                self.engine.abort(request_id)
+                return
+            with self._lock:
+                self._queues[request_id] = (loop, queue)
+                self._metrics = self.engine.metrics()
+        self._wake.set()
+
+    def _loop(self) -> None:
+        last_snapshot = 0.0
+        while not self._stopped:
+            with self._engine_lock:
+                busy = self.engine.has_unfinished()
+            with self._lock:
+                busy = busy or bool(self._aborts)
+            if not busy:
+                self._wake.wait(self.idle_wait)
+                self._wake.clear()
+                continue
+            targets, failed = [], None
+            with self._engine_lock:
+                with self._lock:
+                    aborts, self._aborts = self._aborts, []
+                for rid in aborts:
+                    if not self.engine.abort(rid):
+                        self._early_aborts.add(rid)  # aborted before its add landed (see _add)
+                try:
+                    outputs = self.engine.step() if self.engine.has_unfinished() else []
+                except Exception as e:  # a bug: fail every stream rather than leave them hanging
+                    self._error = failed = e
+                    for rid in list(self.engine.requests):
+                        self.engine.abort(rid)
+                    outputs = []
+                # a snapshot walks the prefix cache: take one every 0.25 s while busy, and when idle
+                now = time.monotonic()
+                snapshot = None
+                if now - last_snapshot >= 0.25 or not self.engine.has_unfinished():
+                    snapshot, last_snapshot = self.engine.metrics(), now
+            with self._lock:
+                if snapshot is not None:
+                    self._metrics = snapshot
+                if failed is not None:
+                    targets = [(entry, failed) for entry in self._queues.values()]
+                    self._queues.clear()
+                for out in outputs:
+                    entry = self._queues.get(out.request_id)
+                    if entry is not None:
+                        targets.append((entry, out))
+                        if out.finished:
+                            del self._queues[out.request_id]
+            for (loop, queue), item in targets:
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, item)
+                except RuntimeError:  # the consumer's event loop is closed
+                    if not isinstance(item, BaseException):
+                        self.abort(item.request_id, notify=False)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server over the inference engine: app, protocol types, chat template, CLI."""

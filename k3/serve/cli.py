@@ -1,0 +1,255 @@
+"""`k3 serve` (the OpenAI-compatible server under uvicorn) and `k3 chat` (a multi-turn streaming REPL on the
+same engine, no HTTP). `k3.cli` wires them in with `add_serve_parser(subparsers)`.
+
+Both load a model with `--checkpoint DIR` (a run folder, using its newest checkpoint, or a checkpoint folder;
+its tokenizer comes along) or `--preset NAME` (random weights, for tests, benchmarks and trying the API;
+the tokenizer is `--tokenizer DIR`, else a byte-level BPE of the preset's vocabulary trained on the first
+2 M characters of this Python's standard library, which takes a few seconds). Every `EngineConfig` field
+is a flag (`--max-running`, `--pool-bytes`, `--max-context`, ...; see `k3/infer/config.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import sys
+import uuid
+
+SKIP_ENGINE_FIELDS = {"eos_token_ids"}  # set from the model config
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+# ---- shared arguments -------------------------------------------------------------------------------------
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="a run folder (its newest checkpoint) or a checkpoint folder")
+    src.add_argument("--preset", help="random weights of a preset: debug | tiny | small | k3")
+    p.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint's; for --preset, trained here)")
+    p.add_argument("--weights-seed", type=int, default=0, help="init seed of --preset weights")
+    p.add_argument("--device", default="auto", help="cpu | cuda | auto (default auto)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="default bfloat16 on GPU, float32 on CPU")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """One flag per `EngineConfig` field (`max_running` → `--max-running`); unset flags keep its defaults."""
+    from k3.infer.config import EngineConfig
+
+    group = p.add_argument_group("engine (EngineConfig)")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in SKIP_ENGINE_FIELDS:
+            continue
+        kind = str(f.type).replace(" | None", "").strip()
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f"default {f.default!r}" + (" (None: derived)" if f.default is None else "")
+        if kind == "bool":
+            group.add_argument(flag, dest=f"engine_{f.name}", action=argparse.BooleanOptionalAction, default=None,
+                               help=help_)
+        elif kind in _TYPES:
+            group.add_argument(flag, dest=f"engine_{f.name}", type=_TYPES[kind], default=None, help=help_,
+                               metavar=kind.upper())
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from k3.infer.config import EngineConfig
+
+    given = {k[len("engine_"):]: v for k, v in vars(args).items() if k.startswith("engine_") and v is not None}
+    return EngineConfig(**given)
+
+
+def _default_tokenizer(vocab_size: int):
+    import itertools
+
+    from k3.train.data import stdlib_documents
+    from k3.train.tokenizer import train_bpe
+
+    print(f"# no --tokenizer: training a {vocab_size}-token BPE on the standard library", file=sys.stderr)
+    docs = (text for _, text in itertools.islice(stdlib_documents(), 400))
+    return train_bpe(docs, vocab_size, show_progress=False, max_chars=2_000_000)
+
+
+def load_model(args: argparse.Namespace):
+    """(model, tokenizer, name) from --checkpoint or --preset, on --device in --dtype."""
+    import torch
+
+    from k3.train.tokenizer import Tokenizer
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device != "cpu" else torch.float32)
+    if args.checkpoint:
+        from pathlib import Path
+
+        from k3.cli import _load_trained
+
+        model, tokenizer, ckpt = _load_trained(args.checkpoint)
+        name = Path(args.checkpoint).resolve().name
+        model = model.to(device)
+    else:
+        from k3.config import get_preset
+        from k3.model.model import build_model
+
+        config = get_preset(args.preset)
+        model = build_model(config, seed=args.weights_seed, device=device)
+        tokenizer = None
+        name = f"k3-{args.preset}"
+    if args.tokenizer:
+        tokenizer = Tokenizer.load(args.tokenizer)
+    if tokenizer is None:
+        tokenizer = _default_tokenizer(model.config.vocab_size)
+    if tokenizer.vocab_size != model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model {model.config.vocab_size}")
+    if dtype != torch.float32:
+        model.cast(dtype)
+    return model.eval(), tokenizer, name
+
+
+def build_engine(model, args: argparse.Namespace):
+    from k3.infer.engine import AsyncEngine, Engine
+
+    return AsyncEngine(Engine(model, engine_config_from_args(args)))
+
+
+# ---- k3 serve ---------------------------------------------------------------------------------------------
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from k3.serve.app import create_app
+
+    model, tokenizer, name = load_model(args)
+    engine = build_engine(model, args)
+    try:
+        app = create_app(engine, tokenizer, args.model_name or name, api_key=args.api_key,
+                         default_max_tokens=args.default_max_tokens or None, medium_effort=args.medium_effort)
+        print(f"# serving {args.model_name or name} at http://{args.host}:{args.port}/v1 "
+              f"(context {engine.max_context} tokens{', API key required' if args.api_key else ''})",
+              file=sys.stderr)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+# ---- k3 chat ----------------------------------------------------------------------------------------------
+
+CHAT_HELP = "commands: /reset (new conversation), /effort none|low|medium|high|max, /system TEXT, /exit"
+
+
+async def chat_loop(engine, tokenizer, args: argparse.Namespace, out=None) -> None:
+    """Read a line, stream the reply (thinking dimmed), keep the history (with its reasoning) for the next turn."""
+    from k3.infer.api import SamplingParams
+    from k3.serve.chat_template import ChatTemplate, OutputParser, ReplyAccumulator, TemplateError, normalize_effort
+
+    out = out or sys.stdout
+    template = ChatTemplate(tokenizer)
+    effort = args.reasoning_effort
+    system = args.system
+    history: list[dict] = []
+    dim, reset = ("\x1b[2m", "\x1b[0m") if out.isatty() else ("", "")
+    print(CHAT_HELP, file=out)
+    while True:
+        try:
+            line = await asyncio.to_thread(input, "you> ")
+        except EOFError:
+            return
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return
+        if line == "/reset":
+            history = []
+            continue
+        if line.startswith("/effort"):
+            value = line.partition(" ")[2].strip() or "none"
+            try:
+                normalize_effort(value)
+                effort = None if value == "none" else value
+            except TemplateError as e:
+                print(e, file=out)
+            continue
+        if line.startswith("/system"):
+            system = line.partition(" ")[2].strip() or None
+            continue
+        if line.startswith("/"):
+            print(CHAT_HELP, file=out)
+            continue
+        messages = ([{"role": "system", "content": system}] if system else []) + history
+        messages.append({"role": "user", "content": line})
+        thinking = normalize_effort(effort) is not None
+        ids = template.render(messages, reasoning_effort=effort)
+        max_tokens = min(args.max_tokens, engine.max_context - len(ids))
+        if max_tokens < 1:
+            print(f"[the conversation fills the {engine.max_context}-token context: /reset]", file=out)
+            continue
+        # no per-request seed: the engine seeds each request from its own --seed stream
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                  stop_token_ids=tuple(tokenizer.stop_ids))
+        parser, acc = OutputParser(tokenizer, thinking), ReplyAccumulator()
+        out.write("k3> ")
+        in_thought = False
+        async for result in engine.stream("chat-" + uuid.uuid4().hex, ids, sampling):
+            delta = parser.feed(result.new_token_ids)
+            if result.finished:
+                delta.extend(parser.finish())
+            acc.add(delta)
+            if delta.reasoning:
+                out.write(("" if in_thought else dim) + delta.reasoning)
+                in_thought = True
+            if delta.content:
+                out.write((reset + "\n" if in_thought else "") + delta.content)
+                in_thought = False
+            out.flush()
+        out.write((reset if in_thought else "") + "\n")
+        reply = acc.reply(thinking)
+        history += [messages[-1], {"role": "assistant", "content": reply.content or "",
+                                   "reasoning_content": reply.reasoning_content}]
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    model, tokenizer, name = load_model(args)
+    engine = build_engine(model, args)
+    print(f"# {name}: context {engine.max_context} tokens", file=sys.stderr)
+    try:
+        asyncio.run(chat_loop(engine, tokenizer, args))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.shutdown()
+    return 0
+
+
+# ---- wiring -----------------------------------------------------------------------------------------------
+
+def add_serve_parser(subparsers) -> None:
+    """Add `serve` and `chat` to `k3`'s subcommands."""
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, completions, models)")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("K3_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $K3_API_KEY, else none)")
+    p.add_argument("--model-name", help="the id clients use (default: k3-PRESET or the checkpoint folder's name)")
+    p.add_argument("--default-max-tokens", type=int, default=4096,
+                   help="completion budget when a request sets none (default 4096; 0: the rest of the context, "
+                        "which admission then reserves in full)")
+    p.add_argument("--medium-effort", choices=["low", "high", "max"], default="high",
+                   help="trained level that reasoning_effort 'medium' maps to (default high)")
+    p.add_argument("--log-level", default="info", help="uvicorn log level")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = subparsers.add_parser("chat", help="interactive multi-turn chat on the engine (streaming, no HTTP)")
+    add_model_args(p)
+    p.add_argument("--system", help="a system prompt")
+    p.add_argument("--reasoning-effort", choices=["none", "low", "medium", "high", "max"], default=None,
+                   help="thinking mode at this effort (default: instruct, no thinking)")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_chat)

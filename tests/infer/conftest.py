@@ -1,0 +1,30 @@
+import pytest
+import torch
+
+from k3.config import get_preset
+from k3.model.model import build_model
+
+
+@pytest.fixture(scope="session")
+def model():
+    """The debug preset in float32 with random AttnRes queries and router biases, so every path matters."""
+    m = build_model(get_preset("debug"), seed=0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("_res_proj.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        for name, b in m.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.05)
+    return m.eval()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: these steps are tiny, and on a shared 2-core machine two spinning OpenMP threads
+    make them tens of times slower. Restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
