@@ -151,7 +151,8 @@ def main():
         config = get_preset(name, **overrides)
         model = build_model(config, seed=0, device=device)
         opt_times: list[float] = []
-        optimizer = TimedMuonAdamW(model.named_parameters(), config, lr=1e-3, record=opt_times, device=device)
+        optimizer = TimedMuonAdamW(model.named_parameters(), config, lr=1e-3, record=opt_times, device=device,
+                                   ns_dtype=torch.bfloat16)  # as `k3 train` runs it
         scheduler = cosine_schedule(optimizer, 1000)
         cfg = TrainConfig(preset=name)
         batch = Batch(rows, seq_len, config.vocab_size, device)
