@@ -157,7 +157,8 @@ class PagePool:
     def copy(self, dst: Seq[int], src: Seq[int]) -> None:
         """Whole-page byte copies (copy-on-write, checkpoints)."""
         if dst:
-            self.arena[torch.tensor(list(dst), device=self.device)] = self.arena[torch.tensor(list(src), device=self.device)]
+            src_t = torch.tensor(list(src), device=self.device)
+            self.arena[torch.tensor(list(dst), device=self.device)] = self.arena[src_t]
 
     def zero(self, pages: Seq[int]) -> None:
         if pages:

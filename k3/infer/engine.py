@@ -86,7 +86,9 @@ class Engine:
             raise ValueError(f"a pool of {num_pages} pages of {spec.page_bytes} B cannot hold one request "
                              f"(needs {n_kda + 2 * n_mla} pages at least); raise pool_bytes / num_pages")
         max_context = min(config.max_context or mcfg.max_position_embeddings, mcfg.max_position_embeddings, fit)
-        capacity = (num_pages - n_kda * min(config.max_running, 8)) // n_mla * spec.page_tokens
+        # default class budgets (admission charges prompt + max_tokens, a worst case): short requests may
+        # book twice the tokens the pool holds, long ones what it holds (at least one max_context request)
+        capacity = fit
         self.config = config.replace(
             page_tokens=spec.page_tokens, pool_bytes=num_pages * spec.page_bytes, num_pages=num_pages,
             max_context=max_context,

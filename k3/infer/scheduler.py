@@ -72,9 +72,6 @@ class Scheduler:
             self.waiting.remove(seq)
         self._release(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def _release(self, seq: Sequence) -> None:
         for block in seq.blocks:
             self.pool.decref(block.pages)
@@ -151,21 +148,16 @@ class Scheduler:
             if pages is not None:
                 seq.blocks.append(MLABlock(tuple(pages), len(seq.blocks)))
                 continue
-            victim = self._victim(exclude=[seq] + batch.seqs)
-            if victim is None:
+            # the newest running request not already in this step's batch, long ones first (maybe seq itself)
+            order = {id(s): i for i, s in enumerate(self.running)}
+            candidates = [s for s in self.running if s is seq or all(s is not b for b in batch.seqs)]
+            victim = max(candidates, key=lambda s: (s.long, order[id(s)]))
+            if victim is seq:
                 assert len(self.running) > 1 or batch.seqs, "the pool cannot hold one request of max_context"
                 self.preempt(seq)
                 return False
             self.preempt(victim)
         return True
-
-    def _victim(self, exclude: list[Sequence]) -> Sequence | None:
-        """The newest running request, long ones first."""
-        candidates = [s for s in self.running if all(s is not e for e in exclude)]
-        if not candidates:
-            return None
-        order = {id(s): i for i, s in enumerate(self.running)}
-        return max(candidates, key=lambda s: (s.long, order[id(s)]))
 
     def _admit(self, seq: Sequence) -> bool:
         """Move a waiting request's state into the pool: prefix hit (pinned, loaded, CoW) and private KDA

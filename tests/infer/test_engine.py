@@ -246,6 +246,7 @@ def test_async_engine_streams_and_cancels(model):
         got = await asyncio.gather(collect("a", ids_a, greedy(8)), collect("b", ids_b, greedy(8)), cancel_early())
         with pytest.raises(ContextLengthError):
             await collect("x", [1], greedy(10**7))
+        assert (await collect("x", [1], greedy(2)))[1] == "length"  # a refused id is free to use again
         return got
 
     try:
@@ -261,5 +262,5 @@ def test_async_engine_streams_and_cancels(model):
         aeng.shutdown()
     assert_all_free(engine)
     for name in ("k3_requests_running 0", "k3_requests_waiting 0", "# TYPE k3_preemptions_total counter",
-                 "k3_time_to_first_token_seconds_count 3", 'k3_e2e_request_latency_seconds_bucket{le="+Inf"} 3'):
+                 "k3_time_to_first_token_seconds_count 4", 'k3_e2e_request_latency_seconds_bucket{le="+Inf"} 4'):
         assert name in text, name

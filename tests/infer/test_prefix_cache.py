@@ -212,7 +212,8 @@ def test_random_traffic_keeps_refcounts_exact_and_outputs_unchanged(model):
     for i in range(16):
         cut = int(torch.randint(12, 41, (1,), generator=g))
         ids = base[:cut] + prompt(int(torch.randint(1, 30, (1,), generator=g)), 100 + i)
-        reqs.append((int(torch.randint(0, 60, (1,), generator=g)), f"r{i}", ids, greedy(int(torch.randint(1, 25, (1,), generator=g)))))
+        arrival, n_out = int(torch.randint(0, 60, (1,), generator=g)), int(torch.randint(1, 25, (1,), generator=g))
+        reqs.append((arrival, f"r{i}", ids, greedy(n_out)))
     aborted = {"r3", "r8"}
     tight = Engine(model, CFG.replace(num_pages=37, max_running=4, cpu_pool_bytes=40 * 40_000))
     roomy = Engine(model, CFG)

@@ -1,0 +1,221 @@
+"""The inference engine's throughput, prefix-cache time-to-first-token, and decode cost vs context length.
+
+Random weights (`--preset`, default tiny), fp32 on CPU (or `--device cuda`), reference ops. Three tables:
+1. prefill and decode tokens/s at several batch sizes (every request: a random prompt, greedy decoding);
+2. time to first token of a prompt whose long prefix is cached (device pool, and CPU pool after the
+   device copy was evicted) vs the same prompt cold;
+3. decode time per token at several context lengths, batch 1, for the hybrid model and for the same
+   model with every layer Gated MLA (its cache grows 3-4x faster and every layer reads it). The cache is
+   filled with random contents instead of a prefill (`fast_forward`): a decode step's cost does not
+   depend on the values, and a 128K-token reference prefill would take far longer than the measurement.
+
+Correctness gate first: the engine's greedy tokens equal the model's own argmax decoding, and a
+prefix-cache hit gives the cold run's tokens. Run: `python benchmarks/serve_engine.py [--quick]`.
+"""
+
+import argparse
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from k3.config import get_preset
+from k3.infer.api import SamplingParams
+from k3.infer.config import EngineConfig
+from k3.infer.engine import Engine
+from k3.infer.scheduler import Batch
+from k3.model.model import build_model
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab - 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def argmax_decode(model, ids: list[int], n: int) -> list[int]:
+    device = next(model.parameters()).device
+    cache = model.new_cache(1)
+    logits = model(torch.tensor([ids], device=device), cache=cache).logits[0, -1]
+    out = []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = model(torch.tensor([[out[-1]]], device=device), cache=cache).logits[0, -1]
+    return out
+
+
+def correctness_gate(model, config: EngineConfig):
+    V = model.config.vocab_size
+    ids = random_prompt(300, V, 0)
+    want = argmax_decode(model, ids, 8)
+    engine = Engine(model, config)
+    got = engine.generate(ids, greedy(8)).new_token_ids
+    if got != want:
+        raise SystemExit(f"correctness gate failed: engine {got} vs model argmax {want}")
+    # shares 270 tokens: the first prompt's end-of-prompt KDA checkpoint (at 256 with 64-token hash blocks)
+    # is the longest boundary with state
+    other = ids[:270] + random_prompt(100, V, 1)
+    warm = engine.generate(other, greedy(8))
+    cold = Engine(model, config).generate(other, greedy(8))
+    if warm.new_token_ids != cold.new_token_ids or warm.cached_tokens == 0:
+        raise SystemExit("correctness gate failed: a prefix-cache hit changed the output")
+
+
+def throughput(model, config: EngineConfig, batch: int, prompt_len: int, decode: int):
+    """-> (prefill tok/s, decode tok/s) for `batch` requests submitted together."""
+    engine = Engine(model, config.replace(enable_prefix_caching=False, max_running=max(batch, 1)))
+    V = model.config.vocab_size
+    engine.generate(random_prompt(16, V, 99), greedy(2))  # warm-up
+    for i in range(batch):
+        engine.add_request(f"r{i}", random_prompt(prompt_len, V, 1000 + i), greedy(decode))
+    started = set()
+    generated = 0
+    t0 = time.perf_counter()
+    while len(started) < batch:
+        for out in engine.step():
+            started.add(out.request_id)
+            generated += len(out.new_token_ids)
+    sync(engine.pool.device)
+    t1 = time.perf_counter()
+    first = generated
+    while engine.has_unfinished():
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+    sync(engine.pool.device)
+    t2 = time.perf_counter()
+    return batch * prompt_len / (t1 - t0), (generated - first) / (t2 - t1)
+
+
+def ttft(engine: Engine, ids: list[int]) -> tuple[float, int]:
+    engine.add_request("ttft", ids, greedy(1))
+    t0 = time.perf_counter()
+    while True:
+        outs = engine.step()
+        if outs:
+            sync(engine.pool.device)
+            return time.perf_counter() - t0, outs[0].cached_tokens
+
+
+def all_mla(config):
+    L = config.num_hidden_layers
+    lin = config.linear_attn_config
+    return config.replace(linear_attn_config=lin.__class__(**{**lin.__dict__, "kda_layers": [],
+                                                              "full_attn_layers": list(range(1, L + 1))}))
+
+
+def fast_forward(engine: Engine, request_id: str) -> None:
+    """Admit a waiting request and fill its cache with random contents up to its last token, instead of
+    prefilling it (the cost of a decode step does not depend on the values in the cache)."""
+    seq = engine.requests[request_id]
+    sched, pool = engine.scheduler, engine.pool
+    assert sched._admit(seq)
+    sched.waiting.remove(seq)
+    sched.running.append(seq)
+    n = len(seq.tokens) - 1
+    assert sched._ensure_pages(seq, n, Batch())
+    g = torch.Generator(device=pool.device).manual_seed(0)
+    for block in seq.blocks:
+        for p in block.pages:
+            pool.mla[p].normal_(generator=g)
+    for p in seq.kda_pages:
+        pool.kda_state[p].normal_(0, 0.1, generator=g)
+        pool.kda_conv[p].normal_(generator=g)
+    seq.num_computed = n
+
+
+def decode_ms(model, config: EngineConfig, context: int, steps: int) -> float:
+    """Batch-1 decode time per token with `context` tokens in the cache."""
+    spec = Engine(model, config.replace(num_pages=64)).spec
+    need = (context // spec.page_tokens + 2) * len(spec.mla_layers) + 2 * len(spec.kda_layers) + 4
+    engine = Engine(model, config.replace(enable_prefix_caching=False, max_running=1, num_pages=need))
+    engine.add_request("d", random_prompt(context + 1, model.config.vocab_size, 7), greedy(steps + 1))
+    fast_forward(engine, "d")
+    engine.step()  # warm-up: the first token
+    sync(engine.pool.device)
+    t0 = time.perf_counter()
+    n = 0
+    while engine.has_unfinished():
+        n += len(engine.step())
+    sync(engine.pool.device)
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--prefix-len", type=int, default=2048)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
+    parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.batches, args.prefix_len, args.contexts, args.decode_tokens = [1, 8], 512, [256, 1024], 4
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    model_config = get_preset(args.preset)
+    model = build_model(model_config, seed=0, device=device, dtype=dtype).eval()
+    config = EngineConfig(eos_token_ids=(), max_step_tokens=4096)
+    correctness_gate(model, config)
+    console = Console()
+    where = f"{args.preset}, {args.dtype}, {device}" + (f", {args.threads} threads" if device.type == "cpu" else "")
+
+    table = Table(title=f"engine throughput ({where}; prompts of {args.prompt_len}, {args.decode_tokens} "
+                        f"greedy tokens each; budget {config.max_step_tokens} tokens/step)")
+    for col in ("batch", "prefill tok/s", "decode tok/s", "decode ms/step"):
+        table.add_column(col, justify="right")
+    for b in args.batches:
+        pre, dec = throughput(model, config, b, args.prompt_len, args.decode_tokens)
+        table.add_row(str(b), f"{pre:,.0f}", f"{dec:,.1f}", f"{b / dec * 1e3:.1f}")
+    console.print(table)
+
+    V = model_config.vocab_size
+    prefix = random_prompt(args.prefix_len, V, 11)
+    table = Table(title=f"time to first token with a cached {args.prefix_len}-token prefix ({where})")
+    for col in ("run", "TTFT ms", "cached tokens", "speedup"):
+        table.add_column(col, justify="right")
+    engine = Engine(model, config.replace(cpu_pool_bytes=1 << 30))
+    cold, _ = ttft(engine, prefix + random_prompt(32, V, 12))
+    table.add_row("cold", f"{cold * 1e3:.1f}", "0", "1.0x")
+    warm, cached = ttft(engine, prefix + random_prompt(32, V, 13))
+    table.add_row("prefix in the device pool", f"{warm * 1e3:.1f}", str(cached), f"{cold / warm:.1f}x")
+    while engine.prefix.evict_one():
+        pass  # everything goes to the CPU pool
+    host, cached_cpu = ttft(engine, prefix + random_prompt(32, V, 14))
+    table.add_row("prefix in the CPU pool", f"{host * 1e3:.1f}", str(cached_cpu), f"{cold / host:.1f}x")
+    console.print(table)
+
+    baseline = build_model(all_mla(model_config), seed=0, device=device, dtype=dtype).eval()
+    probe = Engine(model, config)
+    probe_mla = Engine(baseline, config)
+    table = Table(title=f"decode time per token at batch 1 ({where}): hybrid (3 KDA : 1 MLA) vs every layer "
+                        f"Gated MLA")
+    for col in ("context", "hybrid ms/token", "all-MLA ms/token", "all-MLA / hybrid", "hybrid cache MiB",
+                "all-MLA cache MiB"):
+        table.add_column(col, justify="right")
+    for ctx in args.contexts:
+        h = decode_ms(model, config, ctx, args.decode_steps)
+        a = decode_ms(baseline, config, ctx, args.decode_steps)
+        hb = ctx * len(probe.spec.mla_layers) * probe.spec.latent_dim * probe.spec.elt + len(
+            probe.spec.kda_layers) * (probe.spec.kda_state_bytes + probe.spec.kda_conv_bytes)
+        ab = ctx * len(probe_mla.spec.mla_layers) * probe_mla.spec.latent_dim * probe_mla.spec.elt
+        table.add_row(f"{ctx:,}", f"{h:.1f}", f"{a:.1f}", f"{a / h:.2f}x", f"{hb / 2**20:.1f}", f"{ab / 2**20:.1f}")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
