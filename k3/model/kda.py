@@ -96,11 +96,15 @@ class KimiDeltaAttention(nn.Module):
         z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)  # [B, T, H, K]
         g = naive_kda_gate(z, self.A_log, self.dt_bias, self.gate_lower_bound)  # fp32, in (g_min, 0)
 
-        if cu is not None:
-            q, k, v, g, beta = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta))
         initial = state.recurrent if state is not None else None
+        if cu is not None and B * T == cu.numel() - 1 and bool((cu[1:] - cu[:-1] == 1).all()):
+            # every document is one token (a batched decode step): a dense batch of one-step recurrences
+            q, k, v, g, beta = (t.reshape(B * T, 1, *t.shape[2:]) for t in (q, k, v, g, beta))
+            cu = None
+        elif cu is not None:
+            q, k, v, g, beta = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta))
         kw = dict(initial_state=initial, output_final_state=use_cache, cu_seqlens=cu)
-        if self.impl == "recurrent" or T == 1:
+        if self.impl == "recurrent" or q.shape[1] == 1:
             o, final = naive_recurrent_kda(q, k, v, g, beta, **kw)
         elif self.impl == "torch":
             o, final = torch_chunk_kda(q, k, v, g, beta, **kw, chunk_size=self.chunk_size,
