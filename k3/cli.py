@@ -139,26 +139,25 @@ def _load_trained(path: str):
 
 
 def cmd_generate(args) -> int:
-    from k3.infer.generate import generate
+    """One prompt through the inference engine (the same engine `k3 serve` and `k3 chat` use), streamed."""
+    from k3.infer.api import SamplingParams
+    from k3.infer.engine import Engine
 
     model, tokenizer, ckpt = _load_trained(args.run)
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t") if args.escapes else args.prompt
     ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
+    engine = Engine(model, tokenizer=tokenizer)
+    sampling = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed, stop_token_ids=tuple(tokenizer.stop_ids))
+    sampling.validate(model.config.vocab_size)
+    engine.add_request("generate", ids, sampling)
     print(f"# {ckpt}", file=sys.stderr)
     sys.stdout.write(prompt)
-    sys.stdout.flush()
-    out: list[int] = []
-    printed = ""
-    for token in generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, stop_ids=set(tokenizer.stop_ids), seed=args.seed):
-        out.append(token)
-        text = tokenizer.decode(out)
-        # print only whole characters: a byte-level token can end inside a UTF-8 sequence
-        if not text.endswith("\ufffd"):
-            sys.stdout.write(text[len(printed):])
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.new_text)
             sys.stdout.flush()
-            printed = text
-    sys.stdout.write(tokenizer.decode(out)[len(printed):] + "\n")
+    sys.stdout.write("\n")
     return 0
 
 

@@ -10,7 +10,7 @@ Random weights (`--preset`, default tiny), fp32 on CPU (or `--device cuda`), ref
    depend on the values, and a 128K-token reference prefill would take far longer than the measurement.
 
 Correctness gate first: the engine's greedy tokens equal the model's own argmax decoding, and a
-prefix-cache hit gives the cold run's tokens. Run: `python benchmarks/serve_engine.py [--quick]`.
+prefix-cache hit gives the cold run's tokens. Run: `python benchmarks/serve.py [--quick]`.
 """
 
 import argparse
