@@ -1,0 +1,155 @@
+"""The MoonEP planner: balance expert-parallel ranks exactly with redundant expert copies (pure function).
+
+Follows the Kimi K3 report §5.2.1 and App. E, and systems.md §5.2. Single-process and pure Python on
+integers (the "pure-Python twin"); the device-side torch version and the all-to-all dispatch are still
+to come (issue 7).
+
+Setting. R expert-parallel ranks, E routed experts, E/R of them at home on each rank: expert e lives on
+rank e // (E/R). Each rank holds S tokens routed top-K, so it sends T = S·K token copies. The step's
+routing is summarised by counts C [R, E]: C[r, e] copies from source rank r for expert e. Without a
+plan, rank h would process its home load L_h = Σ_{e ∈ home(h)} Σ_r C[r, e], which can be anything from
+0 to R·T. MoonEP gives each rank a few *slots* (redundant copies of other ranks' experts) and reroutes
+copies so that every rank processes the same number of copies, with static buffer shapes.
+
+Algorithm (deterministic; every rank runs it on the same all-gathered C and gets the same plan):
+1. Targets. N = Σ C. Rank h's target is ⌊N/R⌋, plus one for the first N mod R ranks. When every rank
+   routes all its S tokens to K experts, N = R·T and every target is exactly T = S·K.
+2. Fill. While some rank is below its target: u = the rank with the largest deficit, o = the rank with
+   the largest surplus (lowest index on ties). Move exactly q = target_u − L_u copies from o's home
+   experts to u, taking o's experts by descending remaining home copies (lower id on ties) and splitting
+   only the last one. Then L_u = target_u for good and L_o −= q (o may fall below its target and be
+   filled later).
+3. Placement. Each expert's copies are ordered by (source rank, index on that rank). The home keeps the
+   leading range; the migrated chunks take the following ranges in fill order. So send[r, e, d], the
+   number of copies source r sends to destination d for expert e, is the overlap of r's range with d's.
+
+Guarantees (tested in tests/dist/test_moonep.py):
+- Exact balance: every rank processes exactly its target, i.e. exactly S·K copies whenever N = R·S·K
+  (the normal case: nothing dropped). If fewer copies are routed (N < R·S·K, e.g. masked padding
+  tokens), loads differ by at most one copy and never exceed S·K, so the S·K-row buffer stays valid.
+  A rank that routes more than S·K copies is an input error (ValueError).
+- Why it terminates and fits: a donor always has L_o > target_o ≥ q, so it can pay in full. A filled
+  rank sits exactly at its target, so it is never a donor and never filled again: at most R − 1 fills,
+  and each rank receives from a single home, hence holds at most E/R redundant experts (slots).
+- Conservation: for every expert, Σ_{r,d} send[r, e, d] = Σ_r C[r, e], and for every (r, e),
+  Σ_d send[r, e, d] = C[r, e].
+- Determinism: a pure function of C (ties by lowest index), identical on every rank.
+
+Dimensions: R ranks, E experts, P = E/R home experts (and slots) per rank.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MoonEPPlan:
+    """One layer's expert-parallel plan; every tensor is int64 with a static shape.
+
+    send: [R, E, R] copies that source rank r routes to expert e which are processed on rank d.
+    slot_experts: [R, P] the redundant (non-home) experts rank d hosts, −1 for an empty slot.
+    slot_counts: [R, P] copies rank d processes in each slot (0 for an empty slot).
+    slot_home: [R] the one rank whose home experts fill rank d's slots, −1 if it has none.
+    load: [R] copies each rank processes (home + slots); equals the target (S·K when nothing dropped).
+    """
+
+    send: torch.Tensor
+    slot_experts: torch.Tensor
+    slot_counts: torch.Tensor
+    slot_home: torch.Tensor
+    load: torch.Tensor
+
+    def send_splits(self, rank: int) -> torch.Tensor:
+        """[R] copies `rank` sends to each destination: the all-to-all input splits."""
+        return self.send[rank].sum(0)
+
+    def recv_splits(self, rank: int) -> torch.Tensor:
+        """[R] copies `rank` receives from each source: the all-to-all output splits."""
+        return self.send[:, :, rank].sum(1)
+
+
+def plan_moonep(counts: torch.Tensor, tokens_per_rank: int, top_k: int) -> MoonEPPlan:
+    """Plan redundant experts and token routes so every rank processes the same number of copies.
+
+    counts: [R, E] non-negative integers, C[r, e] copies from rank r routed to expert e; E % R == 0.
+    tokens_per_rank: S; top_k: K. Each row must sum to at most S·K. Returns a MoonEPPlan.
+    """
+    if counts.dim() != 2 or counts.is_floating_point():
+        raise ValueError(f"counts must be an integer [R, E] tensor, got {counts.dtype} {tuple(counts.shape)}")
+    R, E = counts.shape
+    if R < 1 or E % R != 0:
+        raise ValueError(f"the number of experts E={E} must be a positive multiple of the number of ranks R={R}")
+    C = counts.tolist()
+    if any(c < 0 for row in C for c in row):
+        raise ValueError("counts must be non-negative")
+    cap = tokens_per_rank * top_k
+    for r, row in enumerate(C):
+        if sum(row) > cap:
+            raise ValueError(f"rank {r} routes {sum(row)} copies, more than S·K = {cap}")
+    P = E // R
+    n = [sum(C[r][e] for r in range(R)) for e in range(E)]  # copies per expert
+    load = [sum(n[h * P : (h + 1) * P]) for h in range(R)]
+    N = sum(load)
+    target = [N // R + (1 if h < N % R else 0) for h in range(R)]
+
+    # remaining[e]: copies of expert e still at home; chunks[e]: (dest, count) migrated, in fill order.
+    remaining = list(n)
+    chunks: list[list[tuple[int, int]]] = [[] for _ in range(E)]
+    slots: list[list[tuple[int, int]]] = [[] for _ in range(R)]
+    slot_home = [-1] * R
+    while True:
+        deficit = [target[h] - load[h] for h in range(R)]
+        u = max(range(R), key=lambda h: (deficit[h], -h))
+        if deficit[u] <= 0:
+            break
+        o = max(range(R), key=lambda h: (-deficit[h], -h))
+        q = deficit[u]
+        assert load[o] - target[o] > 0 and load[o] >= q and slot_home[u] == -1
+        slot_home[u] = o
+        home = sorted(range(o * P, (o + 1) * P), key=lambda e: (-remaining[e], e))
+        for e in home:
+            if q == 0:
+                break
+            take = min(q, remaining[e])
+            if take == 0:
+                continue
+            remaining[e] -= take
+            q -= take
+            chunks[e].append((u, take))
+            slots[u].append((e, take))
+        assert q == 0
+        load[o] -= deficit[u]
+        load[u] = target[u]
+
+    # Placement: expert e's copies in (source rank, local index) order; home keeps the leading range.
+    send = torch.zeros(R, E, R, dtype=torch.int64)
+    for e in range(E):
+        ranges = [(e // P, remaining[e])] + chunks[e]  # (dest, length) in order along e's copies
+        bounds, pos = [], 0
+        for d, length in ranges:
+            bounds.append((d, pos, pos + length))
+            pos += length
+        start = 0
+        for r in range(R):
+            lo, hi = start, start + C[r][e]
+            for d, a, b in bounds:
+                overlap = min(hi, b) - max(lo, a)
+                if overlap > 0:
+                    send[r, e, d] += overlap
+            start = hi
+
+    slot_experts = torch.full((R, P), -1, dtype=torch.int64)
+    slot_counts = torch.zeros(R, P, dtype=torch.int64)
+    for d in range(R):
+        assert len(slots[d]) <= P
+        for i, (e, c) in enumerate(slots[d]):
+            slot_experts[d, i] = e
+            slot_counts[d, i] = c
+    return MoonEPPlan(
+        send=send,
+        slot_experts=slot_experts,
+        slot_counts=slot_counts,
+        slot_home=torch.tensor(slot_home, dtype=torch.int64),
+        load=send.sum((0, 1)),
+    )
