@@ -56,9 +56,10 @@ class ModelRunner:
         lengths = [s.num_computed for s in batch.seqs]
         cache = gather(self.pool, blocks, kda, lengths)
         cu_t = torch.tensor(cu, device=self.device)
-        out = self.model(torch.tensor(ids, device=self.device)[None], cu_seqlens=cu_t, cache=cache)
+        out = self.model(torch.tensor(ids, device=self.device)[None], cu_seqlens=cu_t, cache=cache,
+                         logits_at=cu_t[1:] - 1)
         scatter(self.pool, cache, blocks, kda, lengths, batch.counts)
-        return out.logits[0, cu_t[1:] - 1]
+        return out.logits
 
 
 class Engine:

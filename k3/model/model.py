@@ -167,8 +167,9 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 cache: K3Cache | None = None, return_router_infos: bool = False,
-                return_mla_max_logits: bool = False) -> K3Output:
-        """input_ids [B, T] int.
+                return_mla_max_logits: bool = False, logits_at: torch.Tensor | None = None) -> K3Output:
+        """input_ids [B, T] int. Returns logits [B, T, V], or [n, V] at the flat positions (into B·T)
+        given by `logits_at` [n] — what a decoding engine needs, without the head's cost at every token.
 
         - Training / packed prefill: `cu_seqlens` [N+1] offsets into the flattened B·T tokens
           (every row boundary must be a document boundary); nothing crosses documents.
@@ -200,6 +201,8 @@ class K3ForCausalLM(nn.Module):
         router_infos = [] if return_router_infos else None
         max_logits = [] if return_mla_max_logits else None
         h = self.model(input_ids, layout, cache, router_infos, max_logits)
+        if logits_at is not None:
+            h = h.reshape(B * T, -1)[logits_at]  # [n, D]
         logits = self.lm_head(h)
         if cache is not None:
             if cu_seqlens is not None:

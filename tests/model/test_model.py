@@ -78,6 +78,16 @@ def test_ragged_incremental_equals_separate_sequences(model):
     assert cache.lengths == [len(p) + len(c) for p, c in zip(prompts, conts)]
 
 
+def test_logits_at_selected_positions(model):
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(12))
+    at = torch.tensor([0, 8, 13, 17])
+    with torch.no_grad():
+        full = model(ids).logits.reshape(18, -1)
+        picked = model(ids, logits_at=at).logits
+    assert picked.shape == (4, model.config.vocab_size)
+    torch.testing.assert_close(picked, full[at], rtol=0, atol=1e-6)
+
+
 def test_cache_contents(model):
     cfg = model.config
     ids = torch.randint(0, cfg.vocab_size, (3, 9))
