@@ -38,11 +38,13 @@ def main():
     torch.set_num_threads(args.threads)
 
     table = Table(title=f"k3 model on CPU ({args.threads} threads, batch {args.batch_size} × {args.seq_len} tokens, fp32)")
-    for col in ("preset", "kda impl", "params total / active", "fwd tok/s", "fwd+bwd tok/s", "fwd+bwd GFLOP/s (6·N_act)"):
+    for col in ("preset", "kda impl", "attn_res impl", "params total / active", "fwd tok/s", "fwd+bwd tok/s", "fwd+bwd GFLOP/s (6·N_act)"):
         table.add_column(col, justify="right")
     for name in args.presets:
-        for kda_impl in ("torch", "naive", "recurrent"):
-            config = get_preset(name).replace(kda_impl=kda_impl)
+        # the defaults first, then each reference path swapped in one at a time
+        for kda_impl, attn_res_impl in (("torch", "two_phase"), ("naive", "two_phase"), ("recurrent", "two_phase"),
+                                        ("torch", "direct")):
+            config = get_preset(name).replace(kda_impl=kda_impl, attn_res_impl=attn_res_impl)
             model = build_model(config, seed=0)
             ids = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len))
             tokens = ids.numel()
@@ -68,9 +70,9 @@ def main():
             t_fb = timed(forward_backward, 1, args.iters)
             acc = account(config)
             flops = 6 * acc.active_params * tokens / t_fb
-            table.add_row(name, kda_impl, f"{acc.total_params / 1e6:.1f}M / {acc.active_params / 1e6:.1f}M",
+            table.add_row(name, kda_impl, attn_res_impl, f"{acc.total_params / 1e6:.1f}M / {acc.active_params / 1e6:.1f}M",
                           f"{tokens / t_fwd:,.0f}", f"{tokens / t_fb:,.0f}", f"{flops / 1e9:.1f}")
-    Console().print(table)
+    Console(width=160).print(table)
 
 
 if __name__ == "__main__":

@@ -135,7 +135,7 @@ class ModelConfig:
     kda_impl: KDAImpl = "torch"
     kda_chunk_size: int = 16
     mla_impl: MLAImpl = "auto"
-    attn_res_impl: AttnResImpl = "two_phase"
+    attn_res_impl: AttnResImpl = "direct"
 
     def __post_init__(self) -> None:
         self.validate()

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from k3.config import ModelConfig
 from k3.convert.names import experts_are_packed
 from k3.convert.release import load_release, read_release_config, save_release
+from k3.infer.api import SamplingParams
 from k3.infer.generate import sample_next
 from k3.model.model import build_model
 
@@ -201,8 +202,11 @@ def _classes() -> dict[str, type]:
             logits = self.k3(ids, cache=cache).logits[:, -1]
             done = torch.zeros(B, dtype=torch.bool, device=device)
             out = [ids]
+            params = SamplingParams(max_tokens=max(new, 1), temperature=temperature, top_k=top_k or 0,
+                                    top_p=top_p if top_p is not None else 1.0)
+            generator = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,))))
             for _ in range(max(new, 0)):
-                token = sample_next(logits, temperature, top_k, top_p)
+                token = sample_next(logits, params, generator)
                 token = torch.where(done, torch.full_like(token, pad), token)
                 out.append(token[:, None])
                 done |= torch.isin(token, torch.tensor(sorted(eos), device=device, dtype=token.dtype))

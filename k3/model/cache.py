@@ -52,13 +52,3 @@ class K3Cache:
     def check_batch(self, batch_size: int) -> None:
         if batch_size != self.batch_size:
             raise ValueError(f"this cache holds {self.batch_size} sequences but the input has {batch_size} rows")
-
-    def nbytes(self) -> int:
-        total = 0
-        for entry in self.layers:
-            if isinstance(entry, KDAState):
-                total += sum(t.numel() * t.element_size() for t in
-                             (entry.conv_q, entry.conv_k, entry.conv_v, entry.recurrent))
-            elif isinstance(entry, MLALatent):
-                total += entry.latent.numel() * entry.latent.element_size()
-        return total

@@ -473,6 +473,14 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def _stream_chunk(model_cls: Any, include_usage: bool, **fields: Any) -> str:
+    """One SSE event of a streamed (chat) completion; `usage` appears only when the client asked for it."""
+    c = model_cls(**fields).dump()
+    if not include_usage:
+        del c["usage"]
+    return _sse(c)
+
+
 def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, api_key: str | None = None,
                max_context: int | None = None, *, default_max_tokens: int | None = None, medium_effort: str = "high",
                ping_seconds: float = PING_SECONDS, admission_wait: float = ADMISSION_WAIT_SECONDS) -> FastAPI:
@@ -668,11 +676,8 @@ def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, api_key: str 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(choice_list: list[P.ChatChunkChoice], usage_: P.Usage | None = None) -> str:
-            c = P.ChatCompletionChunk(id=response_id, created=now, model=model_name, system_fingerprint=fingerprint,
-                                      choices=choice_list, usage=usage_).dump()
-            if not include_usage:
-                del c["usage"]
-            return _sse(c)
+            return _stream_chunk(P.ChatCompletionChunk, include_usage, id=response_id, created=now, model=model_name,
+                                 system_fingerprint=fingerprint, choices=choice_list, usage=usage_)
 
         async def events() -> AsyncIterator[str]:
             try:
@@ -793,11 +798,8 @@ def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, api_key: str 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(choice_list: list[P.CompletionChoice], usage_: P.Usage | None = None) -> str:
-            c = P.Completion(id=response_id, created=now, model=model_name, system_fingerprint=fingerprint,
-                             choices=choice_list, usage=usage_).dump()
-            if not include_usage:
-                del c["usage"]
-            return _sse(c)
+            return _stream_chunk(P.Completion, include_usage, id=response_id, created=now, model=model_name,
+                                 system_fingerprint=fingerprint, choices=choice_list, usage=usage_)
 
         async def events() -> AsyncIterator[str]:
             try:

@@ -7,7 +7,6 @@ file is cut back to the checkpoint's step, so the log of a resumed run equals an
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -106,7 +105,3 @@ def plot_run(metrics_path: str | Path, out_dir: str | Path, title: str = "") -> 
         ax.grid(alpha=0.3)
         finish(fig, "moe_balance.png")
     return paths
-
-
-def finite_or_none(x: float) -> float | None:
-    return x if math.isfinite(x) else None

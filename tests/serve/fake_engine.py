@@ -84,7 +84,7 @@ class FakeEngine:
             if script is not None:
                 token = script[count]
             else:
-                token = int(sample_next(logits, sampling.temperature, sampling.top_k, sampling.top_p, generator))
+                token = int(sample_next(logits, sampling, generator))
             count += 1
             logprobs = None
             if sampling.logprobs is not None:
