@@ -1,8 +1,10 @@
 # Two commands on a fresh machine:  `make demo` (set up + main job)  and  `make test` (set up + tests).
-# CPU machines get torch==2.13.0. GPU machines: `make setup TORCH="torch --index-url https://download.pytorch.org/whl/cu128"`
-# (or any CUDA build of torch >= 2.11 installed into .venv before `make`).
+# CPU machines get torch==2.13.0 and triton==3.6.0 (for the Triton interpreter: kernels are tested on CPU).
+# GPU machines: `make setup TORCH="torch --index-url https://download.pytorch.org/whl/cu128" TRITON=`
+# (a CUDA build of torch >= 2.11 brings its own matching triton).
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+TRITON ?= triton==3.6.0
 VENV := .venv
 BIN := $(VENV)/bin
 
@@ -10,7 +12,7 @@ BIN := $(VENV)/bin
 
 $(BIN)/k3: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q $(TORCH) $(TRITON)
 	$(BIN)/pip install -q -e ".[test,data]"
 	touch $@
 

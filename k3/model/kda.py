@@ -69,6 +69,37 @@ class KimiDeltaAttention(nn.Module):
         dt = dt.clamp(min=1e-4)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
+    def short_conv(self, pre: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
+                   cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal depthwise conv before SiLU: pre [B, T, P] -> (y [B, T, P], last W-1 inputs per sequence).
+
+        A seam: context parallelism (k3.dist) overrides it to bring in the previous rank's halo.
+        """
+        return naive_causal_conv1d(pre, weight, conv_state, cu_seqlens)
+
+    def gate_inputs(self, q: torch.Tensor, k: torch.Tensor, z: torch.Tensor, beta_logits: torch.Tensor):
+        """Raw → recurrence inputs: L2-normed q, k; g = g_min·σ(exp(A)(z + dt_bias)) (fp32); β = σ(·) (fp32)."""
+        g = naive_kda_gate(z, self.A_log, self.dt_bias, self.gate_lower_bound)  # fp32, in (g_min, 0)
+        return l2_normalize(q), l2_normalize(k), g, torch.sigmoid(beta_logits.float())
+
+    def recurrence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor,
+                   beta_logits: torch.Tensor, initial_state: torch.Tensor | None, output_final_state: bool,
+                   cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The delta-rule recurrence on raw inputs (q, k after conv+SiLU, not normalised; z before dt_bias;
+        β logits), so fused kernels can take the gate, L2 norm and β sigmoid in. A seam: context
+        parallelism overrides it. Returns (o [B, T, H, V], final state [N, H, K, V] or None).
+        """
+        q, k, g, beta = self.gate_inputs(q, k, z, beta_logits)
+        kw = dict(initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+        if self.impl == "recurrent" or q.shape[1] == 1:
+            return naive_recurrent_kda(q, k, v, g, beta, **kw)
+        if self.impl == "torch":
+            return torch_chunk_kda(q, k, v, g, beta, **kw, chunk_size=self.chunk_size,
+                                   gate_lower_bound=self.gate_lower_bound)
+        if self.impl == "naive":
+            return naive_chunk_kda(q, k, v, g, beta, **kw, chunk_size=self.chunk_size)
+        raise ValueError(f"kda_impl {self.impl!r} is not available in this build")
+
     def forward(self, x: torch.Tensor, layout: SequenceLayout, state: KDAState | None = None,
                 use_cache: bool = False) -> tuple[torch.Tensor, KDAState | None]:
         """x [B, T, D] (already input_layernorm'ed). Returns (y [B, T, D], new state or None)."""
@@ -80,39 +111,27 @@ class KimiDeltaAttention(nn.Module):
             pre = proj(x)  # [B, T, P]
             if cu is not None:
                 # packed documents; with a cache each document continues its own sequence's history
-                y, tail = naive_causal_conv1d(pre.view(1, B * T, -1), conv.weight, conv_state, cu)
+                y, tail = self.short_conv(pre.view(1, B * T, -1), conv.weight, conv_state, cu)
                 y = y.view(B, T, -1)
             else:
-                y, tail = naive_causal_conv1d(pre, conv.weight, conv_state)
+                y, tail = self.short_conv(pre, conv.weight, conv_state, None)
             return F.silu(y), tail
 
         q, tail_q = conv_path(self.q_proj, self.q_conv1d, state.conv_q if state else None)
         k, tail_k = conv_path(self.k_proj, self.k_conv1d, state.conv_k if state else None)
         v, tail_v = conv_path(self.v_proj, self.v_conv1d, state.conv_v if state else None)
-        q = l2_normalize(q.view(B, T, H, K))  # [B, T, H, K]
-        k = l2_normalize(k.view(B, T, H, K))  # [B, T, H, K]
-        v = v.view(B, T, H, K)  # [B, T, H, V]
-        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
-        z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)  # [B, T, H, K]
-        g = naive_kda_gate(z, self.A_log, self.dt_bias, self.gate_lower_bound)  # fp32, in (g_min, 0)
+        q, k, v = (t.view(B, T, H, K) for t in (q, k, v))  # [B, T, H, K]
+        beta_logits = self.b_proj(x)  # [B, T, H]
+        z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)  # [B, T, H, K] decay logits before dt_bias
 
         initial = state.recurrent if state is not None else None
         if cu is not None and B * T == cu.numel() - 1 and bool((cu[1:] - cu[:-1] == 1).all()):
             # every document is one token (a batched decode step): a dense batch of one-step recurrences
-            q, k, v, g, beta = (t.reshape(B * T, 1, *t.shape[2:]) for t in (q, k, v, g, beta))
+            q, k, v, z, beta_logits = (t.reshape(B * T, 1, *t.shape[2:]) for t in (q, k, v, z, beta_logits))
             cu = None
         elif cu is not None:
-            q, k, v, g, beta = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta))
-        kw = dict(initial_state=initial, output_final_state=use_cache, cu_seqlens=cu)
-        if self.impl == "recurrent" or q.shape[1] == 1:
-            o, final = naive_recurrent_kda(q, k, v, g, beta, **kw)
-        elif self.impl == "torch":
-            o, final = torch_chunk_kda(q, k, v, g, beta, **kw, chunk_size=self.chunk_size,
-                                       gate_lower_bound=self.gate_lower_bound)
-        elif self.impl == "naive":
-            o, final = naive_chunk_kda(q, k, v, g, beta, **kw, chunk_size=self.chunk_size)
-        else:
-            raise ValueError(f"kda_impl {self.impl!r} is not available in this build")
+            q, k, v, z, beta_logits = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, z, beta_logits))
+        o, final = self.recurrence(q, k, v, z, beta_logits, initial, use_cache, cu)
         o = o.view(B, T, H, K)
 
         o = self.o_norm(o)  # per-head norm, gain shared by heads
