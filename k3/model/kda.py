@@ -80,7 +80,8 @@ class KimiDeltaAttention(nn.Module):
     def gate_inputs(self, q: torch.Tensor, k: torch.Tensor, z: torch.Tensor, beta_logits: torch.Tensor):
         """Raw → recurrence inputs: L2-normed q, k; g = g_min·σ(exp(A)(z + dt_bias)) (fp32); β = σ(·) (fp32)."""
         g = naive_kda_gate(z, self.A_log, self.dt_bias, self.gate_lower_bound)  # fp32, in (g_min, 0)
-        return l2_normalize(q), l2_normalize(k), g, torch.sigmoid(beta_logits.float())
+        beta = torch.sigmoid(beta_logits if beta_logits.dtype == torch.float64 else beta_logits.float())
+        return l2_normalize(q), l2_normalize(k), g, beta
 
     def recurrence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor,
                    beta_logits: torch.Tensor, initial_state: torch.Tensor | None, output_final_state: bool,

@@ -209,36 +209,46 @@ class MuonAdamW(torch.optim.Optimizer):
         if not params:
             return
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-        grads = [p.grad.float() for p in params]
-        bufs = []
-        for p in params:
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            bufs.append(state["momentum_buffer"])
+        grads = [local_tensor(p.grad).float() for p in params]
+        bufs = [local_tensor(self._state_tensor(p, "momentum_buffer")) for p in params]
         torch._foreach_lerp_(bufs, grads, 1 - mu)
         nesterov = torch._foreach_lerp(grads, bufs, mu)
+        ns_dtype = group["ns_dtype"] or (torch.bfloat16 if params[0].device.type == "cuda" else torch.float32)
+        updates = self._orthogonalize(params, nesterov, ns_dtype, group["ns_steps"])
+        for p, o in zip(params, updates):
+            _, rows, cols = self._block_shapes[p]
+            w = local_tensor(p)
+            w.mul_(1 - lr * wd)
+            w.add_(o.to(w.dtype), alpha=-(lr * (RMS_MATCH * math.sqrt(max(rows, cols)))))
 
-        # Orient every block rows <= cols and bucket equal shapes across parameters for one batched NS.
-        buckets: dict[tuple, list[tuple[Tensor, Tensor]]] = defaultdict(list)
-        for p, n in zip(params, nesterov):
+    def _orthogonalize(self, params: list[Parameter], nesterov: list[Tensor], ns_dtype: torch.dtype,
+                       steps: int) -> list[Tensor]:
+        """NS5 of every block of every parameter; returns one tensor per parameter in its (local) shape.
+
+        Blocks are oriented rows <= cols and bucketed by shape across parameters for one batched NS.
+        The distributed optimizer (k3.dist.muon) overrides this with the owner exchange.
+        """
+        buckets: dict[tuple, list[tuple[int, Tensor]]] = defaultdict(list)
+        for i, (p, n) in enumerate(zip(params, nesterov)):
             blocks = n.view(self._block_shapes[p])  # [n_blocks, rows, cols]
             if blocks.shape[1] > blocks.shape[2]:
                 blocks = blocks.mT
-            buckets[(p.device, blocks.shape[1], blocks.shape[2])].append((p, blocks))
-
-        for (device, _, _), items in buckets.items():
-            ns_dtype = group["ns_dtype"] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+            buckets[(blocks.shape[1], blocks.shape[2])].append((i, blocks))
+        updates: list[Tensor | None] = [None] * len(params)
+        for items in buckets.values():
             for batch in _batches(items):
-                X = torch.cat([blocks for _, blocks in batch]).to(ns_dtype)  # [Σ n_blocks, a, b], a <= b
-                O = newton_schulz(X, group["ns_steps"])
-                for (p, blocks), o in zip(batch, O.split([blocks.shape[0] for _, blocks in batch])):
-                    n_blocks, rows, cols = self._block_shapes[p]
-                    if rows > cols:
-                        o = o.mT
-                    w = p.view(n_blocks, rows, cols)
-                    w.mul_(1 - lr * wd)
-                    w.add_(o, alpha=-(lr * (RMS_MATCH * math.sqrt(max(rows, cols)))))
+                O = newton_schulz(torch.cat([blocks for _, blocks in batch]).to(ns_dtype), steps)
+                for (i, blocks), o in zip(batch, O.split([blocks.shape[0] for _, blocks in batch])):
+                    n_blocks, rows, cols = self._block_shapes[params[i]]
+                    updates[i] = (o.mT if rows > cols else o).reshape(nesterov[i].shape)
+        return updates
+
+    def _state_tensor(self, p: Parameter, key: str) -> Tensor:
+        """Optimizer state `key` of p, created as fp32 zeros shaped like p (a DTensor for a DTensor p)."""
+        state = self.state[p]
+        if key not in state:
+            state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        return state[key]
 
     def _adamw_step(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
@@ -246,20 +256,17 @@ class MuonAdamW(torch.optim.Optimizer):
             return
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
-        grads = [p.grad.float() for p in params]
+        grads = [local_tensor(p.grad).float() for p in params]
         for p in params:
-            state = self.state[p]
-            if "step" not in state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        states = [self.state[p] for p in params]
-        steps = [s["step"] for s in states]
-        m = [s["exp_avg"] for s in states]
-        v = [s["exp_avg_sq"] for s in states]
+            if "step" not in self.state[p]:
+                self.state[p]["step"] = torch.tensor(0.0)
+        steps = [self.state[p]["step"] for p in params]
+        m = [local_tensor(self._state_tensor(p, "exp_avg")) for p in params]
+        v = [local_tensor(self._state_tensor(p, "exp_avg_sq")) for p in params]
         torch._foreach_add_(steps, 1.0)
         # math in fp32; a low-precision parameter is updated through an fp32 copy
-        work = [p if p.dtype == torch.float32 else p.float() for p in params]
+        local = [local_tensor(p) for p in params]
+        work = [w if w.dtype == torch.float32 else w.float() for w in local]
         torch._foreach_mul_(work, 1 - lr * wd)
         torch._foreach_lerp_(m, grads, 1 - beta1)
         torch._foreach_mul_(v, beta2)
@@ -270,9 +277,9 @@ class MuonAdamW(torch.optim.Optimizer):
         torch._foreach_div_(denom, [math.sqrt(b) for b in bias2])
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(work, m, denom, [-lr / b for b in bias1])
-        for p, w in zip(params, work):
-            if w is not p:
-                p.copy_(w)
+        for w_local, w in zip(local, work):
+            if w is not w_local:
+                w_local.copy_(w)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a `state_dict()`; the parameter names of both groups must match this optimizer's."""
@@ -291,8 +298,14 @@ class MuonAdamW(torch.optim.Optimizer):
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         for pid, p in zip(saved_ids, params):
             if pid in state_dict["state"]:
-                self.state[p] = {k: v.clone() if k == "step" else v.to(p.device).clone()
+                self.state[p] = {k: v.clone() if k == "step" or hasattr(v, "to_local") else v.to(p.device).clone()
                                  for k, v in state_dict["state"][pid].items()}
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (sharing its storage), or t itself: the optimizer's math is per element
+    or per owned block, so it runs on local shards; k3.dist.muon does the cross-rank part."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _batches(items: list[tuple[Tensor, Tensor]]) -> Iterable[list[tuple[Tensor, Tensor]]]:

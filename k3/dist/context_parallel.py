@@ -1,0 +1,187 @@
+"""Context parallelism: KDA through KCP transitions, MLA through a latent all-gather (systems.md §5.3–5.4).
+
+Legend: cp ranks, B_l rows per rank, T global row length, T_l = T/cp tokens per rank, H heads,
+K = V head dim, W short-conv width, C + R latent width.
+
+Each cp rank holds the contiguous slice [c·T_l, (c+1)·T_l) of every row of its data shard
+(`k3.dist.runtime.shard_batch`). Everything in a K3 layer is per token except three things, which
+`apply_context_parallel` takes over by switching the class of the existing modules (parameters and
+names unchanged, model code untouched; the subclasses override the layers' seams):
+
+- ShortConv (`short_conv`): the first W−1 taps of a rank read the previous rank's last W−1 inputs
+  (the *halo*) when the document continues across the edge. One autograd all-gather of the tails
+  [B_l, W−1, P]; the backward returns the halo gradient to its owner.
+- KDA (`recurrence`, KCP, report §5.1.2 Eq. 17): every rank computes, per row, the affine map of its
+  last fragment, S_out = M·S_in + S̃ (M = 0 when a document starts inside the slice), by one run of
+  the layer's own recurrence on the augmented state [S | X] = [0 | I] with values [v | 0]; one
+  fixed-size autograd all-gather of [B_l, H, K, K + V]; the fold S ← M_j S + S̃_j over the earlier
+  ranks gives the incoming state of the row's first fragment, and the local varlen recurrence runs from
+  it. The backward is autograd's: it is the mirrored fold (the all-gather's backward is a
+  reduce-scatter of the state gradients), so no hand-written backward can drift from the forward.
+- MLA (`forward` for training): one autograd all-gather of the new latents [B_l, T_l, C + R] along the
+  sequence; local queries at global positions attend all gathered keys with causal and document masks.
+
+The per-batch layout (global document ids, this rank's offset) comes from a shared `CPContext`, set
+by the training step before each forward. Caching (inference) is not supported under CP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+from k3.dist.runtime import BatchShard
+from k3.model.kda import KimiDeltaAttention
+from k3.model.mla import GatedMLA
+
+
+class CPContext:
+    """What the context-parallel layers of one process share: the group and the current batch's shard."""
+
+    def __init__(self, group, cp: int, cp_rank: int):
+        self.group, self.cp, self.cp_rank = group, cp, cp_rank
+        self.shard: BatchShard | None = None
+
+    def current(self) -> BatchShard:
+        if self.shard is None:
+            raise RuntimeError("context parallelism: set CPContext.shard for this batch before the forward")
+        return self.shard
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Autograd all-gather along a new leading dim: [*] -> [cp, *] (backward: reduce-scatter).
+
+        Every rank must use all of the result (multiply unused parts by zero rather than drop them):
+        a rank whose graph skipped the gather's backward would leave the others waiting in it.
+        """
+        return funcol.all_gather_tensor_autograd(t.contiguous(), 0, self.group).view(self.cp, *t.shape)
+
+    def earlier_ranks(self, device) -> torch.Tensor:
+        """[cp] 1.0 for the ranks before this one, else 0.0."""
+        return (torch.arange(self.cp, device=device) < self.cp_rank).to(torch.float64)
+
+    def continues(self) -> torch.Tensor:
+        """[B_l] bool: this rank's first token continues a document begun on an earlier rank."""
+        shard = self.current()
+        if shard.offset == 0:
+            return torch.zeros(shard.global_segment_ids.shape[0], dtype=torch.bool,
+                               device=shard.global_segment_ids.device)
+        seg = shard.global_segment_ids
+        return seg[:, shard.offset] == seg[:, shard.offset - 1]
+
+
+def _row_first_docs(cu_seqlens: torch.Tensor, rows: int, t_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local document index of each row's first and last document ([B_l] each)."""
+    starts = cu_seqlens[:-1].to(torch.int64)
+    row_starts = torch.arange(rows, device=cu_seqlens.device) * t_local
+    first = torch.searchsorted(starts, row_starts)
+    last = torch.searchsorted(starts, row_starts + t_local) - 1
+    return first, last
+
+
+class ContextParallelKDA(KimiDeltaAttention):
+    cp_context: CPContext
+
+    def short_conv(self, pre, weight, conv_state, cu_seqlens):
+        ctx = self.cp_context
+        if conv_state is not None or cu_seqlens is None:
+            raise ValueError("context-parallel KDA runs packed training batches only (no cache)")
+        shard = ctx.current()
+        B_l, T_l = shard.global_segment_ids.shape[0], pre.shape[1] // shard.global_segment_ids.shape[0]
+        halo = weight.shape[-1] - 1
+        rows = pre.view(B_l, T_l, -1)
+        tails = ctx.gather(rows[:, T_l - halo:])  # [cp, B_l, W-1, P]
+        pick = torch.zeros(ctx.cp, dtype=tails.dtype, device=tails.device)
+        if ctx.cp_rank > 0:
+            pick[ctx.cp_rank - 1] = 1
+        previous = (tails * pick[:, None, None, None]).sum(0)  # the previous rank's tails (zeros on rank 0)
+        seg = shard.global_segment_ids
+        positions = torch.arange(shard.offset - halo, shard.offset, device=seg.device)
+        same_doc = seg[:, positions.clamp(min=0)] == seg[:, shard.offset, None]  # [B_l, W-1]
+        same_doc &= positions[None] >= 0
+        previous = previous * same_doc[..., None].to(previous.dtype)
+        N = cu_seqlens.numel() - 1
+        state = pre.new_zeros(N, halo, pre.shape[-1])
+        first, _ = _row_first_docs(cu_seqlens, B_l, T_l)
+        state = state.index_copy(0, first, previous)
+        return super().short_conv(pre, weight, state, cu_seqlens)
+
+    def recurrence(self, q, k, v, z, beta_logits, initial_state, output_final_state, cu_seqlens):
+        ctx = self.cp_context
+        if initial_state is not None or output_final_state or cu_seqlens is None:
+            raise ValueError("context-parallel KDA runs packed training batches only (no cache)")
+        shard = ctx.current()
+        B_l = shard.global_segment_ids.shape[0]
+        T_l = q.shape[1] // B_l
+        H, K, V = q.shape[2], q.shape[3], v.shape[3]
+        first, last = _row_first_docs(cu_seqlens, B_l, T_l)
+        continues = ctx.continues()  # [B_l]
+        cu = cu_seqlens.tolist()
+
+        # 1. the affine map of each row's last fragment (augmented state [S | X] from [0 | I], values [v | 0])
+        maps = []
+        state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # states are fp32 (fp64 in tests)
+        eye = torch.eye(K, device=q.device, dtype=state_dtype).expand(1, H, K, K)
+        for b in range(B_l):
+            a, e = cu[int(last[b])], cu[int(last[b]) + 1]
+            sl = slice(a, e)
+            v_aug = torch.cat([v[:, sl], v.new_zeros(1, e - a, H, K)], dim=-1)  # [1, n, H, V + K]
+            aug0 = torch.cat([eye.new_zeros(1, H, K, V), eye], dim=-1)  # [1, H, K, V + K]
+            _, S = super().recurrence(k[:, sl], k[:, sl], v_aug, z[:, sl], beta_logits[:, sl], aug0, True, None)
+            S_tilde, M = S[0].to(state_dtype).split((V, K), dim=-1)  # [H, K, V], [H, K, K]
+            # the fragment continues across the left edge only if it is the row's first one and continues
+            if not (int(last[b]) == int(first[b]) and bool(continues[b])):
+                M = torch.zeros_like(M)  # a document start inside the slice forgets the incoming state
+            maps.append(torch.cat([M, S_tilde], dim=-1))
+        gathered = ctx.gather(torch.stack(maps))  # [cp, B_l, H, K, K + V]
+
+        # 2. fold the earlier ranks' maps into this rank's incoming state per row
+        # later ranks enter as the identity map (times zero, so their gradients are zero, not missing)
+        earlier = ctx.earlier_ranks(q.device)
+        S_in = q.new_zeros(B_l, H, K, V, dtype=state_dtype)
+        for j in range(ctx.cp):
+            M_j, S_j = (gathered[j] * earlier[j].to(state_dtype)).split((K, V), dim=-1)
+            S_in = (M_j + (1 - earlier[j]).to(state_dtype) * eye[0]) @ S_in + S_j
+        S_in = S_in * continues[:, None, None, None].to(S_in.dtype)
+
+        # 3. the local varlen recurrence from it (zeros for documents that start on this rank)
+        N = cu_seqlens.numel() - 1
+        init = S_in.new_zeros(N, H, K, V).index_copy(0, first, S_in)
+        o, _ = super().recurrence(q, k, v, z, beta_logits, init, False, cu_seqlens)
+        return o, None
+
+
+class ContextParallelMLA(GatedMLA):
+    cp_context: CPContext
+
+    def forward(self, x, layout, state=None, use_cache=False, impl=None, max_logits=None):
+        if state is not None or use_cache or layout.past_lengths is not None:
+            raise ValueError("context-parallel MLA runs packed training batches only (no cache)")
+        ctx = self.cp_context
+        shard = ctx.current()
+        B, T_l, _ = x.shape
+        H = self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T_l, H, -1)
+        gathered = ctx.gather(self.latent(x))  # [cp, B, T_l, C + R]
+        latent = gathered.permute(1, 0, 2, 3).reshape(B, ctx.cp * T_l, -1)  # [B, T, C + R] in global order
+        seg = shard.global_segment_ids  # [B, T]
+        q_pos = torch.arange(T_l, device=x.device) + shard.offset
+        k_pos = torch.arange(seg.shape[1], device=x.device)
+        q_seg = seg[:, shard.offset:shard.offset + T_l]
+        mask = (k_pos[None, None, :] <= q_pos[None, :, None]) & (q_seg[:, :, None] == seg[:, None, :])
+        o = self.attend(q, latent, mask, impl or self.impl, max_logits)
+        o = o.reshape(B, T_l, H * self.v_dim).to(x.dtype)
+        return self.o_proj(torch.sigmoid(self.g_proj(x)) * o), None
+
+
+def apply_context_parallel(model: nn.Module, context: CPContext) -> None:
+    """Switch every KDA and MLA mixer of `model` to its context-parallel class (in place)."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if isinstance(attn, KimiDeltaAttention):
+            attn.__class__ = ContextParallelKDA
+        elif isinstance(attn, GatedMLA):
+            attn.__class__ = ContextParallelMLA
+        else:
+            raise TypeError(f"layer {layer.layer_idx}: no context-parallel version of {type(attn).__name__}")
+        attn.cp_context = context
