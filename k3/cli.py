@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from k3.convert.cli import add_convert_parser
@@ -96,7 +97,8 @@ def cmd_train(args) -> int:
     overrides = {"max_steps": args.max_steps, "max_tokens": args.max_tokens, "time_budget_min": args.time_budget,
                  "lr": args.lr, "tokens_per_step": args.tokens_per_step, "micro_batches": args.micro_batches,
                  "seed": args.seed, "eval_every": args.eval_every, "checkpoint_every": args.checkpoint_every,
-                 "device": args.device, "vocab_size": args.vocab_size}
+                 "device": args.device, "vocab_size": args.vocab_size, "context_parallel": args.context_parallel,
+                 "expert_parallel": args.expert_parallel or None, "moonep": False if args.no_moonep else None}
     cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if args.seq_len:
         cfg.stages = [ContextStage(args.seq_len, 1.0)]
@@ -107,6 +109,13 @@ def cmd_train(args) -> int:
     except TrainingError as e:
         print(f"k3 train: {e}", file=sys.stderr)
         return 3
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if os.environ.get("RANK", "0") != "0":
+        return 0
     print(f"trained {summary.steps} steps, {summary.tokens:,} tokens in {summary.seconds / 60:.1f} min: "
           f"train loss {summary.final_train_loss:.3f}, held-out loss {summary.final_eval_loss:.3f} nats/token "
           f"(unigram entropy of the corpus {summary.unigram_entropy:.3f}); "
@@ -209,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="cpu | cuda | auto")
+    p.add_argument("--context-parallel", type=int, help="under torchrun: ranks sharing each sequence (default 1)")
+    p.add_argument("--expert-parallel", action="store_true", help="under torchrun: shard routed experts over all ranks")
+    p.add_argument("--no-moonep", action="store_true", help="with --expert-parallel: plain EP, without the planner")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("generate", help="complete a prompt with a trained run or checkpoint")

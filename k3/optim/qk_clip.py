@@ -42,10 +42,22 @@ def qk_clip_(model: K3ForCausalLM, max_logits: torch.Tensor, tau: float = 100.0)
         if not clipped_layers[j]:
             continue
         attn = model.model.layers[layer_idx].self_attn
-        wq = attn.q_b_proj.weight.view(H, N + R, -1)  # [H, N + R, Q]: rows h·(N+R) + [nope | rope]
-        wkv = attn.kv_b_proj.weight.view(H, N + Vd, -1)  # [H, N + Vd, C]: rows h·(N+Vd) + [k | v]
-        g = gamma[j][:, None, None]  # heads not clipped have γ = 1: multiplying by 1.0 is exact
-        wq[:, :N].mul_(g.sqrt().to(wq.dtype))
-        wq[:, N:].mul_(g.to(wq.dtype))
-        wkv[:, :N].mul_(g.sqrt().to(wkv.dtype))
+        g = gamma[j][:, None]  # [H, 1]; heads not clipped have γ = 1: multiplying by 1.0 is exact
+        # per-row factors in each weight's row layout: q_b rows h·(N+R) + [nope | rope], kv_b h·(N+Vd) + [k | v]
+        q_scale = torch.cat([g.sqrt().expand(H, N), g.expand(H, R)], dim=1).reshape(-1)
+        kv_scale = torch.cat([g.sqrt().expand(H, N), torch.ones_like(g).expand(H, Vd)], dim=1).reshape(-1)
+        for weight, scale in ((attn.q_b_proj.weight, q_scale), (attn.kv_b_proj.weight, kv_scale)):
+            rows = _local_rows(weight)
+            local = weight.to_local() if hasattr(weight, "to_local") else weight  # a shard when distributed
+            local.mul_(scale[rows].to(device=local.device, dtype=local.dtype)[:, None])
     return {"clipped_heads": int(clip.sum()), "max_logit": float(S.max())}
+
+
+def _local_rows(weight: torch.Tensor) -> slice:
+    """The rows of the full matrix held here: all of them, or a DTensor's Shard(0) piece."""
+    if not hasattr(weight, "to_local"):
+        return slice(0, weight.shape[0])
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+    return slice(offset[0], offset[0] + shape[0])

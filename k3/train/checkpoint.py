@@ -83,6 +83,28 @@ def save_checkpoint(root: str | Path, step: int, state_dict: dict[str, torch.Ten
     weights_only loading (tensors, numbers, strings, lists, dicts); extra_files: name -> source path or
     text content; extra_dirs: name -> directory copied in.
     """
+    tmp = new_checkpoint_dir(root, step)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    save_file(tensors, str(tmp / "model.safetensors"))
+    write_train_state(tmp, train_state, extra_files, extra_dirs)
+    return commit_checkpoint(root, step, tmp, keep)
+
+
+def write_train_state(tmp: Path, train_state: dict[str, Any], extra_files: dict[str, Path | str] | None = None,
+                      extra_dirs: dict[str, Path] | None = None) -> None:
+    """train_state.pt plus the extra files and directories of a checkpoint being written in `tmp`."""
+    torch.save(train_state, tmp / "train_state.pt")
+    for name, source in (extra_files or {}).items():
+        if isinstance(source, Path):
+            shutil.copyfile(source, tmp / name)
+        else:
+            (tmp / name).write_text(source)
+    for name, source in (extra_dirs or {}).items():
+        shutil.copytree(source, tmp / name)
+
+
+def new_checkpoint_dir(root: str | Path, step: int) -> Path:
+    """An empty `<root>/step_N.tmp` to write checkpoint `step` into before `commit_checkpoint`."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
@@ -92,16 +114,14 @@ def save_checkpoint(root: str | Path, step: int, state_dict: dict[str, torch.Ten
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    save_file(tensors, str(tmp / "model.safetensors"))
-    torch.save(train_state, tmp / "train_state.pt")
-    for name, source in (extra_files or {}).items():
-        if isinstance(source, Path):
-            shutil.copyfile(source, tmp / name)
-        else:
-            (tmp / name).write_text(source)
-    for name, source in (extra_dirs or {}).items():
-        shutil.copytree(source, tmp / name)
+    return tmp
+
+
+def commit_checkpoint(root: str | Path, step: int, tmp: Path, keep: int = 3) -> Path:
+    """Seal a fully written `tmp` directory: manifest of sizes and SHA-256, COMMITTED marker, fsync, atomic
+    rename to `step_N`, prune to the newest `keep`. Used for single-file and distributed (DCP) checkpoints."""
+    root = Path(root)
+    final = root / step_dir_name(step)
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     manifest = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1))

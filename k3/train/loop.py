@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -30,11 +31,16 @@ import torch
 import torch.nn.functional as F
 
 from k3.config import ModelConfig, get_preset
+from k3.dist.muon import DistributedMuonAdamW
+from k3.dist.parallelize import DCP_MARKER, ParallelTraining, parallelize
+from k3.dist.runtime import ParallelRuntime
 from k3.model.model import K3ForCausalLM, build_model
 from k3.model.moe import StableLatentMoE
 from k3.model.quantile_balancing import QuantileHistogram, expert_loads, imbalance_metrics
 from k3.optim import MuonAdamW, cosine_schedule, qk_clip_
-from k3.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from k3.train.checkpoint import (CheckpointError, commit_checkpoint, latest_checkpoint, load_checkpoint,
+                                 new_checkpoint_dir, save_checkpoint, step_dir_name, verify_checkpoint,
+                                 write_train_state)
 from k3.train.data import (PackedBatches, TokenizedCorpus, documents_fingerprint, prepare_corpus, read_documents,
                            split_documents, stdlib_documents)
 from k3.train.metrics import MetricsLog, plot_run
@@ -87,6 +93,10 @@ class TrainConfig:
     heldout_fraction: float = 0.02
     vocab_size: int | None = None  # default: the preset's
     device: str = "auto"
+    # distributed (under torchrun; docs/distributed.md): FSDP2 over all ranks, with these on top
+    context_parallel: int = 1  # ranks sharing each sequence (contiguous slices)
+    expert_parallel: bool = False  # routed experts sharded over all ranks
+    moonep: bool = True  # with expert_parallel: balance ranks exactly with the MoonEP planner
 
     def validate(self) -> None:
         if not self.stages:
@@ -105,6 +115,8 @@ class TrainConfig:
             raise ValueError("time_budget_min must be positive")
         if self.lr <= 0:
             raise ValueError("lr must be positive")
+        if self.context_parallel < 1:
+            raise ValueError(f"context_parallel must be >= 1, got {self.context_parallel}")
         if self.muon_ns_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"muon_ns_dtype must be bfloat16 or float32, got {self.muon_ns_dtype!r}")
 
@@ -124,7 +136,8 @@ class TrainConfig:
 
 # Settings that may differ between a run and its resumption (they do not change what is computed).
 RESUMABLE_OVERRIDES = {"max_steps", "max_tokens", "time_budget_min", "eval_every", "checkpoint_every",
-                       "keep_checkpoints", "log_every", "device", "max_bad_steps"}
+                       "keep_checkpoints", "log_every", "device", "max_bad_steps", "context_parallel",
+                       "expert_parallel", "moonep"}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -189,8 +202,13 @@ def autocast_context(device: torch.device):
 
 
 def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: TrainConfig,
-               device: torch.device) -> dict[str, Any]:
-    """One optimizer step over `batches` (micro-batches). Returns the step's metrics."""
+               device: torch.device, parallel: ParallelTraining | None = None) -> dict[str, Any]:
+    """One optimizer step over `batches` (micro-batches). Returns the step's metrics.
+
+    Distributed (`parallel` set): every rank gets the same global micro-batches and keeps its piece;
+    losses, QB histograms, expert loads and MLA max logits are reduced over all ranks, so the metrics
+    and the update equal the single-process step on the global batch.
+    """
     model.train()
     moes = moe_layers(model)
     histograms = [QuantileHistogram(m.gate.e_score_correction_bias, cfg.qb_bins) for m in moes]
@@ -200,20 +218,33 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
     loss_sum = 0.0
     for batch in batches:
         batch = batch.to(device)
+        input_ids, labels, cu_seqlens = batch.input_ids, batch.labels, batch.cu_seqlens
+        if parallel is not None:
+            input_ids, labels, cu_seqlens = parallel.shard(input_ids, labels, cu_seqlens)
         with autocast_context(device):
-            out = model(batch.input_ids, cu_seqlens=batch.cu_seqlens, return_router_infos=True,
-                        return_mla_max_logits=True)
-        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), batch.labels.flatten(), reduction="sum",
+            out = model(input_ids, cu_seqlens=cu_seqlens, return_router_infos=True, return_mla_max_logits=True)
+        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
                                ignore_index=-100)
-        (loss / total_tokens).backward()
+        scale = parallel.loss_scale if parallel is not None else 1.0
+        (loss * (scale / total_tokens)).backward()
         loss_sum += loss.item()
         for hist, layer_loads, info in zip(histograms, loads, out.router_infos):
             hist.add(info.scores, info.cutoff)
             layer_loads += expert_loads(info.topk_idx, layer_loads.numel())
         if out.mla_max_logits is not None:
             max_logits = out.mla_max_logits if max_logits is None else torch.maximum(max_logits, out.mla_max_logits)
+    if parallel is not None:
+        parallel.finish_gradients()
+        loss_sum = float(parallel.sum_(torch.tensor(loss_sum, dtype=torch.float64, device=device)))
+        for hist, layer_loads in zip(histograms, loads):
+            parallel.sum_(hist.counts)
+            parallel.sum_(layer_loads)
+        if max_logits is not None:
+            parallel.max_(max_logits)
+        grad_norm = parallel.clip_grad_norm_(cfg.grad_clip)
+    else:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
     loss_value = loss_sum / total_tokens
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
     lr = optimizer.param_groups[0]["lr"]
     metrics: dict[str, Any] = {"loss": loss_value, "grad_norm": grad_norm, "lr": lr, "tokens": total_tokens}
     if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
@@ -235,22 +266,29 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
     stats = [imbalance_metrics(layer_loads) for layer_loads in loads]
     metrics["moe_max_over_mean"] = [s["max_over_mean"] for s in stats]
     metrics["moe_max_vio"] = [s["max_vio"] for s in stats]
+    if parallel is not None:
+        metrics.update(parallel.ep_stats())
     return metrics
 
 
 @torch.no_grad()
 def evaluate(model: K3ForCausalLM, corpus: TokenizedCorpus, seq_len: int, max_tokens: int,
-             device: torch.device) -> dict[str, float]:
+             device: torch.device, parallel: ParallelTraining | None = None) -> dict[str, float]:
     """Mean held-out loss per token (QB biases frozen: routing is plain top-k of s + b)."""
     model.eval()
-    rows = max(1, min(8, max_tokens // seq_len))
+    dp = parallel.runtime.dims.dp if parallel is not None else 1
+    rows = dp * max(1, min(8, max_tokens // seq_len) // dp)
     loss_sum, count = 0.0, 0
     for batch in PackedBatches.eval(corpus, rows, seq_len):
         batch = batch.to(device)
+        input_ids, labels, cu_seqlens = batch.input_ids, batch.labels, batch.cu_seqlens
+        if parallel is not None:
+            input_ids, labels, cu_seqlens = parallel.shard(input_ids, labels, cu_seqlens)
         with autocast_context(device):
-            logits = model(batch.input_ids, cu_seqlens=batch.cu_seqlens).logits
-        loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), reduction="sum",
-                                    ignore_index=-100).item()
+            logits = model(input_ids, cu_seqlens=cu_seqlens).logits
+        batch_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+                                     ignore_index=-100).double()
+        loss_sum += float(parallel.sum_(batch_loss) if parallel is not None else batch_loss)
         count += batch.num_tokens
         if count >= max_tokens:
             break
@@ -322,8 +360,14 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, progress: bool = Tr
     """Run (or resume) training as configured; returns a summary. Raises ValueError on bad settings."""
     cfg.validate()
     out = Path(cfg.out)
-    cfg = _check_out_dir(out, cfg, resume)
-    device = resolve_device(cfg.device)
+    runtime = _distributed_runtime(cfg)
+    is_main = runtime is None or runtime.is_main
+    if not is_main:
+        log, progress = (lambda *args, **kwargs: None), False
+    if is_main:
+        cfg = _check_out_dir(out, cfg, resume)
+    _barrier(runtime)
+    device = runtime.device if runtime is not None else resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -331,40 +375,59 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, progress: bool = Tr
 
     preset = get_preset(cfg.preset)
     out.mkdir(parents=True, exist_ok=True)
+    if is_main:  # the others read what rank 0 built
+        prepare_data(cfg, cfg.vocab_size or preset.vocab_size, out, log)
+    _barrier(runtime)
     tokenizer, train_corpus, heldout_corpus = prepare_data(cfg, cfg.vocab_size or preset.vocab_size, out, log)
     model_config = preset.replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
                                   eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
                                   media_placeholder_token_id=tokenizer.special_id("<|media_pad|>"))
     model = build_model(model_config, seed=cfg.seed, device=device)
-    optimizer = MuonAdamW(model.named_parameters(), model_config, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                          ns_dtype=getattr(torch, cfg.muon_ns_dtype))
+    parallel = parallelize(model, runtime, moonep=cfg.moonep) if runtime is not None else None
+    optimizer_class = DistributedMuonAdamW if parallel is not None else MuonAdamW
+    optimizer = optimizer_class(model.named_parameters(), model_config, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                ns_dtype=getattr(torch, cfg.muon_ns_dtype))
 
     run_file = out / "run.json"
-    metrics_log = MetricsLog(out / "metrics.jsonl")
+    metrics_log = MetricsLog(out / "metrics.jsonl") if is_main else _NoLog()
     ckpt_root = out / "checkpoints"
     start_step, tokens_seen, data_state = 0, 0, None
     if run_file.exists():
         run_info = json.loads(run_file.read_text())
         total_steps = run_info["total_steps"]
     else:
-        total_steps = _resolve_total_steps(cfg, model, train_corpus, device, log)
-        git = git_state()
-        run_info = {"train_config": cfg.as_dict(), "total_steps": total_steps, "git_revision": git["revision"],
-                    "python": sys.version, "torch": torch.__version__}
-        model_config.save(out / "config.json")
-        (out / "git.diff").write_text(git["diff"])
-        run_file.write_text(json.dumps(run_info, indent=2))
+        total_steps = _resolve_total_steps(cfg, model, train_corpus, device, log, parallel)
+        if is_main:
+            git = git_state()
+            run_info = {"train_config": cfg.as_dict(), "total_steps": total_steps, "git_revision": git["revision"],
+                        "python": sys.version, "torch": torch.__version__,
+                        "world_size": runtime.world_size if runtime is not None else 1}
+            model_config.save(out / "config.json")
+            (out / "git.diff").write_text(git["diff"])
+            run_file.write_text(json.dumps(run_info, indent=2))
+    _barrier(runtime)
     scheduler = cosine_schedule(optimizer, total_steps, cfg.warmup_frac, cfg.min_lr_ratio)
 
     if resume:
         ckpt = latest_checkpoint(ckpt_root)
         if ckpt is not None:
-            tensors, state = load_checkpoint(ckpt)
             stored_config = ModelConfig.load(ckpt / "config.json")
             if stored_config != model_config:
                 raise CheckpointError(f"{ckpt} was written for a different model configuration")
-            model.load_state_dict({k: v.to(device) for k, v in tensors.items()})
-            optimizer.load_state_dict(state["optimizer"])
+            distributed_ckpt = (ckpt / DCP_MARKER).exists()
+            if distributed_ckpt != (parallel is not None):
+                raise CheckpointError(f"{ckpt} is a {'distributed' if distributed_ckpt else 'single-process'} "
+                                      f"checkpoint: resume it {'under torchrun (any number of processes)' if distributed_ckpt else 'without torchrun'}")
+            if parallel is not None:
+                if is_main:
+                    verify_checkpoint(ckpt)
+                _barrier(runtime)
+                parallel.load(ckpt, optimizer)
+                state = torch.load(ckpt / "train_state.pt", weights_only=True)
+            else:
+                tensors, state = load_checkpoint(ckpt)
+                model.load_state_dict({k: v.to(device) for k, v in tensors.items()})
+                optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             _set_rng_state(state["rng"])
             start_step, tokens_seen, data_state = state["step"], state["tokens"], state["data"]
@@ -382,11 +445,25 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, progress: bool = Tr
         batches.load_state_dict(data_state)
 
     def save(step: int) -> Path:
-        state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
-                 "step": step, "tokens": tokens_seen, "data": batches.state_dict()}
-        return save_checkpoint(ckpt_root, step, model.state_dict(), state,
-                               extra_files={"config.json": json.dumps(model_config.to_config_json(), indent=2)},
-                               extra_dirs={"tokenizer": out / "tokenizer"}, keep=cfg.keep_checkpoints)
+        state = {"scheduler": scheduler.state_dict(), "rng": _rng_state(), "step": step, "tokens": tokens_seen,
+                 "data": batches.state_dict()}
+        extra_files = {"config.json": json.dumps(model_config.to_config_json(), indent=2)}
+        extra_dirs = {"tokenizer": out / "tokenizer"}
+        if parallel is None:
+            return save_checkpoint(ckpt_root, step, model.state_dict(), {**state, "optimizer": optimizer.state_dict()},
+                                   extra_files=extra_files, extra_dirs=extra_dirs, keep=cfg.keep_checkpoints)
+        # distributed: every rank writes its shards (DCP), rank 0 adds the rest and commits atomically
+        tmp = ckpt_root / (step_dir_name(step) + ".tmp")
+        if is_main:
+            new_checkpoint_dir(ckpt_root, step)
+        _barrier(runtime)
+        parallel.save(tmp, optimizer)
+        _barrier(runtime)
+        if is_main:
+            write_train_state(tmp, state, extra_files, extra_dirs)
+            commit_checkpoint(ckpt_root, step, tmp, cfg.keep_checkpoints)
+        _barrier(runtime)
+        return ckpt_root / step_dir_name(step)
 
     from tqdm.auto import tqdm
 
@@ -405,7 +482,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, progress: bool = Tr
                 batches.load_state_dict(state)
                 metrics_log.write({"kind": "event", "step": step, "event": "stage", "seq_len": new_stage.seq_len})
             micro = [next(batches) for _ in range(cfg.micro_batches)]
-            metrics = train_step(model, optimizer, scheduler, micro, cfg, device)
+            metrics = train_step(model, optimizer, scheduler, micro, cfg, device, parallel)
             step += 1
             tokens_seen += metrics["tokens"]
             window_tokens += metrics["tokens"]
@@ -426,7 +503,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, progress: bool = Tr
             record["tokens_per_s"] = window_tokens / max(elapsed, 1e-9)
             metrics_log.write(record)
             if step % cfg.eval_every == 0 or step == total_steps:
-                ev = evaluate(model, heldout_corpus, batches.seq_len, cfg.eval_tokens, device)
+                ev = evaluate(model, heldout_corpus, batches.seq_len, cfg.eval_tokens, device, parallel)
                 last_eval = ev["loss"]
                 metrics_log.write({"kind": "eval", "step": step, **ev})
             if step % cfg.checkpoint_every == 0 or step == total_steps:
@@ -437,9 +514,35 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, progress: bool = Tr
             window_start, window_tokens = time.perf_counter(), 0
     finally:
         bar.close()
-    plot_run(out / "metrics.jsonl", out / "plots", title=f"k3 {cfg.preset}")
+    if is_main:
+        plot_run(out / "metrics.jsonl", out / "plots", title=f"k3 {cfg.preset}")
     return RunSummary(out, step, tokens_seen, last_train_loss, last_eval, unigram,
                       time.perf_counter() - started, last_ckpt)
+
+
+def _distributed_runtime(cfg: TrainConfig) -> ParallelRuntime | None:
+    """The process group when launched by torchrun (RANK and WORLD_SIZE set, 1 process included)."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        if cfg.context_parallel > 1 or cfg.expert_parallel:
+            raise ValueError("context_parallel / expert_parallel need several processes: launch with torchrun")
+        return None
+    device = None if cfg.device == "auto" else cfg.device
+    return ParallelRuntime.from_env(cp=cfg.context_parallel, ep=0 if cfg.expert_parallel else 1, device=device)
+
+
+def _barrier(runtime: ParallelRuntime | None) -> None:
+    if runtime is not None:
+        torch.distributed.barrier()
+
+
+class _NoLog:
+    """Metrics log of ranks other than 0: they compute the same metrics, rank 0 writes them."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
 
 
 def _make_batches(corpus: TokenizedCorpus, cfg: TrainConfig, stage: ContextStage) -> PackedBatches:
@@ -448,7 +551,7 @@ def _make_batches(corpus: TokenizedCorpus, cfg: TrainConfig, stage: ContextStage
 
 
 def _resolve_total_steps(cfg: TrainConfig, model: K3ForCausalLM, corpus: TokenizedCorpus, device: torch.device,
-                         log) -> int:
+                         log, parallel: ParallelTraining | None = None) -> int:
     """Total optimizer steps: from max_steps, max_tokens, or a time budget measured on this machine."""
     if cfg.max_steps is not None:
         return cfg.max_steps
@@ -456,6 +559,8 @@ def _resolve_total_steps(cfg: TrainConfig, model: K3ForCausalLM, corpus: Tokeniz
         return max(1, cfg.max_tokens // cfg.tokens_per_step)
     if cfg.time_budget_min is None:
         raise ValueError("set one of max_steps, max_tokens or time_budget_min")
+    if parallel is not None:
+        raise ValueError("a distributed run needs max_steps or max_tokens (the time-budget probe is single-process)")
     # time full steps on a throwaway copy of the model; nothing of the run is touched
     probe = build_model(model.config, seed=cfg.seed, device=device)
     probe_opt = MuonAdamW(probe.named_parameters(), model.config, lr=0.0, ns_dtype=getattr(torch, cfg.muon_ns_dtype))

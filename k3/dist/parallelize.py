@@ -1,0 +1,131 @@
+"""Apply parallelism to a built single-device model, and the few reductions a training step needs.
+
+Order (systems.md §5.1, fixed): expert parallelism (swap routed experts for the EP version) → context
+parallelism (switch KDA/MLA mixers to their CP classes) → FSDP2 `fully_shard` per decoder layer, then
+the root. FSDP2 shards every parameter over the flattened dp × cp ranks with `Shard(0)`, except the
+routed experts, which EP already shards by expert over the same ranks (FSDP ignores them). On GPU the
+FSDP2 policy is bf16 parameters with fp32 gradient reduction; on CPU everything stays fp32.
+
+Each rank's loss is its token sum over the *global* token count, so the single-process gradient is the
+*sum* of the ranks' gradients. FSDP2 averages (gloo has no pre-multiplied sum for a divide factor of 1),
+so the loss is scaled by W (`loss_scale`) and the expert gradients, which EP's all-to-all backward
+already summed and FSDP does not touch, are divided back by W (`finish_gradients`).
+
+`ParallelTraining` holds what the loop needs per step: cutting the global batch, the all-reduces of
+Quantile Balancing histograms, expert loads, MLA max logits and the loss; the global gradient norm; and
+distributed checkpoints (DCP) that a run with another number of ranks can load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from k3.dist.context_parallel import CPContext, apply_context_parallel
+from k3.dist.expert_parallel import ExpertParallelExperts, apply_expert_parallel
+from k3.dist.runtime import ParallelRuntime
+from k3.optim.muon import local_tensor
+
+DCP_MARKER = ".metadata"  # written by dcp.save: a checkpoint directory with it is a distributed one
+
+
+def parallelize(model: nn.Module, runtime: ParallelRuntime, moonep: bool = True) -> ParallelTraining:
+    """EP → CP → FSDP2 on `model` (in place); returns the per-step helper."""
+    experts: list[ExpertParallelExperts] = []
+    if runtime.dims.ep > 1:
+        experts = apply_expert_parallel(model, runtime.fsdp_mesh, use_planner=moonep)
+    cp_context = None
+    if runtime.dims.cp > 1:
+        cp_context = CPContext(runtime.cp_group, runtime.dims.cp, runtime.cp_rank)
+        apply_context_parallel(model, cp_context)
+    if runtime.device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()
+    ignored = {p for e in experts for p in e.parameters()}
+    for layer in model.model.layers:
+        layer_ignored = {p for p in layer.parameters() if p in ignored}
+        fully_shard(layer, mesh=runtime.fsdp_mesh, mp_policy=mp, ignored_params=layer_ignored or None)
+    fully_shard(model, mesh=runtime.fsdp_mesh, mp_policy=mp, ignored_params=ignored or None)
+    return ParallelTraining(runtime, model, experts, cp_context)
+
+
+class ParallelTraining:
+    def __init__(self, runtime: ParallelRuntime, model: nn.Module, experts: list[ExpertParallelExperts],
+                 cp_context: CPContext | None):
+        self.runtime, self.model, self.experts, self.cp_context = runtime, model, experts, cp_context
+
+    @property
+    def is_main(self) -> bool:
+        return self.runtime.is_main
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.runtime.world_size)
+
+    def finish_gradients(self) -> None:
+        """After the step's backward passes: undo `loss_scale` on the gradients FSDP did not average."""
+        grads = [local_tensor(p.grad) for e in self.experts for p in e.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, self.loss_scale)
+
+    # ---- data -----------------------------------------------------------------------------------------
+    def shard(self, input_ids: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor):
+        """This rank's piece of a global batch; also tells the CP layers where it sits."""
+        ids, lab, cu, shard = self.runtime.shard_batch(input_ids, labels, cu_seqlens)
+        if self.cp_context is not None:
+            self.cp_context.shard = shard
+        return ids, lab, cu
+
+    # ---- reductions -------------------------------------------------------------------------------------
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.runtime.all_reduce_(tensor, dist.ReduceOp.SUM)
+
+    def max_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.runtime.all_reduce_(tensor, dist.ReduceOp.MAX)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Global L2 norm of all gradients (local shards are disjoint across ranks), then scale to max_norm."""
+        grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
+        for g in grads:
+            sq += g.double().pow(2).sum()
+        total = float(self.sum_(sq).sqrt())
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            torch._foreach_mul_(grads, coef)
+        return total
+
+    def ep_stats(self) -> dict[str, list[float]]:
+        if not self.experts:
+            return {}
+        return {"ep_load_max_over_mean": [e.last_stats["load_max_over_mean"] for e in self.experts],
+                "ep_home_load_max_over_mean": [e.last_stats["home_load_max_over_mean"] for e in self.experts]}
+
+    # ---- distributed checkpoints --------------------------------------------------------------------------
+    def _state(self, optimizer) -> dict:
+        options = StateDictOptions(full_state_dict=False)
+        return {"model": get_model_state_dict(self.model, options=options),
+                "optim": get_optimizer_state_dict(self.model, optimizer, options=options)}
+
+    def save(self, directory: Path, optimizer) -> None:
+        """Every rank writes its shards of the model and optimizer into `directory` (DCP format)."""
+        dcp.save(self._state(optimizer), checkpoint_id=str(directory))
+
+    def load(self, directory: Path, optimizer) -> None:
+        """Load a DCP checkpoint written with any number of ranks into the sharded model and optimizer."""
+        options = StateDictOptions(full_state_dict=False)
+        state = self._state(optimizer)
+        dcp.load(state, checkpoint_id=str(directory))
+        set_model_state_dict(self.model, state["model"], options=options)
+        set_optimizer_state_dict(self.model, optimizer, state["optim"], options=options)
+
+    def barrier(self) -> None:
+        dist.barrier()
