@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -123,7 +124,9 @@ class ParallelTraining:
         """Load a DCP checkpoint written with any number of ranks into the sharded model and optimizer."""
         options = StateDictOptions(full_state_dict=False)
         state = self._state(optimizer)
-        dcp.load(state, checkpoint_id=str(directory))
+        # Parameters that never had a gradient (e.g. layer 0's attention-residual query) have no optimizer
+        # state in the checkpoint; the fresh placeholders DCP's state-dict helpers create stay for them.
+        dcp.load(state, checkpoint_id=str(directory), planner=DefaultLoadPlanner(allow_partial_load=True))
         set_model_state_dict(self.model, state["model"], options=options)
         set_optimizer_state_dict(self.model, optimizer, state["optim"], options=options)
 
