@@ -52,3 +52,21 @@ def test_row_ranges_follow_torch_chunk():
         sizes = [c.shape[0] for c in torch.arange(dim0).chunk(world)] + [0] * world
         ranges = _row_ranges(dim0, 1, world)
         assert [b - a for a, b in ranges] == sizes[:world]
+
+
+def _aligned_worker(rank, world):
+    model = build_model(get_preset("debug"), seed=0)
+    mesh = init_device_mesh("cpu", (world,))
+    # per-expert and per-head units that shard boundaries do not cut: every unit is owned where it lives
+    names = [n for n, _ in model.named_parameters() if ".experts.w" in n or "self_attn.q_proj" in n]
+    params = {n: torch.nn.Parameter(distribute_tensor(dict(model.named_parameters())[n].detach(), mesh, [Shard(0)]))
+              for n in names}
+    opt = DistributedMuonAdamW(params.items(), model.config, lr=0.02, ns_dtype=torch.float32)
+    for n, p in params.items():
+        p.grad = distribute_tensor(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)), mesh, [Shard(0)])
+    opt.step()
+    return opt.bytes_sent
+
+
+def test_aligned_units_move_no_bytes():
+    assert run_workers(_aligned_worker, 2) == [0, 0]
