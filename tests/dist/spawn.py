@@ -21,6 +21,7 @@ def _entry(rank: int, world_size: int, init_file: str, out_dir: str, fn, args) -
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
+        dist.barrier()  # nobody tears the group down while a peer still has collectives in flight
         torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"rank{rank}.pt"))
     except BaseException:
         torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))
