@@ -14,10 +14,9 @@ so the X columns end as M. Folding S ← M_j S + S̃_j over the segments in orde
 true incoming state (the reset M_j = 0 makes the fold start over at each document), and running each
 segment from it reproduces the single-pass output and final states.
 
-This file is the oracle for the distributed version (issue 7): there each rank computes its own
-(M_i, S̃_i), one all-gather of [H, K, K + V] replaces the Python list, and the fold runs locally. The
-backward (the mirrored fold of systems.md §5.3) and the torch.distributed wiring are still to come;
-autograd through these functions already gives the single-process gradients.
+This file is the oracle for the distributed version (`k3.dist.context_parallel`): there each rank
+computes its own (M_i, S̃_i), one all-gather of [H, K, K + V] replaces the Python list, the fold runs
+locally, and autograd through the all-gather gives the mirrored backward fold.
 
 Dimensions: T tokens, H heads, K key dim, V value dim, N documents, R segments (ranks).
 """

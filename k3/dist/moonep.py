@@ -1,8 +1,7 @@
 """The MoonEP planner: balance expert-parallel ranks exactly with redundant expert copies (pure function).
 
 Follows the Kimi K3 report §5.2.1 and App. E, and systems.md §5.2. Single-process and pure Python on
-integers (the "pure-Python twin"); the device-side torch version and the all-to-all dispatch are still
-to come (issue 7).
+integers; `k3.dist.expert_parallel` runs it on the all-gathered counts and dispatches by its `send`.
 
 Setting. R expert-parallel ranks, E routed experts, E/R of them at home on each rank: expert e lives on
 rank e // (E/R). Each rank holds S tokens routed top-K, so it sends T = S·K token copies. The step's
