@@ -114,6 +114,6 @@ def test_training_steps_match_single_process(reference, world, cp, ep):
         # embedding) fp32 reduction-order noise can flip an element's update; all else agrees tightly.
         for name, want in ref_state.items():
             got = r["state"][name]
-            close = torch.isclose(got, want, rtol=2e-4, atol=1e-5)
+            close = torch.isclose(got, want, rtol=1e-3, atol=CFG.lr / 10)
             assert close.float().mean() > 0.99, name
             assert (got - want).abs().max() <= 2 * CFG.lr * STEPS, name
