@@ -127,7 +127,8 @@ class ExpertParallelExperts(nn.Module):
         x_recv = funcol.all_to_all_single_autograd(x_send, out_splits, in_splits, self.group)
 
         # 3. slot weights from their home (autograd: slot gradients flow back home)
-        w_home = [getattr(self, n).to_local() for n in ("w1", "w3", "w2")]  # [P, ...] each
+        # [P, ...] each, in the activations' dtype (bf16 under autocast: half the bytes for slot copies)
+        w_home = [getattr(self, n).to_local().to(z.dtype) for n in ("w1", "w3", "w2")]
         slot_experts = plan.slot_experts[r][plan.slot_experts[r] >= 0].tolist()
         w_all = self._with_slots(w_home, plan, slot_experts)
 

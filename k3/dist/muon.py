@@ -151,7 +151,7 @@ class DistributedMuonAdamW(MuonAdamW):
         rows_of = {i: n.reshape(-1, n.shape[-1]) for i, (_, n) in sharded.items()}  # local row space
 
         send = torch.cat([rows_of[i][a:b].reshape(-1) for items in self._send for i, a, b, _ in items]
-                         or [torch.zeros(0)]).float()
+                         or [torch.zeros(0, device=params[0].device)]).float()
         recv = send.new_empty(sum(self._recv_splits))
         dist.all_to_all_single(recv, send, self._recv_splits, self._send_splits, group=self.group)
         self.bytes_sent += 4 * (sum(self._send_splits) - self._send_splits[self.rank])
