@@ -352,16 +352,18 @@ def main() -> None:
     print_table("bytes received per rank per step (MB)", ["ranks", "config", "collective", "measured", "predicted"],
                 byte_rows)
     if args.dcp_check:
-        dcp_check(args, max(args.worlds))
+        world = max(args.worlds)
+        same = [r for r in results if r["world"] == world and r["config"] == "fsdp"]
+        dcp_check(args, world, same[0] if same else None)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 
-def dcp_check(args, world: int) -> None:
+def dcp_check(args, world: int, straight: dict | None) -> None:
     """Train half the steps on `world` ranks, save DCP, resume on 1 rank; compare with the straight run."""
     half = args.steps // 2
     with tempfile.TemporaryDirectory() as tmp:
-        straight = launch(world, "fsdp", args)
+        straight = straight or launch(world, "fsdp", args)
         steps, args.steps = args.steps, half
         first = launch(world, "fsdp", args, ["--save", f"{tmp}/ckpt", "--total-steps", str(steps)])
         args.steps = steps - half
