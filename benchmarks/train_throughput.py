@@ -1,26 +1,42 @@
-"""Training throughput: tokens/s, model FLOP utilisation and the optimizer's share of the step.
+"""Training throughput: tokens/s, model FLOP utilisation, per-fast-path speedups and peak memory.
 
-For each preset, one full training step (forward, backward, Per-Head Muon/AdamW, Quantile Balancing
-update) on packed synthetic documents, timed after warm-up. In the same run, a large GEMM measures the
-machine's practical peak, so MFU is reported against both the measured peak and (on CUDA) the H200's
-989 TFLOP/s bf16 datasheet number.
+For each preset and sequence length, one full training step (forward, backward, Per-Head Muon/AdamW,
+QK-Clip, Quantile Balancing update) on packed synthetic documents, timed after a warm-up step (whose
+time, compilation included, is reported separately). Variants run side by side in one process:
+- `reference`: every reference path (padded MoE, explicit fp32 MLA attention, stacked AttnRes reads,
+  autograd SiTU-GLU and RMSNorm);
+- `fast`: every fast path ("auto" on CUDA: grouped-GEMM MoE, flash/flex attention, fused Triton AttnRes,
+  SiTU-GLU and RMSNorm);
+- `fast-no-X`: the fast stack with one path X back on its reference, so step(fast-no-X) / step(fast) is
+  X's speedup inside the fast stack (X ∈ moe, attn, attnres, situ, norm);
+- `fast-sdpa`: the fast stack with SDPA (explicit document mask) instead of flex;
+- `*-ckpt`: with activation checkpointing per decoder layer (k3.model.checkpointing).
+KDA runs `kda_impl` (default the torch chunked form) in every variant: its kernels are another issue.
+A large GEMM measures the machine's practical peak in the same run, so MFU is reported against it and
+(on CUDA) against the H200's 989 TFLOP/s bf16 datasheet number.
 
 FLOPs per token (performance.md §3.5): training = 3 × forward, forward = 2 × active matmul parameters
 (lm_head included, embedding excluded, routed experts at top-k/E) + per MLA layer 2·H·(d_qk + d_v)·L_ctx
 (L_ctx = mean attended length inside each document) + per KDA layer H·(6d² + 3Cd + C²).
 
-Correctness gate: the loss at init is within 1 nat of ln V and finite after the timed steps.
+Correctness gate: the loss at init is within 1 nat of ln V and finite after the timed steps. With
+`--loss-steps N`, `reference` and `fast` also train N steps from the same init on the same batches and
+the largest loss difference is reported (`docs/fast-paths.md` states the tolerance).
 
-    python benchmarks/train_throughput.py --presets tiny                 # CPU
-    python benchmarks/train_throughput.py --presets small --device cuda  # one GPU
+    python benchmarks/train_throughput.py --presets tiny                                  # CPU
+    python benchmarks/train_throughput.py --presets small --device cuda --seq-lens 4096 8192 \\
+        --tokens 16384 --variants reference fast --ablate-at 4096                         # one GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import math
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,11 +45,33 @@ from rich.table import Table
 
 from k3.config import get_preset
 from k3.model.accounting import account
+from k3.model.checkpointing import apply_activation_checkpointing
 from k3.model.model import build_model
 from k3.optim import MuonAdamW, cosine_schedule
 from k3.train.loop import TrainConfig, train_step
 
 H200_BF16_PEAK = 989e12
+REFERENCE = dict(moe_impl="reference", attention_backend="reference", attn_res_impl="direct",
+                 situ_impl="reference", norm_impl="reference")
+FAST = dict(moe_impl="auto", attention_backend="auto", attn_res_impl="auto", situ_impl="auto", norm_impl="auto")
+PATHS = {"moe": "moe_impl", "attn": "attention_backend", "attnres": "attn_res_impl", "situ": "situ_impl",
+         "norm": "norm_impl"}
+
+
+def variant_overrides(name: str) -> tuple[dict, bool]:
+    """Variant name -> (config overrides, activation checkpointing)."""
+    ckpt = name.endswith("-ckpt")
+    base = name.removesuffix("-ckpt")
+    if base == "reference":
+        return dict(REFERENCE), ckpt
+    if base == "fast":
+        return dict(FAST), ckpt
+    if base == "fast-sdpa":
+        return dict(FAST, attention_backend="sdpa"), ckpt
+    if base.startswith("fast-no-") and base[8:] in PATHS:
+        field = PATHS[base[8:]]
+        return dict(FAST, **{field: REFERENCE[field]}), ckpt
+    raise SystemExit(f"unknown variant {name!r}")
 
 
 def sync(device):
@@ -118,77 +156,202 @@ class TimedMuonAdamW(MuonAdamW):
         return out
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", nargs="+", default=["tiny"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--rows", type=int, default=None, help="rows per step (default: 16 CPU, 8 GPU)")
-    parser.add_argument("--seq-len", type=int, default=None, help="default 256 CPU, 4096 GPU")
-    parser.add_argument("--vocab-size", type=int, default=None, help="override (e.g. 32768 for small with k3's BPE)")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--kda-impl", default="torch")
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    cuda = device.type == "cuda"
-    rows = args.rows or (8 if cuda else 16)
-    seq_len = args.seq_len or (4096 if cuda else 256)
-    steps = args.steps or (5 if cuda else 3)
-    if not cuda:
-        torch.set_flush_denormal(True)
+def build(name, preset, overrides, ckpt, device, record):
+    config = get_preset(preset, **overrides)
+    model = build_model(config, seed=0, device=device)
+    if ckpt:
+        apply_activation_checkpointing(model)
+    optimizer = TimedMuonAdamW(model.named_parameters(), config, lr=1e-3, record=record, device=device,
+                               ns_dtype=torch.bfloat16)  # as `k3 train` runs it
+    return config, model, optimizer, cosine_schedule(optimizer, 1000)
 
-    peak = measured_gemm_peak(device)
-    console = Console(width=220)
-    table = Table(title=f"k3 training step on {torch.cuda.get_device_name() if cuda else 'CPU'} "
-                        f"({'bf16 autocast' if cuda else 'fp32'}, {rows} × {seq_len} packed tokens/step, "
-                        f"measured GEMM peak {peak / 1e12:.1f} TFLOP/s)")
-    for col in ("preset", "params total / active", "step s", "tokens/s", "TFLOP/s", "MFU (measured peak)",
-                "MFU (989 TF)" if cuda else "attention share of FLOPs", "optimizer share", "peak mem GiB"):
-        table.add_column(col, justify="right")
-    for name in args.presets:
-        overrides = {"kda_impl": args.kda_impl}
-        if args.vocab_size:
-            overrides["vocab_size"] = args.vocab_size
-        config = get_preset(name, **overrides)
-        model = build_model(config, seed=0, device=device)
-        opt_times: list[float] = []
-        optimizer = TimedMuonAdamW(model.named_parameters(), config, lr=1e-3, record=opt_times, device=device,
-                                   ns_dtype=torch.bfloat16)  # as `k3 train` runs it
-        scheduler = cosine_schedule(optimizer, 1000)
-        cfg = TrainConfig(preset=name)
+
+def free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_variant(name, preset, seq_len, rows, steps, base, device, peak):
+    """Time one variant. Returns a result dict (with "error" on failure)."""
+    cuda = device.type == "cuda"
+    overrides, ckpt = variant_overrides(name)
+    overrides.update(base)
+    opt_times: list[float] = []
+    result = {"preset": preset, "seq_len": seq_len, "rows": rows, "variant": name, "overrides": overrides,
+              "checkpointing": ckpt}
+    model = optimizer = None
+    try:
+        config, model, optimizer, scheduler = build(name, preset, overrides, ckpt, device, opt_times)
         batch = Batch(rows, seq_len, config.vocab_size, device)
-        with torch.no_grad(), (torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)):
+        # with gradients enabled, so compiled kernels (flex) are built once, for training
+        with (torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)):
             b = batch.to(device)
             logits = model(b.input_ids, cu_seqlens=b.cu_seqlens).logits
             loss0 = F.cross_entropy(logits.flatten(0, 1).float(), b.labels.flatten(), ignore_index=-100).item()
+            del logits
         if not (math.isfinite(loss0) and abs(loss0 - math.log(config.vocab_size)) < 1.0):
-            raise SystemExit(f"correctness gate failed for {name}: loss at init {loss0:.3f}, ln V = "
-                             f"{math.log(config.vocab_size):.3f}")
+            raise RuntimeError(f"correctness gate: loss at init {loss0:.3f}, ln V = {math.log(config.vocab_size):.3f}")
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        cfg = TrainConfig(preset=preset)
         times = []
-        for i in range(steps + 1):
+        for _ in range(steps + 1):
             sync(device)
             t = time.perf_counter()
             metrics = train_step(model, optimizer, scheduler, [batch], cfg, device)
             sync(device)
             times.append(time.perf_counter() - t)
         if not math.isfinite(metrics["loss"]):
-            raise SystemExit(f"correctness gate failed for {name}: non-finite loss after {steps} steps")
+            raise RuntimeError(f"correctness gate: non-finite loss after {steps} steps")
         step_s = statistics.median(times[1:])
-        opt_s = statistics.median(opt_times[1:])
         tokens = rows * seq_len
         mm, attn = flops_per_token(model, config, batch.mean_context(), config.kda_chunk_size)
         achieved = (mm + attn) * tokens / step_s
         acc = account(config)
-        mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-        table.add_row(name, f"{acc.total_params / 1e6:,.1f}M / {acc.active_params / 1e6:,.1f}M", f"{step_s:.3f}",
-                      f"{tokens / step_s:,.0f}", f"{achieved / 1e12:.2f}", f"{achieved / peak:.1%}",
-                      f"{achieved / H200_BF16_PEAK:.1%}" if cuda else f"{attn / (mm + attn):.1%}",
-                      f"{opt_s / step_s:.1%}", f"{mem:.1f}")
+        result.update(step_s=step_s, first_step_s=times[0], step_samples_s=times[1:], tokens_per_s=tokens / step_s,
+                      tflop_s=achieved / 1e12, mfu_measured=achieved / peak, mfu_989=achieved / H200_BF16_PEAK,
+                      attention_flop_share=attn / (mm + attn), optimizer_share=statistics.median(opt_times[1:]) / step_s,
+                      peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+                      params=f"{acc.total_params / 1e6:,.1f}M / {acc.active_params / 1e6:,.1f}M", loss0=loss0)
+    except torch.OutOfMemoryError:
+        result["error"] = "OOM"
+    except Exception as e:  # report and go on with the other variants
+        result["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    finally:
         del model, optimizer
-        if cuda:
-            torch.cuda.empty_cache()
+        free(device)
+    return result
+
+
+def loss_curves(preset, seq_len, rows, steps, base, device):
+    """Train `reference` and `fast` for `steps` steps from the same init on the same batches."""
+    curves = {}
+    for name in ("reference", "fast"):
+        overrides, _ = variant_overrides(name)
+        overrides.update(base)
+        config, model, optimizer, scheduler = build(name, preset, overrides, False, device, [])
+        cfg = TrainConfig(preset=preset)
+        losses = []
+        for step in range(steps):
+            batch = Batch(rows, seq_len, config.vocab_size, device, seed=1000 + step)
+            losses.append(train_step(model, optimizer, scheduler, [batch], cfg, device)["loss"])
+        curves[name] = losses
+        del model, optimizer
+        free(device)
+    diffs = [abs(a - b) for a, b in zip(curves["fast"], curves["reference"])]
+    return {"steps": steps, "reference": curves["reference"], "fast": curves["fast"], "max_abs_diff": max(diffs),
+            "max_rel_diff": max(d / abs(r) for d, r in zip(diffs, curves["reference"]))}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", nargs="+", default=["tiny"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--rows", type=int, default=None, help="rows per step (default: --tokens / seq_len)")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per step (default 4096 CPU, 32768 GPU)")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=None, help="default 256 CPU, 4096 GPU")
+    parser.add_argument("--seq-len", type=int, default=None, help="one sequence length (same as --seq-lens N)")
+    parser.add_argument("--vocab-size", type=int, default=None, help="override (e.g. 32768 for small with k3's BPE)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps after one warm-up step")
+    parser.add_argument("--kda-impl", default="torch")
+    parser.add_argument("--variants", nargs="+", default=["reference", "fast"])
+    parser.add_argument("--ablate-at", type=int, default=None,
+                        help="also run fast-no-X for every fast path at this sequence length")
+    parser.add_argument("--extra", nargs="*", default=[], help="more variants at the ablation length")
+    parser.add_argument("--late", nargs="*", default=[], help="variants run last, at the first length")
+    parser.add_argument("--loss-steps", type=int, default=0, help="loss-curve comparison, reference vs fast")
+    parser.add_argument("--time-budget", type=float, default=None, help="seconds; later cases are skipped")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    seq_lens = args.seq_lens or ([args.seq_len] if args.seq_len else [4096 if cuda else 256])
+    tokens = args.tokens or (32768 if cuda else 4096)
+    steps = args.steps or (3 if cuda else 2)
+    if not cuda:
+        torch.set_flush_denormal(True)
+    started = time.perf_counter()
+    peak = measured_gemm_peak(device)
+    base = {"kda_impl": args.kda_impl}
+    if args.vocab_size:
+        base["vocab_size"] = args.vocab_size
+
+    # the main variants at every length first, then the ablations, then `--late` (e.g. may run out of memory)
+    plan = []
+    for preset in args.presets:
+        for seq_len in seq_lens:
+            plan += [(preset, seq_len, args.rows or max(1, tokens // seq_len), v) for v in args.variants]
+        if args.ablate_at:
+            rows = args.rows or max(1, tokens // args.ablate_at)
+            plan += [(preset, args.ablate_at, rows, v) for v in [f"fast-no-{p}" for p in PATHS] + list(args.extra)]
+        plan += [(preset, seq_lens[0], args.rows or max(1, tokens // seq_lens[0]), v) for v in args.late]
+    results = []
+    for preset, seq_len, rows, variant in plan:
+        if args.time_budget and time.perf_counter() - started > args.time_budget:
+            results.append({"preset": preset, "seq_len": seq_len, "rows": rows, "variant": variant,
+                            "error": "skipped (time budget)"})
+            continue
+        r = run_variant(variant, preset, seq_len, rows, steps, base, device, peak)
+        results.append(r)
+        status = r.get("error") or "{:.3f} s/step, {:.1f} TFLOP/s".format(r["step_s"], r["tflop_s"])
+        print(f"[{time.perf_counter() - started:6.0f}s] {preset} T={seq_len} {variant}: {status}", flush=True)
+
+    curves = None
+    if args.loss_steps:
+        if args.time_budget and time.perf_counter() - started > args.time_budget:
+            curves = {"error": "skipped (time budget)"}
+        else:
+            try:
+                curves = loss_curves(args.presets[0], seq_lens[0], args.rows or max(1, tokens // seq_lens[0]),
+                                     args.loss_steps, base, device)
+            except Exception as e:
+                curves = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+    console = Console(width=240)
+    table = Table(title=f"k3 training step on {torch.cuda.get_device_name() if cuda else 'CPU'} "
+                        f"({'bf16 autocast' if cuda else 'fp32'}, {tokens} packed tokens/step, kda_impl "
+                        f"{args.kda_impl}, measured GEMM peak {peak / 1e12:.1f} TFLOP/s)")
+    for col in ("preset", "T", "rows", "variant", "step s", "tokens/s", "TFLOP/s", "MFU (measured)", "MFU (989 TF)",
+                "vs reference", "path speedup", "first step s", "optimizer", "peak GiB"):
+        table.add_column(col, justify="right")
+    by_key = {(r["preset"], r["seq_len"], r["variant"]): r for r in results}
+    for r in results:
+        if "error" in r:
+            table.add_row(r["preset"], str(r["seq_len"]), str(r["rows"]), r["variant"], r["error"][:60],
+                          *[""] * 9)
+            continue
+        ref = by_key.get((r["preset"], r["seq_len"], "reference"))
+        if ref is None or "step_s" not in ref:  # e.g. out of memory without checkpointing
+            ref = by_key.get((r["preset"], r["seq_len"], "reference-ckpt"))
+        fast = by_key.get((r["preset"], r["seq_len"], "fast"))
+        vs_ref = f"{ref['step_s'] / r['step_s']:.2f}×" if ref and "step_s" in ref else ""
+        path = ""
+        if r["variant"].startswith("fast-no-") and fast and "step_s" in fast:
+            path = f"{r['step_s'] / fast['step_s']:.2f}×"
+        table.add_row(r["preset"], str(r["seq_len"]), str(r["rows"]), r["variant"], f"{r['step_s']:.3f}",
+                      f"{r['tokens_per_s']:,.0f}", f"{r['tflop_s']:.1f}", f"{r['mfu_measured']:.1%}",
+                      f"{r['mfu_989']:.1%}", vs_ref, path, f"{r['first_step_s']:.1f}", f"{r['optimizer_share']:.1%}",
+                      f"{r['peak_mem_gib']:.1f}")
     console.print(table)
+    console.print("path speedup = step(fast-no-X) / step(fast): what path X saves inside the fast stack; "
+                  "vs reference: against `reference`, or `reference-ckpt` where `reference` did not run")
+    from k3.ops.attention import FLEX_FAILURE, flash_attn_varlen_func
+    console.print(f"attention backend of 'auto': {'flash' if flash_attn_varlen_func else 'flex'}"
+                  + (f"; FLEX FAILED, SDPA used instead: {FLEX_FAILURE[0]}" if FLEX_FAILURE else ""))
+    if curves is not None:
+        if "error" in curves:
+            console.print(f"loss curves: {curves['error']}")
+        else:
+            console.print(f"loss curves over {curves['steps']} steps: max |fast − reference| = "
+                          f"{curves['max_abs_diff']:.4f} nats ({curves['max_rel_diff']:.2%}); final "
+                          f"{curves['fast'][-1]:.4f} vs {curves['reference'][-1]:.4f}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"benchmark": "train_throughput", "peak_tflop_s": peak / 1e12,
+                                               "env": {"torch": torch.__version__,
+                                                       "gpu": torch.cuda.get_device_name() if cuda else "cpu"},
+                                               "results": results, "loss_curves": curves}, indent=1))
 
 
 if __name__ == "__main__":

@@ -20,10 +20,23 @@ from typing import Any, Literal
 
 KDAImpl = Literal["torch", "naive", "recurrent", "triton"]
 MLAImpl = Literal["auto", "naive", "absorb"]
-AttnResImpl = Literal["direct", "two_phase"]
+AttnResImpl = Literal["auto", "direct", "two_phase", "triton"]
+MoEImpl = Literal["auto", "reference", "grouped"]
+AttentionBackend = Literal["auto", "reference", "flash", "flex", "sdpa"]
+FusedOpImpl = Literal["auto", "reference", "triton"]
 
 # Fields of ModelConfig that are k3 runtime choices, not part of the released schema.
-RUNTIME_FIELDS = ("kda_impl", "kda_chunk_size", "mla_impl", "attn_res_impl")
+RUNTIME_FIELDS = ("kda_impl", "kda_chunk_size", "mla_impl", "attn_res_impl", "moe_impl", "attention_backend",
+                  "situ_impl", "norm_impl")
+
+# "auto" resolves to the fast path on CUDA and to the reference elsewhere (docs/fast-paths.md).
+RUNTIME_CHOICES = {
+    "attn_res_impl": ("auto", "direct", "two_phase", "triton"),
+    "moe_impl": ("auto", "reference", "grouped"),
+    "attention_backend": ("auto", "reference", "flash", "flex", "sdpa"),
+    "situ_impl": ("auto", "reference", "triton"),
+    "norm_impl": ("auto", "reference", "triton"),
+}
 
 
 def hybrid_layer_schedule(num_layers: int) -> tuple[list[int], list[int]]:
@@ -135,7 +148,13 @@ class ModelConfig:
     kda_impl: KDAImpl = "torch"
     kda_chunk_size: int = 16
     mla_impl: MLAImpl = "auto"
-    attn_res_impl: AttnResImpl = "direct"
+    # Block AttnRes wiring: direct reads (reference), the two-phase inference form, or the direct wiring
+    # with the fused Triton read (the CUDA default under "auto")
+    attn_res_impl: AttnResImpl = "auto"
+    moe_impl: MoEImpl = "auto"  # reference: padded-batch dispatch; grouped: grouped GEMMs (k3.ops.moe)
+    attention_backend: AttentionBackend = "auto"  # MLA training/prefill attention (k3.ops.attention)
+    situ_impl: FusedOpImpl = "auto"  # SiTU-GLU: autograd formula or fused Triton kernels
+    norm_impl: FusedOpImpl = "auto"  # RMSNorm: autograd formula or fused Triton kernels
 
     def __post_init__(self) -> None:
         self.validate()
@@ -229,8 +248,9 @@ class ModelConfig:
                             f"<= 80 nats (factorised decays stay in fp32 range), got {self.kda_chunk_size}")
         if self.mla_impl not in ("auto", "naive", "absorb"):
             problems.append(f"mla_impl must be auto|naive|absorb, got {self.mla_impl!r}")
-        if self.attn_res_impl not in ("direct", "two_phase"):
-            problems.append(f"attn_res_impl must be direct|two_phase, got {self.attn_res_impl!r}")
+        for name, choices in RUNTIME_CHOICES.items():
+            if getattr(self, name) not in choices:
+                problems.append(f"{name} must be {'|'.join(choices)}, got {getattr(self, name)!r}")
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
 

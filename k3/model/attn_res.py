@@ -12,11 +12,15 @@ Two exact forms:
 - `attn_res_phase1` + `attn_res_merge`: the two-phase inference form. Queries do not depend on the
   input, so all reads of a block are batched over its sealed sources once (phase 1), and each read then
   merges the running partial sum with an online-softmax step (phase 2).
+The direct form also has a fused Triton read (`k3.ops.attn_res`) that never stacks the sources: it is
+what `attn_res_impl` "triton" (and "auto" on CUDA) runs; `select_read` picks it.
 """
 
 from __future__ import annotations
 
 import torch
+
+from k3.ops.attn_res import attn_res_read_triton, fused_attn_res_available
 
 EPS = 1e-5
 
@@ -72,3 +76,10 @@ def attn_res_merge(o1: torch.Tensor, m1: torch.Tensor, l1: torch.Tensor, w: torc
     a1 = torch.exp(m1 - m) * l1
     a2 = torch.exp(s2 - m)
     return ((a1.unsqueeze(-1) * o1 + a2.unsqueeze(-1) * p) / (a1 + a2).unsqueeze(-1)).to(partial.dtype)
+
+
+def select_read(impl: str, x: torch.Tensor):
+    """The read function for the direct wiring: the fused kernel for "triton" (or "auto" on CUDA)."""
+    if impl == "triton" or (impl == "auto" and fused_attn_res_available(x)):
+        return attn_res_read_triton
+    return attn_res_read

@@ -10,6 +10,13 @@ Two ways to compute the same attention, chosen by `config.mla_impl`:
 W_UV cannot be folded into o_proj, because the sigmoid output gate sits between them.
 `auto` uses naive for multi-token calls and absorb for single-token decode steps.
 Scores and softmax are fp32; the output is cast once.
+
+Training and prefill (the expanded path) run on a fast attention backend (`config.attention_backend`,
+k3.ops.attention: FlashAttention varlen, flex_attention with a document block mask, or SDPA; "auto" =
+flash/flex on CUDA, the reference elsewhere), with the mask of packed documents; the kernels accumulate
+in fp32. `attend` with an explicit mask stays the reference, and the decode (absorb) and ragged
+incremental paths are unchanged. `attention` is the seam for context parallelism: queries at absolute
+positions offset + t with their document ids against any key latent with its own document ids.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from k3.config import ModelConfig
 from k3.model.cache import MLALatent
 from k3.model.norm import RMSNorm
 from k3.model.sequence import SequenceLayout
+from k3.ops.attention import document_attention, document_mask, resolve_backend
 
 
 def attention_mask(layout: SequenceLayout, T: int, offset: int, device) -> torch.Tensor:
@@ -39,6 +47,7 @@ class GatedMLA(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.impl = config.mla_impl
+        self.backend = config.attention_backend
         D, H = config.hidden_size, config.num_attention_heads
         self.num_heads = H
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
@@ -85,8 +94,18 @@ class GatedMLA(nn.Module):
                 latent = torch.cat([state.latent, new_latent.to(state.latent.dtype)], dim=1)  # [B, S, C + R]
             else:
                 offset, latent = 0, new_latent
-            mask = attention_mask(layout, T, offset, x.device)
-            o = self.attend(q, latent, mask, impl, max_logits)
+            expanded = impl == "naive" or (impl == "auto" and T > 1)
+            backend = resolve_backend(self.backend, x.device)
+            if backend == "flex" and (use_cache or state is not None):
+                # prefill lengths vary call to call: SDPA needs no compilation per length
+                backend = "sdpa"
+            if expanded and backend != "reference":
+                # packed documents come only without a cache (checked above): the same ids on both sides
+                seg = layout.segment_ids
+                o = self.attention(q, latent, offset, seg, seg, max_logits, backend)
+            else:
+                mask = attention_mask(layout, T, offset, x.device)
+                o = self.attend(q, latent, mask, impl, max_logits)
             grown = latent
         o = o.reshape(B, T, H * self.v_dim).to(x.dtype)
         y = self.o_proj(torch.sigmoid(self.g_proj(x)) * o)
@@ -109,6 +128,40 @@ class GatedMLA(nn.Module):
         for n, r in enumerate(rows):
             grown[n, : r.shape[0]] = r
         return torch.cat(outs, dim=1), grown
+
+    def expand_latent(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [B, S, C + R] -> per-head keys [B, S, H, N + R] (k_pe shared, unrotated), values [B, S, H, Vd]."""
+        B, S, _ = latent.shape
+        H = self.num_heads
+        c, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(c).view(B, S, H, self.nope_dim + self.v_dim)  # [B, S, H, N + Vd]
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.to(k_nope.dtype)[:, :, None, :].expand(B, S, H, self.rope_dim)], dim=-1)
+        return k, v.contiguous()
+
+    def attention(self, q: torch.Tensor, latent: torch.Tensor, offset: int, q_doc: torch.Tensor | None,
+                  kv_doc: torch.Tensor | None, max_logits: list[torch.Tensor] | None = None,
+                  backend: str | None = None) -> torch.Tensor:
+        """Expanded attention of queries at absolute positions offset + arange(T) against the keys of
+        `latent` at positions arange(S); query t sees key s iff s ≤ offset + t and, when ids are given,
+        q_doc[b, t] == kv_doc[b, s].
+
+        q [B, T, H, N + R]; latent [B, S, C + R]; q_doc [B, T], kv_doc [B, S] int or both None.
+        Returns o [B, T, H, Vd] (the backend's dtype; fp32 for the reference). Appends the per-head max
+        logit [H] fp32 to `max_logits` when it is a list.
+        """
+        B, T, H, _ = q.shape
+        S = latent.shape[1]
+        backend = resolve_backend(backend or self.backend, q.device)
+        if backend == "reference":
+            mask = document_mask(T, S, offset, q_doc, kv_doc, q.device)
+            return self.attend(q, latent, mask, "naive", max_logits)
+        k, v = self.expand_latent(latent)
+        o, ml = document_attention(q.to(k.dtype), k, v, self.softmax_scale, offset, q_doc, kv_doc, backend,
+                                   want_max=max_logits is not None)
+        if max_logits is not None:
+            max_logits.append(ml)
+        return o
 
     def attend(self, q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor, impl: str,
                max_logits: list[torch.Tensor] | None) -> torch.Tensor:

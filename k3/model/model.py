@@ -8,7 +8,8 @@ Legend: B batch, T tokens, D model width, V vocabulary.
                     y and z are summed into the current AttnRes block
 
 One forward serves training (packed rows with `cu_seqlens`), prefill and incremental decoding (with a
-`K3Cache`). Parameter names follow the release's text stack without the `language_model.` prefix,
+`K3Cache`). Each decoder layer's step of the direct wiring is its `forward`, so a transform such as
+`k3.model.checkpointing.apply_activation_checkpointing` can wrap it without touching this file. Parameter names follow the release's text stack without the `language_model.` prefix,
 except the routed experts, which are stacked per kind (`experts.w1` [E, I, L]); `k3.convert` maps them.
 """
 
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from k3.config import ModelConfig
-from k3.model.attn_res import attn_res_merge, attn_res_phase1, attn_res_read, pseudo_query
+from k3.model.attn_res import attn_res_merge, attn_res_phase1, pseudo_query, select_read
 from k3.model.cache import K3Cache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
@@ -57,7 +58,8 @@ class DecoderLayer(nn.Module):
             self.block_sparse_moe = StableLatentMoE(config)
         else:
             self.mlp = SiTUMLP(D, config.intermediate_size, config.activation_situ_beta,
-                               config.activation_situ_linear_beta)
+                               config.activation_situ_linear_beta, config.situ_impl)
+        self.attn_res_block_size = config.attn_res_block_size
 
     def attn_query(self) -> torch.Tensor:
         return pseudo_query(self.self_attention_res_norm.weight, self.self_attention_res_proj.weight)
@@ -76,6 +78,31 @@ class DecoderLayer(nn.Module):
         if self.is_moe:
             return self.block_sparse_moe(x, router_infos)
         return self.mlp(x)
+
+    def run_mixer(self, a, layout, cache, mla_max_logits):
+        state = cache.layers[self.layer_idx] if cache is not None else None
+        y, new_state = self.mixer(a, layout, state, cache is not None, mla_max_logits)
+        if cache is not None:
+            cache.layers[self.layer_idx] = new_state
+        return y
+
+    def forward(self, sealed: list[torch.Tensor], partial: torch.Tensor, layout: SequenceLayout,
+                cache: K3Cache | None = None, router_infos: list | None = None,
+                mla_max_logits: list | None = None, read=None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One layer of the direct AttnRes wiring (architecture.md §4.2): (sealed, partial) -> (sealed, partial).
+
+        `read(w, sources)` is the AttnRes read (reference or fused); `sealed` is returned as a new list.
+        """
+        read = read or select_read("direct", partial)
+        a = partial if not sealed else read(self.attn_query(), sealed + [partial])
+        if self.layer_idx % self.attn_res_block_size == 0:
+            # seal before the mixer runs: the finished block (or the embedding) becomes a source
+            sealed = sealed + [partial]
+            partial = None
+        y = self.run_mixer(a, layout, cache, mla_max_logits)
+        partial = y if partial is None else partial + y
+        m = read(self.mlp_query(), sealed + [partial])
+        return sealed, partial + self.ffn(m, router_infos)
 
 
 class K3Model(nn.Module):
@@ -101,28 +128,13 @@ class K3Model(nn.Module):
             h = self._layers_direct(h, layout, cache, router_infos, mla_max_logits)
         return self.norm(h)
 
-    def _run_mixer(self, layer, a, layout, cache, mla_max_logits):
-        state = cache.layers[layer.layer_idx] if cache is not None else None
-        y, new_state = layer.mixer(a, layout, state, cache is not None, mla_max_logits)
-        if cache is not None:
-            cache.layers[layer.layer_idx] = new_state
-        return y
-
     def _layers_direct(self, h, layout, cache, router_infos, mla_max_logits):
-        S = self.config.attn_res_block_size
+        read = select_read(self.config.attn_res_impl, h)
         sealed: list[torch.Tensor] = []
         partial = h
         for layer in self.layers:
-            a = partial if not sealed else attn_res_read(layer.attn_query(), sealed + [partial])
-            if layer.layer_idx % S == 0:
-                # seal before the mixer runs: the finished block (or the embedding) becomes a source
-                sealed.append(partial)
-                partial = None
-            y = self._run_mixer(layer, a, layout, cache, mla_max_logits)
-            partial = y if partial is None else partial + y
-            m = attn_res_read(layer.mlp_query(), sealed + [partial])
-            partial = partial + layer.ffn(m, router_infos)
-        return attn_res_read(self.output_query(), sealed + [partial])
+            sealed, partial = layer(sealed, partial, layout, cache, router_infos, mla_max_logits, read)
+        return read(self.output_query(), sealed + [partial])
 
     def _layers_two_phase(self, h, layout, cache, router_infos, mla_max_logits):
         """Same result as `_layers_direct`; sealed sources are read once per block (architecture.md §4.4)."""
@@ -145,7 +157,7 @@ class K3Model(nn.Module):
             else:
                 j = i - block_start
                 a = attn_res_merge(o1[j], m1[j], l1[j], layer.attn_query(), partial)
-            y = self._run_mixer(layer, a, layout, cache, mla_max_logits)
+            y = layer.run_mixer(a, layout, cache, mla_max_logits)
             partial = y if partial is None else partial + y
             j = block_len + i - block_start
             m = attn_res_merge(o1[j], m1[j], l1[j], layer.mlp_query(), partial)
@@ -161,6 +173,9 @@ class K3ForCausalLM(nn.Module):
         self.config = config
         self.model = K3Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.impl = config.norm_impl
 
     def new_cache(self, batch_size: int) -> K3Cache:
         return K3Cache(self.config.num_hidden_layers, batch_size)

@@ -8,6 +8,13 @@ where the bias (`e_score_correction_bias`, set by Quantile Balancing) only selec
 selected *unbiased* scores renormalised. Routed experts run in a shared latent space: one down-projection
 D → L for all experts, SiTU-GLU experts L → I → L, weighted sum in fp32, RMSNorm (the "stable" part,
 which removes the scale of the routed sum), one up-projection L → D. Shared experts run at full width.
+
+Fast paths beside the references (config `moe_impl`, `situ_impl`; "auto" = fast on CUDA):
+- routed experts as grouped GEMMs with the MoE gradient transform (`k3.ops.moe.grouped_latent_experts`)
+  instead of the padded-batch dispatch of `LatentExperts.forward_reference`;
+- SiTU-GLU as fused Triton kernels (`k3.ops.situ.situ_glu`) instead of the autograd formula.
+The router GEMM stays separate from the latent down-projection: the router is computed in fp32 (with
+autocast off), the down-projection in the activation dtype, so one fused GEMM would change one of them.
 """
 
 from __future__ import annotations
@@ -21,21 +28,29 @@ from torch import nn
 from k3.config import ModelConfig
 from k3.model.norm import RMSNorm
 from k3.model.quantile_balancing import route_topk_with_cutoff
-from k3.ops.situ import naive_situ_glu
+from k3.ops.moe import grouped_latent_experts
+from k3.ops.situ import naive_situ_glu, situ_glu
+
+
+def use_fast(impl: str, fast: str, x: torch.Tensor) -> bool:
+    """One switch for every fast path: `impl` is the fast name, the reference, or "auto" (fast on CUDA)."""
+    return impl == fast or (impl == "auto" and x.is_cuda)
 
 
 class SiTUMLP(nn.Module):
     """down_proj(SiTU-GLU(gate_proj x, up_proj x)): the dense layer-0 FFN and the shared experts."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, beta1: float, beta2: float):
+    def __init__(self, hidden_size: int, intermediate_size: int, beta1: float, beta2: float, impl: str = "auto"):
         super().__init__()
         self.beta1, self.beta2 = beta1, beta2
+        self.impl = impl  # situ_impl
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(naive_situ_glu(self.gate_proj(x), self.up_proj(x), self.beta1, self.beta2))
+        act = situ_glu if use_fast(self.impl, "triton", x) else naive_situ_glu
+        return self.down_proj(act(self.gate_proj(x), self.up_proj(x), self.beta1, self.beta2))
 
 
 class Router(nn.Module):
@@ -47,17 +62,20 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h [N, D] -> sigmoid scores [N, E] in fp32."""
+        """h [N, D] -> sigmoid scores [N, E] in fp32 (autocast off: it would run the GEMM in bf16)."""
         compute = torch.float64 if h.dtype == torch.float64 else torch.float32
-        return torch.sigmoid(F.linear(h.to(compute), self.weight.to(compute)))
+        with torch.autocast(h.device.type, enabled=False):
+            return torch.sigmoid(F.linear(h.to(compute), self.weight.to(compute)))
 
 
 class LatentExperts(nn.Module):
     """Routed experts stacked per kind: w1 (gate) and w3 (up) [E, I, L], w2 (down) [E, L, I]."""
 
-    def __init__(self, num_experts: int, latent_size: int, intermediate_size: int, beta1: float, beta2: float):
+    def __init__(self, num_experts: int, latent_size: int, intermediate_size: int, beta1: float, beta2: float,
+                 impl: str = "auto"):
         super().__init__()
         self.beta1, self.beta2 = beta1, beta2
+        self.impl = impl  # moe_impl: reference | grouped | auto
         self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, latent_size))
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate_size, latent_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, latent_size, intermediate_size))
@@ -70,7 +88,14 @@ class LatentExperts(nn.Module):
     def forward(self, z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """z [N, L]; topk_idx [N, k]; weights [N, k] fp32. Returns Σ_j weights_j · E_j(z) [N, L] in fp32.
 
-        Reference dispatch: sort the N·k (token, expert) pairs by expert into a zero-padded [E, capacity, L]
+        The grouped-GEMM path (`k3.ops.moe`, no host sync) or `forward_reference`, by `self.impl`.
+        """
+        if use_fast(self.impl, "grouped", z):
+            return grouped_latent_experts(z, topk_idx, weights, self.w1, self.w3, self.w2, self.beta1, self.beta2)
+        return self.forward_reference(z, topk_idx, weights)
+
+    def forward_reference(self, z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Reference dispatch: sort the N·k (token, expert) pairs by expert into a zero-padded [E, capacity, L]
         block (capacity = the busiest expert's load) and run all experts as three batched matmuls. Padding
         rows are zero, so they produce zero and receive zero gradient. With Quantile Balancing the padding
         stays small; on CPUs this beats a per-expert loop of small matmuls by a wide margin.
@@ -112,10 +137,11 @@ class StableLatentMoE(nn.Module):
         self.routed_scaling_factor = config.routed_scaling_factor
         self.gate = Router(D, config.num_experts)
         self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
-        self.experts = LatentExperts(config.num_experts, L, config.moe_intermediate_size, b1, b2)
+        self.experts = LatentExperts(config.num_experts, L, config.moe_intermediate_size, b1, b2, config.moe_impl)
         self.routed_expert_norm = RMSNorm(L, config.rms_norm_eps)
         self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
-        self.shared_experts = SiTUMLP(D, config.num_shared_experts * config.moe_intermediate_size, b1, b2)
+        self.shared_experts = SiTUMLP(D, config.num_shared_experts * config.moe_intermediate_size, b1, b2,
+                                      config.situ_impl)
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [N, D] -> (scores [N, E], topk_idx [N, k], weights [N, k], cutoff [N])."""

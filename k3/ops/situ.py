@@ -5,9 +5,25 @@
 It matches SwiGLU to first order (β·tanh(x/β) = x + O(x³/β²)), is bounded by β1·β2, and its gradient
 never vanishes exactly. Evaluated in fp32 whatever the input dtype (bf16 differs visibly near
 saturation), and the product is cast back once.
+
+Two implementations of the same function:
+- `naive_situ_glu`: plain PyTorch, differentiated by autograd (the reference; saves fp32 intermediates);
+- `situ_glu`: one fused Triton kernel each way on CUDA (reads g and u once, writes f; the backward reads
+  g, u, df and writes dg, du), saving only g and u. `situ_glu_forward` / `situ_glu_backward` are the
+  same math without autograd, for callers that own their backward (the grouped MoE experts).
+Gradients (architecture.md §5.3): ∂f/∂g = [sech²(g/β1)σ(g) + β1 tanh(g/β1)σ(g)(1−σ(g))]·β2 tanh(u/β2),
+∂f/∂u = β1 tanh(g/β1)σ(g)·sech²(u/β2).
 """
 
+from __future__ import annotations
+
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs without triton: the torch formulas below are used
+    triton = None
 
 
 def naive_situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
@@ -18,3 +34,140 @@ def naive_situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, bet
     g, u = gate.to(compute), up.to(compute)
     out = (beta1 * torch.tanh(g / beta1) * torch.sigmoid(g)) * (beta2 * torch.tanh(u / beta2))
     return out.to(gate.dtype)
+
+
+def _torch_backward(gate, up, grad, beta1, beta2):
+    """The closed-form gradients in fp32 (fp64 for fp64 inputs); returns (dg, du) in the input dtype."""
+    compute = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    g, u, df = gate.to(compute), up.to(compute), grad.to(compute)
+    tg, sg, tu = torch.tanh(g / beta1), torch.sigmoid(g), torch.tanh(u / beta2)
+    a = beta1 * tg * sg
+    dg = df * (beta2 * tu) * ((1 - tg * tg) * sg + a * (1 - sg))
+    du = df * a * (1 - tu * tu)
+    return dg.to(gate.dtype), du.to(up.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tanh(x):
+        # tanh(x) = 1 − 2/(e^{2x} + 1): saturates to ±1 without overflow; absolute error ~1 ulp of 1
+        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+    @triton.jit
+    def _situ_fwd_kernel(G, U, F, M, N, stride_g, stride_u, stride_f, beta1, beta2,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        r = rows[:, None].to(tl.int64)
+        g = tl.load(G + r * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + r * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        f = (beta1 * _tanh(g / beta1) * tl.sigmoid(g)) * (beta2 * _tanh(u / beta2))
+        tl.store(F + r * stride_f + cols[None, :], f.to(F.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _situ_bwd_kernel(G, U, DF, DG, DU, M, N, stride_g, stride_u, stride_df, stride_dg, stride_du,
+                         beta1, beta2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        r = rows[:, None].to(tl.int64)
+        g = tl.load(G + r * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + r * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        df = tl.load(DF + r * stride_df + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tg = _tanh(g / beta1)
+        sg = tl.sigmoid(g)
+        tu = _tanh(u / beta2)
+        a = beta1 * tg * sg
+        dg = df * (beta2 * tu) * ((1.0 - tg * tg) * sg + a * (1.0 - sg))
+        du = df * a * (1.0 - tu * tu)
+        tl.store(DG + r * stride_dg + cols[None, :], dg.to(DG.dtype.element_ty), mask=mask)
+        tl.store(DU + r * stride_du + cols[None, :], du.to(DU.dtype.element_ty), mask=mask)
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A [*, N] tensor as a 2-D [M, N] view with unit column stride (copies only if it must)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+_BLOCK_M, _BLOCK_N = 16, 128
+
+
+def situ_glu_forward_triton(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused forward. gate, up [..., N] (row-strided views allowed) -> f [..., N] in gate's dtype."""
+    g, u = _as_rows(gate), _as_rows(up)
+    M, N = g.shape
+    f = torch.empty(M, N, dtype=gate.dtype, device=gate.device) if out is None else out
+    grid = (triton.cdiv(M, _BLOCK_M), triton.cdiv(N, _BLOCK_N))
+    _situ_fwd_kernel[grid](g, u, f, M, N, g.stride(0), u.stride(0), f.stride(0), float(beta1), float(beta2),
+                           BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)
+    return f.view(gate.shape) if out is None else f
+
+
+def situ_glu_backward_triton(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor, beta1: float, beta2: float,
+                             dgate: torch.Tensor | None = None, dup: torch.Tensor | None = None):
+    """Fused backward. Returns (dg, du); `dgate`/`dup` may be given as [M, N] (row-strided) outputs."""
+    g, u, df = _as_rows(gate), _as_rows(up), _as_rows(grad)
+    M, N = g.shape
+    dg = torch.empty(M, N, dtype=gate.dtype, device=gate.device) if dgate is None else dgate
+    du = torch.empty(M, N, dtype=up.dtype, device=up.device) if dup is None else dup
+    grid = (triton.cdiv(M, _BLOCK_M), triton.cdiv(N, _BLOCK_N))
+    _situ_bwd_kernel[grid](g, u, df, dg, du, M, N, g.stride(0), u.stride(0), df.stride(0), dg.stride(0),
+                           du.stride(0), float(beta1), float(beta2), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)
+    if dgate is None:
+        dg, du = dg.view(gate.shape), du.view(up.shape)
+    return dg, du
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return triton is not None and t.is_cuda and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def situ_glu_forward(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    """f(gate, up) without autograd: the Triton kernel on CUDA, the torch formula elsewhere."""
+    with torch.no_grad():
+        if _use_triton(gate):
+            return situ_glu_forward_triton(gate, up, beta1, beta2)
+        return naive_situ_glu(gate, up, beta1, beta2)
+
+
+def situ_glu_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor, beta1: float, beta2: float,
+                      out: torch.Tensor | None = None):
+    """(dg, du) for upstream `grad`. With `out` [M, 2N] the two land in its halves (no concatenation)."""
+    if _use_triton(gate):
+        if out is None:
+            return situ_glu_backward_triton(gate, up, grad, beta1, beta2)
+        n = gate.shape[-1]
+        return situ_glu_backward_triton(gate, up, grad, beta1, beta2, out[:, :n], out[:, n:])
+    dg, du = _torch_backward(gate, up, grad, beta1, beta2)
+    if out is not None:
+        n = gate.shape[-1]
+        out[:, :n].copy_(dg.reshape(-1, n))
+        out[:, n:].copy_(du.reshape(-1, n))
+    return dg, du
+
+
+class _SiTUGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, beta1, beta2):
+        ctx.save_for_backward(gate, up)
+        ctx.betas = (beta1, beta2)
+        return situ_glu_forward(gate, up, beta1, beta2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        dg, du = situ_glu_backward(gate, up, grad, *ctx.betas)
+        return dg, du, None, None
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+    """The fused SiTU-GLU (same contract as `naive_situ_glu`); saves only gate and up for the backward."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if up.dtype != gate.dtype:
+        up = up.to(gate.dtype)
+    return _SiTUGLU.apply(gate, up, beta1, beta2)

@@ -7,6 +7,7 @@ Legend: n sources, J queries, B batch, T tokens, D model width, L layers, S bloc
 import pytest
 import torch
 
+import k3.model.attn_res as attn_res_module
 import k3.model.model as model_module
 from k3.config import LinearAttnConfig, get_preset, hybrid_layer_schedule
 from k3.model.attn_res import attn_res_merge, attn_res_phase1, attn_res_read, pseudo_query
@@ -322,7 +323,8 @@ def test_read_source_counts_instrumented(monkeypatch, L, S):
         counts.append(len(sources))
         return attn_res_read(w, sources, *args, **kwargs)
 
-    monkeypatch.setattr(model_module, "attn_res_read", counting_read)
+    # the direct wiring reads through `select_read`, which returns attn_res.attn_res_read on CPU
+    monkeypatch.setattr(attn_res_module, "attn_res_read", counting_read)
     with torch.no_grad():
         direct = model(ids).logits
     assert counts == expected_read_counts(L, S)

@@ -1,0 +1,265 @@
+"""Routed experts as grouped GEMMs: permutation to expert order, SiTU-GLU experts, the MoE gradient transform.
+
+Legend: N tokens, k experts per token, E (local) experts, M rows (token copies) sorted by expert,
+M_pad rows after per-expert padding, L latent width, I expert hidden width.
+
+Forward of the fast path (`grouped_latent_experts`, what `LatentExperts` runs on CUDA):
+1. Plan: sort the N·k (token, expert) pairs by expert; each expert's group is padded to a multiple of
+   `align` rows (at least `align`), so every group start is 16-byte aligned for the TMA loads of the
+   weight-gradient GEMM and no group is empty. M_pad = round_up(N·k, align) + E·align is static, and
+   the plan needs no host synchronisation (no `.item()`, no `bincount`, whose CUDA kernel reads the max).
+2. Dispatch: latent rows are scattered to their padded positions (padding rows are zero).
+3. Experts: [w1; w3] as one grouped GEMM (L → 2I), fused SiTU-GLU, w2 as a grouped GEMM (I → L),
+   each row scaled by its router weight in fp32 — all inside one autograd Function.
+4. Combine: each token's k rows are gathered back and summed in fp32.
+
+The MoE gradient transform (K3 report §2.3): the router-weight gradient dp = ⟨dy, E(x)⟩ is computed
+as ⟨dy·w2, act⟩ from the activation and the gradient flowing into it, so the expert outputs E(x) are
+never saved; the Function saves only its input rows and the [M, 2I] pre-activations (the activation is
+recomputed by the fused kernel in the backward).
+
+`torch._grouped_mm` runs the GEMMs on CUDA in bf16 (its supported dtype there); other dtypes and
+devices use a per-group loop of plain matmuls (it reads the offsets on the host: CPU and fp32/fp64
+tests only; PyTorch's CPU grouped GEMM is far slower than the loop). `naive_grouped_situ_glu` is the
+plain autograd reference of the public `grouped_situ_glu`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3.ops.situ import naive_situ_glu, situ_glu_backward, situ_glu_forward
+
+# Rows per expert group on CUDA: bf16 group starts on 16-byte boundaries along the token dimension.
+CUDA_ALIGN = 8
+
+
+# ---- grouped GEMM primitives -------------------------------------------------------------------------
+
+def _native_ok(*mats: torch.Tensor) -> bool:
+    """torch._grouped_mm's constraints: bf16 on CUDA, every row stride a multiple of 16 bytes."""
+    return all(m.is_cuda and m.dtype == torch.bfloat16 and m.shape[-1] % 8 == 0 and m.shape[-2] % 8 == 0
+               for m in mats)
+
+
+def gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, native: bool | None = None) -> torch.Tensor:
+    """Grouped a @ b: a [M, K] (rows of group g are a[offs[g-1]:offs[g]]), b [G, K, N] -> [M, N].
+
+    offs [G] int32 cumulative group ends with offs[-1] == M.
+    """
+    if native if native is not None else _native_ok(a, b):
+        with torch.autocast(a.device.type, enabled=False):  # operands are cast already; keep bf16 in, bf16 out
+            return torch._grouped_mm(a, b, offs=offs)
+    out = a.new_empty(a.shape[0], b.shape[-1])
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        torch.mm(a[start:end], b[g], out=out[start:end])
+        start = end
+    return out
+
+
+def gmm_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, native: bool | None = None) -> torch.Tensor:
+    """Grouped a @ b over the shared token dim: a [K, M], b [M, N] -> [G, K, N], out[g] = a[:, s:e] @ b[s:e]."""
+    if native if native is not None else _native_ok(a, b):
+        with torch.autocast(a.device.type, enabled=False):
+            return torch._grouped_mm(a, b, offs=offs)
+    out = a.new_empty(offs.shape[0], a.shape[0], b.shape[-1])
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        torch.mm(a[:, start:end], b[start:end], out=out[g])
+        start = end
+    return out
+
+
+# ---- the expert block with the gradient transform ------------------------------------------------------
+
+class _GroupedSituGLU(torch.autograd.Function):
+    """y = p ⊙ (SiTU-GLU(x W13ᵀ) W2ᵀ) per expert group; p None means unweighted (output in x's dtype).
+
+    x [M, L]; w13 [G, 2I, L] (w1 rows then w3 rows); w2 [G, L, I]; p [M] fp32/fp64 or None.
+    With p the output is [M, L] in p's dtype (fp32 accumulation of the weighted sum).
+    """
+
+    @staticmethod
+    def forward(ctx, x, offs, w13, w2, probs, beta1, beta2, native):
+        I = w2.shape[-1]
+        h = gmm(x, w13.transpose(1, 2), offs, native)  # [M, 2I]
+        act = situ_glu_forward(h[:, :I], h[:, I:], beta1, beta2)  # [M, I]
+        y = gmm(act, w2.transpose(1, 2), offs, native)  # [M, L]
+        if probs is not None:
+            y = y.to(probs.dtype) * probs[:, None]
+        ctx.save_for_backward(x, offs, w13, w2, h, probs)
+        ctx.betas, ctx.native = (beta1, beta2), native
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, offs, w13, w2, h, probs = ctx.saved_tensors
+        native = ctx.native
+        I = w2.shape[-1]
+        g, u = h[:, :I], h[:, I:]
+        act = situ_glu_forward(g, u, *ctx.betas)  # recomputed, never saved
+        dy = dy.to(x.dtype)
+        dact = gmm(dy, w2, offs, native)  # [M, I]: the gradient flowing into the activation, before p
+        dprobs = None
+        if probs is not None:
+            # the transform: dp_m = ⟨dy_m, E(x_m)⟩ = ⟨dy_m · w2, act_m⟩
+            dprobs = (dact.to(probs.dtype) * act.to(probs.dtype)).sum(-1)
+            p = probs[:, None]
+            act = (act.to(probs.dtype) * p).to(x.dtype)
+            dact = (dact.to(probs.dtype) * p).to(x.dtype)
+        dw2 = gmm_wgrad(dy.t(), act, offs, native)  # [G, L, I]
+        dh = torch.empty_like(h)
+        situ_glu_backward(g, u, dact, *ctx.betas, out=dh)  # [M, 2I] = [dg | du]
+        dx = gmm(dh, w13, offs, native)  # [M, L]
+        dw13 = gmm_wgrad(dh.t(), x, offs, native)  # [G, 2I, L]
+        return dx, None, dw13, dw2, dprobs, None, None, None
+
+
+def _scatter_rows(x: torch.Tensor, dest: torch.Tensor, k: int, rows: int) -> torch.Tensor:
+    out = x.new_zeros(rows, x.shape[-1])
+    out[dest.view(-1, k)] = x.unsqueeze(1).expand(-1, k, -1)
+    return out
+
+
+class _ScatterRows(torch.autograd.Function):
+    """out [M_pad, L] zeros with out[dest[i]] = x[i // k]; backward sums each token's k row gradients."""
+
+    @staticmethod
+    def forward(ctx, x, dest, k, rows):
+        ctx.save_for_backward(dest)
+        ctx.k = k
+        return _scatter_rows(x, dest, k, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (dest,) = ctx.saved_tensors
+        return grad[dest].view(-1, ctx.k, grad.shape[-1]).sum(1), None, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """out [N, L] = Σ_j y[dest[n·k + j]]; backward scatters the token gradient to its k rows."""
+
+    @staticmethod
+    def forward(ctx, y, dest, k):
+        ctx.save_for_backward(dest)
+        ctx.k, ctx.rows = k, y.shape[0]
+        if k == 1:
+            return y[dest]
+        # autocast would run the sum in fp32 whatever y's dtype; the combine keeps y's (fp32) dtype
+        with torch.autocast(y.device.type, enabled=False):
+            return y[dest].view(-1, k, y.shape[-1]).sum(1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (dest,) = ctx.saved_tensors
+        return _scatter_rows(grad, dest, ctx.k, ctx.rows), None, None
+
+
+def _round_up(x, a):
+    return (x + a - 1) // a * a
+
+
+def padded_offsets(sizes: torch.Tensor, align: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group sizes [G] int64 -> (padded starts [G] int64, offs [G] int32 ends with offs[-1] = rows).
+
+    Each group gets round_up(size, align) rows, at least `align`; the last group absorbs the tail up to
+    `rows`, which must be >= round_up(Σ sizes, align) + G·align.
+    """
+    padded = torch.clamp(_round_up(sizes, align), min=align)
+    ends = padded.cumsum(0)
+    # built on the device: `offs[-1] = rows` would copy a host scalar (a synchronising copy)
+    offs = torch.cat([ends[:-1], ends.new_full((1,), rows)]).to(torch.int32)
+    return ends - padded, offs
+
+
+def dispatch_plan(topk_idx: torch.Tensor, num_experts: int, align: int):
+    """topk_idx [N, k] -> (dest [N·k] padded row of pair n·k + j, offs [E] int32, M_pad). No host sync."""
+    N, k = topk_idx.shape
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # sorted position -> pair
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    rows = _round_up(N * k, align) + num_experts * align
+    pad_start, offs = padded_offsets(counts, align, rows)
+    expert_sorted = flat[order]
+    shift = pad_start - (counts.cumsum(0) - counts)  # padded start − unpadded start, per expert
+    pos_sorted = torch.arange(N * k, device=flat.device) + shift[expert_sorted]
+    dest = torch.empty_like(order).scatter_(0, order, pos_sorted)
+    return dest, offs, rows
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return x.dtype
+
+
+def _stack_gate_up(w1: torch.Tensor, w3: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[w1; w3] as one [E, 2I, L] operand in the compute dtype, cast while copying (one pass over the
+    master weights; concatenating then casting would read and write them three times)."""
+    E, I, L = w1.shape
+    w13 = torch.empty(E, 2 * I, L, dtype=dtype, device=w1.device)
+    w13[:, :I].copy_(w1)
+    w13[:, I:].copy_(w3)
+    return w13
+
+
+def grouped_latent_experts(z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                           w3: torch.Tensor, w2: torch.Tensor, beta1: float, beta2: float,
+                           align: int | None = None, native: bool | None = None) -> torch.Tensor:
+    """Σ_j weights_j · E_j(z) as grouped GEMMs: z [N, L], topk_idx [N, k], weights [N, k] -> [N, L] fp32.
+
+    Same contract as `LatentExperts.forward` (the reference); fp64 inputs give fp64.
+    """
+    N, k = topk_idx.shape
+    E = w1.shape[0]
+    align = align or (CUDA_ALIGN if z.is_cuda else 1)
+    dtype = _compute_dtype(z)
+    accum = torch.float64 if z.dtype == torch.float64 else torch.float32
+    dest, offs, rows = dispatch_plan(topk_idx, E, align)
+    w13 = _stack_gate_up(w1, w3, dtype)  # [E, 2I, L]
+    x = _ScatterRows.apply(z.to(dtype), dest, k, rows)  # [M_pad, L]
+    probs = weights.new_zeros(rows, dtype=accum).index_put((dest,), weights.reshape(-1).to(accum))
+    y = _GroupedSituGLU.apply(x, offs, w13, w2.to(dtype), probs, beta1, beta2, native)  # [M_pad, L]
+    return _GatherRows.apply(y, dest, k)
+
+
+def grouped_situ_glu(x: torch.Tensor, group_sizes: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                     w2: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    """SiTU-GLU experts on rows sorted by expert, as grouped GEMMs; differentiable.
+
+    x [M, L] rows sorted by group; group_sizes [G] int (rows of expert g, Σ = M); w1, w3 [G, I, L];
+    w2 [G, L, I]. Returns [M, L] in the compute dtype (x's, or autocast's on CUDA). Rows are placed
+    into padded groups internally (no host sync); see `naive_grouped_situ_glu` for the reference.
+    """
+    return _grouped_situ_glu(x, group_sizes, w1, w3, w2, beta1, beta2)
+
+
+def _grouped_situ_glu(x, group_sizes, w1, w3, w2, beta1, beta2, align=None, native=None):
+    M, L = x.shape
+    G = w1.shape[0]
+    if tuple(group_sizes.shape) != (G,):
+        raise ValueError(f"group_sizes must be [{G}] (one per expert), got {tuple(group_sizes.shape)}")
+    align = align or (CUDA_ALIGN if x.is_cuda else 1)
+    dtype = _compute_dtype(x)
+    sizes = group_sizes.to(device=x.device, dtype=torch.int64)
+    rows = _round_up(M, align) + G * align
+    pad_start, offs = padded_offsets(sizes, align, rows)
+    group_of = torch.repeat_interleave(torch.arange(G, device=x.device), sizes, output_size=M)  # [M]
+    dest = torch.arange(M, device=x.device) + (pad_start - (sizes.cumsum(0) - sizes))[group_of]
+    xp = _ScatterRows.apply(x.to(dtype), dest, 1, rows)
+    w13 = _stack_gate_up(w1, w3, dtype)
+    y = _GroupedSituGLU.apply(xp, offs, w13, w2.to(dtype), None, beta1, beta2, native)
+    return _GatherRows.apply(y, dest, 1)
+
+
+def naive_grouped_situ_glu(x: torch.Tensor, group_sizes: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                           w2: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    """Reference of `grouped_situ_glu`: a loop over experts with plain matmuls and autograd."""
+    outs, start = [], 0
+    for g, n in enumerate(group_sizes.tolist()):
+        rows = x[start:start + n]
+        outs.append(naive_situ_glu(rows @ w1[g].t(), rows @ w3[g].t(), beta1, beta2) @ w2[g].t())
+        start += n
+    return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])

@@ -1,0 +1,162 @@
+"""Fused RMSNorm and gated RMSNorm (Triton), beside the plain PyTorch reference.
+
+Legend: N rows, D normalised width.
+
+    rms_norm(x; w)              = w ⊙ x / sqrt(mean(x²) + ε)            (statistics in fp32)
+    gated_rms_norm(x; w, g)     = rms_norm(x; w) ⊙ σ(g)                  (KDA's o_norm then output gate)
+
+The reference (`naive_rms_norm`) runs ~6 elementwise kernels each way and saves fp32 copies for the
+backward; the Triton kernels read x (and g) once, write y once, and save only the per-row 1/rms [N].
+Backward: with x̂ = x·r, n = w ⊙ x̂ and upstream dn (= dy ⊙ σ(g) when gated),
+dx = r·(w ⊙ dn − x̂·mean(w ⊙ dn ⊙ x̂)), dw = Σ_rows dn ⊙ x̂, dg = dy ⊙ n ⊙ σ(g)(1 − σ(g)).
+The dw row sum is accumulated per program (a persistent grid) and the [programs, D] partials summed once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+def naive_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                   gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: fp32 statistics (fp64 for fp64), result cast to x's dtype (gate's when gated)."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(compute)
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        out = out * weight.to(compute)
+    if gate is None:
+        return out.to(x.dtype)
+    return (out * torch.sigmoid(gate.to(compute))).to(gate.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_fwd_kernel(X, W, G, Y, RSTD, N, D, eps, HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_D)
+        mask = (rows[:, None] < N) & (cols[None, :] < D)
+        offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # [BLOCK_M]
+        y = x * rstd[:, None] * w[None, :]
+        if HAS_GATE:
+            g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+            y = y * tl.sigmoid(g)
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(RSTD + rows, rstd, mask=rows < N)
+
+    @triton.jit
+    def _rms_bwd_kernel(X, W, G, DY, RSTD, DX, DG, DW_PART, N, D, HAS_GATE: tl.constexpr, ITERS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for it in range(ITERS):
+            rows = (pid * ITERS + it) * BLOCK_M + tl.arange(0, BLOCK_M)
+            mask = (rows[:, None] < N) & cmask[None, :]
+            offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=rows < N, other=0.0)
+            xhat = x * rstd[:, None]
+            if HAS_GATE:
+                g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+                sg = tl.sigmoid(g)
+                n = xhat * w[None, :]
+                tl.store(DG + offs, (dy * n * sg * (1.0 - sg)).to(DG.dtype.element_ty), mask=mask)
+                dy = dy * sg
+            wdy = dy * w[None, :]
+            c = tl.sum(wdy * xhat, axis=1) / D
+            dx = (wdy - xhat * c[:, None]) * rstd[:, None]
+            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+            dw += tl.sum(dy * xhat, axis=0)
+        tl.store(DW_PART + pid * D + cols, dw, mask=cmask)
+
+
+def _blocks(D: int) -> tuple[int, int]:
+    block_d = triton.next_power_of_2(D)
+    return max(1, min(64, 4096 // block_d)), block_d
+
+
+def num_warps(block_elems: int) -> int:
+    """Warps for a tile of this many fp32 elements (≤ 32 elements per thread and tensor)."""
+    return max(4, min(16, block_elems // 1024))
+
+
+def persistent_grid(N: int, block_m: int, device: torch.device) -> tuple[int, int]:
+    """(programs, row blocks per program) for kernels that reduce over their rows (dw partials).
+
+    The blocks per program are a power of two and a compile-time constant: few specialisations, and a
+    plain loop bound (the Triton interpreter cannot loop to a runtime scalar with NumPy 2).
+    """
+    n_blocks = triton.cdiv(N, block_m)
+    cap = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    iters = triton.next_power_of_2(triton.cdiv(n_blocks, max(1, min(n_blocks, cap))))
+    return triton.cdiv(n_blocks, iters), iters
+
+
+def rms_norm_forward_triton(x2, weight, eps, gate2=None, out_dtype=None):
+    """x2 [N, D] contiguous, weight [D], gate2 [N, D] or None -> (y [N, D], rstd [N] fp32)."""
+    N, D = x2.shape
+    BLOCK_M, BLOCK_D = _blocks(D)
+    y = torch.empty(N, D, dtype=out_dtype or x2.dtype, device=x2.device)
+    rstd = torch.empty(N, dtype=torch.float32, device=x2.device)
+    _rms_fwd_kernel[(triton.cdiv(N, BLOCK_M),)](x2, weight, gate2 if gate2 is not None else x2, y, rstd, N, D,
+                                                float(eps), HAS_GATE=gate2 is not None, BLOCK_M=BLOCK_M,
+                                                BLOCK_D=BLOCK_D, num_warps=num_warps(BLOCK_M * BLOCK_D))
+    return y, rstd
+
+
+def rms_norm_backward_triton(x2, weight, rstd, dy2, gate2=None):
+    """Returns (dx [N, D], dw [D] in weight's dtype, dg [N, D] or None)."""
+    N, D = x2.shape
+    BLOCK_M, BLOCK_D = _blocks(D)
+    P, iters = persistent_grid(N, BLOCK_M, x2.device)
+    dx = torch.empty_like(x2)
+    dg = torch.empty_like(gate2) if gate2 is not None else None
+    part = torch.empty(P, D, dtype=torch.float32, device=x2.device)
+    _rms_bwd_kernel[(P,)](x2, weight, gate2 if gate2 is not None else x2, dy2, rstd, dx,
+                          dg if dg is not None else dx, part, N, D, HAS_GATE=gate2 is not None, ITERS=iters,
+                          BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=num_warps(BLOCK_M * BLOCK_D))
+    return dx, part.sum(0).to(weight.dtype), dg
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, gate, eps):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        g2 = gate.reshape(-1, shape[-1]).contiguous() if gate is not None else None
+        y, rstd = rms_norm_forward_triton(x2, weight, eps, g2, gate.dtype if gate is not None else x.dtype)
+        ctx.save_for_backward(x2, weight, rstd, g2)
+        ctx.shape = shape
+        return y.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd, g2 = ctx.saved_tensors
+        dx, dw, dg = rms_norm_backward_triton(x2, weight, rstd, dy.reshape(x2.shape).contiguous(), g2)
+        return dx.view(ctx.shape), dw, (dg.view(ctx.shape) if dg is not None else None), None
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None):
+    """Fused (gated) RMSNorm, same contract as `naive_rms_norm` with a weight; x [..., D], gate like x."""
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+    return _RMSNorm.apply(x, weight, gate, eps)
+
+
+def fused_norm_available(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16)

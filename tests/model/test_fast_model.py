@@ -1,0 +1,100 @@
+"""The whole model with the CPU-runnable fast paths against the reference paths, and activation
+checkpointing per decoder layer (k3.model.checkpointing)."""
+
+import pytest
+import torch
+
+from k3.config import get_preset
+from k3.model.checkpointing import apply_activation_checkpointing
+from k3.model.model import build_model
+
+CONFIG = get_preset("debug")
+CU = torch.tensor([0, 7, 16, 20, 32])  # 2 rows × 16 tokens, four documents
+
+
+def fp64_model(config, seed=0):
+    model = build_model(config, seed=seed, dtype=torch.float64)
+    with torch.no_grad():  # non-trivial AttnRes queries, so every read is a real softmax
+        for name, p in model.named_parameters():
+            if name.endswith("_res_proj.weight"):
+                p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+def ids():
+    return torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def run(model, checkpointed=False):
+    out = model(ids(), cu_seqlens=CU, return_router_infos=True, return_mla_max_logits=True)
+    out.logits.pow(2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def test_runtime_fields_default_auto_and_validate():
+    assert (CONFIG.moe_impl, CONFIG.attention_backend, CONFIG.attn_res_impl, CONFIG.situ_impl,
+            CONFIG.norm_impl) == ("auto",) * 5
+    for field in ("moe_impl", "attention_backend", "attn_res_impl", "situ_impl", "norm_impl"):
+        with pytest.raises(ValueError):
+            CONFIG.replace(**{field: "fastest"})
+    # runtime switches never reach config.json
+    text = CONFIG.replace(moe_impl="grouped").to_config_json()["text_config"]
+    assert "moe_impl" not in text and "attention_backend" not in text
+
+
+def test_fast_paths_equal_reference_fp64():
+    """Grouped MoE + SDPA attention (what runs on CPU) vs all references: logits and every gradient ≤ 1e-10."""
+    ref = fp64_model(CONFIG.replace(moe_impl="reference", attention_backend="reference", attn_res_impl="direct"))
+    fast = fp64_model(CONFIG.replace(moe_impl="grouped", attention_backend="sdpa", attn_res_impl="direct"))
+    out_r, g_r = run(ref)
+    out_f, g_f = run(fast)
+    torch.testing.assert_close(out_f.logits, out_r.logits, atol=1e-10, rtol=0)
+    torch.testing.assert_close(out_f.mla_max_logits, out_r.mla_max_logits, atol=1e-6, rtol=1e-6)
+    assert g_f.keys() == g_r.keys()
+    for name in g_r:
+        torch.testing.assert_close(g_f[name], g_r[name], atol=1e-10, rtol=1e-8, msg=name)
+
+
+def test_activation_checkpointing_changes_nothing():
+    """Same logits, gradients, router statistics and max logits; reported once; names unchanged; idempotent."""
+    config = CONFIG.replace(moe_impl="grouped")
+    plain = fp64_model(config)
+    ckpt = apply_activation_checkpointing(fp64_model(config))
+    apply_activation_checkpointing(ckpt)
+    assert list(ckpt.state_dict()) == list(plain.state_dict())
+    out_p, g_p = run(plain)
+    out_c, g_c = run(ckpt)
+    assert torch.equal(out_c.logits, out_p.logits)
+    assert len(out_c.router_infos) == len(out_p.router_infos) == config.num_hidden_layers - 1
+    for a, b in zip(out_c.router_infos, out_p.router_infos):
+        assert torch.equal(a.topk_idx, b.topk_idx) and torch.equal(a.scores, b.scores)
+    assert torch.equal(out_c.mla_max_logits, out_p.mla_max_logits)
+    assert g_c.keys() == g_p.keys()
+    for name in g_p:
+        torch.testing.assert_close(g_c[name], g_p[name], atol=1e-13, rtol=0, msg=name)
+    # inference with a cache bypasses checkpointing and still decodes
+    cache = ckpt.new_cache(1)
+    with torch.no_grad():
+        ckpt(ids()[:1, :5], cache=cache)
+        ckpt(ids()[:1, 5:6], cache=cache)
+    assert cache.lengths == [6]
+
+
+def test_checkpointing_saves_less():
+    """With checkpointing only the layer inputs stay saved between forward and backward."""
+    def saved_bytes(model):
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(ids(), cu_seqlens=CU)
+        return total[0]
+
+    config = CONFIG.replace(moe_impl="grouped")
+    plain = build_model(config, seed=0)
+    ckpt = apply_activation_checkpointing(build_model(config, seed=0))
+    assert saved_bytes(ckpt) < 0.5 * saved_bytes(plain)

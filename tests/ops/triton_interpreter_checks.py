@@ -1,0 +1,100 @@
+"""The Triton kernels of k3.ops (SiTU-GLU, RMSNorm / gated RMSNorm, AttnRes read) through the Triton
+interpreter on CPU, against the fp64 references: forward and every gradient.
+
+Run by tests/ops/test_triton_interpreter.py in a subprocess, because TRITON_INTERPRET must be set
+before triton is imported. Tolerances are relative RMSE (‖a − b‖ / ‖b‖): fp32 ≤ 2e-6, bf16 ≤ 1e-2.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from k3.model.attn_res import attn_res_read  # noqa: E402
+from k3.ops.attn_res import attn_res_read_triton  # noqa: E402
+from k3.ops.norm import naive_rms_norm, rms_norm_triton  # noqa: E402
+from k3.ops.situ import naive_situ_glu, situ_glu_backward_triton, situ_glu_forward_triton  # noqa: E402
+
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
+failures = []
+
+
+def check(name, got, ref, dtype):
+    err = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    ok = err <= TOL[dtype] and torch.isfinite(got).all()
+    print(f"{'ok  ' if ok else 'FAIL'} {name:<40} {str(dtype):<15} rel {err:.2e}")
+    if not ok:
+        failures.append(name)
+
+
+def leaf(t, dtype=torch.float64):
+    return t.detach().to(dtype).requires_grad_()
+
+
+def situ(dtype):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 140, generator=g, dtype=torch.float64) * torch.tensor([6.0] * 70 + [40.0] * 70)
+    gate, up = h[:, :70], h[:, 70:]  # row-strided views, as the MoE path passes them
+    gr, ur = leaf(gate), leaf(up)
+    ref = naive_situ_glu(gr, ur)
+    df = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    ref.backward(df)
+    hc = h.to(dtype)
+    check("situ forward", situ_glu_forward_triton(hc[:, :70], hc[:, 70:], 4.0, 25.0), ref, dtype)
+    dg, du = situ_glu_backward_triton(hc[:, :70], hc[:, 70:], df.to(dtype), 4.0, 25.0)
+    check("situ d gate", dg, gr.grad, dtype)
+    check("situ d up", du, ur.grad, dtype)
+
+
+def norm(dtype, D, gated):
+    g = torch.Generator().manual_seed(D)
+    x = torch.randn(3, 13, D, generator=g, dtype=torch.float64) * 3
+    w = 1 + 0.2 * torch.randn(D, generator=g, dtype=torch.float64)
+    gate = torch.randn(3, 13, D, generator=g, dtype=torch.float64) * 2 if gated else None
+    xr, wr = leaf(x), leaf(w)
+    gr = leaf(gate) if gated else None
+    ref = naive_rms_norm(xr, wr, 1e-5, gr)
+    dy = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    ref.backward(dy)
+    xt, wt = leaf(x, dtype), leaf(w, torch.float32)
+    gt = leaf(gate, dtype) if gated else None
+    out = rms_norm_triton(xt, wt, 1e-5, gt)
+    out.backward(dy.to(out.dtype))
+    tag = f"{'gated ' if gated else ''}rmsnorm D={D}"
+    check(tag + " forward", out, ref, dtype)
+    check(tag + " dx", xt.grad, xr.grad, dtype)
+    check(tag + " dw", wt.grad, wr.grad, dtype)
+    if gated:
+        check(tag + " dgate", gt.grad, gr.grad, dtype)
+
+
+def attn_res(dtype, n, D):
+    g = torch.Generator().manual_seed(10 * n + D)
+    # sources of very different scales (the keys are RMS-normalised, the values are not)
+    sources = [torch.randn(2, 7, D, generator=g, dtype=torch.float64) * (1 + 3 * i) for i in range(n)]
+    w = torch.randn(D, generator=g, dtype=torch.float64) * 0.5
+    sr, wr = [leaf(s) for s in sources], leaf(w)
+    ref = attn_res_read(wr, sr)
+    dy = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    ref.backward(dy)
+    st, wt = [leaf(s, dtype) for s in sources], leaf(w, torch.float32)
+    out = attn_res_read_triton(wt, st)
+    out.backward(dy.to(dtype))
+    tag = f"attn_res n={n} D={D}"
+    check(tag + " forward", out, ref, dtype)
+    check(tag + " dw", wt.grad, wr.grad, dtype)
+    for i in range(n):
+        check(tag + f" d source {i}", st[i].grad, sr[i].grad, dtype)
+
+
+for dtype in (torch.float32, torch.bfloat16):
+    situ(dtype)
+    for D, gated in ((96, False), (130, True), (64, True)):
+        norm(dtype, D, gated)
+for n, D in ((2, 80), (3, 100), (5, 64)):
+    attn_res(torch.float32, n, D)
+attn_res(torch.bfloat16, 4, 96)
+if failures:
+    raise SystemExit(f"{len(failures)} interpreter checks failed: {failures}")
+print("all interpreter checks passed")
