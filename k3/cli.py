@@ -98,7 +98,8 @@ def cmd_train(args) -> int:
                  "lr": args.lr, "tokens_per_step": args.tokens_per_step, "micro_batches": args.micro_batches,
                  "seed": args.seed, "eval_every": args.eval_every, "checkpoint_every": args.checkpoint_every,
                  "device": args.device, "vocab_size": args.vocab_size, "context_parallel": args.context_parallel,
-                 "expert_parallel": args.expert_parallel or None, "moonep": False if args.no_moonep else None}
+                 "expert_parallel": args.expert_parallel or None, "moonep": False if args.no_moonep else None,
+                 "activation_checkpointing": args.activation_checkpointing or None}
     cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if args.seq_len:
         cfg.stages = [ContextStage(args.seq_len, 1.0)]
@@ -221,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-parallel", type=int, help="under torchrun: ranks sharing each sequence (default 1)")
     p.add_argument("--expert-parallel", action="store_true", help="under torchrun: shard routed experts over all ranks")
     p.add_argument("--no-moonep", action="store_true", help="with --expert-parallel: plain EP, without the planner")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute decoder layers in backward")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("generate", help="complete a prompt with a trained run or checkpoint")

@@ -19,7 +19,8 @@ names unchanged, model code untouched; the subclasses override the layers' seams
   it. The backward is autograd's: it is the mirrored fold (the all-gather's backward is a
   reduce-scatter of the state gradients), so no hand-written backward can drift from the forward.
 - MLA (`forward` for training): one autograd all-gather of the new latents [B_l, T_l, C + R] along the
-  sequence; local queries at global positions attend all gathered keys with causal and document masks.
+  sequence; local queries at global positions attend all gathered keys with causal and document masks
+  through the layer's own attention backends (flex/flash on GPU, the reference on CPU).
 
 The per-batch layout (global document ids, this rank's offset) comes from a shared `CPContext`, set
 by the training step before each forward. Caching (inference) is not supported under CP.
@@ -165,11 +166,9 @@ class ContextParallelMLA(GatedMLA):
         gathered = ctx.gather(self.latent(x))  # [cp, B, T_l, C + R]
         latent = gathered.permute(1, 0, 2, 3).reshape(B, ctx.cp * T_l, -1)  # [B, T, C + R] in global order
         seg = shard.global_segment_ids  # [B, T]
-        q_pos = torch.arange(T_l, device=x.device) + shard.offset
-        k_pos = torch.arange(seg.shape[1], device=x.device)
         q_seg = seg[:, shard.offset:shard.offset + T_l]
-        mask = (k_pos[None, None, :] <= q_pos[None, :, None]) & (q_seg[:, :, None] == seg[:, None, :])
-        o = self.attend(q, latent, mask, impl or self.impl, max_logits)
+        # queries at global positions offset + t; causal and same-document masks (the layer's backends)
+        o = self.attention(q, latent, shard.offset, q_seg, seg, max_logits)
         o = o.reshape(B, T_l, H * self.v_dim).to(x.dtype)
         return self.o_proj(torch.sigmoid(self.g_proj(x)) * o), None
 

@@ -1,8 +1,8 @@
 """Apply parallelism to a built single-device model, and the few reductions a training step needs.
 
 Order (systems.md §5.1, fixed): expert parallelism (swap routed experts for the EP version) → context
-parallelism (switch KDA/MLA mixers to their CP classes) → FSDP2 `fully_shard` per decoder layer, then
-the root. FSDP2 shards every parameter over the flattened dp × cp ranks with `Shard(0)`, except the
+parallelism (switch KDA/MLA mixers to their CP classes) → activation checkpointing per decoder layer
+(optional) → FSDP2 `fully_shard` per decoder layer, then the root. FSDP2 shards every parameter over the flattened dp × cp ranks with `Shard(0)`, except the
 routed experts, which EP already shards by expert over the same ranks (FSDP ignores them). On GPU the
 FSDP2 policy is bf16 parameters with fp32 gradient reduction; on CPU everything stays fp32.
 
@@ -32,13 +32,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from k3.dist.context_parallel import CPContext, apply_context_parallel
 from k3.dist.expert_parallel import ExpertParallelExperts, apply_expert_parallel
 from k3.dist.runtime import ParallelRuntime
+from k3.model.checkpointing import apply_activation_checkpointing
 from k3.optim.muon import local_tensor
 
 DCP_MARKER = ".metadata"  # written by dcp.save: a checkpoint directory with it is a distributed one
 
 
-def parallelize(model: nn.Module, runtime: ParallelRuntime, moonep: bool = True) -> ParallelTraining:
-    """EP → CP → FSDP2 on `model` (in place); returns the per-step helper."""
+def parallelize(model: nn.Module, runtime: ParallelRuntime, moonep: bool = True,
+                activation_checkpointing: bool = False) -> ParallelTraining:
+    """EP → CP → activation checkpointing → FSDP2 on `model` (in place); returns the per-step helper."""
     experts: list[ExpertParallelExperts] = []
     if runtime.dims.ep > 1:
         experts = apply_expert_parallel(model, runtime.fsdp_mesh, use_planner=moonep)
@@ -46,6 +48,8 @@ def parallelize(model: nn.Module, runtime: ParallelRuntime, moonep: bool = True)
     if runtime.dims.cp > 1:
         cp_context = CPContext(runtime.cp_group, runtime.dims.cp, runtime.cp_rank)
         apply_context_parallel(model, cp_context)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
     if runtime.device.type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:

@@ -34,6 +34,7 @@ from k3.config import ModelConfig, get_preset
 from k3.dist.muon import DistributedMuonAdamW
 from k3.dist.parallelize import DCP_MARKER, ParallelTraining, parallelize
 from k3.dist.runtime import ParallelRuntime
+from k3.model.checkpointing import apply_activation_checkpointing
 from k3.model.model import K3ForCausalLM, build_model
 from k3.model.moe import StableLatentMoE
 from k3.model.quantile_balancing import QuantileHistogram, expert_loads, imbalance_metrics
@@ -97,6 +98,7 @@ class TrainConfig:
     context_parallel: int = 1  # ranks sharing each sequence (contiguous slices)
     expert_parallel: bool = False  # routed experts sharded over all ranks
     moonep: bool = True  # with expert_parallel: balance ranks exactly with the MoonEP planner
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward (memory for time)
 
     def validate(self) -> None:
         if not self.stages:
@@ -137,7 +139,7 @@ class TrainConfig:
 # Settings that may differ between a run and its resumption (they do not change what is computed).
 RESUMABLE_OVERRIDES = {"max_steps", "max_tokens", "time_budget_min", "eval_every", "checkpoint_every",
                        "keep_checkpoints", "log_every", "device", "max_bad_steps", "context_parallel",
-                       "expert_parallel", "moonep"}
+                       "expert_parallel", "moonep", "activation_checkpointing"}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -383,7 +385,12 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, progress: bool = Tr
                                   eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
                                   media_placeholder_token_id=tokenizer.special_id("<|media_pad|>"))
     model = build_model(model_config, seed=cfg.seed, device=device)
-    parallel = parallelize(model, runtime, moonep=cfg.moonep) if runtime is not None else None
+    if runtime is not None:
+        parallel = parallelize(model, runtime, moonep=cfg.moonep, activation_checkpointing=cfg.activation_checkpointing)
+    else:
+        parallel = None
+        if cfg.activation_checkpointing:
+            apply_activation_checkpointing(model)
     optimizer_class = DistributedMuonAdamW if parallel is not None else MuonAdamW
     optimizer = optimizer_class(model.named_parameters(), model_config, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                 ns_dtype=getattr(torch, cfg.muon_ns_dtype))

@@ -64,11 +64,11 @@ def _full_state(model):
     return state
 
 
-def _worker(rank, world, cp, ep):
+def _worker(rank, world, cp, ep, checkpointing):
     os.environ.setdefault("LOCAL_RANK", str(rank))
     runtime = ParallelRuntime.from_env(cp=cp, ep=ep, device="cpu")
     model = build_model(get_preset("debug"), seed=0)
-    parallel = parallelize(model, runtime)
+    parallel = parallelize(model, runtime, activation_checkpointing=checkpointing)
     optimizer = DistributedMuonAdamW(model.named_parameters(), model.config, lr=CFG.lr,
                                      weight_decay=CFG.weight_decay, ns_dtype=torch.float32)
     metrics, grads = _train(model, optimizer, parallel)
@@ -88,13 +88,13 @@ def reference():
     return _reference()
 
 
-@pytest.mark.parametrize("world,cp,ep", [(2, 1, 1), (2, 1, 0), (2, 2, 1), (2, 2, 0),
-                                         (4, 1, 1), (4, 1, 0), (4, 4, 1), (4, 2, 0)],
-                         ids=["fsdp2", "fsdp2+ep2", "fsdp2+cp2", "cp2+ep2", "fsdp4", "fsdp4+ep4", "fsdp4+cp4",
-                              "dp2+cp2+ep4"])
-def test_training_steps_match_single_process(reference, world, cp, ep):
+@pytest.mark.parametrize("world,cp,ep,checkpointing", [
+    (2, 1, 1, False), (2, 1, 0, False), (2, 2, 1, False), (2, 2, 0, True),
+    (4, 1, 1, False), (4, 1, 0, False), (4, 4, 1, False), (4, 2, 0, False)],
+    ids=["fsdp2", "fsdp2+ep2", "fsdp2+cp2", "cp2+ep2+ckpt", "fsdp4", "fsdp4+ep4", "fsdp4+cp4", "dp2+cp2+ep4"])
+def test_training_steps_match_single_process(reference, world, cp, ep, checkpointing):
     ref_metrics, ref_grads, ref_state = reference
-    results = run_workers(_worker, world, cp, ep)
+    results = run_workers(_worker, world, cp, ep, checkpointing)
     for r in results:
         for got, want in zip(r["metrics"], ref_metrics):
             assert got["loss"] == pytest.approx(want["loss"], rel=2e-6)
