@@ -163,9 +163,12 @@ def worker(args) -> None:
     if device.type == "cpu":
         torch.set_num_threads(max(1, args.threads))
     config = get_preset(args.preset)
+    if args.set:
+        config = config.replace(**{k: v for k, v in (item.split("=", 1) for item in args.set)})
     model = build_model(config, seed=0, device=device)
     params = sum(p.numel() for p in model.parameters())
-    parallel = parallelize(model, runtime, moonep="noplan" not in args.config)
+    parallel = parallelize(model, runtime, moonep="noplan" not in args.config,
+                           activation_checkpointing=args.activation_checkpointing)
     optimizer = DistributedMuonAdamW(model.named_parameters(), config, lr=args.lr, ns_dtype=torch.float32
                                      if device.type == "cpu" else torch.bfloat16)
     scheduler = cosine_schedule(optimizer, args.total_steps or args.start_step + args.steps)
@@ -279,11 +282,16 @@ def launch(world: int, config: str, args, extra: list[str] | None = None) -> dic
            "--worker", "--config", config, "--result", result, "--device", args.device, "--preset", args.preset,
            "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--rows", str(args.rows),
            "--lr", str(args.lr), "--threads", str(max(1, args.threads // world))] + (extra or [])
+    if args.set:
+        cmd += ["--set", *args.set]
+    if args.activation_checkpointing:
+        cmd.append("--activation-checkpointing")
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, args.threads // world)))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-        raise SystemExit(f"{config} on {world} ranks failed")
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+        print(f"{config} on {world} ranks FAILED (exit {proc.returncode}); continuing", file=sys.stderr, flush=True)
+        return None
     return json.loads(Path(result).read_text())
 
 
@@ -299,6 +307,10 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--dcp-check", action="store_true", help="save on the largest world, resume on 1 rank")
+    p.add_argument("--set", nargs="*", default=[], help="runtime config fields, e.g. attention_backend=sdpa")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--cp-rows", type=int, help="rows for the fsdp+cp config (default --rows)")
+    p.add_argument("--cp-seq-len", type=int, help="sequence length for the fsdp+cp config (long context)")
     p.add_argument("--json", help="also write all results here")
     # worker mode
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -318,14 +330,32 @@ def main() -> None:
         for config in args.configs:
             if world == 1 and config != args.configs[0]:
                 continue  # one rank: every config is the same single-rank run
+            if "cp" in config and world == 1:
+                continue
             print(f"running {config} on {world} rank(s)...", file=sys.stderr, flush=True)
-            results.append(launch(world, config, args))
+            started = time.perf_counter()
+            if "cp" in config and (args.cp_rows or args.cp_seq_len):
+                rows, seq = args.rows, args.seq_len
+                args.rows, args.seq_len = args.cp_rows or rows, args.cp_seq_len or seq
+                r = launch(world, config, args)
+                args.rows, args.seq_len = rows, seq
+            else:
+                r = launch(world, config, args)
+            if r is None:
+                continue
+            results.append(r)
+            print(f"  {time.perf_counter() - started:.0f} s: step {r['step_s'] * 1e3:,.0f} ms, losses "
+                  f"{[round(x, 4) for x in r['losses']]}, peak {r['peak_gib']} GiB, EP {r['ep_load']} "
+                  f"(plain {r['ep_home_load']}), nccl {r.get('nccl_ms')} ms", file=sys.stderr, flush=True)
+            if args.json:  # after every job: a cut-off run keeps what it measured
+                Path(args.json).write_text(json.dumps(results, indent=1))
     base = results[0]
     rows = []
     for r in results:
         tps = r["tokens_per_step"] / r["step_s"]
-        base_tps = base["tokens_per_step"] / base["step_s"]
-        diff = max(abs(a - b) for a, b in zip(r["losses"], base["losses"]))
+        base_tps = base["tokens_per_step"] / base["step_s"]  # (scaling efficiency is vs the first job)
+        same_batches = r["tokens_per_step"] == base["tokens_per_step"]
+        diff = max(abs(a - b) for a, b in zip(r["losses"], base["losses"])) if same_batches else float("nan")
         # GPU: time inside NCCL kernels (profiled step; they may overlap compute); CPU: wall time in gloo calls
         comm = r["nccl_ms"] / 1e3 if r.get("nccl_ms") is not None else sum(r["collective_s"].values())
         rows.append([f"{r['world']}", r["config"], f"{r['step_s'] * 1e3:,.0f}", f"{tps / r['world']:,.0f}",
@@ -367,9 +397,12 @@ def dcp_check(args, world: int, straight: dict | None) -> None:
         steps, args.steps = args.steps, half
         first = launch(world, "fsdp", args, ["--save", f"{tmp}/ckpt", "--total-steps", str(steps)])
         args.steps = steps - half
-        second = launch(1, "fsdp", args, ["--load", f"{tmp}/ckpt", "--start-step", str(half),
-                                          "--total-steps", str(steps)])
+        second = first and launch(1, "fsdp", args, ["--load", f"{tmp}/ckpt", "--start-step", str(half),
+                                                    "--total-steps", str(steps)])
         args.steps = steps
+    if not (straight and first and second):
+        print("DCP check did not complete", file=sys.stderr)
+        return
     resumed = first["losses"] + second["losses"]
     diff = max(abs(a - b) for a, b in zip(resumed, straight["losses"]))
     print(f"DCP: saved on {world} ranks after {half} steps, resumed on 1 rank: max |Δloss| vs an uninterrupted "
