@@ -159,6 +159,10 @@ def worker(args) -> None:
     cp = world if "cp" in args.config else 1
     ep = 0 if "ep" in args.config else 1
     runtime = ParallelRuntime.from_env(cp=cp, ep=ep, device=args.device)
+    if args.fsdp_bf16 and runtime.device.type == "cpu":  # emulate the GPU's bf16 compute on CPU
+        import k3.train.loop
+
+        k3.train.loop.autocast_context = lambda device: torch.autocast("cpu", dtype=torch.bfloat16)
     device = runtime.device
     if device.type == "cpu":
         torch.set_num_threads(max(1, args.threads))
@@ -168,7 +172,8 @@ def worker(args) -> None:
     model = build_model(config, seed=0, device=device)
     params = sum(p.numel() for p in model.parameters())
     parallel = parallelize(model, runtime, moonep="noplan" not in args.config,
-                           activation_checkpointing=args.activation_checkpointing)
+                           activation_checkpointing=args.activation_checkpointing,
+                           param_dtype=torch.bfloat16 if args.fsdp_bf16 else None)
     optimizer = DistributedMuonAdamW(model.named_parameters(), config, lr=args.lr, ns_dtype=torch.float32
                                      if device.type == "cpu" else torch.bfloat16)
     scheduler = cosine_schedule(optimizer, args.total_steps or args.start_step + args.steps)
@@ -286,6 +291,8 @@ def launch(world: int, config: str, args, extra: list[str] | None = None) -> dic
         cmd += ["--set", *args.set]
     if args.activation_checkpointing:
         cmd.append("--activation-checkpointing")
+    if args.fsdp_bf16:
+        cmd.append("--fsdp-bf16")
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, args.threads // world)))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -309,6 +316,7 @@ def main() -> None:
     p.add_argument("--dcp-check", action="store_true", help="save on the largest world, resume on 1 rank")
     p.add_argument("--set", nargs="*", default=[], help="runtime config fields, e.g. attention_backend=sdpa")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--fsdp-bf16", action="store_true", help="bf16 FSDP2 parameters on CPU too (GPU default)")
     p.add_argument("--cp-rows", type=int, help="rows for the fsdp+cp config (default --rows)")
     p.add_argument("--cp-seq-len", type=int, help="sequence length for the fsdp+cp config (long context)")
     p.add_argument("--json", help="also write all results here")

@@ -104,7 +104,7 @@ class ContextParallelKDA(KimiDeltaAttention):
         N = cu_seqlens.numel() - 1
         state = pre.new_zeros(N, halo, pre.shape[-1])
         first, _ = _row_first_docs(cu_seqlens, B_l, T_l)
-        state = state.index_copy(0, first, previous)
+        state = state.index_copy(0, first, previous.to(state.dtype))
         return super().short_conv(pre, weight, state, cu_seqlens)
 
     def recurrence(self, q, k, v, z, beta_logits, initial_state, output_final_state, cu_seqlens):

@@ -39,8 +39,11 @@ DCP_MARKER = ".metadata"  # written by dcp.save: a checkpoint directory with it 
 
 
 def parallelize(model: nn.Module, runtime: ParallelRuntime, moonep: bool = True,
-                activation_checkpointing: bool = False) -> ParallelTraining:
-    """EP → CP → activation checkpointing → FSDP2 on `model` (in place); returns the per-step helper."""
+                activation_checkpointing: bool = False, param_dtype: torch.dtype | None = None) -> ParallelTraining:
+    """EP → CP → activation checkpointing → FSDP2 on `model` (in place); returns the per-step helper.
+
+    param_dtype: FSDP2's compute dtype for parameters; default bf16 on CUDA, the parameters' own on CPU.
+    """
     experts: list[ExpertParallelExperts] = []
     if runtime.dims.ep > 1:
         experts = apply_expert_parallel(model, runtime.fsdp_mesh, use_planner=moonep)
@@ -50,10 +53,12 @@ def parallelize(model: nn.Module, runtime: ParallelRuntime, moonep: bool = True,
         apply_context_parallel(model, cp_context)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
-    if runtime.device.type == "cuda":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    else:
-        mp = MixedPrecisionPolicy()
+    if param_dtype is None and runtime.device.type == "cuda":
+        param_dtype = torch.bfloat16
+    # cast_forward_inputs=False: autocast does the activation casts, and FSDP's input cast would rebuild the
+    # containers a layer receives (the model collects router statistics by appending to a list argument)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
+                              cast_forward_inputs=False)
     ignored = {p for e in experts for p in e.parameters()}
     for layer in model.model.layers:
         layer_ignored = {p for p in layer.parameters() if p in ignored}
