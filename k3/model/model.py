@@ -31,6 +31,29 @@ from k3.model.norm import RMSNorm
 from k3.model.sequence import SequenceLayout
 
 
+class Collector:
+    """Where layers append side outputs (router statistics, MLA max logits) during one forward.
+
+    Deliberately not a list: wrappers that map over a module's arguments (FSDP2 moving inputs to the
+    device, casting them) rebuild lists and tuples, and appends to a rebuilt copy would be lost.
+    """
+
+    def __init__(self):
+        self._items: list = []
+
+    def append(self, item) -> None:
+        self._items.append(item)
+
+    def extend(self, items) -> None:
+        self._items.extend(items)
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 @dataclass
 class K3Output:
     logits: torch.Tensor  # [B, T, V]
@@ -213,8 +236,8 @@ class K3ForCausalLM(nn.Module):
             if len(set(cache.lengths)) != 1:
                 raise ValueError("the cached sequences have different lengths; continue them with packed input "
                                  "(input_ids [1, T] and cu_seqlens, one document per sequence)")
-        router_infos = [] if return_router_infos else None
-        max_logits = [] if return_mla_max_logits else None
+        router_infos = Collector() if return_router_infos else None
+        max_logits = Collector() if return_mla_max_logits else None
         h = self.model(input_ids, layout, cache, router_infos, max_logits)
         if logits_at is not None:
             h = h.reshape(B * T, -1)[logits_at]  # [n, D]
@@ -228,8 +251,8 @@ class K3ForCausalLM(nn.Module):
         return K3Output(
             logits=logits,
             cache=cache,
-            router_infos=router_infos,
-            mla_max_logits=torch.stack(max_logits) if max_logits else None,
+            router_infos=list(router_infos) if router_infos is not None else None,
+            mla_max_logits=torch.stack(list(max_logits)) if max_logits else None,
         )
 
     # ---- initialisation and dtype ---------------------------------------------------------------

@@ -230,6 +230,9 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
         scale = parallel.loss_scale if parallel is not None else 1.0
         (loss * (scale / total_tokens)).backward()
         loss_sum += loss.item()
+        if len(out.router_infos) != len(moes):
+            raise TrainingError(f"the forward reported {len(out.router_infos)} router statistics for "
+                                f"{len(moes)} MoE layers (a wrapper dropped them)")
         for hist, layer_loads, info in zip(histograms, loads, out.router_infos):
             hist.add(info.scores, info.cutoff)
             layer_loads += expert_loads(info.topk_idx, layer_loads.numel())
