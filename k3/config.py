@@ -246,6 +246,13 @@ class ModelConfig:
                                          or self.kda_chunk_size * abs(lin.gate_lower_bound) > 80):
             problems.append(f"kda_impl 'torch' needs kda_chunk_size in [1, 16] with chunk × |gate_lower_bound| "
                             f"<= 80 nats (factorised decays stay in fp32 range), got {self.kda_chunk_size}")
+        if self.kda_impl == "triton":
+            d = lin.head_dim
+            if lin.gate_lower_bound < -5:
+                problems.append(f"kda_impl 'triton' needs gate_lower_bound >= -5 (its 16-token tiles rely on it), "
+                                f"got {lin.gate_lower_bound}")
+            if not (16 <= d <= 256 and d & (d - 1) == 0):
+                problems.append(f"kda_impl 'triton' needs a power-of-two head_dim in [16, 256], got {d}")
         if self.mla_impl not in ("auto", "naive", "absorb"):
             problems.append(f"mla_impl must be auto|naive|absorb, got {self.mla_impl!r}")
         for name, choices in RUNTIME_CHOICES.items():

@@ -1,5 +1,6 @@
 """ModelConfig: presets keep K3's structural rules; config.json round-trips; bad configs are refused."""
 
+import dataclasses
 import json
 
 import pytest
@@ -89,3 +90,14 @@ def test_unknown_preset_and_missing_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         ModelConfig.load(tmp_path)
+
+
+def test_triton_kda_limits_are_checked():
+    for name in ("debug", "tiny", "small", "k3"):
+        get_preset(name).replace(kda_impl="triton")  # every preset fits the kernels
+    lin = get_preset("debug").linear_attn_config
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        get_preset("debug").replace(kda_impl="triton", linear_attn_config=dataclasses.replace(lin, head_dim=48))
+    with pytest.raises(ValueError, match="gate_lower_bound >= -5"):
+        get_preset("debug").replace(kda_impl="triton",
+                                    linear_attn_config=dataclasses.replace(lin, gate_lower_bound=-8.0))

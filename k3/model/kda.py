@@ -11,6 +11,8 @@ the implementation with `config.kda_impl`.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -90,6 +92,8 @@ class KimiDeltaAttention(nn.Module):
         β logits), so fused kernels can take the gate, L2 norm and β sigmoid in. A seam: context
         parallelism overrides it. Returns (o [B, T, H, V], final state [N, H, K, V] or None).
         """
+        if self.impl == "triton":
+            return self.triton_recurrence(q, k, v, z, beta_logits, initial_state, output_final_state, cu_seqlens)
         q, k, g, beta = self.gate_inputs(q, k, z, beta_logits)
         kw = dict(initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
         if self.impl == "recurrent" or q.shape[1] == 1:
@@ -100,6 +104,32 @@ class KimiDeltaAttention(nn.Module):
         if self.impl == "naive":
             return naive_chunk_kda(q, k, v, g, beta, **kw, chunk_size=self.chunk_size)
         raise ValueError(f"kda_impl {self.impl!r} is not available in this build")
+
+    def triton_recurrence(self, q, k, v, z, beta_logits, initial_state, output_final_state, cu_seqlens):
+        """`kda_impl == "triton"`: the fused kernels on CUDA (or in the Triton interpreter), else the torch path.
+
+        A few tokens per sequence without autograd (decode, speculative verify) take `fused_recurrent_kda` on
+        a copy of the state; everything else takes the differentiable `chunk_kda`. On CPU without
+        TRITON_INTERPRET=1 the torch reference runs instead, so a GPU config also loads on a CPU machine.
+        """
+        if not (q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
+            q, k, g, beta = self.gate_inputs(q, k, z, beta_logits)
+            kw = dict(initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+            if q.shape[1] == 1:
+                return naive_recurrent_kda(q, k, v, g, beta, **kw)
+            chunk = max(1, min(16, int(80 // abs(self.gate_lower_bound))))
+            return torch_chunk_kda(q, k, v, g, beta, **kw, chunk_size=chunk, gate_lower_bound=self.gate_lower_bound)
+        from k3.ops.kda import chunk_kda, fused_recurrent_kda
+
+        B, T, H, K = q.shape
+        if cu_seqlens is None and T <= 4 and not torch.is_grad_enabled():
+            state = (q.new_zeros(B, H, K, v.shape[-1], dtype=torch.float32) if initial_state is None
+                     else initial_state.to(torch.float32, copy=True).contiguous())
+            o, _ = fused_recurrent_kda(q, k, v, z, beta_logits, self.A_log, self.dt_bias, state,
+                                       gate_lower_bound=self.gate_lower_bound)
+            return o, (state if output_final_state else None)
+        return chunk_kda(q, k, v, z, beta_logits, self.A_log, self.dt_bias, gate_lower_bound=self.gate_lower_bound,
+                         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
     def forward(self, x: torch.Tensor, layout: SequenceLayout, state: KDAState | None = None,
                 use_cache: bool = False) -> tuple[torch.Tensor, KDAState | None]:

@@ -1,0 +1,515 @@
+"""KDA kernels: ours (`k3.ops.kda.chunk_kda`, `fused_recurrent_kda`) against fla-core's on one GPU.
+
+Follows performance.md §4: the baseline (fla-core 0.6.0 with the K3 settings: in-kernel gate with
+lower bound −5 and safe gate, in-kernel L2 norm and β sigmoid, FLA_FLASH_KDA=0) runs in the same process
+on the same inputs, alternating with ours; a correctness gate runs first (small shape against the fp64
+recurrence with the test tolerances, and every timed shape against fla); times are medians of
+`triton.testing.do_bench` samples (L2 flushed) over 5 alternating repeats. Reports ms, IQR, ratio
+(fla ÷ ours), achieved TB/s of unavoidable bytes, fraction of the memory floor at 4.25 TB/s, TFLOP/s,
+peak memory; prints a table and writes benchmarks/results/kda-<sha>-<utc>.json.
+
+    python -m benchmarks.kda            # all cases on the GPU (fla optional: ours alone without it)
+    python -m benchmarks.kda --quick    # tiny shapes; on CPU through the Triton interpreter
+
+Legend: B batch, T tokens, H heads, K = V = 128 head dims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("FLA_FLASH_KDA", "0")
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # must precede the first import of triton
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch.nn.functional as F  # noqa: E402
+
+from k3.ops.kda import chunk_kda, fused_recurrent_kda, naive_kda_gate, naive_recurrent_kda  # noqa: E402
+
+BANDWIDTH = 4.25e12  # measured device copy bandwidth (performance.md §1)
+PEAK_FLOPS = 807e12
+VARLEN_MIX = [1300, 547, 2048, 963, 271, 3063]
+# the faster, less accurate storage variants (docs/kda-kernels.md), timed with --variants
+VARIANTS = {"k3 state-bf16": {"state_bf16": True}, "k3 all-bf16": {"all_bf16": True, "state_bf16": True}}
+TOL = {"o": 5e-3, "S": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "h0": 8e-3, "dt_bias": 8e-3,
+       "z": 2e-2, "A_log": 2e-2, "b": 2e-2}
+
+
+def load_fla(max_configs: int = 0):
+    """fla's chunk_kda and in-place decode kernel, or None. max_configs > 0 keeps that many (evenly spaced)
+    of each fla autotuner's configs: a full autotune compiles ~180 configs per shape key, more device time
+    than a run can spend, so runs that set it say so and compare with the anchors of performance.md too."""
+    try:
+        from fla.ops.kda import chunk_kda as fla_chunk
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_recurrent
+    except Exception:
+        return None
+    if max_configs > 0:
+        from triton.runtime.autotuner import Autotuner
+
+        for name, mod in list(sys.modules.items()):
+            if not name.startswith("fla.") or mod is None:
+                continue
+            for x in list(vars(mod).values()):
+                for _ in range(4):  # heuristics wrap the autotuner
+                    if isinstance(x, Autotuner):
+                        n = len(x.configs)
+                        if n > max_configs:
+                            x.configs = [x.configs[(2 * i + 1) * n // (2 * max_configs)] for i in range(max_configs)]
+                        break
+                    x = getattr(x, "fn", None)
+    return fla_chunk, fla_recurrent
+
+
+def raw_inputs(B, T, H, K=128, V=128, N=None, seed=0, device="cuda", h0=False):
+    """Raw layer inputs in bf16 (q, k as after conv + SiLU), fp32 gate parameters, optional fp32 state."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device)
+
+    q, k = F.silu(randn(B, T, H, K)), F.silu(randn(B, T, H, K))
+    v, z, b = randn(B, T, H, V), randn(B, T, H, K), randn(B, T, H)
+    A_log = torch.rand(H, generator=gen, device=device)
+    dt = torch.exp(torch.rand(H * K, generator=gen, device=device) * (2.303 * 2) - 6.908)  # logU(1e-3, 1e-1)
+    dt_bias = dt + torch.log(-torch.expm1(-dt))
+    state = randn(B if N is None else N, H, K, V) if h0 else None
+    return [x.bfloat16() for x in (q, k, v, z, b)] + [A_log, dt_bias, state]
+
+
+def ours_fn(ins, cu, **kw):
+    return chunk_kda(*ins[:7], initial_state=ins[7], output_final_state=True, cu_seqlens=cu, **kw)
+
+
+def fla_fn(fla, ins, cu):
+    q, k, v, z, b, A_log, dt_bias, h0 = ins
+    return fla[0](q, k, v, z, b, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+                  A_log=A_log, dt_bias=dt_bias, cu_seqlens=None if cu is None else cu.long())
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def grads_of(fn, ins, do, dS):
+    ins = [x.detach().requires_grad_() if x is not None else None for x in ins]
+    o, S = fn(ins)
+    live = [x for x in ins if x is not None]
+    g = torch.autograd.grad((o, S), live, (do.to(o.dtype), dS))
+    return o.detach(), S.detach(), list(g)
+
+
+def reference_fn(ins, cu):
+    q, k, v, z, b, A_log, dt_bias, h0 = (None if x is None else x.double() for x in ins)
+    qn = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    kn = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    g = naive_kda_gate(z, A_log, dt_bias, -5.0)
+    return naive_recurrent_kda(qn, kn, v, g, torch.sigmoid(b), initial_state=h0, output_final_state=True,
+                               cu_seqlens=None if cu is None else cu.cpu())
+
+
+def small_gate(device, **kw):
+    """Small shape against the fp64 recurrence with the test tolerances (forward and every gradient)."""
+    ins = raw_inputs(1, 300, 2, seed=7, device=device, h0=True)
+    gen = torch.Generator(device=device).manual_seed(8)
+    do = torch.randn(1, 300, 2, 128, generator=gen, device=device)
+    dS = torch.randn(1, 2, 128, 128, generator=gen, device=device)
+    tri = grads_of(lambda x: ours_fn(x, None, **kw), ins, do, dS)
+    ref = grads_of(lambda x: reference_fn(x, None), [x.double() for x in ins], do.double(), dS.double())
+    errs = {"o": rel(tri[0], ref[0]), "S": rel(tri[1], ref[1])}
+    errs.update({n: rel(a, r) for n, a, r in zip(("q", "k", "v", "z", "b", "A_log", "dt_bias", "h0"), tri[2], ref[2])})
+    return errs, all(e <= TOL[n] for n, e in errs.items())
+
+
+def cu_tensor(lengths, device):
+    offs = [0]
+    for n in lengths:
+        offs.append(offs[-1] + n)
+    return torch.tensor(offs, dtype=torch.int32, device=device)
+
+
+def fwd_bytes(T, H):
+    return 4 * T * H * 256 + T * H * 2 + T * H * 256
+
+
+def fwd_flops(T, H, d=128, C=64):
+    return H * (6 * T * d * d + 3 * T * C * d + T * C * C)
+
+
+def bench(fns, quick):
+    """Median/IQR (ms) per implementation, alternating ABAB over 5 repeats of do_bench samples."""
+    import time
+
+    import triton
+
+    samples = {name: [] for name in fns}
+    for _ in range(1 if quick else 5):
+        for name, fn in fns.items():
+            if torch.cuda.is_available():
+                samples[name] += triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=5 if quick else 100,
+                                                         return_mode="all")
+            else:  # the interpreter: wall clock, a smoke number only
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append((time.perf_counter() - t0) * 1e3)
+    out = {}
+    for name, s in samples.items():
+        t = torch.tensor(s)
+        out[name] = {"ms_median": t.median().item(), "ms_iqr": (t.quantile(0.75) - t.quantile(0.25)).item(),
+                     "samples_ms": s}
+    return out
+
+
+def graph_time(fn, iters=50):
+    """Replay time (ms) of fn captured in a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.replay()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def git_sha() -> str:
+    """The checked-out commit, read from .git without running git (dirty state unknown)."""
+    root = Path(__file__).resolve().parents[1] / ".git"
+    try:
+        head = (root / "HEAD").read_text().strip()
+        if not head.startswith("ref:"):
+            return head[:12]
+        ref = head.split(" ", 1)[1]
+        if (root / ref).exists():
+            return (root / ref).read_text().strip()[:12]
+        for line in (root / "packed-refs").read_text().splitlines():
+            if line.endswith(ref):
+                return line.split()[0][:12]
+    except OSError:
+        pass
+    return "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of the script and its gates")
+    ap.add_argument("--cases", default="", help="comma-separated substrings of case names to run")
+    ap.add_argument("--out", default="", help="also write the JSON here")
+    ap.add_argument("--sweep", action="store_true", help="per-stage times under alternative launch configs")
+    ap.add_argument("--variants", action="store_true", help="also time the bf16 storage variants (main shape)")
+    ap.add_argument("--profile", action="store_true", help="per-kernel CUDA times of fwd+bwd at B=1 T=8192 H=96")
+    ap.add_argument("--fla-configs", type=int, default=0, help="keep this many configs per fla autotuner (0: all)")
+    ap.add_argument("--fla-cases", default="", help="comma-separated case names: run fla only on these cases")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fla_all = load_fla(args.fla_configs) if device == "cuda" else None
+    torch.manual_seed(0)
+
+    errs, ok = small_gate(device)
+    print("correctness gate (T=300, H=2, vs fp64 recurrence):", {k: f"{v:.1e}" for k, v in errs.items()})
+    variants_ok = {}
+    if args.variants:
+        for name, variant in VARIANTS.items():
+            v_errs, variants_ok[name] = small_gate(device, **variant)
+            print(f"  variant {name}:", {k: f"{v:.1e}" for k, v in v_errs.items()},
+                  "ok" if variants_ok[name] else "over tolerance: not timed")
+    if not ok:
+        print("correctness gate FAILED: no timings")
+        return 1
+
+    if args.quick:
+        cases = [("fwd", 1, 128, 2, None), ("fwd+bwd", 1, 128, 2, None), ("fwd", 1, 100, 2, [30, 1, 69]),
+                 ("decode", 4, 1, 2, None)]
+    else:
+        cases = [("fwd", 1, 8192, 96, None), ("fwd", 1, 8192, 64, None), ("fwd", 1, 8192, 96, VARLEN_MIX),
+                 ("fwd", 1, 8192, 96, [1024] * 8), ("fwd", 1, 32768, 32, None),
+                 ("fwd+bwd", 1, 8192, 96, None), ("fwd+bwd", 2, 16384, 16, None), ("fwd+bwd", 1, 32768, 32, None),
+                 ("decode", 64, 1, 96, None)]
+    rows = []
+    for mode, B, T, H, lengths in cases:
+        name = f"{mode} B={B} T={T} H={H}" + ("" if lengths is None else f" varlen{len(lengths)}")
+        if args.cases and not any(c in name for c in args.cases.split(",")):
+            continue
+        torch.cuda.reset_peak_memory_stats() if device == "cuda" else None
+        fla = fla_all if not args.fla_cases or name in args.fla_cases.split(",") else None
+        if mode == "decode":
+            rows += run_decode(name, B, H, fla, device, args.quick)
+        else:
+            extra = {v: kw for v, kw in VARIANTS.items() if variants_ok.get(v)}
+            rows += run_chunk(name, mode, B, T, H, lengths, fla, device, args.quick, extra)
+        torch.cuda.empty_cache() if device == "cuda" else None
+    print_table(rows)
+    if args.profile and device == "cuda":
+        profile_breakdown(fla_all)
+    if args.sweep and device == "cuda":
+        tuning_sweep()
+    result = {
+        "benchmark": "kda", "command": " ".join([sys.executable, "-m", "benchmarks.kda"] + sys.argv[1:]),
+        "git": {"sha": git_sha(), "dirty": None},
+        "env": {"torch": torch.__version__, "triton": __import__("triton").__version__,
+                "fla": _fla_version(), "cuda": torch.version.cuda,
+                "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                "FLA_FLASH_KDA": os.environ.get("FLA_FLASH_KDA")},
+        "config": {"bandwidth": BANDWIDTH, "peak_flops": PEAK_FLOPS, "quick": args.quick,
+                   "fla_configs_per_autotuner": args.fla_configs or "all"},
+        "gate": errs, "cases": rows,
+    }
+    text = json.dumps(result, indent=1)
+    if not args.quick:
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        path = Path(__file__).resolve().parent / "results" / f"kda-{result['git']['sha']}-{stamp}.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0 if all(r["correctness"]["ok"] for r in rows) else 1
+
+
+def _fla_version():
+    try:
+        from importlib.metadata import version
+
+        return version("fla-core")
+    except Exception:
+        return None
+
+
+def run_chunk(name, mode, B, T, H, lengths, fla, device, quick, extra):
+    cu = None if lengths is None else cu_tensor(lengths, device)
+    N = B if lengths is None else len(lengths)
+    ins = raw_inputs(B, T, H, N=N, seed=1, device=device, h0=True)
+    gen = torch.Generator(device=device).manual_seed(2)
+    do = torch.randn(B, T, H, 128, generator=gen, device=device).bfloat16()
+    dS = torch.randn(N, H, 128, 128, generator=gen, device=device)
+    variants = {"k3": {}}
+    if B == 1 and T == 8192 and H == 96 and lengths is None:
+        variants.update(extra)
+    impls = {v: (lambda x, kw=kw: ours_fn(x, cu, **kw)) for v, kw in variants.items()}
+    if fla is not None:
+        impls["fla"] = lambda x: fla_fn(fla, x, cu)
+
+    # correctness against fla on the timed shape (and each variant against the default)
+    outs = {}
+    for v, fn in impls.items():
+        if mode == "fwd":
+            with torch.no_grad():
+                o, S = fn(ins)
+            outs[v] = (o, S, None)
+        else:
+            outs[v] = grads_of(fn, ins, do, dS)
+    base = outs.get("fla", outs["k3"])
+    rows = []
+    if mode == "fwd":
+        timed = {}
+        for v, fn in impls.items():
+            timed[v] = (lambda fn=fn: fn(ins))
+        with torch.no_grad():
+            times = bench(timed, quick)
+        nbytes, flops = fwd_bytes(T * B, H), fwd_flops(T * B, H)
+    else:
+        live = [x.detach().requires_grad_() for x in ins]
+        timed = {}
+        for v, fn in impls.items():
+            def step(fn=fn):
+                o, S = fn(live)
+                return torch.autograd.grad((o, S), live, (do, dS))
+            timed[v] = step
+        times = bench(timed, quick)
+        nbytes = fwd_bytes(T * B, H) + T * B * H * (9 * 256 + 4)
+        flops = 3 * fwd_flops(T * B, H)
+    floor_ms = nbytes / BANDWIDTH * 1e3
+    for v in impls:
+        diff = {"o": rel(outs[v][0], base[0]), "S": rel(outs[v][1], base[1])}
+        if outs[v][2] is not None:
+            diff.update({n: rel(a, r) for n, a, r in zip(("q", "k", "v", "z", "b", "A_log", "dt_bias", "h0"),
+                                                         outs[v][2], base[2])})
+        # two independent errors each within the tolerance: their difference within twice it
+        ok = all(e <= 2 * TOL[n] for n, e in diff.items()) if v != "fla" else True
+        t = times[v]
+        ms = t["ms_median"]
+        rows.append({
+            "case": name, "shape": {"B": B, "T": T, "H": H, "K": 128, "V": 128, "lengths": lengths},
+            "dtype": "bf16", "impl": v, "baseline": "fla" if fla is not None else None,
+            "ms_median": ms, "ms_iqr": t["ms_iqr"], "samples_ms": t["samples_ms"],
+            "ratio_vs_baseline": (times["fla"]["ms_median"] / ms) if "fla" in times else None,
+            "floor_ms": floor_ms, "floor_fraction": floor_ms / ms, "tb_s": nbytes / ms / 1e9,
+            "tflop_s": flops / ms / 1e9,
+            "peak_mem_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+            "correctness": {"metric": "rel. diff vs fla" if fla is not None else "rel. diff vs k3",
+                            "value": max(diff.values()), "detail": diff, "ok": ok},
+        })
+    return rows
+
+
+def run_decode(name, B, H, fla, device, quick):
+    K = V = 128
+    q, k, v, z, b, A_log, dt_bias, _ = raw_inputs(B, 1, H, seed=3, device=device)
+    pool = torch.randn(B, H, K, V, device=device)
+    idx = torch.arange(B, device=device, dtype=torch.int32)
+    ours_pool, fla_pool = pool.clone(), pool.clone()
+    impls = {"k3": lambda: fused_recurrent_kda(q, k, v, z, b, A_log, dt_bias, ours_pool, idx)[0]}
+    if fla is not None:
+        impls["fla"] = lambda: fla[1](q, k, v, z, b, A_log=A_log, dt_bias=dt_bias, initial_state=fla_pool,
+                                      inplace_final_state=True, output_final_state=True,
+                                      ssm_state_indices=idx.long(), use_qk_l2norm_in_kernel=True,
+                                      use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                      lower_bound=-5.0)[0]
+    outs = {n: fn() for n, fn in impls.items()}
+    base = outs.get("fla", outs["k3"])
+    state_diff = rel(ours_pool, fla_pool) if fla is not None else 0.0
+    times = bench(impls, quick)
+    nbytes = B * H * K * V * 4 * 2 + B * H * (4 * 256 + 2 + 256)
+    floor_ms = nbytes / BANDWIDTH * 1e3
+    rows = []
+    for n in impls:
+        ms = times[n]["ms_median"]
+        graph_ms = graph_time(impls[n]) if device == "cuda" else None
+        diff = {"o": rel(outs[n], base), "S": state_diff}
+        rows.append({
+            "case": name, "shape": {"B": B, "T": 1, "H": H, "K": K, "V": V}, "dtype": "bf16, fp32 state",
+            "impl": n, "baseline": "fla" if fla is not None else None, "ms_median": ms, "ms_iqr": times[n]["ms_iqr"],
+            "samples_ms": times[n]["samples_ms"], "graph_ms": graph_ms,
+            "ratio_vs_baseline": (times["fla"]["ms_median"] / ms) if "fla" in times else None,
+            "floor_ms": floor_ms, "floor_fraction": floor_ms / ms, "tb_s": nbytes / ms / 1e9, "tflop_s": None,
+            "peak_mem_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+            "correctness": {"metric": "rel. diff vs fla", "value": max(diff.values()), "detail": diff,
+                            "ok": all(e <= 2 * TOL["o"] for e in diff.values())},
+        })
+    return rows
+
+
+def profile_breakdown(fla, iters=5):
+    """CUDA time per kernel for forward and forward+backward at B=1, T=8192, H=96 (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ins = raw_inputs(1, 8192, 96, seed=4, h0=True)
+    live = [x.detach().requires_grad_() for x in ins]
+    do = torch.randn(1, 8192, 96, 128, device="cuda").bfloat16()
+    dS = torch.randn(1, 96, 128, 128, device="cuda")
+    impls = {"k3": lambda x: ours_fn(x, None)}
+    if fla is not None:
+        impls["fla"] = lambda x: fla_fn(fla, x, None)
+    for name, fn in impls.items():
+        for mode in ("fwd", "fwd+bwd"):
+            def step():
+                if mode == "fwd":
+                    with torch.no_grad():
+                        fn(live)
+                else:
+                    o, S = fn(live)
+                    torch.autograd.grad((o, S), live, (do, dS))
+            step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(iters):
+                    step()
+                torch.cuda.synchronize()
+            events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+            events = events or [e for e in prof.key_averages() if e.self_device_time_total > 0]
+            events.sort(key=lambda e: -e.self_device_time_total)
+            total = sum(e.self_device_time_total for e in events) / iters / 1e3
+            print(f"[profile] {name} {mode}: {total:.3f} ms of kernel time per call")
+            for e in events[:12]:
+                ms = e.self_device_time_total / iters / 1e3
+                print(f"[profile]   {ms:8.3f} ms  x{e.count // iters:<3d} {e.key[:90]}")
+
+
+def tuning_sweep():
+    """Per-stage times at B=1, T=8192, H=96 under alternative launch configs (`TUNING` overrides)."""
+    import triton
+
+    from k3.ops.kda import triton_chunk as tc
+
+    base = dict(tc.TUNING)
+    q, k, v, z, b, A_log, dt_bias, h0 = raw_inputs(1, 8192, 96, seed=5, h0=True)
+    flat = [x.reshape(8192, *x.shape[2:]).contiguous() for x in (q, k, v, z, b)]
+    plan = tc.make_plan(1, 8192, None, q.device)
+    dtypes = tc.inter_dtypes(torch.bfloat16)
+    args = (*flat, A_log, dt_bias, -5.0, 128**-0.5)
+    do = torch.randn(8192, 96, 128, device="cuda").bfloat16()
+
+    def t(fn):
+        try:
+            fn()
+        except triton.runtime.errors.OutOfResources as e:  # e.g. too much shared memory for this config
+            print(f"[sweep] skipped: {e}")
+            return float("nan")
+        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+    def report(stage, cfg, ms):
+        print(f"[sweep] {stage:10s} {str(cfg):60s} {ms:8.3f} ms")
+
+    for cfg in ({}, {"prepare_warps": 4}, {"prepare_warps": 16}):
+        tc.TUNING.update(base, **cfg)
+        report("prepare", cfg, t(lambda: tc._fwd_prepare(*args, plan, dtypes)))
+    tc.TUNING.update(base)
+    ops = tc._fwd_prepare(*args, plan, dtypes)[:6]
+    for cfg in ({}, {"state_stages": 3}, {"state_warps": 8}, {"state_bv": 64, "state_warps": 8},
+                {"state_bv": 16}):
+        for bf in (False, True):
+            tc.TUNING.update(base, **cfg)
+            report("state", dict(cfg, bf16=bf),
+                   t(lambda: tc._fwd_state(*ops, h0, plan, torch.bfloat16, want_ht=True, state_bf16=bf)))
+    for cfg in ({}, {"bwd_v_warps": 4}, {"bwd_v_bv": 64}, {"bwd_k_warps": 4}, {"bwd_k_warps": 16},
+                {"state_bwd_bv": 64}, {"state_bwd_warps": 4, "state_bwd_stages": 2}):
+        tc.TUNING.update(base, **cfg)
+        report("backward", cfg, t(lambda: tc._bwd(*args, h0, plan, do, None, dtypes, False)))
+    dq, dk, dv, dz, db = raw_inputs(64, 1, 96, seed=6)[:5]
+    pool = torch.randn(64, 96, 128, 128, device="cuda")
+    for cfg in ({}, {"decode_bv": 32}, {"decode_bv": 128, "decode_warps": 8}, {"decode_bv": 32, "decode_warps": 2}):
+        tc.TUNING.update(base, **cfg)
+        report("decode", cfg, t(lambda: fused_recurrent_kda(dq, dk, dv, dz, db, A_log, dt_bias, pool)))
+    tc.TUNING.update(base)
+
+
+def print_table(rows):
+    cols = ["case", "impl", "ms", "iqr", "ratio", "TB/s", "floor", "TFLOP/s", "graph ms", "diff", "mem GB"]
+    table = []
+    for r in rows:
+        table.append([
+            r["case"], r["impl"], f"{r['ms_median']:.3f}", f"{r['ms_iqr']:.3f}",
+            "" if r["ratio_vs_baseline"] is None else f"{r['ratio_vs_baseline']:.2f}x",
+            f"{r['tb_s']:.2f}", f"{100 * r['floor_fraction']:.1f}%",
+            "" if r["tflop_s"] is None else f"{r['tflop_s']:.0f}",
+            "" if r.get("graph_ms") is None else f"{r['graph_ms']:.3f}",
+            f"{r['correctness']['value']:.1e}" + ("" if r["correctness"]["ok"] else " FAIL"),
+            "" if r["peak_mem_bytes"] is None else f"{r['peak_mem_bytes'] / 2**30:.1f}",
+        ])
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title="KDA kernels: k3 vs fla (ratio = fla ms / k3 ms)")
+        for c in cols:
+            t.add_column(c)
+        for row in table:
+            t.add_row(*row)
+        Console(width=200).print(t)
+    except ImportError:
+        widths = [max(len(c), *(len(row[i]) for row in table)) for i, c in enumerate(cols)]
+        print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+        for row in table:
+            print("  ".join(x.ljust(w) for x, w in zip(row, widths)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,845 @@
+"""`chunk_kda`: Triton kernels for chunked KDA on raw layer inputs (training and prefill), forward and backward.
+
+The math is the UT-transform chunked form of docs/kda.md §3; the kernel design, the numerics and every
+measured variant are in docs/kda-kernels.md. In short:
+
+- The gate g = g_min·σ(exp(A)·(z + dt_bias)), the q/k L2 norms (and q's scale) and β = σ(b) are computed
+  inside the kernels from the raw inputs, never materialised.
+- Chunks are C = 64 tokens, split into four 16-row blocks. Inside a block the pairwise decays
+  exp(G[r] − G[i]) are factorised around the block's first row (both factors within e^{±75} because
+  g ≥ −5); across blocks around the earlier block's last row (all factors ≤ 1). So every score block
+  is a tensor-core matmul (docs/kda.md §4). (I + Akk)⁻¹ comes from the four 16×16 diagonal inverses
+  (A nilpotent: (I − A)(I + A²)(I + A⁴)(I + A⁸), exact fp32) and T_RJ = −T_RR·Σ Akk_RM·T_MJ.
+- Forward: `_prepare` (all chunks in parallel) writes the chunk-local operands W, U, Q⊙Γ, K⊙exp(G_C − G),
+  Aqk, G_C and T; `_state` walks each sequence's chunks in order with the state in registers, split
+  over value blocks, and writes the output (and, on request, the state at every chunk start).
+- Backward (only the raw inputs are saved): `_prepare` and `_state` run again (the latter storing
+  chunk-start states), `_state_bwd` walks the chunks backwards for the state gradient, `_bwd_v` gathers
+  everything that contracts over the value dim, and `_bwd_k` finishes the score, gate and norm chains.
+
+Intermediates are stored in bf16 for bf16 inputs except U and Aqk (fp32); states and accumulators are
+fp32; fp32 operands multiply in tf32, bf16 score blocks in bf16. Everything is indexed by packed document
+offsets (`cu_seqlens`, fla's convention); a dense batch is B equal-length documents. On CPU the same
+kernels run in the Triton interpreter (`TRITON_INTERPRET=1`, set before triton is imported).
+
+Legend: B batch, T tokens, TT = B·T, H heads, K key dim, V value dim, N sequences, NT chunks, C chunk size,
+BC sub-block (16 rows), NB = C/BC sub-blocks, BV value block.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 64
+SUB = 16
+# Launch configurations for K = V = 128 on an H200 (docs/kda-kernels.md: chosen from the compiler's register
+# and spill report and the measured variants). Benchmarks may override entries.
+TUNING = {
+    "prepare_warps": 8,
+    "state_bv": 32, "state_warps": 4, "state_stages": 2,
+    "state_bwd_bv": 32, "state_bwd_warps": 8, "state_bwd_stages": 1,
+    "bwd_v_bv": 32, "bwd_v_warps": 8,
+    "bwd_k_warps": 8,
+    "decode_bv": 64, "decode_warps": 4,
+}
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (must be set before triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# device helpers
+
+
+@triton.jit
+def _cast(x, dt: tl.constexpr, INTERP: tl.constexpr):
+    """x.to(dt) with round-to-nearest-even; the interpreter truncates to bf16, so there it is done by hand."""
+    if INTERP and dt == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dt)
+
+
+@triton.jit
+def _mm(a, b, BF16: tl.constexpr, INTERP: tl.constexpr):
+    """a @ b with fp32 accumulation: tf32 tensor cores on fp32 operands, or bf16 operands when BF16.
+
+    The interpreter's bf16 dot is unusable, so there the bf16 rounding is emulated in fp32.
+    """
+    if BF16:
+        if INTERP:
+            return tl.dot(_cast(a, tl.bfloat16, INTERP).to(tl.float32), _cast(b, tl.bfloat16, INTERP).to(tl.float32))
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    return tl.dot(a.to(tl.float32), b.to(tl.float32))
+
+
+@triton.jit
+def _bp(x, bos, L, i_h, row0, col0, H, W: tl.constexpr, C: tl.constexpr, BW: tl.constexpr):
+    """Block pointer to rows row0 … row0+C−1 (of one document of length L starting at token bos), columns
+    col0 … col0+BW−1, head i_h, of a [TT, H, W] tensor. Rows past L read as zero and are not written."""
+    return tl.make_block_ptr(x + (bos * H + i_h) * W, (L, W), (H * W, 1), (row0, col0), (C, BW), (1, 0))
+
+
+@triton.jit
+def _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
+                       H, K: tl.constexpr, C: tl.constexpr, G_MIN: tl.constexpr):
+    """Raw rows → (q̂·scale, k̂, β, g, q norm, k norm, gate pre-activation x, valid) for one chunk of one head.
+
+    Rows past the document end come back as zeros (β = 0, g = 0): they neither decay nor write.
+    """
+    ck = tl.arange(0, K)
+    valid = row0 + tl.arange(0, C) < L
+    m = valid[:, None]
+    q_raw = tl.load(_bp(q, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    k_raw = tl.load(_bp(k, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    z_raw = tl.load(_bp(z, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    p_b = tl.make_block_ptr(b + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,))
+    b_raw = tl.load(p_b, boundary_check=(0,), padding_option="zero").to(tl.float32)
+    q_raw = q_raw.to(tl.float32)
+    k_raw = k_raw.to(tl.float32)
+    q_n = tl.sqrt(tl.sum(q_raw * q_raw, 1) + 1e-6)
+    k_n = tl.sqrt(tl.sum(k_raw * k_raw, 1) + 1e-6)
+    qh = q_raw / q_n[:, None] * scale
+    kh = k_raw / k_n[:, None]
+    beta = tl.where(valid, tl.sigmoid(b_raw), 0.0)
+    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    bias = tl.load(dt_bias + i_h * K + ck).to(tl.float32)
+    x = a * (z_raw.to(tl.float32) + bias[None, :])
+    g = tl.where(m, G_MIN * tl.sigmoid(x), 0.0)
+    return qh, kh, beta, g, q_n, k_n, x, valid
+
+
+@triton.jit
+def _row_anchors(G, C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr):
+    """Per row r, the cumulative gate at the first row of r's 16-row block: [C, K]."""
+    NB: tl.constexpr = C // BC
+    G3 = tl.reshape(G, [NB, BC, K])
+    first = tl.arange(0, BC)[None, :, None] == 0
+    a3 = tl.sum(tl.where(first, G3, 0.0), 1)  # [NB, K]
+    return tl.reshape(tl.broadcast_to(a3[:, None, :], [NB, BC, K]), [C, K]), a3
+
+
+@triton.jit
+def _pick_block(X, R: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, W: tl.constexpr):
+    """Rows R·BC … R·BC+BC−1 of X [C, W] as a [BC, W] tile."""
+    NB: tl.constexpr = C // BC
+    X3 = tl.reshape(X, [NB, BC, W])
+    return tl.sum(tl.where(tl.arange(0, NB)[:, None, None] == R, X3, 0.0), 0)
+
+
+@triton.jit
+def _pick_anchor(a3, R: tl.constexpr, NB: tl.constexpr):
+    return tl.sum(tl.where(tl.arange(0, NB)[:, None] == R, a3, 0.0), 0)  # [K]
+
+
+@triton.jit
+def _put_block(X3, blk, R: tl.constexpr, NB: tl.constexpr):
+    """X3 [NB, BC, W] with block R replaced by blk [BC, W]."""
+    return tl.where(tl.arange(0, NB)[:, None, None] == R, blk[None, :, :], X3)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# forward kernels
+
+
+@triton.jit
+def _sub_block(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, carry,
+               H, K: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr):
+    """One 16-row block: q̂, k̂, β, the cumulative gate G (continuing from `carry`), and the block's own
+    anchor a (G at its first row) and end e (G at its last row), with the anchored operands
+    qs = q̂⊙exp(G − a), ks = k̂⊙exp(G − a) (≤ 1), kc = k̂⊙exp(a − G) (≤ e^75) and kend = k̂⊙exp(e − G) (≤ 1)."""
+    qh, kh, beta, g, q_n, k_n, x, valid = _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
+                                                              H, K, BC, G_MIN)
+    G = carry[None, :] + tl.cumsum(g, 0)
+    r = tl.arange(0, BC)
+    a = tl.sum(tl.where(r[:, None] == 0, G, 0.0), 0)
+    e = tl.sum(tl.where(r[:, None] == BC - 1, G, 0.0), 0)
+    rf = tl.exp(G - a[None, :])
+    kc = kh * tl.exp(a[None, :] - G)
+    kend = kh * tl.exp(e[None, :] - G)
+    return qh, qh * rf, kh * rf, kc, kend, beta, G, a, e
+
+
+@triton.jit
+def _diag_scores(qs, ks, kc, beta, BC: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr):
+    """Diagonal 16×16 blocks of Akk (β-scaled, strictly lower) and Aqk (lower incl. the diagonal).
+
+    With bf16 inputs the operands are bf16: a 16-row operand is replicated in every warp of the dot and
+    in tf32 the kernel spilled registers (docs/kda-kernels.md); bf16 keeps e^±75 (fp32's exponent range).
+    """
+    r = tl.arange(0, BC)
+    kcT = tl.trans(kc)
+    Akk = tl.where(r[:, None] > r[None, :], beta[:, None] * _mm(ks, kcT, BF16, INTERP), 0.0)
+    Aqk = tl.where(r[:, None] >= r[None, :], _mm(qs, kcT, BF16, INTERP), 0.0)
+    return Akk, Aqk
+
+
+@triton.jit
+def _off_scores(qs, ks, beta, a, kend_J, e_J, BF16: tl.constexpr, INTERP: tl.constexpr):
+    """Blocks (R, J < R): exp(G[r] − G[i]) = exp(G[r] − a_R)·exp(a_R − e_J)·exp(e_J − G[i]), every factor ≤ 1."""
+    d = tl.exp(a - e_J)[None, :]
+    kT = tl.trans(kend_J)
+    return beta[:, None] * _mm(ks * d, kT, BF16, INTERP), _mm(qs * d, kT, BF16, INTERP)
+
+
+@triton.jit
+def _mm32(a, b):
+    """Exact-fp32 product of two 16×16 blocks (FMA; the blocks of (I + Akk)⁻¹ need no tf32 rounding)."""
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _inv16(A, BC: tl.constexpr):
+    """(I + A)⁻¹ for a strictly lower BC×BC block: A is nilpotent, so (I − A)(I + A²)(I + A⁴)(I + A⁸)."""
+    r = tl.arange(0, BC)
+    eye = (r[:, None] == r[None, :]).to(tl.float32)
+    A2 = _mm32(A, A)
+    A4 = _mm32(A2, A2)
+    return _mm32(_mm32(_mm32(eye - A, eye + A2), eye + A4), eye + _mm32(A4, A4))
+
+
+@triton.jit
+def _store_block(x, ptr, bos, L, i_h, row0, col0, H, W: tl.constexpr, BC: tl.constexpr, INTERP: tl.constexpr):
+    tl.store(_bp(ptr, bos, L, i_h, row0, col0, H, W, BC, BC), _cast(x, ptr.dtype.element_ty, INTERP),
+             boundary_check=(0,))
+
+
+@triton.jit
+def _prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx,
+             w_out, u_out, qg_out, kd_out, aqk_out, gc_out, t_out,
+             scale, H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+             G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
+    """One (chunk, head): raw inputs → W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C and T = (I + Akk)⁻¹.
+
+    Pass 1 walks the four 16-row blocks: gate, norms, anchored score blocks (docs/kda.md §4), Q⊙Γ and
+    Aqk are stored; the 16×16 blocks of T come from the diagonal inverses and
+    T_RJ = −T_RR·Σ_{J≤M<R} Akk_RM·T_MJ and go to `t_out`. Pass 2 reloads the chunk and T as 64-row tiles
+    for W = T·diag(β)(K⊙Γ) and U = T·diag(β)V.
+    """
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    n = tl.load(chunk_idx + 2 * i_c)
+    row0 = tl.load(chunk_idx + 2 * i_c + 1) * C
+    bos = tl.load(cu + n).to(tl.int64)
+    L = tl.load(cu + n + 1) - tl.load(cu + n)
+    lo = w_out.dtype.element_ty
+    hi = aqk_out.dtype.element_ty
+    zero = tl.zeros([K], dtype=tl.float32)
+    # pass 1: block by block (the static shape of the chunk: C = 4·BC), each block's tiles used at once so
+    # that only the kend_J of earlier blocks stay live
+    qh, qs, ks, kc, kend0, b0, G, a, e0 = _sub_block(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
+                                                     zero, H, K, BC, G_MIN)
+    tl.store(_bp(qg_out, bos, L, i_h, row0, 0, H, K, BC, K), _cast(qh * tl.exp(G), lo, INTERP), boundary_check=(0,))
+    A00, Q00 = _diag_scores(qs, ks, kc, b0, BC, SCORES_BF16, INTERP)
+    _store_block(Q00, aqk_out, bos, L, i_h, row0, 0, H, C, BC, INTERP)
+
+    qh, qs, ks, kc, kend1, b1, G, a, e1 = _sub_block(q, k, z, b, A_log, dt_bias, bos, L, row0 + BC, i_h, scale,
+                                                     e0, H, K, BC, G_MIN)
+    tl.store(_bp(qg_out, bos, L, i_h, row0 + BC, 0, H, K, BC, K), _cast(qh * tl.exp(G), lo, INTERP),
+             boundary_check=(0,))
+    A11, Q11 = _diag_scores(qs, ks, kc, b1, BC, SCORES_BF16, INTERP)
+    A10, Q10 = _off_scores(qs, ks, b1, a, kend0, e0, SCORES_BF16, INTERP)
+    _store_block(Q10, aqk_out, bos, L, i_h, row0 + BC, 0, H, C, BC, INTERP)
+    _store_block(Q11, aqk_out, bos, L, i_h, row0 + BC, BC, H, C, BC, INTERP)
+
+    qh, qs, ks, kc, kend2, b2, G, a, e2 = _sub_block(q, k, z, b, A_log, dt_bias, bos, L, row0 + 2 * BC, i_h,
+                                                     scale, e1, H, K, BC, G_MIN)
+    tl.store(_bp(qg_out, bos, L, i_h, row0 + 2 * BC, 0, H, K, BC, K), _cast(qh * tl.exp(G), lo, INTERP),
+             boundary_check=(0,))
+    A22, Q22 = _diag_scores(qs, ks, kc, b2, BC, SCORES_BF16, INTERP)
+    A20, Q20 = _off_scores(qs, ks, b2, a, kend0, e0, SCORES_BF16, INTERP)
+    A21, Q21 = _off_scores(qs, ks, b2, a, kend1, e1, SCORES_BF16, INTERP)
+    _store_block(Q20, aqk_out, bos, L, i_h, row0 + 2 * BC, 0, H, C, BC, INTERP)
+    _store_block(Q21, aqk_out, bos, L, i_h, row0 + 2 * BC, BC, H, C, BC, INTERP)
+    _store_block(Q22, aqk_out, bos, L, i_h, row0 + 2 * BC, 2 * BC, H, C, BC, INTERP)
+
+    qh, qs, ks, kc, kend3, b3, G, a, e3 = _sub_block(q, k, z, b, A_log, dt_bias, bos, L, row0 + 3 * BC, i_h,
+                                                     scale, e2, H, K, BC, G_MIN)
+    tl.store(_bp(qg_out, bos, L, i_h, row0 + 3 * BC, 0, H, K, BC, K), _cast(qh * tl.exp(G), lo, INTERP),
+             boundary_check=(0,))
+    A33, Q33 = _diag_scores(qs, ks, kc, b3, BC, SCORES_BF16, INTERP)
+    A30, Q30 = _off_scores(qs, ks, b3, a, kend0, e0, SCORES_BF16, INTERP)
+    A31, Q31 = _off_scores(qs, ks, b3, a, kend1, e1, SCORES_BF16, INTERP)
+    A32, Q32 = _off_scores(qs, ks, b3, a, kend2, e2, SCORES_BF16, INTERP)
+    _store_block(Q30, aqk_out, bos, L, i_h, row0 + 3 * BC, 0, H, C, BC, INTERP)
+    _store_block(Q31, aqk_out, bos, L, i_h, row0 + 3 * BC, BC, H, C, BC, INTERP)
+    _store_block(Q32, aqk_out, bos, L, i_h, row0 + 3 * BC, 2 * BC, H, C, BC, INTERP)
+    _store_block(Q33, aqk_out, bos, L, i_h, row0 + 3 * BC, 3 * BC, H, C, BC, INTERP)
+    # Aqk and T are read back as 64×64 tiles: their six upper blocks are zero
+    z16 = tl.zeros([BC, BC], dtype=tl.float32)
+    _store_block(z16, aqk_out, bos, L, i_h, row0, BC, H, C, BC, INTERP)
+    _store_block(z16, aqk_out, bos, L, i_h, row0, 2 * BC, H, C, BC, INTERP)
+    _store_block(z16, aqk_out, bos, L, i_h, row0, 3 * BC, H, C, BC, INTERP)
+    _store_block(z16, aqk_out, bos, L, i_h, row0 + BC, 2 * BC, H, C, BC, INTERP)
+    _store_block(z16, aqk_out, bos, L, i_h, row0 + BC, 3 * BC, H, C, BC, INTERP)
+    _store_block(z16, aqk_out, bos, L, i_h, row0 + 2 * BC, 3 * BC, H, C, BC, INTERP)
+    _store_block(z16, t_out, bos, L, i_h, row0, BC, H, C, BC, INTERP)
+    _store_block(z16, t_out, bos, L, i_h, row0, 2 * BC, H, C, BC, INTERP)
+    _store_block(z16, t_out, bos, L, i_h, row0, 3 * BC, H, C, BC, INTERP)
+    _store_block(z16, t_out, bos, L, i_h, row0 + BC, 2 * BC, H, C, BC, INTERP)
+    _store_block(z16, t_out, bos, L, i_h, row0 + BC, 3 * BC, H, C, BC, INTERP)
+    _store_block(z16, t_out, bos, L, i_h, row0 + 2 * BC, 3 * BC, H, C, BC, INTERP)
+    # T = (I + Akk)⁻¹ block by block
+    T00 = _inv16(A00, BC)
+    T11 = _inv16(A11, BC)
+    T22 = _inv16(A22, BC)
+    T33 = _inv16(A33, BC)
+    T10 = -_mm32(T11, _mm32(A10, T00))
+    T21 = -_mm32(T22, _mm32(A21, T11))
+    T20 = -_mm32(T22, _mm32(A20, T00) + _mm32(A21, T10))
+    T32 = -_mm32(T33, _mm32(A32, T22))
+    T31 = -_mm32(T33, _mm32(A31, T11) + _mm32(A32, T21))
+    T30 = -_mm32(T33, _mm32(A30, T00) + _mm32(A31, T10) + _mm32(A32, T20))
+    _store_block(T00, t_out, bos, L, i_h, row0, 0, H, C, BC, INTERP)
+    _store_block(T10, t_out, bos, L, i_h, row0 + BC, 0, H, C, BC, INTERP)
+    _store_block(T11, t_out, bos, L, i_h, row0 + BC, BC, H, C, BC, INTERP)
+    _store_block(T20, t_out, bos, L, i_h, row0 + 2 * BC, 0, H, C, BC, INTERP)
+    _store_block(T21, t_out, bos, L, i_h, row0 + 2 * BC, BC, H, C, BC, INTERP)
+    _store_block(T22, t_out, bos, L, i_h, row0 + 2 * BC, 2 * BC, H, C, BC, INTERP)
+    _store_block(T30, t_out, bos, L, i_h, row0 + 3 * BC, 0, H, C, BC, INTERP)
+    _store_block(T31, t_out, bos, L, i_h, row0 + 3 * BC, BC, H, C, BC, INTERP)
+    _store_block(T32, t_out, bos, L, i_h, row0 + 3 * BC, 2 * BC, H, C, BC, INTERP)
+    _store_block(T33, t_out, bos, L, i_h, row0 + 3 * BC, 3 * BC, H, C, BC, INTERP)
+    # the 64-row reload below reads what other threads of this program just wrote
+    tl.debug_barrier()
+    # pass 2: whole-chunk tiles
+    rows = tl.arange(0, C)
+    qh, kh, beta, g, q_n, k_n, x, valid = _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
+                                                              H, K, C, G_MIN)
+    Tm = tl.load(_bp(t_out, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    G = tl.cumsum(g, 0)
+    gam = tl.exp(G)
+    gc = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)  # G at the chunk end (padding has g = 0)
+    v_t = tl.load(_bp(v, bos, L, i_h, row0, 0, H, V, C, V), boundary_check=(0,), padding_option="zero")
+    W = tl.dot(Tm, beta[:, None] * kh * gam)
+    U = tl.dot(Tm, beta[:, None] * v_t.to(tl.float32))
+    tl.store(_bp(w_out, bos, L, i_h, row0, 0, H, K, C, K), _cast(W, lo, INTERP), boundary_check=(0,))
+    tl.store(_bp(kd_out, bos, L, i_h, row0, 0, H, K, C, K), _cast(kh * tl.exp(gc[None, :] - G), lo, INTERP),
+             boundary_check=(0,))
+    tl.store(_bp(u_out, bos, L, i_h, row0, 0, H, V, C, V), _cast(U, hi, INTERP), boundary_check=(0,))
+    tl.store(gc_out + (i_c * H + i_h).to(tl.int64) * K + tl.arange(0, K), gc)
+
+
+@triton.jit
+def _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, bos, L, c0, i_h, i_v, off_s,
+                H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                STORE_HS: tl.constexpr, WRITE_O: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr):
+    """Chunk j of one sequence in `_state`; returns the state after it."""
+    row0 = j * C
+    W = tl.load(_bp(w, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    Kd = tl.load(_bp(kd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    U = tl.load(_bp(u, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+    g_end = tl.load(gc + ((c0 + j) * H + i_h) * K + tl.arange(0, K))
+    if STORE_HS:
+        tl.store(hs + ((c0 + j) * H + i_h) * K * V + off_s, S)
+    Ut = U.to(tl.float32) - _mm(W, S, BF16, INTERP)
+    if WRITE_O:
+        Qg = tl.load(_bp(qg, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+        Aq = tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+        out = _mm(Qg, S, BF16, INTERP) + _mm(Aq, Ut, BF16, INTERP)
+        tl.store(_bp(o, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(out, o.dtype.element_ty, INTERP),
+                 boundary_check=(0,))
+    return tl.exp(g_end)[:, None] * S + _mm(tl.trans(Kd), Ut, BF16, INTERP)
+
+
+@triton.jit
+def _state(w, u, qg, kd, aqk, gc, h0, o, ht, hs, cu, chunk_off,
+           H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+           USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_HS: tl.constexpr, WRITE_O: tl.constexpr,
+           BF16: tl.constexpr, INTERP: tl.constexpr):
+    """One (value block, sequence, head): the chunk-to-chunk state hand-off, in order, state in registers.
+
+    Per chunk: Ũ = U − W·S; O = (Q⊙Γ)·S + Aqk·Ũ; S ← Diag(exp(G_C))·S + (K⊙exp(G_C − G))ᵀ·Ũ.
+    hs (optional) receives S at every chunk start, ht the final state.
+    """
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    n = i_nh // H
+    i_h = i_nh % H
+    bos = tl.load(cu + n).to(tl.int64)
+    L = tl.load(cu + n + 1) - tl.load(cu + n)
+    c0 = tl.load(chunk_off + n).to(tl.int64)
+    n_chunks = tl.cdiv(L, C)
+    off_s = tl.arange(0, K)[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]  # [K, BV]
+    if USE_H0:
+        S = tl.load(h0 + i_nh.to(tl.int64) * K * V + off_s).to(tl.float32)
+    else:
+        S = tl.zeros([K, BV], dtype=tl.float32)
+    # The interpreter cannot take a loaded scalar as a `range` bound; compiled code needs `for` to pipeline loads.
+    if INTERP:
+        j = 0
+        while j < n_chunks:
+            S = _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, bos, L, c0, i_h, i_v, off_s, H, K, V, BV, C,
+                            STORE_HS, WRITE_O, BF16, INTERP)
+            j += 1
+    else:
+        for j in range(n_chunks):
+            S = _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, bos, L, c0, i_h, i_v, off_s, H, K, V, BV, C,
+                            STORE_HS, WRITE_O, BF16, INTERP)
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + off_s, S)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# backward kernels
+
+
+@triton.jit
+def _state_bwd_step(dS, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v, off_s,
+                    H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                    BF16: tl.constexpr, INTERP: tl.constexpr):
+    """Chunk j, walking backwards: dŨ = Aqkᵀ·dO + Kd·dS_end; dS_start = Qgᵀ·dO + Diag(Γ_C)·dS_end − Wᵀ·dŨ."""
+    row0 = j * C
+    Aq = tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    Kd = tl.load(_bp(kd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    Qg = tl.load(_bp(qg, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    W = tl.load(_bp(w, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+    g_end = tl.load(gc + ((c0 + j) * H + i_h) * K + tl.arange(0, K))
+    tl.store(dse + ((c0 + j) * H + i_h) * K * V + off_s, dS)
+    dUt = _mm(tl.trans(Aq), dO, BF16, INTERP) + _mm(Kd, dS, BF16, INTERP)
+    tl.store(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), dUt, boundary_check=(0,))
+    return (_mm(tl.trans(Qg), dO, BF16, INTERP) + tl.exp(g_end)[:, None] * dS
+            - _mm(tl.trans(W), dUt, BF16, INTERP))
+
+
+@triton.jit
+def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
+               H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+               USE_DHT: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr):
+    """One (value block, sequence, head): the state gradient, last chunk first.
+
+    Writes dŨ [TT, H, V], the state gradient at every chunk end (dse) and at the start (dh0).
+    """
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    n = i_nh // H
+    i_h = i_nh % H
+    bos = tl.load(cu + n).to(tl.int64)
+    L = tl.load(cu + n + 1) - tl.load(cu + n)
+    c0 = tl.load(chunk_off + n).to(tl.int64)
+    n_chunks = tl.cdiv(L, C)
+    off_s = tl.arange(0, K)[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
+    if USE_DHT:
+        dS = tl.load(dht + i_nh.to(tl.int64) * K * V + off_s).to(tl.float32)
+    else:
+        dS = tl.zeros([K, BV], dtype=tl.float32)
+    if INTERP:
+        j = n_chunks - 1
+        while j >= 0:
+            dS = _state_bwd_step(dS, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v, off_s,
+                                 H, K, V, BV, C, BF16, INTERP)
+            j -= 1
+    else:
+        for jj in range(n_chunks):
+            dS = _state_bwd_step(dS, n_chunks - 1 - jj, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v,
+                                 off_s, H, K, V, BV, C, BF16, INTERP)
+    tl.store(dh0 + i_nh.to(tl.int64) * K * V + off_s, dS)
+
+
+@triton.jit
+def _bwd_v(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, t_in, hs, dse, do, du,
+           dv, dqh_out, dkh_out, dg_out, daqk_out, dakk_out, db_out,
+           scale, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+           G_MIN: tl.constexpr, INTERP: tl.constexpr):
+    """One (chunk, head): every gradient term that contracts over the value dim, looping over value blocks.
+
+    With S the chunk-start state, dS_end the chunk-end gradient and dŨ from `_state_bwd`:
+    dQg = dO·Sᵀ, dAqk = dO·Ũᵀ, dKd = Ũ·dS_endᵀ, dW = −dŨ·Sᵀ, dΓ_C = Σ_v S ⊙ dS_end, and through
+    U = T·diag(β)·V and W = T·diag(β)·(K⊙Γ): dv, dT and part of dβ. Then dAkk = −Tᵀ·dT·Tᵀ, and the
+    gate terms that do not involve the score matrices go into dG. Writes fp32 partials for `_bwd_k`.
+    """
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    n = tl.load(chunk_idx + 2 * i_c)
+    row0 = tl.load(chunk_idx + 2 * i_c + 1) * C
+    bos = tl.load(cu + n).to(tl.int64)
+    L = tl.load(cu + n + 1) - tl.load(cu + n)
+    rows = tl.arange(0, C)
+    qh, kh, beta, g, q_n, k_n, x, valid = _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
+                                                              H, K, C, G_MIN)
+    G = tl.cumsum(g, 0)
+    gam = tl.exp(G)
+    gc = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)
+    Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    Kg = kh * gam
+    Xk = beta[:, None] * Kg
+    W = tl.dot(Tm, Xk)
+    TmT = tl.trans(Tm)
+    ck = tl.arange(0, K)
+    s_base = (i_c * H + i_h).to(tl.int64) * K * V
+    dQg = tl.zeros([C, K], dtype=tl.float32)
+    dKd = tl.zeros([C, K], dtype=tl.float32)
+    dW = tl.zeros([C, K], dtype=tl.float32)
+    dAqk = tl.zeros([C, C], dtype=tl.float32)
+    dT = tl.zeros([C, C], dtype=tl.float32)
+    dgc = tl.zeros([K], dtype=tl.float32)
+    dbeta = tl.zeros([C], dtype=tl.float32)
+    for i_v in range(0, V // BV):
+        off_s = ck[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
+        S = tl.load(hs + s_base + off_s)
+        dSe = tl.load(dse + s_base + off_s)
+        dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+        dU = tl.load(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+        vb = tl.load(_bp(v, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+        dO = dO.to(tl.float32)
+        vb = vb.to(tl.float32)
+        Xv = beta[:, None] * vb
+        Ut = tl.dot(Tm, Xv) - tl.dot(W, S)
+        dQg += tl.dot(dO, tl.trans(S))
+        dAqk += tl.dot(dO, tl.trans(Ut))
+        dKd += tl.dot(Ut, tl.trans(dSe))
+        dgc += tl.sum(S * dSe, 1)
+        dW -= tl.dot(dU, tl.trans(S))
+        dXv = tl.dot(TmT, dU)
+        tl.store(_bp(dv, bos, L, i_h, row0, i_v * BV, H, V, C, BV),
+                 _cast(beta[:, None] * dXv, dv.dtype.element_ty, INTERP), boundary_check=(0,))
+        dbeta += tl.sum(dXv * vb, 1)
+        dT += tl.dot(dU, tl.trans(Xv))
+    dXk = tl.dot(TmT, dW)
+    dbeta += tl.sum(dXk * Kg, 1)
+    dT += tl.dot(dW, tl.trans(Xk))
+    dAkk = -tl.dot(tl.dot(TmT, dT), TmT)
+    dAkk = tl.where(rows[:, None] > rows[None, :], dAkk, 0.0)
+    dAqk = tl.where(rows[:, None] >= rows[None, :], dAqk, 0.0)
+    dKg = beta[:, None] * dXk * gam
+    dKd = dKd * tl.exp(gc[None, :] - G)
+    dqh = dQg * gam
+    dG = qh * dqh + kh * dKg - kh * dKd
+    # G_C feeds Γ_C and every exp(G_C − G_i): its gradient lands on the last row, spread back by the cumsum.
+    dG_end = tl.exp(gc) * dgc + tl.sum(kh * dKd, 0)
+    dG = tl.where(rows[:, None] == C - 1, dG + dG_end[None, :], dG)
+    tl.store(_bp(dqh_out, bos, L, i_h, row0, 0, H, K, C, K), dqh, boundary_check=(0,))
+    tl.store(_bp(dkh_out, bos, L, i_h, row0, 0, H, K, C, K), dKg + dKd, boundary_check=(0,))
+    tl.store(dg_out + (i_c * H + i_h).to(tl.int64) * C * K + rows[:, None] * K + ck[None, :], dG)
+    tl.store(_bp(daqk_out, bos, L, i_h, row0, 0, H, C, C, C), dAqk, boundary_check=(0,))
+    tl.store(_bp(dakk_out, bos, L, i_h, row0, 0, H, C, C, C), dAkk, boundary_check=(0,))
+    tl.store(tl.make_block_ptr(db_out + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,)), dbeta, boundary_check=(0,))
+
+
+@triton.jit
+def _bwd_k(q, k, z, b, A_log, dt_bias, cu, chunk_idx, dqh_in, dkh_in, dg_in, daqk_in, dakk_in, db_in,
+           dq, dk, dz, dbl, dA_part, dbias_part,
+           scale, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+           G_MIN: tl.constexpr, INTERP: tl.constexpr):
+    """One (chunk, head): the score-matrix, cumsum, gate, norm and sigmoid chains back to the raw inputs.
+
+    Per 16-row block R with anchor a_R (as in `_scores`): rows get exp(G − a_R), columns exp(a_R − G),
+    so dq̂, dk̂ and dG come out of [16, C] × [C, K] and [C, 16] × [16, K] matmuls. dG is summed back
+    to dg by a reverse cumsum. dA_log and dt_bias get per-chunk partial sums (reduced by the caller).
+    """
+    NB: tl.constexpr = C // BC
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    n = tl.load(chunk_idx + 2 * i_c)
+    row0 = tl.load(chunk_idx + 2 * i_c + 1) * C
+    bos = tl.load(cu + n).to(tl.int64)
+    L = tl.load(cu + n + 1) - tl.load(cu + n)
+    rows = tl.arange(0, C)
+    qh, kh, beta, g, q_n, k_n, x, valid = _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
+                                                              H, K, C, G_MIN)
+    m = valid[:, None]
+    G = tl.cumsum(g, 0)
+    ck = tl.arange(0, K)
+    dqh = tl.load(_bp(dqh_in, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    dkh = tl.load(_bp(dkh_in, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    dG = tl.load(dg_in + (i_c * H + i_h).to(tl.int64) * C * K + rows[:, None] * K + ck[None, :])
+    dAqk = tl.load(_bp(daqk_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    dAkk = tl.load(_bp(dakk_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    p_db = tl.make_block_ptr(db_in + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,))
+    dbeta = tl.load(p_db, boundary_check=(0,), padding_option="zero")
+    dA = beta[:, None] * dAkk  # gradient of Ã (Akk = diag(β)·Ã)
+
+    anchor, a3 = _row_anchors(G, C, BC, K)
+    rf = tl.exp(G - anchor)
+    qs = qh * rf
+    ks = kh * rf
+    row3 = tl.zeros([NB, BC, K], dtype=tl.float32)  # Σ_i dAqk·col and Σ_i dÃ·col, row-block by row-block
+    rowk3 = tl.zeros([NB, BC, K], dtype=tl.float32)
+    dbeta3 = tl.zeros([NB, BC], dtype=tl.float32)
+    for R in tl.static_range(NB):
+        aR = _pick_anchor(a3, R, NB)
+        ec = tl.exp(tl.where(rows[:, None] < (R + 1) * BC, aR[None, :] - G, float("-inf")))  # as `_col_factor`
+        col = kh * ec
+        qs_R = _pick_block(qs, R, C, BC, K)
+        ks_R = _pick_block(ks, R, C, BC, K)
+        dAq_R = _pick_block(dAqk, R, C, BC, C)
+        dA_R = _pick_block(dA, R, C, BC, C)
+        At_R = tl.dot(ks_R, tl.trans(col))  # Ã rows of block R (upper part finite, masked by dAkk)
+        dbeta3 = tl.where(tl.arange(0, NB)[:, None] == R,
+                          tl.sum(_pick_block(dAkk, R, C, BC, C) * At_R, 1)[None, :], dbeta3)
+        row3 = _put_block(row3, tl.dot(dAq_R, col), R, NB)
+        rowk3 = _put_block(rowk3, tl.dot(dA_R, col), R, NB)
+        # column side: Σ_r dAqk[r, i]·qs[r] + dÃ[r, i]·ks[r], times exp(a_R − G[i])
+        cs = tl.dot(tl.trans(dAq_R), qs_R) + tl.dot(tl.trans(dA_R), ks_R)  # [C, K]
+        dkh += ec * cs
+        dG -= col * cs
+    row_q = tl.reshape(row3, [C, K])
+    row_k = tl.reshape(rowk3, [C, K])
+    dqh += rf * row_q
+    dkh += rf * row_k
+    dG += qs * row_q + ks * row_k
+    dbeta += tl.reshape(dbeta3, [C])
+
+    dg = tl.cumsum(dG, 0, reverse=True)
+    sg = tl.sigmoid(x)
+    dx = tl.where(m, dg * G_MIN * sg * (1.0 - sg), 0.0)
+    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    dzv = dx * a
+    tl.store(dA_part + i_c * H + i_h, tl.sum(tl.sum(dx * x, 1), 0))
+    tl.store(dbias_part + (i_c * H + i_h).to(tl.int64) * K + ck, tl.sum(dzv, 0))
+    tl.store(_bp(dz, bos, L, i_h, row0, 0, H, K, C, K), _cast(dzv, dz.dtype.element_ty, INTERP), boundary_check=(0,))
+    # L2 norm: y = x/‖x‖ → dx = (dy − y·⟨y, dy⟩)/‖x‖; q̂ = scale·y
+    yq = qh / scale
+    dyq = dqh * scale
+    dqv = (dyq - yq * tl.sum(yq * dyq, 1)[:, None]) / q_n[:, None]
+    dkv = (dkh - kh * tl.sum(kh * dkh, 1)[:, None]) / k_n[:, None]
+    tl.store(_bp(dq, bos, L, i_h, row0, 0, H, K, C, K), _cast(dqv, dq.dtype.element_ty, INTERP), boundary_check=(0,))
+    tl.store(_bp(dk, bos, L, i_h, row0, 0, H, K, C, K), _cast(dkv, dk.dtype.element_ty, INTERP), boundary_check=(0,))
+    p_dbl = tl.make_block_ptr(dbl + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,))
+    tl.store(p_dbl, _cast(dbeta * beta * (1.0 - beta), dbl.dtype.element_ty, INTERP), boundary_check=(0,))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# host side
+
+
+class _Plan:
+    """Chunk bookkeeping for packed documents: offsets, (document, chunk) per global chunk, first chunk per document."""
+
+    def __init__(self, offsets: list[int], device: torch.device):
+        self.offsets = offsets
+        self.N = len(offsets) - 1
+        counts = [-(-(e - s) // CHUNK) for s, e in zip(offsets[:-1], offsets[1:])]
+        first = [0]
+        for c in counts:
+            first.append(first[-1] + c)
+        self.NT = first[-1]
+        pairs = [(n, j) for n, c in enumerate(counts) for j in range(c)] or [(0, 0)]
+        self.cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+        self.chunk_idx = torch.tensor(pairs, dtype=torch.int32, device=device)  # [NT, 2]
+        self.chunk_off = torch.tensor(first, dtype=torch.int32, device=device)  # [N+1]
+
+
+def make_plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> _Plan:
+    if cu_seqlens is None:
+        return _Plan([i * T for i in range(B + 1)], device)
+    if B != 1:
+        raise ValueError(f"cu_seqlens requires batch size 1 (packed documents), got B={B}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N+1] with N ≥ 1, got {cu_seqlens!r}")
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0 or offsets[-1] != T:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {offsets[0]} … {offsets[-1]}")
+    if any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
+    return _Plan(offsets, device)
+
+
+def _check_device(*xs: torch.Tensor) -> None:
+    if not (xs[0].is_cuda or interpreting()):
+        raise RuntimeError("chunk_kda runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1")
+    if any(x.device != xs[0].device for x in xs):
+        raise ValueError("all inputs must be on one device")
+
+
+def inter_dtypes(dtype: torch.dtype, all_bf16: bool = False) -> tuple[torch.dtype, torch.dtype]:
+    """Storage dtypes of the chunk operands: (W, Q⊙Γ, K⊙exp(G_C − G)) and (U, Aqk).
+
+    U and Aqk multiply the state's corrections directly; rounding them to bf16 costs the most accuracy
+    (docs/kda-kernels.md), so they stay fp32 unless `all_bf16` (a measured variant).
+    """
+    if dtype in (torch.bfloat16, torch.float16):
+        return torch.bfloat16, (torch.bfloat16 if all_bf16 else torch.float32)
+    return torch.float32, torch.float32
+
+
+def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, store_t=False):
+    """Launch `_prepare` on flattened [TT, H, ·] inputs; returns the chunk-local operands."""
+    TT, H, K = q.shape
+    V = v.shape[-1]
+    lo, hi = dtypes
+    W = torch.empty(TT, H, K, dtype=lo, device=q.device)
+    Qg, Kd = torch.empty_like(W), torch.empty_like(W)
+    U = torch.empty(TT, H, V, dtype=hi, device=q.device)
+    Aqk = torch.empty(TT, H, CHUNK, dtype=hi, device=q.device)
+    gc = torch.empty(max(plan.NT, 1), H, K, dtype=torch.float32, device=q.device)
+    Tm = torch.empty(TT, H, CHUNK, dtype=torch.float32, device=q.device)
+    if plan.NT > 0:
+        _prepare[(plan.NT, H)](q, k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx,
+                               W, U, Qg, Kd, Aqk, gc, Tm, scale, H=H, K=K, V=V, C=CHUNK, BC=SUB, G_MIN=g_min,
+                               SCORES_BF16=lo == torch.bfloat16, INTERP=interpreting(),
+                               num_warps=TUNING["prepare_warps"])
+    return W, U, Qg, Kd, Aqk, gc, (Tm if store_t else None)
+
+
+def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht=False, want_hs=False,
+               state_bf16=False):
+    """Launch `_state`; returns (o [TT, H, V] or None, final state [N, H, K, V] or None, chunk-start states or None)."""
+    TT, H, K = W.shape
+    V = U.shape[-1]
+    BV = min(V, TUNING["state_bv"])
+    dev = W.device
+    o = torch.empty(TT, H, V, dtype=out_dtype, device=dev) if write_o else None
+    ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
+    hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=torch.float32, device=dev) if want_hs else None
+    dummy = gc
+    _state[(V // BV, plan.N * H)](W, U, Qg, Kd, Aqk, gc, h0 if h0 is not None else dummy,
+                                  o if o is not None else dummy, ht if ht is not None else dummy,
+                                  hs if hs is not None else dummy, plan.cu, plan.chunk_off,
+                                  H=H, K=K, V=V, BV=BV, C=CHUNK, USE_H0=h0 is not None, STORE_HT=want_ht,
+                                  STORE_HS=want_hs, WRITE_O=write_o, BF16=state_bf16, INTERP=interpreting(),
+                                  num_warps=TUNING["state_warps"], num_stages=TUNING["state_stages"])
+    return o, ht, hs
+
+
+def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes, state_bf16):
+    W, U, Qg, Kd, Aqk, gc, _ = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes)
+    return _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, want_ht=want_ht, want_hs=want_hs,
+                      state_bf16=state_bf16)
+
+
+def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes, state_bf16):
+    """All gradients from the raw inputs and dO (and dht): recompute, two state passes, two chunk passes.
+
+    The backward state pass always multiplies in tf32: its bf16 build computed wrong gradients on the
+    H200 (docs/kda-kernels.md, run 1), so state_bf16 only changes the forward and the recomputed states.
+    """
+    TT, H, K = q.shape
+    V = v.shape[-1]
+    dev = q.device
+    W, U, Qg, Kd, Aqk, gc, Tm = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
+                                             store_t=True)
+    _, _, hs = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, write_o=False, want_hs=True,
+                          state_bf16=state_bf16)
+    BV = min(V, TUNING["state_bwd_bv"])
+    NT = max(plan.NT, 1)
+    du = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
+    dse = torch.empty(NT, H, K, V, dtype=torch.float32, device=dev)
+    dh0 = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev)
+    interp = interpreting()
+    _state_bwd[(V // BV, plan.N * H)](Qg, Kd, Aqk, W, gc, do, dht if dht is not None else dh0, du, dse, dh0,
+                                      plan.cu, plan.chunk_off, H=H, K=K, V=V, BV=BV, C=CHUNK,
+                                      USE_DHT=dht is not None, BF16=False, INTERP=interp,
+                                      num_warps=TUNING["state_bwd_warps"], num_stages=TUNING["state_bwd_stages"])
+    del W, U, Qg, Kd, Aqk
+    dv = torch.empty_like(v)
+    dqh = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
+    dkh = torch.empty_like(dqh)
+    dG = torch.empty(NT, H, CHUNK, K, dtype=torch.float32, device=dev)
+    daqk = torch.empty(TT, H, CHUNK, dtype=torch.float32, device=dev)
+    dakk = torch.empty_like(daqk)
+    dbeta = torch.empty(TT, H, dtype=torch.float32, device=dev)
+    dq, dk, dz = torch.empty_like(q), torch.empty_like(k), torch.empty_like(z)
+    db = torch.empty_like(b)
+    dA_part = torch.zeros(NT, H, dtype=torch.float32, device=dev)
+    dbias_part = torch.zeros(NT, H, K, dtype=torch.float32, device=dev)
+    if plan.NT > 0:
+        _bwd_v[(plan.NT, H)](q, k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du,
+                             dv, dqh, dkh, dG, daqk, dakk, dbeta, scale, H=H, K=K, V=V,
+                             BV=min(V, TUNING["bwd_v_bv"]), C=CHUNK, G_MIN=g_min, INTERP=interp,
+                             num_warps=TUNING["bwd_v_warps"])
+        _bwd_k[(plan.NT, H)](q, k, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, dqh, dkh, dG, daqk, dakk,
+                             dbeta, dq, dk, dz, db, dA_part, dbias_part, scale, H=H, K=K, C=CHUNK, BC=SUB,
+                             G_MIN=g_min, INTERP=interp, num_warps=TUNING["bwd_k_warps"])
+    else:
+        dv.zero_()
+    dA_log = dA_part.sum(0).to(A_log.dtype)
+    ddt_bias = dbias_part.sum(0).reshape(-1).to(dt_bias.dtype)
+    return dq, dk, dv, dz, db, dA_log, ddt_bias, dh0
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    """Autograd wrapper: saves only the raw inputs (and the initial state); the backward recomputes."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, z, b, A_log, dt_bias, h0, g_min, scale, plan, want_ht, want_hs, dtypes, state_bf16):
+        o, ht, hs = _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes,
+                         state_bf16)
+        ctx.save_for_backward(q, k, v, z, b, A_log, dt_bias, h0)
+        ctx.cfg = (g_min, scale, plan, dtypes, state_bf16)
+        ctx.mark_non_differentiable(*(x for x in (hs,) if x is not None))
+        return o, ht, hs
+
+    @staticmethod
+    def backward(ctx, do, dht, dhs):
+        q, k, v, z, b, A_log, dt_bias, h0 = ctx.saved_tensors
+        g_min, scale, plan, dtypes, state_bf16 = ctx.cfg
+        dq, dk, dv, dz, db, dA_log, ddt_bias, dh0 = _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan,
+                                                          do.contiguous(),
+                                                          None if dht is None else dht.contiguous(),
+                                                          dtypes, state_bf16)
+        return (dq, dk, dv, dz, db, dA_log, ddt_bias, dh0 if h0 is not None else None) + (None,) * 7
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    z: torch.Tensor,
+    beta_logits: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    gate_lower_bound: float = -5.0,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    return_chunk_states: bool = False,
+    all_bf16: bool = False,
+    state_bf16: bool = False,
+):
+    """Chunked KDA on raw inputs, with the gate, q/k L2 norms and β sigmoid fused in. Differentiable.
+
+    q, k: [B, T, H, K] after the short conv + SiLU, not normalised; v: [B, T, H, V]; z: [B, T, H, K] decay
+    logits before dt_bias; beta_logits: [B, T, H]; A_log: [H]; dt_bias: [H*K] (or [H, K]); bf16 or fp32.
+    gate_lower_bound: g_min ∈ [−5, 0). scale multiplies q̂ (default K**-0.5). initial_state:
+    [N, H, K, V] (N = B, or the number of documents with cu_seqlens [N+1], B = 1).
+    Returns o [B, T, H, V] in v's dtype and the final state [N, H, K, V] fp32 (None unless
+    output_final_state); with return_chunk_states also the states at every 64-token chunk start,
+    [NT, H, K, V] fp32, chunks numbered document by document (not differentiable).
+    all_bf16 / state_bf16 select the faster, less accurate variants measured in docs/kda-kernels.md.
+    """
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape or z.shape != q.shape:
+        raise ValueError(f"k and z must match q {tuple(q.shape)}, got {tuple(k.shape)} and {tuple(z.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
+    V = v.shape[-1]
+    if beta_logits.shape != q.shape[:3]:
+        raise ValueError(f"beta_logits must be [B, T, H] = [{B}, {T}, {H}], got {tuple(beta_logits.shape)}")
+    if A_log.numel() != H or dt_bias.numel() != H * K:
+        raise ValueError(f"A_log must have {H} and dt_bias {H * K} entries, got {A_log.numel()}, {dt_bias.numel()}")
+    for name, d in (("K", K), ("V", V)):
+        if d < 16 or d > 256 or d & (d - 1):
+            raise ValueError(f"{name} must be a power of two in [16, 256], got {d}")
+    if not -5.0 <= gate_lower_bound < 0.0:
+        raise ValueError(f"gate_lower_bound must be in [-5, 0) (16-token tiles stay in range), got {gate_lower_bound}")
+    _check_device(q, k, v, z, beta_logits, A_log, dt_bias)
+    plan = make_plan(B, T, cu_seqlens, q.device)
+    if initial_state is not None and initial_state.shape != (plan.N, H, K, V):
+        raise ValueError(f"initial_state must be [N, H, K, V] = [{plan.N}, {H}, {K}, {V}], "
+                         f"got {tuple(initial_state.shape)}")
+    scale = K**-0.5 if scale is None else float(scale)
+
+    def flat(x):
+        return x.reshape(B * T, *x.shape[2:]).contiguous()
+
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    o, ht, hs = ChunkKDAFunction.apply(flat(q), flat(k), flat(v), flat(z), flat(beta_logits), A_log.contiguous(),
+                                       dt_bias.reshape(-1).contiguous(), h0, float(gate_lower_bound), scale, plan,
+                                       output_final_state, return_chunk_states,
+                                       inter_dtypes(q.dtype, all_bf16), state_bf16)
+    o = o.view(B, T, H, V)
+    if return_chunk_states:
+        return o, ht, hs[: plan.NT]
+    return o, ht

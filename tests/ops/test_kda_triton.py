@@ -1,0 +1,327 @@
+"""Triton KDA kernels (`chunk_kda`, `fused_recurrent_kda`) against the float64 token recurrence.
+
+On a CUDA machine the tests run on the GPU. On CPU they run through the Triton interpreter, which must be
+switched on before Triton is imported; `test_in_triton_interpreter` therefore re-runs this module in a
+subprocess with TRITON_INTERPRET=1, and the kernel tests skip in the parent process.
+
+Tolerances (relative RMSE vs the fp64 recurrence on the same inputs) are issue #5's for bf16 inputs:
+output and final state 5e-3; dq, dk, dv, dh0, ddt_bias 8e-3; dz, dA_log, dβ 2e-2. fp32 inputs get a
+fifth of those (the GPU multiplies fp32 in tf32).
+
+Legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3.ops.kda import naive_kda_gate, naive_recurrent_kda
+
+ON_GPU = torch.cuda.is_available()
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+F64 = torch.float64
+NAMES = ("q", "k", "v", "z", "b", "A_log", "dt_bias", "h0")
+TOL = {"o": 5e-3, "S": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "h0": 8e-3, "dt_bias": 8e-3,
+       "z": 2e-2, "A_log": 2e-2, "b": 2e-2}
+
+
+@pytest.mark.skipif(ON_GPU or INTERPRETING, reason="kernels run directly in this process")
+def test_in_triton_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(Path(__file__))],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
+
+
+@pytest.fixture
+def dev():
+    if not (ON_GPU or INTERPRETING):
+        pytest.skip("runs in the interpreter subprocess (test_in_triton_interpreter)")
+    return "cuda" if ON_GPU else "cpu"
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def make_raw(B, T, H, K, V, seed=0, N=None, dtype=torch.bfloat16, bias=8.0, z_scale=1.0):
+    """Raw layer inputs: q, k as after conv + SiLU, z decay logits, β logits, A_log, dt_bias, initial state."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k = F.silu(randn(B, T, H, K)), F.silu(randn(B, T, H, K))
+    v, z, b = randn(B, T, H, V), z_scale * randn(B, T, H, K), randn(B, T, H)
+    A_log = torch.rand(H, generator=gen)
+    dt_bias = bias * randn(H * K)
+    h0 = randn(B if N is None else N, H, K, V)
+    return [x.to(dtype) for x in (q, k, v, z, b)] + [A_log, dt_bias, h0]
+
+
+def reference(q, k, v, z, b, A_log, dt_bias, h0, g_min=-5.0, cu_seqlens=None, scale=None):
+    """The layer's math (L2 norms, gate, β) in fp64 around `naive_recurrent_kda`."""
+    q, k, v, z, b = (x.double() for x in (q, k, v, z, b))
+    qn = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    kn = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    g = naive_kda_gate(z, A_log.double(), dt_bias.double(), g_min)
+    return naive_recurrent_kda(qn, kn, v, g, torch.sigmoid(b), scale=scale,
+                               initial_state=None if h0 is None else h0.double(), output_final_state=True,
+                               cu_seqlens=cu_seqlens)
+
+
+def run_both(inputs, dev, g_min=-5.0, cu_seqlens=None, seed=1):
+    """chunk_kda and the fp64 reference on the same inputs and random cotangents; returns outputs and grads."""
+    from k3.ops.kda import chunk_kda
+
+    tri_in = [x.to(dev).requires_grad_() for x in inputs]
+    ref_in = [x.detach().double().requires_grad_() for x in inputs]
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens)
+    o, S = chunk_kda(*tri_in[:7], gate_lower_bound=g_min, initial_state=tri_in[7], output_final_state=True,
+                     cu_seqlens=None if cu is None else cu.to(dev))
+    ro, rS = reference(*ref_in, g_min=g_min, cu_seqlens=cu)
+    gen = torch.Generator().manual_seed(seed)
+    do, dS = torch.randn(ro.shape, generator=gen, dtype=F64), torch.randn(rS.shape, generator=gen, dtype=F64)
+    ((o.double() * do.to(dev)).sum() + (S.double() * dS.to(dev)).sum()).backward()
+    ((ro * do).sum() + (rS * dS).sum()).backward()
+    return (o, S, [x.grad for x in tri_in]), (ro, rS, [x.grad for x in ref_in])
+
+
+def check(tri, ref, dtype, what=""):
+    (o, S, grads), (ro, rS, rgrads) = tri, ref
+    shrink = 1.0 if dtype == torch.bfloat16 else 0.2
+    errs = {"o": rel_err(o.cpu(), ro), "S": rel_err(S.cpu(), rS)}
+    errs.update({n: rel_err(g.cpu(), r) for n, g, r in zip(NAMES, grads, rgrads)})
+    for name, e in errs.items():
+        assert e <= shrink * TOL[name], (what, name, e, errs)
+    assert torch.isfinite(o).all() and all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("T", [1, 15, 17, 63, 65])
+def test_matches_fp64_recurrence(dev, T):
+    for dtype in (torch.bfloat16, torch.float32):
+        inputs = make_raw(2, T, 2, 32, 32, seed=T, dtype=dtype)
+        check(*run_both(inputs, dev), dtype, (T, dtype))
+
+
+def test_long_sequence(dev):
+    inputs = make_raw(1, 1000, 1, 32, 32, seed=3)
+    check(*run_both(inputs, dev), torch.bfloat16)
+
+
+def test_full_head_dim(dev):
+    inputs = make_raw(1, 130, 1, 128, 128, seed=4, bias=2.0)
+    check(*run_both(inputs, dev), torch.bfloat16)
+
+
+def test_varlen_tiny_documents(dev):
+    lengths = [1, 0, 2, 64, 3, 1, 70, 16]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    inputs = make_raw(1, cu[-1], 2, 16, 32, seed=5, N=len(lengths))
+    check(*run_both(inputs, dev, cu_seqlens=cu), torch.bfloat16)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's σ(±1e4)
+@pytest.mark.parametrize("g_min", [-5.0, -1.0, -0.1])
+def test_gate_lower_bounds_and_extreme_gate_inputs(dev, g_min):
+    """Decay logits at ±1e4 saturate the gate to both ends; huge |bias| likewise."""
+    inputs = make_raw(1, 90, 2, 32, 32, seed=6, bias=30.0)
+    z = inputs[3].float()
+    z[:, ::3] = 1e4
+    z[:, 1::3] = -1e4
+    inputs[3] = z.to(inputs[3].dtype)
+    check(*run_both(inputs, dev, g_min=g_min), torch.bfloat16, g_min)
+
+
+def test_all_decays_at_the_lower_bound(dev):
+    """Every g = −5: the factorised in-chunk exponents reach their largest magnitude (e^±75)."""
+    inputs = make_raw(1, 128, 1, 32, 32, seed=7)
+    inputs[3] = torch.full_like(inputs[3], 1e4)
+    tri, ref = run_both(inputs, dev)
+    assert rel_err(tri[0].cpu(), ref[0]) <= TOL["o"] and rel_err(tri[1].cpu(), ref[1]) <= TOL["S"]
+    assert all(torch.isfinite(g).all() for g in tri[2])
+
+
+@pytest.mark.parametrize("p", [20, 64, 100])
+def test_causality_bitwise(dev, p):
+    from k3.ops.kda import chunk_kda
+
+    a = make_raw(1, 150, 2, 32, 32, seed=8)
+    b = make_raw(1, 150, 2, 32, 32, seed=9)
+    o1 = chunk_kda(*(x.to(dev) for x in a[:7]), initial_state=a[7].to(dev))[0]
+    for x, y in zip(a[:5], b[:5]):
+        x[:, p:] = y[:, p:]
+    o2 = chunk_kda(*(x.to(dev) for x in a[:7]), initial_state=a[7].to(dev))[0]
+    assert torch.equal(o1[:, :p], o2[:, :p])
+    assert not torch.equal(o1[:, p:], o2[:, p:])
+
+
+@pytest.mark.parametrize("T1", [1, 64, 77])
+def test_split_call_with_carried_state(dev, T1):
+    from k3.ops.kda import chunk_kda
+
+    inputs = [x.to(dev) for x in make_raw(2, 150, 2, 32, 32, seed=10, dtype=torch.float32)]
+    full, full_S = chunk_kda(*inputs[:7], initial_state=inputs[7], output_final_state=True)
+    first = [x[:, :T1] for x in inputs[:5]]
+    rest = [x[:, T1:] for x in inputs[:5]]
+    o1, S1 = chunk_kda(*first, *inputs[5:7], initial_state=inputs[7], output_final_state=True)
+    o2, S2 = chunk_kda(*rest, *inputs[5:7], initial_state=S1, output_final_state=True)
+    # fp32 inputs; on a GPU both runs multiply in tf32 (~5e-4 each)
+    assert rel_err(torch.cat((o1, o2), 1), full) <= 2e-3 and rel_err(S2, full_S) <= 2e-3
+
+
+def test_nan_initial_state_stays_in_its_sequence(dev):
+    from k3.ops.kda import chunk_kda
+
+    lengths = [40, 70, 0, 30]
+    cu = torch.tensor([0, 40, 110, 110, 140], device=dev)
+    inputs = [x.to(dev) for x in make_raw(1, 140, 2, 32, 32, seed=11, N=4)]
+    clean, clean_S = chunk_kda(*inputs[:7], initial_state=inputs[7], output_final_state=True, cu_seqlens=cu)
+    h0 = inputs[7].clone()
+    h0[1] = float("nan")
+    o, S = chunk_kda(*inputs[:7], initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert o[:, 40:110].isnan().all() and S[1].isnan().all()
+    keep = torch.ones(140, dtype=torch.bool, device=dev)
+    keep[40:110] = False
+    assert torch.equal(o[:, keep], clean[:, keep])
+    for n in (0, 2, 3):
+        assert torch.equal(S[n], clean_S[n])
+    assert torch.equal(S[2], h0[2]) and len(lengths) == S.shape[0]
+    # a dense batch as well: row 1's NaN stays in row 1
+    dense = [x.to(dev) for x in make_raw(3, 80, 2, 32, 32, seed=12)]
+    base = chunk_kda(*dense[:7], initial_state=dense[7])[0]
+    h0 = dense[7].clone()
+    h0[1, 0, 3, 5] = float("nan")
+    o = chunk_kda(*dense[:7], initial_state=h0)[0]
+    assert o[1].isnan().any() and torch.equal(o[0], base[0]) and torch.equal(o[2], base[2])
+
+
+def test_chunk_states_for_prefix_caching(dev):
+    from k3.ops.kda import chunk_kda
+
+    cu = [0, 150, 170]
+    inputs = make_raw(1, 170, 2, 32, 32, seed=13, N=2, dtype=torch.float32)
+    o, ht, hs = chunk_kda(*(x.to(dev) for x in inputs[:7]), initial_state=inputs[7].to(dev),
+                          output_final_state=True, cu_seqlens=torch.tensor(cu, device=dev), return_chunk_states=True)
+    assert hs.shape == (3 + 1, 2, 32, 32)
+    starts = [(0, 0), (0, 64), (0, 128), (1, 150)]
+    for c, (n, t) in enumerate(starts):
+        doc = slice(cu[n], t)
+        if t == cu[n]:
+            want = inputs[7][n]
+        else:
+            want = reference(*(x[:, doc] for x in inputs[:5]), *inputs[5:7], inputs[7][n : n + 1])[1][0]
+        assert rel_err(hs[c].cpu(), want) <= 2e-3, c
+
+
+def test_decode_slots_in_place_and_all_states(dev):
+    from k3.ops.kda import fused_recurrent_kda
+
+    N, T, H, K, V = 3, 3, 2, 32, 64
+    q, k, v, z, b, A_log, dt_bias, _ = make_raw(N, T, H, K, V, seed=14, bias=4.0)
+    pool = torch.randn(5, H, K, V, generator=torch.Generator().manual_seed(15))
+    idx = torch.tensor([4, -1, 1])
+    before = pool.clone()
+    pool_d = pool.to(dev)
+    o, all_states = fused_recurrent_kda(*(x.to(dev) for x in (q, k, v, z, b, A_log, dt_bias)), pool_d,
+                                        idx.to(dev), return_all_states=True)
+    assert (o[1] == 0).all()
+    for n, slot in ((0, 4), (2, 1)):
+        ro, rS = reference(*(x[n : n + 1] for x in (q, k, v, z, b)), A_log, dt_bias, before[slot : slot + 1])
+        assert rel_err(o[n].cpu(), ro[0]) <= TOL["o"]
+        assert rel_err(pool_d[slot].cpu(), rS[0]) <= 1e-4
+        for t in range(T):
+            rS_t = reference(*(x[n : n + 1, : t + 1] for x in (q, k, v, z, b)), A_log, dt_bias,
+                             before[slot : slot + 1])[1]
+            assert rel_err(all_states[n, t].cpu(), rS_t[0]) <= 1e-4
+    for slot in (0, 2, 3):
+        assert torch.equal(pool_d[slot].cpu(), before[slot])
+
+
+def test_decode_after_prefill_equals_longer_prefill(dev):
+    from k3.ops.kda import chunk_kda, fused_recurrent_kda
+
+    inputs = [x.to(dev) for x in make_raw(2, 70, 2, 32, 32, seed=16, dtype=torch.float32)]
+    full, full_S = chunk_kda(*inputs[:7], initial_state=inputs[7], output_final_state=True)
+    _, S = chunk_kda(*(x[:, :67] for x in inputs[:5]), *inputs[5:7], initial_state=inputs[7], output_final_state=True)
+    outs = []
+    for t in range(67, 70):
+        o, _ = fused_recurrent_kda(*(x[:, t : t + 1] for x in inputs[:5]), *inputs[5:7], S)
+        outs.append(o)
+    assert rel_err(torch.cat(outs, 1), full[:, 67:]) <= 2e-3 and rel_err(S, full_S) <= 2e-3
+
+
+def _layer_pair(dev):
+    from k3.config import get_preset
+    from k3.model.kda import KimiDeltaAttention
+
+    cfg = get_preset("debug")  # H = 2, K = V = 64
+    torch.manual_seed(0)
+    ref_layer = KimiDeltaAttention(cfg.replace(kda_impl="torch"), 0).to(dev)
+    tri_layer = KimiDeltaAttention(cfg.replace(kda_impl="triton"), 0).to(dev)
+    with torch.no_grad():
+        ref_layer.dt_bias.normal_(0, 2)
+        ref_layer.A_log.uniform_(0, 1)
+    tri_layer.load_state_dict(ref_layer.state_dict())
+    return cfg, ref_layer, tri_layer
+
+
+def test_layer_triton_matches_torch(dev):
+    """The KDA layer with kda_impl="triton" against "torch": prefill with cache, decode, packed, gradients."""
+    from k3.model.sequence import SequenceLayout
+
+    cfg, ref_layer, tri_layer = _layer_pair(dev)
+    x = torch.randn(2, 70, cfg.hidden_size, device=dev)
+    layout = SequenceLayout.build(2, 70, None, dev)
+    y_ref, st_ref = ref_layer(x, layout, use_cache=True)
+    y_tri, st_tri = tri_layer(x, layout, use_cache=True)
+    assert rel_err(y_tri, y_ref) <= 1e-3 and rel_err(st_tri.recurrent, st_ref.recurrent) <= 1e-3
+    (y_ref * y_ref).sum().backward()
+    (y_tri * y_tri).sum().backward()
+    for (name, p), p2 in zip(ref_layer.named_parameters(), tri_layer.parameters()):
+        assert rel_err(p2.grad, p.grad) <= 5e-3, name
+    with torch.no_grad():
+        x1 = torch.randn(2, 1, cfg.hidden_size, device=dev)
+        one = SequenceLayout.build(2, 1, None, dev)
+        d_ref, s_ref = ref_layer(x1, one, st_ref, use_cache=True)
+        d_tri, s_tri = tri_layer(x1, one, st_tri, use_cache=True)
+        assert rel_err(d_tri, d_ref) <= 1e-3 and rel_err(s_tri.recurrent, s_ref.recurrent) <= 1e-3
+        packed = SequenceLayout.build(1, 70, torch.tensor([0, 5, 6, 70]), dev)
+        p_ref, _ = ref_layer(x[:1], packed)
+        p_tri, _ = tri_layer(x[:1], packed)
+        assert rel_err(p_tri, p_ref) <= 1e-3
+
+
+@pytest.mark.skipif(INTERPRETING, reason="checks the path taken without the interpreter")
+def test_layer_triton_on_cpu_falls_back_to_torch():
+    from k3.model.sequence import SequenceLayout
+
+    cfg, ref_layer, tri_layer = _layer_pair("cpu")
+    x = torch.randn(2, 40, cfg.hidden_size)
+    layout = SequenceLayout.build(2, 40, None, "cpu")
+    y_ref, st_ref = ref_layer(x, layout, use_cache=True)
+    y_tri, st_tri = tri_layer(x, layout, use_cache=True)
+    assert torch.equal(y_tri, y_ref) and torch.equal(st_tri.recurrent, st_ref.recurrent)
+
+
+def test_errors(dev):
+    from k3.ops.kda import chunk_kda
+
+    q, k, v, z, b, A_log, dt_bias, h0 = (x.to(dev) for x in make_raw(1, 20, 2, 32, 32))
+    with pytest.raises(ValueError, match="gate_lower_bound"):
+        chunk_kda(q, k, v, z, b, A_log, dt_bias, gate_lower_bound=-6.0)
+    with pytest.raises(ValueError, match="power of two"):
+        chunk_kda(q[..., :24], k[..., :24], v, z[..., :24], b, A_log, dt_bias[: 2 * 24])
+    with pytest.raises(ValueError, match="initial_state"):
+        chunk_kda(q, k, v, z, b, A_log, dt_bias, initial_state=h0[:, :1])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        chunk_kda(q, k, v, z, b, A_log, dt_bias, cu_seqlens=torch.tensor([0, 5, 19], device=dev))
