@@ -188,7 +188,7 @@ def worker(args) -> None:
         torch.cuda.reset_peak_memory_stats()
     for step in range(args.steps):
         batch = synthetic_batch(args.start_step + step, args.rows, args.seq_len, config.vocab_size)
-        counter.enabled = step == args.steps - 1  # count one steady-state step
+        counter.enabled = step == args.steps - 1  # count (and on GPU profile) the last step only
         if device.type == "cuda":
             torch.cuda.synchronize()
         runtime_barrier()
@@ -211,7 +211,9 @@ def worker(args) -> None:
             ep_home.append(max(metrics["ep_home_load_max_over_mean"]))
     if args.save:
         parallel.save(Path(args.save), optimizer)
-    timed = times[min(2, len(times) - 1):]
+    # the last step is instrumented (collectives wrapped, CUDA profiler on): it is never timed
+    plain = times[:-1] if len(times) > 1 else times
+    timed = plain[min(2, len(plain) - 1):]
     result = {
         "world": world, "config": args.config, "params": params, "losses": losses,
         "step_s": statistics.median(timed), "tokens_per_step": args.rows * args.seq_len,
@@ -308,7 +310,7 @@ def main() -> None:
     p.add_argument("--preset", default="debug")
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--configs", nargs="+", default=["fsdp", "fsdp+ep", "fsdp+ep-noplan", "fsdp+cp"])
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=6, help="steps per job: warm-up 2, timed, 1 instrumented")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
