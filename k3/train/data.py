@@ -360,7 +360,11 @@ class PackedBatches:
     """An iterator of `Batch`es of B rows × T tokens cut from the document stream.
 
     Training (`shuffle=True, loop=True`, the default): documents in a per-epoch permutation from `seed`,
-    epoch after epoch without end; rows are always full. Evaluation (`PackedBatches.eval`): documents in
+    epoch after epoch without end; rows are always full. The permutation is dealt into `streams`
+    interleaved streams (stream s reads documents s, s + S, s + 2S, … of it) and global row i is cut from
+    stream i mod S, so the rows of one batch come from different documents even when documents are much
+    longer than a row (one long file would otherwise fill whole batches: correlated, noisy steps). Each
+    stream moves to its next epoch's permutation on its own. Evaluation (`PackedBatches.eval`): documents in
     corpus order, once; the last row is completed with `[PAD]` (its own segment, labels -100) and the last
     batch with all-`[PAD]` rows, so every held-out token is scored exactly once.
 
@@ -370,9 +374,11 @@ class PackedBatches:
     """
 
     def __init__(self, corpus: TokenizedCorpus, batch_size: int, seq_len: int, *, seed: int = 0,
-                 shuffle: bool = True, loop: bool = True, rank: int = 0, world_size: int = 1):
+                 shuffle: bool = True, loop: bool = True, rank: int = 0, world_size: int = 1, streams: int = 1):
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
+        if streams < 1:
+            raise ValueError(f"streams must be >= 1, got {streams}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
         need = batch_size * seq_len * world_size
@@ -390,7 +396,11 @@ class PackedBatches:
         self.world_size = world_size
         self.pad_id = int(corpus.meta["pad_id"])
         self._lengths = np.diff(corpus.offsets)
-        self._set_position(epoch=0, document=0, offset=0, row=0)
+        # one stream per document at most; evaluation reads the corpus in order (one stream)
+        self.streams = min(streams, corpus.num_documents) if (shuffle and loop) else 1
+        self._orders: dict[int, np.ndarray] = {}
+        self._positions = [[0, 0, 0] for _ in range(self.streams)]  # per stream: epoch, index, offset
+        self._row = 0
 
     @classmethod
     def eval(cls, corpus: TokenizedCorpus, batch_size: int, seq_len: int, *, rank: int = 0,
@@ -410,61 +420,78 @@ class PackedBatches:
 
     @property
     def epoch(self) -> int:
-        return self._epoch
+        """The epoch every stream has reached (streams move on to the next permutation on their own)."""
+        return min(p[0] for p in self._positions)
 
     def order(self, epoch: int) -> np.ndarray:
-        """Document indices in the order epoch `epoch` visits them."""
+        """Document indices in the order epoch `epoch` visits them (before dealing into streams)."""
         if not self.shuffle:
             return np.arange(self.corpus.num_documents)
         return document_permutation(self.corpus.num_documents, self.seed, epoch)
 
+    def _stream_order(self, epoch: int, stream: int) -> np.ndarray:
+        if epoch not in self._orders:
+            if len(self._orders) > 4 * self.streams + 4:  # streams sit in at most a few epochs at once
+                self._orders.clear()
+            self._orders[epoch] = self.order(epoch)
+        return self._orders[epoch][stream::self.streams]
+
     # ---- position -----------------------------------------------------------------------------------
 
-    def _set_position(self, epoch: int, document: int, offset: int, row: int) -> None:
-        self._epoch, self._document, self._offset, self._row = epoch, document, offset, row
-        self._order = self.order(epoch)
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "document": self._document, "offset": self._offset, "row": self._row,
+    def state_dict(self) -> dict:
+        return {"streams": self.streams, "positions": [list(p) for p in self._positions], "row": self._row,
                 "seed": self.seed, "shuffle": int(self.shuffle), "num_documents": self.corpus.num_documents,
                 "num_tokens": self.corpus.num_tokens}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
         for key in ("seed", "shuffle", "num_documents", "num_tokens"):
             if int(state[key]) != mine[key]:
                 raise ValueError(f"loader state does not fit this data: {key} is {state[key]} in the state, "
                                  f"{mine[key]} here (different corpus or seed?)")
-        epoch, document, offset = int(state["epoch"]), int(state["document"]), int(state["offset"])
-        n_docs = self.corpus.num_documents
-        inside = 0 <= document < n_docs and 0 <= offset < self._lengths[self.order(epoch)[document]]
-        if epoch < 0 or not (inside or (document == n_docs and offset == 0)):
+        if "positions" in state:
+            streams, positions = int(state["streams"]), [[int(x) for x in p] for p in state["positions"]]
+        else:  # a state written before streams existed: one stream, continued exactly
+            streams, positions = 1, [[int(state["epoch"]), int(state["document"]), int(state["offset"])]]
+        if streams != len(positions) or not 1 <= streams <= max(1, self.corpus.num_documents):
             raise ValueError(f"loader state points outside the corpus: {state}")
-        self._set_position(epoch, document, offset, int(state["row"]))
+        self.streams, self._orders = streams, {}
+        for s_, (epoch, index, offset) in enumerate(positions):
+            docs = self._stream_order(epoch, s_) if epoch >= 0 else []
+            inside = 0 <= index < len(docs) and 0 <= offset < self._lengths[docs[index]]
+            if epoch < 0 or not (inside or (index == len(docs) and offset == 0)):
+                raise ValueError(f"loader state points outside the corpus: {state}")
+        self._positions, self._row = positions, int(state["row"])
 
     # ---- rows and batches ---------------------------------------------------------------------------
 
+    def _exhausted(self) -> bool:
+        """A single pass (evaluation) is over."""
+        epoch, index, _ = self._positions[0]
+        return not self.loop and index == len(self._stream_order(epoch, 0))
+
     def _next_row(self) -> list[tuple[int, int]]:
-        """Advance by one global row: its fragments as (start, end) token ranges, in order.
+        """Advance by one global row (from stream row mod S): its fragments as (start, end) token ranges.
 
         Fewer than T tokens only at the end of a single pass (eval); empty once the pass is over."""
         fragments, filled, T = [], 0, self.seq_len
-        n_docs = self.corpus.num_documents
+        stream = self._row % self.streams
+        position = self._positions[stream]
         while filled < T:
-            if self._document == n_docs:
+            epoch, index, offset = position
+            docs = self._stream_order(epoch, stream)
+            if index == len(docs):
                 if not self.loop:
                     break
-                self._set_position(self._epoch + 1, 0, 0, self._row)
-            doc = int(self._order[self._document])
+                position[:] = [epoch + 1, 0, 0]
+                continue
+            doc = int(docs[index])
             length = int(self._lengths[doc])
-            take = min(length - self._offset, T - filled)
-            start = int(self.corpus.offsets[doc]) + self._offset
+            take = min(length - offset, T - filled)
+            start = int(self.corpus.offsets[doc]) + offset
             fragments.append((start, start + take))
             filled += take
-            if self._offset + take == length:
-                self._document, self._offset = self._document + 1, 0
-            else:
-                self._offset += take
+            position[:] = [epoch, index + 1, 0] if offset + take == length else [epoch, index, offset + take]
         self._row += 1
         return fragments
 
@@ -472,7 +499,7 @@ class PackedBatches:
         return self
 
     def __next__(self) -> Batch:
-        if not self.loop and self._document == self.corpus.num_documents:
+        if self._exhausted():
             raise StopIteration
         B, T, W = self.batch_size, self.seq_len, self.world_size
         ids = np.empty((B, T), dtype=np.int64)

@@ -69,6 +69,7 @@ class TrainConfig:
     tokens_per_step: int = 2048
     micro_batches: int = 1  # gradient accumulation
     stages: list[ContextStage] = field(default_factory=lambda: [ContextStage(256, 0.8), ContextStage(512, 0.2)])
+    data_streams: int = 16  # rows of a batch come from this many interleaved document streams (data.py)
     # length of the run: the first of these that is set
     max_steps: int | None = None
     max_tokens: int | None = None
@@ -117,6 +118,8 @@ class TrainConfig:
             raise ValueError("time_budget_min must be positive")
         if self.lr <= 0:
             raise ValueError("lr must be positive")
+        if self.data_streams < 1:
+            raise ValueError(f"data_streams must be >= 1, got {self.data_streams}")
         if self.context_parallel < 1:
             raise ValueError(f"context_parallel must be >= 1, got {self.context_parallel}")
         if self.muon_ns_dtype not in ("bfloat16", "float32"):
@@ -557,7 +560,7 @@ class _NoLog:
 
 def _make_batches(corpus: TokenizedCorpus, cfg: TrainConfig, stage: ContextStage) -> PackedBatches:
     rows = cfg.tokens_per_step // (stage.seq_len * cfg.micro_batches)
-    return PackedBatches(corpus, rows, stage.seq_len, seed=cfg.seed)
+    return PackedBatches(corpus, rows, stage.seq_len, seed=cfg.seed, streams=cfg.data_streams)
 
 
 def _resolve_total_steps(cfg: TrainConfig, model: K3ForCausalLM, corpus: TokenizedCorpus, device: torch.device,

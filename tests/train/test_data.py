@@ -159,26 +159,26 @@ def test_different_seeds_give_different_orders(corpus):
     assert torch.equal(next(c).input_ids, next(PackedBatches(corpus, B, T, seed=0)).input_ids)
 
 
-def test_resume_gives_identical_batches(corpus):
+@pytest.mark.parametrize("streams", [1, 4])
+def test_resume_gives_identical_batches(corpus, streams):
     tokens_per_batch = B * T
     epoch_batches = corpus.num_tokens // tokens_per_batch
     # includes a resume point whose next batches cross into the next epoch
     for n in (0, 7, epoch_batches - 2):
-        it = PackedBatches(corpus, B, T, seed=5)
+        it = PackedBatches(corpus, B, T, seed=5, streams=streams)
         for _ in range(n):
             next(it)
-        state = json.loads(json.dumps(it.state_dict()))
-        assert all(isinstance(v, int) for v in state.values())
+        state = json.loads(json.dumps(it.state_dict()))  # plain JSON (and weights-only torch.load) data
         reference = [next(it) for _ in range(5)]
-        fresh = PackedBatches(corpus, B, T, seed=5)
+        fresh = PackedBatches(corpus, B, T, seed=5)  # the state carries the stream layout
         fresh.load_state_dict(state)
         for want, got in zip(reference, (next(fresh) for _ in range(5))):
             assert torch.equal(want.input_ids, got.input_ids)
             assert torch.equal(want.labels, got.labels)
             assert torch.equal(want.cu_seqlens, got.cu_seqlens)
             assert want.num_tokens == got.num_tokens
-        if n == epoch_batches - 2:
-            assert fresh.epoch == 1 and state["epoch"] == 0
+        if n == epoch_batches - 2 and streams == 1:
+            assert fresh.epoch == 1 and state["positions"][0][0] == 0
 
 
 def test_resume_rejects_other_data(corpus):
@@ -186,7 +186,7 @@ def test_resume_rejects_other_data(corpus):
     with pytest.raises(ValueError, match="seed"):
         PackedBatches(corpus, B, T, seed=6).load_state_dict(state)
     with pytest.raises(ValueError, match="outside"):
-        PackedBatches(corpus, B, T, seed=5).load_state_dict({**state, "document": 10**6})
+        PackedBatches(corpus, B, T, seed=5).load_state_dict({**state, "positions": [[0, 10**6, 0]]})
 
 
 def test_ranks_split_global_rows(corpus):
@@ -293,3 +293,33 @@ def test_stdlib_documents():
     assert len(docs) > 100 and names == sorted(names) and len(set(names)) == len(names)
     assert all(n.endswith(".py") and "site-packages" not in n and "/test/" not in f"/{n}" for n in names)
     assert "os.py" in names and all(text for _, text in docs)
+
+
+def test_streams_mix_documents_within_a_batch(corpus):
+    """Dealt into S streams, the B rows of a batch come from B different streams; each stream reads its
+    own slice of the epoch's permutation, so one epoch still visits every document once."""
+    S = 4
+    it = PackedBatches(corpus, S, T, seed=2, streams=S)
+    order = it.order(0)
+    expected = [np.concatenate([corpus.document(int(d)) for d in order[s::S]]) for s in range(S)]
+    got = [[] for _ in range(S)]
+    for _ in range(6):
+        batch = next(it)
+        for s in range(S):  # row s of every batch is the next row of stream s
+            got[s].append(batch.input_ids[s].numpy())
+    for s in range(S):
+        row_stream = np.concatenate(got[s])
+        assert np.array_equal(row_stream, expected[s][: len(row_stream)])
+    assert sorted(np.concatenate([order[s::S] for s in range(S)]).tolist()) == list(range(corpus.num_documents))
+
+
+def test_state_from_before_streams_continues_as_one_stream(corpus):
+    it = PackedBatches(corpus, B, T, seed=5)
+    for _ in range(3):
+        next(it)
+    (epoch, document, offset), = it.state_dict()["positions"]
+    old = {k: v for k, v in it.state_dict().items() if k not in ("streams", "positions")}
+    old.update(epoch=epoch, document=document, offset=offset)
+    fresh = PackedBatches(corpus, B, T, seed=5, streams=8)
+    fresh.load_state_dict(old)
+    assert fresh.streams == 1 and torch.equal(next(fresh).input_ids, next(it).input_ids)
