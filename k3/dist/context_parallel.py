@@ -118,23 +118,25 @@ class ContextParallelKDA(KimiDeltaAttention):
         first, last = _row_first_docs(cu_seqlens, B_l, T_l)
         continues = ctx.continues()  # [B_l]
         cu = cu_seqlens.tolist()
-
-        # 1. the affine map of each row's last fragment (augmented state [S | X] from [0 | I], values [v | 0])
-        maps = []
         state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # states are fp32 (fp64 in tests)
         eye = torch.eye(K, device=q.device, dtype=state_dtype).expand(1, H, K, K)
-        for b in range(B_l):
-            a, e = cu[int(last[b])], cu[int(last[b]) + 1]
-            sl = slice(a, e)
-            v_aug = torch.cat([v[:, sl], v.new_zeros(1, e - a, H, K)], dim=-1)  # [1, n, H, V + K]
-            aug0 = torch.cat([eye.new_zeros(1, H, K, V), eye], dim=-1)  # [1, H, K, V + K]
-            _, S = super().recurrence(k[:, sl], k[:, sl], v_aug, z[:, sl], beta_logits[:, sl], aug0, True, None)
-            S_tilde, M = S[0].to(state_dtype).split((V, K), dim=-1)  # [H, K, V], [H, K, K]
-            # the fragment continues across the left edge only if it is the row's first one and continues
-            if not (int(last[b]) == int(first[b]) and bool(continues[b])):
-                M = torch.zeros_like(M)  # a document start inside the slice forgets the incoming state
-            maps.append(torch.cat([M, S_tilde], dim=-1))
-        gathered = ctx.gather(torch.stack(maps))  # [cp, B_l, H, K, K + V]
+
+        # 1. the affine map of each row's last fragment, all rows in one varlen run of the layer's recurrence
+        #    on the augmented state [S | X] from [0 | I] with values [v | 0]
+        starts = [cu[int(last[b])] for b in range(B_l)]
+        ends = [cu[int(last[b]) + 1] for b in range(B_l)]
+        idx = torch.cat([torch.arange(a, e, device=q.device) for a, e in zip(starts, ends)])
+        frag_cu = torch.tensor([0] + ends, device=q.device) - torch.tensor([0] + starts, device=q.device)
+        frag_cu = frag_cu.cumsum(0)
+        v_aug = torch.cat([v[:, idx], v.new_zeros(1, idx.numel(), H, K)], dim=-1)  # [1, n, H, V + K]
+        aug0 = torch.cat([eye.new_zeros(1, H, K, V), eye], dim=-1).expand(B_l, H, K, V + K)
+        _, S = super().recurrence(k[:, idx], k[:, idx], v_aug, z[:, idx], beta_logits[:, idx], aug0, True, frag_cu)
+        S_tilde, M = S.to(state_dtype).split((V, K), dim=-1)  # [B_l, H, K, V], [B_l, H, K, K]
+        # the fragment continues across the left edge only if it is the row's first one and continues;
+        # a document start inside the slice forgets the incoming state (M = 0)
+        carries = (last == first) & continues  # [B_l]
+        maps = torch.cat([M * carries[:, None, None, None].to(state_dtype), S_tilde], dim=-1)
+        gathered = ctx.gather(maps)  # [cp, B_l, H, K, K + V]
 
         # 2. fold the earlier ranks' maps into this rank's incoming state per row
         # later ranks enter as the identity map (times zero, so their gradients are zero, not missing)
