@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from k3.dist.moonep import plan_moonep
+from k3.dist.moonep import plan_moonep, plan_moonep_reference
 
 
 def random_counts(gen, R, E, S, K, skew=0.0):
@@ -145,3 +145,14 @@ def test_bad_input():
         plan_moonep(torch.full((2, 4), 5, dtype=torch.int64), 4, 2)  # more than S·K per rank
     with pytest.raises(ValueError):
         plan_moonep(torch.zeros(2, 4), 4, 2)  # float counts
+
+
+@pytest.mark.parametrize("R,E,skew", [(2, 16, 0.0), (4, 64, 1.2), (8, 64, 2.0), (16, 896, 1.1)])
+def test_tensor_planner_equals_the_loop_twin(R, E, skew):
+    gen = torch.Generator().manual_seed(R * 1000 + E)
+    S, K = 64, 4
+    for _ in range(5):
+        counts = random_counts(gen, R, E, S, K, skew)
+        a, b = plan_moonep(counts, S, K), plan_moonep_reference(counts, S, K)
+        for field in ("send", "slot_experts", "slot_counts", "slot_home", "load"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field
