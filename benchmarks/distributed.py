@@ -42,8 +42,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-# ---- synthetic data --------------------------------------------------------------------------------
-
 def synthetic_batch(step: int, rows: int, seq_len: int, vocab: int):
     """Global batch `step`: packed documents (lengths 64…seq_len) of the synthetic language."""
     from k3.train.data import Batch
@@ -68,8 +66,6 @@ def synthetic_batch(step: int, rows: int, seq_len: int, vocab: int):
         flat_labels[a:b - 1] = flat_ids[a + 1:b]
     return Batch(ids, labels, torch.tensor(cu), int((labels != -100).sum()))
 
-
-# ---- counting collectives ----------------------------------------------------------------------------
 
 class CollectiveCounter:
     """Wraps torch.distributed calls to add up received bytes and wall time per kind."""
@@ -143,8 +139,6 @@ class CollectiveCounter:
         wrap(funcol, "all_gather_tensor_autograd", "cp_all_gather", funcol_gather)
 
 
-# ---- worker ------------------------------------------------------------------------------------------
-
 def worker(args) -> None:
     from k3.config import get_preset
     from k3.dist.muon import DistributedMuonAdamW
@@ -158,7 +152,7 @@ def worker(args) -> None:
     counter = CollectiveCounter(world)
     cp = world if "cp" in args.config else 1
     ep = 0 if "ep" in args.config else 1
-    runtime = ParallelRuntime.from_env(cp=cp, ep=ep, device=args.device)
+    runtime = ParallelRuntime.from_env(cp=cp, expert_parallel=ep == 0, device=args.device)
     if args.fsdp_bf16 and runtime.device.type == "cpu":  # emulate the GPU's bf16 compute on CPU
         import k3.train.loop
 
@@ -256,6 +250,7 @@ def muon_plan_bytes(optimizer) -> float:
 def predict(config, world: int, cp: int, ep: int, args, params: int) -> dict[str, float]:
     """Bytes per rank per step the algorithms predict (see the module docstring)."""
     frac = (world - 1) / world
+    act = 2 if args.device == "cuda" else 4  # EP/CP activations travel in autocast's bf16 on GPU
     expert_params = sum(config.num_experts * 3 * config.moe_intermediate_size * config.routed_expert_hidden_size
                         for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
     sharded = params - (expert_params if ep == 0 and world > 1 else 0)
@@ -267,20 +262,18 @@ def predict(config, world: int, cp: int, ep: int, args, params: int) -> dict[str
     if ep == 0 and world > 1:
         k, L = config.num_experts_per_token, config.routed_expert_hidden_size
         # per MoE layer: dispatch + combine, forward + backward (slot weights come on top when the plan uses them)
-        out["ep_all_to_all"] = n_moe * 2 * 2 * tokens_local * k * L * 4 * frac
+        out["ep_all_to_all"] = n_moe * 2 * 2 * tokens_local * k * L * act * frac
         out["ep_counts_all_gather"] = n_moe * (world - 1) * config.num_experts * 8
     if cp > 1:
         lin = config.linear_attn_config
         H, K = lin.num_heads, lin.head_dim
         rows_local = args.rows // (world // cp)
         n_kda = config.num_hidden_layers - len(config.mla_layer_ids)
-        kda = rows_local * H * K * 2 * K * 4 + 3 * rows_local * (lin.short_conv_kernel_size - 1) * H * K * 4
-        mla = rows_local * (args.seq_len // cp) * (config.kv_lora_rank + config.qk_rope_head_dim) * 4
+        kda = rows_local * H * K * 2 * K * 4 + 3 * rows_local * (lin.short_conv_kernel_size - 1) * H * K * act
+        mla = rows_local * (args.seq_len // cp) * (config.kv_lora_rank + config.qk_rope_head_dim) * act
         out["cp_all_gather"] = 2 * (cp - 1) * (n_kda * kda + len(config.mla_layer_ids) * mla)
     return out
 
-
-# ---- parent --------------------------------------------------------------------------------------------
 
 def launch(world: int, config: str, args, extra: list[str] | None = None) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
@@ -297,11 +290,15 @@ def launch(world: int, config: str, args, extra: list[str] | None = None) -> dic
         cmd.append("--fsdp-bf16")
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, args.threads // world)))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        print(f"{config} on {world} ranks FAILED (exit {proc.returncode}); continuing", file=sys.stderr, flush=True)
-        return None
-    return json.loads(Path(result).read_text())
+    try:
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+            print(f"{config} on {world} ranks FAILED (exit {proc.returncode}); continuing", file=sys.stderr,
+                  flush=True)
+            return None
+        return json.loads(Path(result).read_text())
+    finally:
+        Path(result).unlink(missing_ok=True)
 
 
 def main() -> None:
@@ -359,6 +356,8 @@ def main() -> None:
                   f"(plain {r['ep_home_load']}), nccl {r.get('nccl_ms')} ms", file=sys.stderr, flush=True)
             if args.json:  # after every job: a cut-off run keeps what it measured
                 Path(args.json).write_text(json.dumps(results, indent=1))
+    if not results:
+        raise SystemExit("every job failed")
     base = results[0]
     rows = []
     for r in results:

@@ -159,7 +159,6 @@ class ModelConfig:
     def __post_init__(self) -> None:
         self.validate()
 
-    # ---- derived quantities -------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
         return self.linear_attn_config.head_dim
@@ -264,7 +263,6 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
-    # ---- config.json ------------------------------------------------------------------------------
     def to_config_json(self) -> dict[str, Any]:
         """The released nested layout: top level + `text_config` + `vision_config`."""
         text: dict[str, Any] = {"model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"]}
@@ -353,8 +351,6 @@ class ModelConfig:
             raise ValueError(f"{path} is not valid JSON: {e}") from e
         return cls.from_config_json(data, **runtime)
 
-
-# ---- presets --------------------------------------------------------------------------------------
 
 def _preset(*, hidden_size: int, num_layers: int, num_heads: int, head_dim: int, q_lora_rank: int,
             kv_lora_rank: int, num_experts: int, top_k: int, moe_intermediate_size: int,

@@ -61,8 +61,6 @@ def _check(elem: str, mode: str | None = None) -> None:
         raise ValueError(f"scale mode must be floor | ceil | even | rceil, got {mode!r}")
 
 
-# ---- E2M1 codes and packing --------------------------------------------------------------------------
-
 def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     """fp32 values (already divided by the block scale) -> E2M1 codes uint8 in [0, 15], RNE, saturating.
 
@@ -96,8 +94,6 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
 
 
-# ---- E8M0 scales ---------------------------------------------------------------------------------------
-
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     """E8M0 codes uint8 [...] -> fp32 2^(code − 127) [...], NaN for 255. Exact (2^-127 is an fp32 subnormal)."""
     s = scale.view(torch.uint8).to(torch.int32)
@@ -127,8 +123,6 @@ def e8m0_scale(amax: torch.Tensor, elem: Elem, mode: ScaleMode = "floor") -> tor
         code = (exp - _EMAX[elem] + E8M0_BIAS).clamp(0, 254)
     return torch.where(nan, E8M0_NAN, code).to(torch.uint8)
 
-
-# ---- block quantisation ----------------------------------------------------------------------------------
 
 def mx_quantize(x: torch.Tensor, elem: Elem = "e2m1", block_size: int = BLOCK_SIZE,
                 mode: ScaleMode = "floor") -> tuple[torch.Tensor, torch.Tensor]:

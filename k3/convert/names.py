@@ -93,8 +93,6 @@ class ReleaseName:
     field: Literal["weight", "weight_packed", "weight_scale"] | None = None
 
 
-# ---- names, both directions ----------------------------------------------------------------------------
-
 def is_vision_name(release_name: str) -> bool:
     return release_name.startswith(VISION_PREFIXES)
 
@@ -135,8 +133,6 @@ def packed_k3_name(k3_name: str, field: str) -> str:
     """Kept-packed stacked expert key: `….experts.w1`, `weight_packed` -> `….experts.w1.weight_packed`."""
     return f"{k3_name}.{field}"
 
-
-# ---- shapes and dtypes ---------------------------------------------------------------------------------
 
 def expert_release_shapes(stacked_shape: tuple[int, ...], packed: bool) -> dict[str, tuple[int, ...]]:
     """Per-expert release shapes of one stacked k3 expert tensor [E, N, Kin]: field -> shape."""

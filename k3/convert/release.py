@@ -75,8 +75,6 @@ class ReleaseCheckpoint:
     path: Path | None = None
 
 
-# ---- reading ------------------------------------------------------------------------------------------
-
 def parse_size(size: int | str) -> int:
     """'5GB' -> 5·10^9 bytes; also KB/MB/TB, KiB/MiB/GiB/TiB, or a plain byte count."""
     if isinstance(size, int):
@@ -177,8 +175,6 @@ def check_layout(path: Path, expected_text: dict[str, N.TensorSpec], expected_vi
         raise ValueError(f"{path} does not match the K3 release layout: " + "; ".join(problems))
     return has_vision
 
-
-# ---- loading -----------------------------------------------------------------------------------------
 
 def _stream(shard: Path, tensor_names: list[str], window: int | None = None):
     """Yield (name, tensor) from one shard through `safe_open`, re-mapping the file after every `window` bytes
@@ -304,8 +300,6 @@ def _model_dtype(model: K3ForCausalLM) -> torch.dtype:
     """The dtype of the non-fp32-pinned tensors (the embedding is one of them)."""
     return model.model.embed_tokens.weight.dtype
 
-
-# ---- saving ------------------------------------------------------------------------------------------
 
 def _shard_plan(layout: dict[str, N.TensorSpec], max_bytes: int) -> list[list[str]]:
     """Greedy, in layout order: a new shard starts when the next tensor would overflow the current one."""

@@ -130,6 +130,7 @@ class ContextParallelKDA(KimiDeltaAttention):
         frag_cu = frag_cu.cumsum(0)
         v_aug = torch.cat([v[:, idx], v.new_zeros(1, idx.numel(), H, K)], dim=-1)  # [1, n, H, V + K]
         aug0 = torch.cat([eye.new_zeros(1, H, K, V), eye], dim=-1).expand(B_l, H, K, V + K)
+        # only the final state is used; k stands in for the queries, whose outputs are discarded
         _, S = super().recurrence(k[:, idx], k[:, idx], v_aug, z[:, idx], beta_logits[:, idx], aug0, True, frag_cu)
         S_tilde, M = S.to(state_dtype).split((V, K), dim=-1)  # [B_l, H, K, V], [B_l, H, K, K]
         # the fragment continues across the left edge only if it is the row's first one and continues;

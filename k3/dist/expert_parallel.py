@@ -34,6 +34,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from k3.dist.moonep import MoonEPPlan, plan_moonep
 from k3.model.moe import LatentExperts
+from k3.ops.moe import grouped_situ_glu
 from k3.ops.situ import naive_situ_glu
 
 
@@ -46,8 +47,8 @@ def grouped_situ_glu_reference(x: torch.Tensor, group_sizes: torch.Tensor, w1: t
     G = w1.shape[0]
     M, L = x.shape
     sizes = group_sizes.to(torch.int64)
-    if M == 0:
-        return x.new_zeros(0, w2.shape[1])
+    if M == 0:  # still a function of x and the weights, so the backward reaches every rank's collectives
+        return x[:0] @ w2[0].t() * 0 + (w1.sum() + w3.sum()) * 0
     group_of = torch.repeat_interleave(torch.arange(G, device=x.device), sizes)  # [M]
     slot = torch.arange(M, device=x.device) - (sizes.cumsum(0) - sizes)[group_of]
     capacity = int(sizes.max())
@@ -173,15 +174,6 @@ class ExpertParallelExperts(nn.Module):
         assert received.shape[0] == len(slot_experts)
         pieces = received.split([s.numel() for s in shapes], dim=1)
         return [torch.cat([w, p.reshape(-1, *s)]) for w, p, s in zip(w_home, pieces, shapes)]
-
-
-def grouped_situ_glu(x, group_sizes, w1, w3, w2, beta1, beta2):
-    """The fast grouped kernel from k3.ops.moe when it exists, else the padded reference."""
-    try:
-        from k3.ops.moe import grouped_situ_glu as fast
-    except ImportError:
-        return grouped_situ_glu_reference(x, group_sizes, w1, w3, w2, beta1, beta2)
-    return fast(x, group_sizes, w1, w3, w2, beta1, beta2)
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, use_planner: bool = True) -> list[ExpertParallelExperts]:

@@ -87,7 +87,6 @@ class DistributedMuonAdamW(MuonAdamW):
         self._units = self._assign_owners(units)
         self._build_exchange()
 
-    # ---- plan ----------------------------------------------------------------------------------------
     def _holders(self, param: int, row0: int, rows: int) -> list[tuple[int, int, int]]:
         """(rank, first row, last row) of each rank holding part of rows [row0, row0 + rows)."""
         out = []
@@ -132,7 +131,6 @@ class DistributedMuonAdamW(MuonAdamW):
         self._send_splits = [sum((b - a) * c for _, a, b, c in items) for items in self._send]
         self._recv_splits = [sum(n * self._units[u].cols for u, _, n in items) for items in self._recv]
 
-    # ---- step ----------------------------------------------------------------------------------------
     def _orthogonalize(self, params, nesterov, ns_dtype, steps):
         updates: list[Tensor | None] = [None] * len(params)
         index = {id(p): j for j, p in enumerate(self._muon)}

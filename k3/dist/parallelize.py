@@ -3,8 +3,11 @@
 Order (systems.md §5.1, fixed): expert parallelism (swap routed experts for the EP version) → context
 parallelism (switch KDA/MLA mixers to their CP classes) → activation checkpointing per decoder layer
 (optional) → FSDP2 `fully_shard` per decoder layer, then the root. FSDP2 shards every parameter over the flattened dp × cp ranks with `Shard(0)`, except the
-routed experts, which EP already shards by expert over the same ranks (FSDP ignores them). On GPU the
-FSDP2 policy is bf16 parameters with fp32 gradient reduction; on CPU everything stays fp32.
+routed experts, which EP already shards by expert over the same ranks (FSDP ignores them). Mixed precision
+on GPU is bf16 autocast over fp32 parameters, exactly as on one GPU: FSDP2's `param_dtype=bf16` would also
+round the parameters the model keeps in fp32 (router, KDA gate `A_log`/`dt_bias`, convs, norms), and
+`A_log`/`dt_bias` sit on the KDA module itself, so no per-module policy can exempt them. `param_dtype`
+can still be set (half the all-gather bytes, with that rounding).
 
 Each rank's loss is its token sum over the *global* token count, so the single-process gradient is the
 *sum* of the ranks' gradients. FSDP2 averages (gloo has no pre-multiplied sum for a divide factor of 1),
@@ -42,7 +45,7 @@ def parallelize(model: nn.Module, runtime: ParallelRuntime, moonep: bool = True,
                 activation_checkpointing: bool = False, param_dtype: torch.dtype | None = None) -> ParallelTraining:
     """EP → CP → activation checkpointing → FSDP2 on `model` (in place); returns the per-step helper.
 
-    param_dtype: FSDP2's compute dtype for parameters; default bf16 on CUDA, the parameters' own on CPU.
+    param_dtype: FSDP2's parameter dtype in forward/backward; None (default) keeps the parameters' own.
     """
     experts: list[ExpertParallelExperts] = []
     if runtime.dims.ep > 1:
@@ -53,8 +56,6 @@ def parallelize(model: nn.Module, runtime: ParallelRuntime, moonep: bool = True,
         apply_context_parallel(model, cp_context)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
-    if param_dtype is None and runtime.device.type == "cuda":
-        param_dtype = torch.bfloat16
     # cast_forward_inputs=False: autocast does the activation casts, and FSDP's input cast would rebuild the
     # containers a layer receives (the model collects router statistics by appending to a list argument)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
@@ -73,10 +74,6 @@ class ParallelTraining:
         self.runtime, self.model, self.experts, self.cp_context = runtime, model, experts, cp_context
 
     @property
-    def is_main(self) -> bool:
-        return self.runtime.is_main
-
-    @property
     def loss_scale(self) -> float:
         return float(self.runtime.world_size)
 
@@ -86,7 +83,6 @@ class ParallelTraining:
         if grads:
             torch._foreach_div_(grads, self.loss_scale)
 
-    # ---- data -----------------------------------------------------------------------------------------
     def shard(self, input_ids: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor):
         """This rank's piece of a global batch; also tells the CP layers where it sits."""
         ids, lab, cu, shard = self.runtime.shard_batch(input_ids, labels, cu_seqlens)
@@ -94,7 +90,6 @@ class ParallelTraining:
             self.cp_context.shard = shard
         return ids, lab, cu
 
-    # ---- reductions -------------------------------------------------------------------------------------
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.runtime.all_reduce_(tensor, dist.ReduceOp.SUM)
 
@@ -104,10 +99,10 @@ class ParallelTraining:
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Global L2 norm of all gradients (local shards are disjoint across ranks), then scale to max_norm."""
         grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
-        for g in grads:
-            sq += g.double().pow(2).sum()
-        total = float(self.sum_(sq).sqrt())
+        norms = torch._foreach_norm(grads) if grads else []
+        sq = torch.stack([n.double() for n in norms]).pow(2).sum() if norms else torch.zeros(
+            (), dtype=torch.float64, device=self.runtime.device)
+        total = float(self.sum_(sq.to(self.runtime.device)).sqrt())
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
@@ -119,7 +114,6 @@ class ParallelTraining:
         return {"ep_load_max_over_mean": [e.last_stats["load_max_over_mean"] for e in self.experts],
                 "ep_home_load_max_over_mean": [e.last_stats["home_load_max_over_mean"] for e in self.experts]}
 
-    # ---- distributed checkpoints --------------------------------------------------------------------------
     def _state(self, optimizer) -> dict:
         options = StateDictOptions(full_state_dict=False)
         return {"model": get_model_state_dict(self.model, options=options),
@@ -138,6 +132,3 @@ class ParallelTraining:
         dcp.load(state, checkpoint_id=str(directory), planner=DefaultLoadPlanner(allow_partial_load=True))
         set_model_state_dict(self.model, state["model"], options=options)
         set_optimizer_state_dict(self.model, optimizer, state["optim"], options=options)
-
-    def barrier(self) -> None:
-        dist.barrier()

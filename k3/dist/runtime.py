@@ -32,10 +32,6 @@ class ParallelDims:
     cp: int = 1
     ep: int = 1
 
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.cp
-
     def validate(self, world_size: int) -> None:
         if min(self.dp, self.cp, self.ep) < 1:
             raise ValueError(f"parallel degrees must be >= 1, got dp={self.dp} cp={self.cp} ep={self.ep}")
@@ -45,11 +41,11 @@ class ParallelDims:
             raise ValueError(f"ep must be 1 or the number of processes ({world_size}) in this build, got {self.ep}")
 
     @classmethod
-    def infer(cls, world_size: int, cp: int = 1, ep: int = 1) -> ParallelDims:
-        """dp from the world size and the requested cp; ep = 0 means 'all ranks'."""
+    def infer(cls, world_size: int, cp: int = 1, expert_parallel: bool = False) -> ParallelDims:
+        """dp from the world size and the requested cp; expert parallelism over all ranks or none."""
         if cp < 1 or world_size % cp:
             raise ValueError(f"cp={cp} must divide the number of processes ({world_size})")
-        dims = cls(dp=world_size // cp, cp=cp, ep=world_size if ep == 0 else ep)
+        dims = cls(dp=world_size // cp, cp=cp, ep=world_size if expert_parallel else 1)
         dims.validate(world_size)
         return dims
 
@@ -72,7 +68,8 @@ class ParallelRuntime:
         self.cp_rank = self.mesh.get_local_rank("cp")
 
     @classmethod
-    def from_env(cls, cp: int = 1, ep: int = 1, device: str | torch.device | None = None) -> ParallelRuntime:
+    def from_env(cls, cp: int = 1, expert_parallel: bool = False,
+                 device: str | torch.device | None = None) -> ParallelRuntime:
         """Join the group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR...): NCCL on GPUs, gloo on CPU."""
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,7 +82,7 @@ class ParallelRuntime:
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10),
                                     device_id=device if device.type == "cuda" else None)
-        dims = ParallelDims.infer(dist.get_world_size(), cp=cp, ep=ep)
+        dims = ParallelDims.infer(dist.get_world_size(), cp=cp, expert_parallel=expert_parallel)
         return cls(dims, device)
 
     @property

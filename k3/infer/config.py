@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 @dataclass
 class EngineConfig:
-    # ---- hybrid paged pool (systems.md §8.2) ----
     # tokens per chained hash block; K3 uses 512, `small` 256, `tiny` 64 (systems.md §8.3)
     hash_block_size: int = 64
     # MLA tokens per page; None: the page rule (smallest multiple of the hash block whose MLA page holds
@@ -23,28 +22,23 @@ class EngineConfig:
     pool_bytes: int | None = None
     num_pages: int | None = None  # overrides pool_bytes when set
 
-    # ---- scheduling (systems.md §8.1) ----
     max_running: int = 64  # sequence slots = private KDA states
     max_step_tokens: int = 2048  # tokens of one forward (decodes + prefill pieces)
     prefill_chunk_tokens: int = 512  # prefill pieces end on multiples of this (a multiple of the hash block)
     max_context: int | None = None  # prompt + max_tokens limit; None: the model's, capped by what the pool holds
 
-    # ---- state-aware prefix caching (systems.md §8.3) ----
     enable_prefix_caching: bool = True
     checkpoint_every_blocks: int = 8  # N: a KDA checkpoint every N hash blocks of a long prefill
     model_id: str = "k3"  # mixed into every block hash, so two models never share entries
 
-    # ---- external CPU pool (systems.md §8.4) ----
     cpu_pool_bytes: int = 0  # 0: off
 
-    # ---- admission (systems.md §8.5) ----
     long_request_tokens: int = 2048  # prompt + max_tokens at or above this is a "long" request
     short_budget_tokens: int | None = None  # outstanding prompt+max_tokens of admitted short requests
     long_budget_tokens: int | None = None  # same for long requests; None: derived from the pool
     short_max_requests: int = 1024
     long_max_requests: int = 64
 
-    # ---- outputs ----
     eos_token_ids: tuple[int, ...] | None = None  # always stop on these; None: the model config's eos
     seed: int = 0  # seeds the generators of requests that give no seed
 

@@ -114,7 +114,6 @@ class Engine:
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
 
-    # ---- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams | None = None) -> None:
         """Queue a request. Raises ValueError (bad input), ContextLengthError (prompt + max_tokens over the
         context limit) or AdmissionError (over the class budget: retry after `retry_after` seconds)."""
@@ -177,7 +176,6 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    # ---- one step --------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one forward over the scheduled pieces; return what each request produced (new tokens, or
         its finish). Requests still prefilling produce nothing."""
@@ -267,7 +265,6 @@ class Engine:
             self._finish(seq, reason)
         return out
 
-    # ---- introspection ---------------------------------------------------------------------------------
     def metrics(self) -> dict:
         """A snapshot for `render_prometheus` (plain numbers and histogram dicts)."""
         snap = self.metrics_state.snapshot()
@@ -371,7 +368,6 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
 
-    # ---- API -----------------------------------------------------------------------------------------
     async def stream(self, request_id: str, prompt_ids: list[int],
                      sampling: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
@@ -426,7 +422,6 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=30)
 
-    # ---- background thread -------------------------------------------------------------------------------
     def _add(self, request_id, prompt_ids, sampling, loop, queue) -> None:
         with self._engine_lock:
             if self._error is not None:

@@ -53,7 +53,6 @@ class HostKVPool:
     def used_slots(self) -> int:
         return self.num_slots - len(self.free)
 
-    # ---- write-back ------------------------------------------------------------------------------
     def store(self, arena: torch.Tensor, index: int, endpoints: dict[bytes, int], mla_pages: list[int],
               checkpoints: dict[bytes, tuple[int, list[int]]]) -> bool:
         """Copy one evicted block (and its checkpoints) out of `arena`. False if it cannot fit."""
@@ -106,7 +105,6 @@ class HostKVPool:
         self.free.extend(bundle.slots)
         self.drops += 1
 
-    # ---- lookup and load ---------------------------------------------------------------------------
     def find_block(self, h: bytes) -> HostBundle | None:
         return self.block_index.get(h)
 

@@ -116,7 +116,6 @@ class PrefixCache:
         self.lru: OrderedDict[MLABlock, None] = OrderedDict()  # registered blocks, least recent first
         self.evictions = 0
 
-    # ---- allocation ----------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int] | None:
         """n pages (refcount 1), evicting idle cached blocks (LRU) as needed; None if impossible."""
         while self.pool.num_free < n:
@@ -185,7 +184,6 @@ class PrefixCache:
         else:
             self.drop_checkpoint(unit)
 
-    # ---- registration --------------------------------------------------------------------------------
     def gpu_block(self, h: bytes) -> MLABlock | None:
         if self.mla_index and all(h in idx for idx in self.mla_index):
             return self.owner[self.mla_index[0][h]]
@@ -251,7 +249,6 @@ class PrefixCache:
         del ck.block.checkpoints[ck.hash]
         self.pool.decref(ck.pages)
 
-    # ---- lookup ----------------------------------------------------------------------------------------
     def _find_block(self, h: bytes, use_host: bool):
         block = self.gpu_block(h)
         if block is None and use_host and self.host is not None:

@@ -60,7 +60,6 @@ class Scheduler:
         self.n_mla = len(spec.mla_layers)
         self.n_kda = len(spec.kda_layers)
 
-    # ---- queues --------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
@@ -91,7 +90,6 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.metrics.inc("preemptions_total")
 
-    # ---- one step ---------------------------------------------------------------------------------------
     def schedule(self) -> Batch:
         budget = self.config.max_step_tokens
         batch = Batch()
@@ -221,7 +219,6 @@ class Scheduler:
                         self.metrics.inc("cpu_pool_hit_tokens_total", n_hit)
         return True
 
-    # ---- after a forward ------------------------------------------------------------------------------
     def after_forward(self, seq: Sequence, n: int) -> None:
         """Advance `seq` by the n tokens just written, index the hash blocks it completed, and save a KDA
         checkpoint if its new length is a checkpoint position."""

@@ -255,7 +255,6 @@ class K3ForCausalLM(nn.Module):
             mla_max_logits=torch.stack(list(max_logits)) if max_logits else None,
         )
 
-    # ---- initialisation and dtype ---------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Seeded, deterministic init. Every tensor draws from its own generator, seeded from (seed, name),

@@ -89,8 +89,6 @@ def max_logits_chunked(q: torch.Tensor, k: torch.Tensor, scale: float, offset: i
     return out
 
 
-# ---- flex ------------------------------------------------------------------------------------------
-
 _compiled: dict[str, object] = {}
 _mask_cache: dict = {}
 
@@ -137,8 +135,6 @@ def _flex(q, k, v, scale, offset, q_doc, kv_doc, want_max):
     ml = max_logits_chunked(q, k, scale, offset, q_doc, kv_doc) if want_max else None
     return o.transpose(1, 2), ml
 
-
-# ---- sdpa / flash ----------------------------------------------------------------------------------
 
 def _sdpa(q, k, v, scale, offset, q_doc, kv_doc, want_max):
     T, S = q.shape[1], k.shape[1]

@@ -34,8 +34,6 @@ from k3.ops.situ import naive_situ_glu, situ_glu_backward, situ_glu_forward
 CUDA_ALIGN = 8
 
 
-# ---- grouped GEMM primitives -------------------------------------------------------------------------
-
 def _native_ok(*mats: torch.Tensor) -> bool:
     """torch._grouped_mm's constraints: bf16 on CUDA, every row stride a multiple of 16 bytes."""
     return all(m.is_cuda and m.dtype == torch.bfloat16 and m.shape[-1] % 8 == 0 and m.shape[-2] % 8 == 0
@@ -70,8 +68,6 @@ def gmm_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, native: bool
         start = end
     return out
 
-
-# ---- the expert block with the gradient transform ------------------------------------------------------
 
 class _GroupedSituGLU(torch.autograd.Function):
     """y = p ⊙ (SiTU-GLU(x W13ᵀ) W2ᵀ) per expert group; p None means unweighted (output in x's dtype).

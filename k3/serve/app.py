@@ -54,8 +54,6 @@ ADMISSION_WAIT_SECONDS = 2.0
 DISCONNECT_POLL_SECONDS = 0.5
 
 
-# ---- errors ---------------------------------------------------------------------------------------------
-
 class APIError(Exception):
     """An error answered as an OpenAI error body."""
 
@@ -156,8 +154,6 @@ async def _read_body(request: Request, model: type[BaseModel]) -> tuple[Any, dic
         raise _bad(f"{where}{err['msg']}", param) from None
 
 
-# ---- token text for logprobs ----------------------------------------------------------------------------
-
 class _TokenText:
     """Token id → (text, UTF-8 bytes) for logprobs; specials by name. Built lazily (it walks the vocabulary)."""
 
@@ -176,8 +172,6 @@ class _TokenText:
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
-
-# ---- stop strings ---------------------------------------------------------------------------------------
 
 class StopMatcher:
     """Cuts streamed text at the first stop string, holding back a tail that could start one."""
@@ -211,8 +205,6 @@ class StopMatcher:
         out, self._buf = ("" if self.hit else self._buf), ""
         return out
 
-
-# ---- n engine requests as one queue ---------------------------------------------------------------------
 
 _PING = object()
 
@@ -314,8 +306,6 @@ class _Run:
                 task.cancel()
 
 
-# ---- one choice's output --------------------------------------------------------------------------------
-
 class _Choice:
     """Turns one engine request's outputs into OpenAI pieces: text or a parsed reply, logprobs, finish."""
 
@@ -395,8 +385,6 @@ class _TextChoice(_Choice):
                 self.run.finish(self.index)
         return text
 
-
-# ---- the app --------------------------------------------------------------------------------------------
 
 class _RequestIdMiddleware:
     """Gives every request an id (the client's `x-request-id`, or a new one) and echoes it on every response."""
@@ -589,8 +577,6 @@ def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, api_key: str 
                 top.append(P.ChatLogprobTop(token=ttext, logprob=_finite(lp), bytes=traw))
             out.append(P.ChatLogprob(token=text, logprob=_finite(e.logprob), bytes=raw, top_logprobs=top))
         return out
-
-    # ---- routes --------------------------------------------------------------------------------------
 
     @app.get("/health")
     async def health():

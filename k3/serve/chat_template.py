@@ -124,8 +124,6 @@ class ChatTemplate:
         self.end_id = tok.eos_id
         self._encode_header = lru_cache(maxsize=4096)(lambda text: tuple(tok.encode(text)))
 
-    # ---- pieces ----------------------------------------------------------------------------------
-
     def open_tag(self, tag: str, /, **attrs: Any) -> list[int]:
         return [self.open_id, *self._encode_header(tag + _attrs(attrs)), self.sep_id]
 
@@ -141,8 +139,6 @@ class ChatTemplate:
     def generation_prompt(self, thinking: bool) -> list[int]:
         """`<|open|>message role="assistant"<|sep|>` + the think (thinking) or response (instruct) channel."""
         return self.open_tag("message", role="assistant") + self.open_tag("think" if thinking else "response")
-
-    # ---- a whole prompt --------------------------------------------------------------------------
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
                reasoning_effort: str | None = None, tool_choice: Any = None,
@@ -251,8 +247,6 @@ class ChatTemplate:
             ids += self.close_tag("argument")
         return ids
 
-
-# ---- decoding the model's reply ---------------------------------------------------------------------
 
 class IncrementalDecoder:
     """Token ids → text pieces, holding back a cut multi-byte character until the token that completes it."""
@@ -398,8 +392,6 @@ class OutputParser:
         if not self.done:
             self._finish_into(delta)
         return delta
-
-    # ---- internals -------------------------------------------------------------------------------
 
     def _finish_into(self, delta: ReplyDelta) -> None:
         self._flush_text(delta)

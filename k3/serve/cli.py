@@ -21,8 +21,6 @@ SKIP_ENGINE_FIELDS = {"eos_token_ids"}  # set from the model config
 _TYPES = {"int": int, "float": float, "str": str}
 
 
-# ---- shared arguments -------------------------------------------------------------------------------------
-
 def add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a run folder (its newest checkpoint) or a checkpoint folder")
@@ -113,8 +111,6 @@ def build_engine(model, args: argparse.Namespace):
     return AsyncEngine(Engine(model, engine_config_from_args(args)))
 
 
-# ---- k3 serve ---------------------------------------------------------------------------------------------
-
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -133,8 +129,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine.shutdown()
     return 0
 
-
-# ---- k3 chat ----------------------------------------------------------------------------------------------
 
 CHAT_HELP = "commands: /reset (new conversation), /effort none|low|medium|high|max, /system TEXT, /exit"
 
@@ -222,8 +216,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
         engine.shutdown()
     return 0
 
-
-# ---- wiring -----------------------------------------------------------------------------------------------
 
 def add_serve_parser(subparsers) -> None:
     """Add `serve` and `chat` to `k3`'s subcommands."""

@@ -26,8 +26,6 @@ class _Response(BaseModel):
         return self.model_dump(mode="json")
 
 
-# ---- errors ---------------------------------------------------------------------------------------------
-
 class ErrorInfo(_Response):
     message: str
     type: str
@@ -38,8 +36,6 @@ class ErrorInfo(_Response):
 class ErrorResponse(_Response):
     error: ErrorInfo
 
-
-# ---- shared request pieces ------------------------------------------------------------------------------
 
 class StreamOptions(_Request):
     include_usage: bool = False
@@ -71,8 +67,6 @@ class _Sampling(_Request):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
-
-# ---- chat completions -----------------------------------------------------------------------------------
 
 class TextPart(_Request):
     type: Literal["text"]
@@ -269,8 +263,6 @@ class ChatCompletionChunk(_Response):
         return out
 
 
-# ---- completions ----------------------------------------------------------------------------------------
-
 class CompletionRequest(_Sampling):
     prompt: (str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
              | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)])
@@ -303,8 +295,6 @@ class Completion(_Response):
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
-
-# ---- models ---------------------------------------------------------------------------------------------
 
 class ModelCard(_Response):
     id: str

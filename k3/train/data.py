@@ -39,7 +39,6 @@ from k3.train.checkpoint import fsync_dir
 IGNORE_INDEX = -100
 Document = tuple[str, str]  # (name, text); the name decides the held-out split
 
-# ---- documents --------------------------------------------------------------------------------------
 
 _SKIP_STDLIB_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 
@@ -182,8 +181,6 @@ def _read_hf_dataset(folder: Path) -> list[Document]:
     return docs
 
 
-# ---- the tokenized corpus ---------------------------------------------------------------------------
-
 def documents_fingerprint(documents: Iterable[Document | str]) -> str:
     """A hash of the documents' texts in order: with the tokenizer's fingerprint, decides if a prepared
     corpus can be reused."""
@@ -317,8 +314,6 @@ class TokenizedCorpus:
         return float(-(p * np.log(p)).sum())
 
 
-# ---- packing ----------------------------------------------------------------------------------------
-
 @dataclass
 class Batch:
     input_ids: torch.Tensor   # [B, T] int64
@@ -436,8 +431,6 @@ class PackedBatches:
             self._orders[epoch] = self.order(epoch)
         return self._orders[epoch][stream::self.streams]
 
-    # ---- position -----------------------------------------------------------------------------------
-
     def state_dict(self) -> dict:
         return {"streams": self.streams, "positions": [list(p) for p in self._positions], "row": self._row,
                 "seed": self.seed, "shuffle": int(self.shuffle), "num_documents": self.corpus.num_documents,
@@ -462,8 +455,6 @@ class PackedBatches:
             if epoch < 0 or not (inside or (index == len(docs) and offset == 0)):
                 raise ValueError(f"loader state points outside the corpus: {state}")
         self._positions, self._row = positions, int(state["row"])
-
-    # ---- rows and batches ---------------------------------------------------------------------------
 
     def _exhausted(self) -> bool:
         """A single pass (evaluation) is over."""

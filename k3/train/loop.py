@@ -162,8 +162,6 @@ def git_state() -> dict[str, str]:
     return {"revision": rev.stdout.strip() or "unknown", "diff": diff.stdout}
 
 
-# ---- data ------------------------------------------------------------------------------------------
-
 def prepare_data(cfg: TrainConfig, vocab_size: int, out: Path, log) -> tuple[Tokenizer, TokenizedCorpus,
                                                                                TokenizedCorpus]:
     """Tokenizer and tokenized train/held-out corpora under `out/`, reused when already built."""
@@ -193,8 +191,6 @@ def prepare_data(cfg: TrainConfig, vocab_size: int, out: Path, log) -> tuple[Tok
         corpora.append(TokenizedCorpus.open(directory))
     return tokenizer, corpora[0], corpora[1]
 
-
-# ---- one step ----------------------------------------------------------------------------------------
 
 def moe_layers(model: K3ForCausalLM) -> list[StableLatentMoE]:
     return [layer.block_sparse_moe for layer in model.model.layers if layer.is_moe]
@@ -304,8 +300,6 @@ def evaluate(model: K3ForCausalLM, corpus: TokenizedCorpus, seq_len: int, max_to
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
 
 
-# ---- run bookkeeping ---------------------------------------------------------------------------------
-
 def _check_out_dir(out: Path, cfg: TrainConfig, resume: bool) -> TrainConfig:
     """Refuse to mix runs; on resume, return the stored configuration (with allowed overrides applied)."""
     run_file = out / "run.json"
@@ -340,7 +334,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((3, tuple(state["python"]), state["python_pos"]))
     np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # a run may resume on a machine with fewer GPUs: restore the devices that exist
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
 
 
 def stage_at(cfg: TrainConfig, step: int, total_steps: int) -> ContextStage:
@@ -372,9 +367,13 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, progress: bool = Tr
     is_main = runtime is None or runtime.is_main
     if not is_main:
         log, progress = (lambda *args, **kwargs: None), False
+    run_file = out / "run.json"
+    fresh_run = not run_file.exists()  # decided before rank 0 may start writing it
     if is_main:
         cfg = _check_out_dir(out, cfg, resume)
     _barrier(runtime)
+    if runtime is not None:
+        _check_parallel_layout(cfg, runtime)
     device = runtime.device if runtime is not None else resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -401,11 +400,10 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, progress: bool = Tr
     optimizer = optimizer_class(model.named_parameters(), model_config, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                 ns_dtype=getattr(torch, cfg.muon_ns_dtype))
 
-    run_file = out / "run.json"
     metrics_log = MetricsLog(out / "metrics.jsonl") if is_main else _NoLog()
     ckpt_root = out / "checkpoints"
     start_step, tokens_seen, data_state = 0, 0, None
-    if run_file.exists():
+    if not fresh_run:
         run_info = json.loads(run_file.read_text())
         total_steps = run_info["total_steps"]
     else:
@@ -540,7 +538,18 @@ def _distributed_runtime(cfg: TrainConfig) -> ParallelRuntime | None:
             raise ValueError("context_parallel / expert_parallel need several processes: launch with torchrun")
         return None
     device = None if cfg.device == "auto" else cfg.device
-    return ParallelRuntime.from_env(cp=cfg.context_parallel, ep=0 if cfg.expert_parallel else 1, device=device)
+    return ParallelRuntime.from_env(cp=cfg.context_parallel, expert_parallel=cfg.expert_parallel, device=device)
+
+
+def _check_parallel_layout(cfg: TrainConfig, runtime: ParallelRuntime) -> None:
+    """Every context stage must cut evenly: rows over dp, each row into cp slices longer than the conv halo."""
+    dp, cp = runtime.dims.dp, runtime.dims.cp
+    for stage in cfg.stages:
+        rows = cfg.tokens_per_step // (stage.seq_len * cfg.micro_batches)
+        if rows % dp:
+            raise ValueError(f"stage seq_len {stage.seq_len}: {rows} rows per micro-batch do not split over dp={dp}")
+        if stage.seq_len % cp or stage.seq_len // cp < 4:
+            raise ValueError(f"stage seq_len {stage.seq_len} must split into cp={cp} slices of at least 4 tokens")
 
 
 def _barrier(runtime: ParallelRuntime | None) -> None:

@@ -100,8 +100,6 @@ class Tokenizer:
             # the specials live in the HF tokenizer (so tokenizer.json is complete) but are never matched in text
             backend.encode_special_tokens = True
 
-    # ---- ids ----------------------------------------------------------------------------------------
-
     def special_id(self, name: str) -> int:
         """Id of a special token by name, e.g. `special_id("<|open|>")`."""
         if name not in self.special_tokens:
@@ -115,8 +113,6 @@ class Tokenizer:
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_names
-
-    # ---- encode / decode ----------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
         """Ordinary text → ids (no BOS/EOS added; special-token spellings stay text)."""
@@ -149,8 +145,6 @@ class Tokenizer:
         if self.kind == "bpe":
             return self._backend.decode(ids, skip_special_tokens=False)
         return self._backend.decode(ids)
-
-    # ---- files --------------------------------------------------------------------------------------
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write `tokenizer.json` (own BPE) or `tiktoken.model` + `tokenizer_config.json` (release format)."""
@@ -250,8 +244,6 @@ def _byte_decoder() -> dict[str, int]:
     return dict(chars)
 
 
-# ---- training our own BPE ---------------------------------------------------------------------------
-
 def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = True, *,
               max_chars: int = 64_000_000, min_frequency: int = 2) -> Tokenizer:
     """Train a byte-level BPE with `vocab_size - 256` base tokens, then append K3's 256 specials.
@@ -295,8 +287,6 @@ def _unit_hash(text: str) -> float:
     digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2**64
 
-
-# ---- the release format -----------------------------------------------------------------------------
 
 def load_tiktoken(directory: str | os.PathLike) -> Tokenizer:
     """Load K3's release tokenizer: `tiktoken.model` + `tokenizer_config.json` (optional).

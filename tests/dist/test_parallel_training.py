@@ -66,7 +66,7 @@ def _full_state(model):
 
 def _worker(rank, world, cp, ep, checkpointing):
     os.environ.setdefault("LOCAL_RANK", str(rank))
-    runtime = ParallelRuntime.from_env(cp=cp, ep=ep, device="cpu")
+    runtime = ParallelRuntime.from_env(cp=cp, expert_parallel=ep == 0, device="cpu")
     model = build_model(get_preset("debug"), seed=0)
     parallel = parallelize(model, runtime, activation_checkpointing=checkpointing)
     optimizer = DistributedMuonAdamW(model.named_parameters(), model.config, lr=CFG.lr,

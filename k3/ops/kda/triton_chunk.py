@@ -53,7 +53,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# ---------------------------------------------------------------------------------------------------------
 # device helpers
 
 
@@ -145,7 +144,6 @@ def _put_block(X3, blk, R: tl.constexpr, NB: tl.constexpr):
     return tl.where(tl.arange(0, NB)[:, None, None] == R, blk[None, :, :], X3)
 
 
-# ---------------------------------------------------------------------------------------------------------
 # forward kernels
 
 
@@ -387,7 +385,6 @@ def _state(w, u, qg, kd, aqk, gc, h0, o, ht, hs, cu, chunk_off,
         tl.store(ht + i_nh.to(tl.int64) * K * V + off_s, S)
 
 
-# ---------------------------------------------------------------------------------------------------------
 # backward kernels
 
 
@@ -607,7 +604,6 @@ def _bwd_k(q, k, z, b, A_log, dt_bias, cu, chunk_idx, dqh_in, dkh_in, dg_in, daq
     tl.store(p_dbl, _cast(dbeta * beta * (1.0 - beta), dbl.dtype.element_ty, INTERP), boundary_check=(0,))
 
 
-# ---------------------------------------------------------------------------------------------------------
 # host side
 
 
