@@ -21,13 +21,15 @@ def _entry(rank: int, world_size: int, init_file: str, out_dir: str, fn, args) -
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
-        dist.barrier()  # nobody tears the group down while a peer still has collectives in flight
         torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # every rank is done with its collectives
     except BaseException:
         torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))
-        raise
-    finally:
         dist.destroy_process_group()
+        raise
+    # The result is on disk: leave without interpreter teardown, where gloo's background threads
+    # occasionally abort the process ("terminate called without an active exception") after a clean run.
+    os._exit(0)
 
 
 def run_workers(fn, world_size: int, *args) -> list:
