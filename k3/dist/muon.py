@@ -10,8 +10,8 @@ Plan, fixed at construction from shapes only (identical on every rank, no commun
   Newton–Schulz cost 5·(4s²l + 2s³) (s, l = min, max of the block's sides) to the least loaded rank,
   ties to the rank holding most of its rows, then the lowest rank.
 
-Step (replacing `MuonAdamW._orthogonalize`): holders cut their Nesterov rows per unit and send each
-slice to the unit's owner — one `all_to_all_single` with per-peer splits, so nothing goes to a rank
+Step (replacing `MuonAdamW._orthogonalize`): units held whole by one rank are orthogonalised in place
+there; for the others, holders cut their Nesterov rows per unit and send each slice to the unit's owner — one `all_to_all_single` with per-peer splits, so nothing goes to a rank
 that does not own it; the owner stacks equal-shape units and runs one batched NS per shape; the update
 rows go back by the inverse `all_to_all_single`; each holder updates its own rows (momentum and
 parameters never leave their rank). Not overlapped with compute in this build (one exchange per step).
@@ -121,8 +121,14 @@ class DistributedMuonAdamW(MuonAdamW):
         """Per peer, in unit order: the slices this rank sends (and later receives back) and receives."""
         self._send = [[] for _ in range(self.world)]  # peer -> [(param, local row a, local row b)]
         self._recv = [[] for _ in range(self.world)]  # peer -> [(unit index, row offset in unit, nrows)]
+        self._local = []  # units held only here (hence owned here): [(unit, param, local row a, local row b)]
         for u, unit in enumerate(self._units):
-            for r, lo, hi in self._holders(unit.param, unit.row0, unit.rows):
+            holders = self._holders(unit.param, unit.row0, unit.rows)
+            if len(holders) == 1 and holders[0][0] == self.rank:
+                base = self._ranges[unit.param][self.rank][0]
+                self._local.append((u, unit.param, holders[0][1] - base, holders[0][2] - base))
+                continue
+            for r, lo, hi in holders:
                 if r == self.rank:
                     base = self._ranges[unit.param][self.rank][0]
                     self._send[unit.owner].append((unit.param, lo - base, hi - base, unit.cols))
@@ -155,7 +161,8 @@ class DistributedMuonAdamW(MuonAdamW):
         self.bytes_sent += 4 * (sum(self._send_splits) - self._send_splits[self.rank])
 
         # assemble owned units, NS per shape, cut the results back into the same slices
-        owned: dict[int, Tensor] = {}
+        # units that never leave this rank skip the exchange (no copies through a self all-to-all)
+        owned: dict[int, Tensor] = {u: rows_of[i][a:b].float() for u, i, a, b in self._local}
         pos = 0
         pieces = []
         for items in self._recv:
@@ -177,6 +184,8 @@ class DistributedMuonAdamW(MuonAdamW):
             for i, a, b, c in items:
                 out_rows[i][a:b] = returned[pos:pos + (b - a) * c].view(b - a, c)
                 pos += (b - a) * c
+        for u, i, a, b in self._local:
+            out_rows[i][a:b] = ortho[u]
         for i, (k, n) in sharded.items():
             updates[k] = out_rows[i].view(n.shape)
         return updates
