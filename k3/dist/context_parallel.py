@@ -44,9 +44,38 @@ class CPContext:
         self.group, self.cp, self.cp_rank = group, cp, cp_rank
         self.shard: BatchShard | None = None
 
+    def set_batch(self, shard: BatchShard, cu_seqlens: torch.Tensor, device: torch.device) -> None:
+        """Where this rank's piece sits, and the fragment bookkeeping every CP layer needs, computed once per
+        batch on the host from the local `cu_seqlens` [N+1] (so no layer syncs with the device for it).
+
+        first/last: [B_l] local document index of each row's first and last fragment; continues: [B_l]
+        the row's first token continues a document from an earlier rank; carries: the row's last fragment
+        is that same continuing one (its map keeps M); frag_idx/frag_cu: the last fragments' tokens and
+        offsets, one varlen batch.
+        """
+        seg = shard.global_segment_ids.cpu()
+        B_l, t_local = seg.shape[0], shard.seq_len // shard.cp
+        starts = cu_seqlens[:-1].cpu().to(torch.int64)
+        row_starts = torch.arange(B_l) * t_local
+        first = torch.searchsorted(starts, row_starts)
+        last = torch.searchsorted(starts, row_starts + t_local) - 1
+        if shard.offset == 0:
+            continues = torch.zeros(B_l, dtype=torch.bool)
+        else:
+            continues = seg[:, shard.offset] == seg[:, shard.offset - 1]
+        cu = cu_seqlens.cpu().to(torch.int64)
+        frag_start, frag_end = cu[last], cu[last + 1]
+        frag_idx = torch.cat([torch.arange(int(a), int(b)) for a, b in zip(frag_start, frag_end)])
+        frag_cu = torch.cat([torch.zeros(1, dtype=torch.int64), (frag_end - frag_start).cumsum(0)])
+        to = dict(device=device, non_blocking=True)
+        self.shard = shard
+        self.first, self.continues_ = first.to(**to), continues.to(**to)
+        self.carries = ((last == first) & continues).to(**to)
+        self.frag_idx, self.frag_cu = frag_idx.to(**to), frag_cu.to(**to)
+
     def current(self) -> BatchShard:
         if self.shard is None:
-            raise RuntimeError("context parallelism: set CPContext.shard for this batch before the forward")
+            raise RuntimeError("context parallelism: call CPContext.set_batch for this batch before the forward")
         return self.shard
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -61,23 +90,7 @@ class CPContext:
         """[cp] 1.0 for the ranks before this one, else 0.0."""
         return (torch.arange(self.cp, device=device) < self.cp_rank).to(torch.float64)
 
-    def continues(self) -> torch.Tensor:
-        """[B_l] bool: this rank's first token continues a document begun on an earlier rank."""
-        shard = self.current()
-        if shard.offset == 0:
-            return torch.zeros(shard.global_segment_ids.shape[0], dtype=torch.bool,
-                               device=shard.global_segment_ids.device)
-        seg = shard.global_segment_ids
-        return seg[:, shard.offset] == seg[:, shard.offset - 1]
 
-
-def _row_first_docs(cu_seqlens: torch.Tensor, rows: int, t_local: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local document index of each row's first and last document ([B_l] each)."""
-    starts = cu_seqlens[:-1].to(torch.int64)
-    row_starts = torch.arange(rows, device=cu_seqlens.device) * t_local
-    first = torch.searchsorted(starts, row_starts)
-    last = torch.searchsorted(starts, row_starts + t_local) - 1
-    return first, last
 
 
 class ContextParallelKDA(KimiDeltaAttention):
@@ -102,41 +115,30 @@ class ContextParallelKDA(KimiDeltaAttention):
         same_doc &= positions[None] >= 0
         previous = previous * same_doc[..., None].to(previous.dtype)
         N = cu_seqlens.numel() - 1
-        state = pre.new_zeros(N, halo, pre.shape[-1])
-        first, _ = _row_first_docs(cu_seqlens, B_l, T_l)
-        state = state.index_copy(0, first, previous.to(state.dtype))
+        state = pre.new_zeros(N, halo, pre.shape[-1]).index_copy(0, ctx.first, previous.to(pre.dtype))
         return super().short_conv(pre, weight, state, cu_seqlens)
 
     def recurrence(self, q, k, v, z, beta_logits, initial_state, output_final_state, cu_seqlens):
         ctx = self.cp_context
         if initial_state is not None or output_final_state or cu_seqlens is None:
             raise ValueError("context-parallel KDA runs packed training batches only (no cache)")
-        shard = ctx.current()
-        B_l = shard.global_segment_ids.shape[0]
-        T_l = q.shape[1] // B_l
+        B_l = ctx.current().global_segment_ids.shape[0]
         H, K, V = q.shape[2], q.shape[3], v.shape[3]
-        first, last = _row_first_docs(cu_seqlens, B_l, T_l)
-        continues = ctx.continues()  # [B_l]
-        cu = cu_seqlens.tolist()
         state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # states are fp32 (fp64 in tests)
         eye = torch.eye(K, device=q.device, dtype=state_dtype).expand(1, H, K, K)
 
         # 1. the affine map of each row's last fragment, all rows in one varlen run of the layer's recurrence
         #    on the augmented state [S | X] from [0 | I] with values [v | 0]
-        starts = [cu[int(last[b])] for b in range(B_l)]
-        ends = [cu[int(last[b]) + 1] for b in range(B_l)]
-        idx = torch.cat([torch.arange(a, e, device=q.device) for a, e in zip(starts, ends)])
-        frag_cu = torch.tensor([0] + ends, device=q.device) - torch.tensor([0] + starts, device=q.device)
-        frag_cu = frag_cu.cumsum(0)
+        idx = ctx.frag_idx
         v_aug = torch.cat([v[:, idx], v.new_zeros(1, idx.numel(), H, K)], dim=-1)  # [1, n, H, V + K]
         aug0 = torch.cat([eye.new_zeros(1, H, K, V), eye], dim=-1).expand(B_l, H, K, V + K)
         # only the final state is used; k stands in for the queries, whose outputs are discarded
-        _, S = super().recurrence(k[:, idx], k[:, idx], v_aug, z[:, idx], beta_logits[:, idx], aug0, True, frag_cu)
+        _, S = super().recurrence(k[:, idx], k[:, idx], v_aug, z[:, idx], beta_logits[:, idx], aug0, True,
+                                  ctx.frag_cu)
         S_tilde, M = S.to(state_dtype).split((V, K), dim=-1)  # [B_l, H, K, V], [B_l, H, K, K]
-        # the fragment continues across the left edge only if it is the row's first one and continues;
-        # a document start inside the slice forgets the incoming state (M = 0)
-        carries = (last == first) & continues  # [B_l]
-        maps = torch.cat([M * carries[:, None, None, None].to(state_dtype), S_tilde], dim=-1)
+        # a document start inside the slice forgets the incoming state (M = 0); only a last fragment that
+        # is also the row's first and continues from the previous rank carries it
+        maps = torch.cat([M * ctx.carries[:, None, None, None].to(state_dtype), S_tilde], dim=-1)
         gathered = ctx.gather(maps)  # [cp, B_l, H, K, K + V]
 
         # 2. fold the earlier ranks' maps into this rank's incoming state per row
@@ -146,11 +148,11 @@ class ContextParallelKDA(KimiDeltaAttention):
         for j in range(ctx.cp):
             M_j, S_j = (gathered[j] * earlier[j].to(state_dtype)).split((K, V), dim=-1)
             S_in = (M_j + (1 - earlier[j]).to(state_dtype) * eye[0]) @ S_in + S_j
-        S_in = S_in * continues[:, None, None, None].to(S_in.dtype)
+        S_in = S_in * ctx.continues_[:, None, None, None].to(S_in.dtype)
 
         # 3. the local varlen recurrence from it (zeros for documents that start on this rank)
         N = cu_seqlens.numel() - 1
-        init = S_in.new_zeros(N, H, K, V).index_copy(0, first, S_in)
+        init = S_in.new_zeros(N, H, K, V).index_copy(0, ctx.first, S_in)
         o, _ = super().recurrence(q, k, v, z, beta_logits, init, False, cu_seqlens)
         return o, None
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -84,11 +86,14 @@ class ParallelTraining:
             torch._foreach_div_(grads, self.loss_scale)
 
     def shard(self, input_ids: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor):
-        """This rank's piece of a global batch; also tells the CP layers where it sits."""
-        ids, lab, cu, shard = self.runtime.shard_batch(input_ids, labels, cu_seqlens)
+        """This rank's piece of a global batch (cut on the host, then moved to the device); also tells the
+        CP layers where it sits. Returns (input_ids, labels, cu_seqlens) on the runtime's device."""
+        ids, lab, cu, shard = self.runtime.shard_batch(input_ids.cpu(), labels.cpu(), cu_seqlens.cpu())
+        device = self.runtime.device
         if self.cp_context is not None:
-            self.cp_context.shard = shard
-        return ids, lab, cu
+            on_device = dataclasses.replace(shard, global_segment_ids=shard.global_segment_ids.to(device))
+            self.cp_context.set_batch(on_device, cu, device)
+        return tuple(t.to(device, non_blocking=True) for t in (ids, lab, cu))
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.runtime.all_reduce_(tensor, dist.ReduceOp.SUM)

@@ -218,10 +218,11 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
     total_tokens = sum(b.num_tokens for b in batches)
     loss_sum = 0.0
     for batch in batches:
-        batch = batch.to(device)
-        input_ids, labels, cu_seqlens = batch.input_ids, batch.labels, batch.cu_seqlens
-        if parallel is not None:
-            input_ids, labels, cu_seqlens = parallel.shard(input_ids, labels, cu_seqlens)
+        if parallel is not None:  # cut on the host, move only this rank's piece
+            input_ids, labels, cu_seqlens = parallel.shard(batch.input_ids, batch.labels, batch.cu_seqlens)
+        else:
+            batch = batch.to(device)
+            input_ids, labels, cu_seqlens = batch.input_ids, batch.labels, batch.cu_seqlens
         with autocast_context(device):
             out = model(input_ids, cu_seqlens=cu_seqlens, return_router_infos=True, return_mla_max_logits=True)
         loss = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
@@ -284,10 +285,11 @@ def evaluate(model: K3ForCausalLM, corpus: TokenizedCorpus, seq_len: int, max_to
     rows = dp * max(1, min(8, max_tokens // seq_len) // dp)
     loss_sum, count = 0.0, 0
     for batch in PackedBatches.eval(corpus, rows, seq_len):
-        batch = batch.to(device)
-        input_ids, labels, cu_seqlens = batch.input_ids, batch.labels, batch.cu_seqlens
-        if parallel is not None:
-            input_ids, labels, cu_seqlens = parallel.shard(input_ids, labels, cu_seqlens)
+        if parallel is not None:  # cut on the host, move only this rank's piece
+            input_ids, labels, cu_seqlens = parallel.shard(batch.input_ids, batch.labels, batch.cu_seqlens)
+        else:
+            batch = batch.to(device)
+            input_ids, labels, cu_seqlens = batch.input_ids, batch.labels, batch.cu_seqlens
         with autocast_context(device):
             logits = model(input_ids, cu_seqlens=cu_seqlens).logits
         batch_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",

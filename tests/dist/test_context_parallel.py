@@ -47,7 +47,7 @@ def _worker(rank, world, kda_impl, perturb):
     ctx = CPContext(dist.group.WORLD, world, rank)
     apply_context_parallel(model, ctx)
     local_ids, local_labels, local_cu, shard = shard_batch(ids, labels, cu, 1, 0, world, rank)
-    ctx.shard = shard
+    ctx.set_batch(shard, local_cu, torch.device("cpu"))
     logits, loss = _loss(model, local_ids, local_labels, local_cu, count)
     loss.backward()
     return {"logits": logits.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
