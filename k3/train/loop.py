@@ -484,6 +484,11 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, progress: bool = Tr
                disable=not progress, dynamic_ncols=True)
     bad_in_a_row, last_eval, last_ckpt = 0, float("nan"), latest_checkpoint(ckpt_root)
     last_train_loss = float("nan")
+    for record in metrics_log.read() if start_step else []:  # a resumed run reports where it stands
+        if record.get("kind") == "train" and not record.get("skipped"):
+            last_train_loss = record["loss"]
+        elif record.get("kind") == "eval":
+            last_eval = record["loss"]
     window_start, window_tokens = time.perf_counter(), 0
     step = start_step
     try:
@@ -567,6 +572,9 @@ class _NoLog:
 
     def truncate_after(self, step: int) -> None:
         pass
+
+    def read(self) -> list[dict[str, Any]]:
+        return []
 
 
 def _make_batches(corpus: TokenizedCorpus, cfg: TrainConfig, stage: ContextStage) -> PackedBatches:
