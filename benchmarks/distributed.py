@@ -136,7 +136,8 @@ class CollectiveCounter:
             return 2 * nbytes(a[0]) * (world - 1)
 
         wrap(funcol, "all_to_all_single_autograd", "ep_all_to_all", funcol_a2a)
-        wrap(funcol, "all_gather_tensor_autograd", "cp_all_gather", funcol_gather)
+        for name in ("all_gather_tensor_autograd", "all_gather_single_autograd"):  # old and new torch names
+            wrap(funcol, name, "cp_all_gather", funcol_gather)
 
 
 def worker(args) -> None:

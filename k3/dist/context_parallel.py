@@ -84,7 +84,9 @@ class CPContext:
         Every rank must use all of the result (multiply unused parts by zero rather than drop them):
         a rank whose graph skipped the gather's backward would leave the others waiting in it.
         """
-        return funcol.all_gather_tensor_autograd(t.contiguous(), 0, self.group).view(self.cp, *t.shape)
+        # torch >= 2.13 renames it (the old name warns); 2.11, our floor, has only the old one
+        gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+        return gather(t.contiguous(), 0, self.group).view(self.cp, *t.shape)
 
     def earlier_ranks(self, device) -> torch.Tensor:
         """[cp] 1.0 for the ranks before this one, else 0.0."""
