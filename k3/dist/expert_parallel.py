@@ -35,26 +35,6 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from k3.dist.moonep import MoonEPPlan, plan_moonep
 from k3.model.moe import LatentExperts
 from k3.ops.moe import grouped_situ_glu
-from k3.ops.situ import naive_situ_glu
-
-
-def grouped_situ_glu_reference(x: torch.Tensor, group_sizes: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                               w2: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
-    """Rows x [M, L] sorted by group; group g (group_sizes[g] rows) runs expert g. Returns [M, L].
-
-    Zero-padded batched matmuls, like the single-device reference dispatch (padding rows give zero).
-    """
-    G = w1.shape[0]
-    M, L = x.shape
-    sizes = group_sizes.to(torch.int64)
-    if M == 0:  # still a function of x and the weights, so the backward reaches every rank's collectives
-        return x[:0] @ w2[0].t() * 0 + (w1.sum() + w3.sum()) * 0
-    group_of = torch.repeat_interleave(torch.arange(G, device=x.device), sizes)  # [M]
-    slot = torch.arange(M, device=x.device) - (sizes.cumsum(0) - sizes)[group_of]
-    capacity = int(sizes.max())
-    blocks = x.new_zeros(G, capacity, L).index_put((group_of, slot), x)  # [G, cap, L]
-    act = naive_situ_glu(blocks @ w1.transpose(1, 2), blocks @ w3.transpose(1, 2), beta1, beta2)
-    return (act @ w2.transpose(1, 2))[group_of, slot]
 
 
 def home_only_plan(counts: torch.Tensor) -> MoonEPPlan:
@@ -93,7 +73,8 @@ class ExpertParallelExperts(nn.Module):
             setattr(self, name, nn.Parameter(distribute_tensor(full, mesh, [Shard(0)])))
         self.last_stats: dict[str, float] = {}
 
-    def _plan(self, topk_idx: torch.Tensor) -> MoonEPPlan:
+    def _plan(self, topk_idx: torch.Tensor) -> tuple[MoonEPPlan, torch.Tensor]:
+        """The step's plan, and this rank's copies per expert [E] it was made from."""
         counts = torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts)  # [E]
         gathered = [torch.empty_like(counts) for _ in range(self.num_ranks)]
         dist.all_gather(gathered, counts, group=self.group)
@@ -103,27 +84,25 @@ class ExpertParallelExperts(nn.Module):
         self.last_stats = {"load_max_over_mean": _max_over_mean(plan.load),
                            "home_load_max_over_mean": _max_over_mean(home.load),
                            "slots": int((plan.slot_experts[self.rank] >= 0).sum())}
-        return plan
+        return plan, counts
 
     def forward(self, z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """z [N, L]; topk_idx [N, k]; weights [N, k] fp32 -> Σ_j weights_j · E_j(z) [N, L] in fp32."""
         N, k = topk_idx.shape
         R, E, P, r = self.num_ranks, self.num_experts, self.experts_per_rank, self.rank
         device = z.device
-        plan = self._plan(topk_idx)
+        plan, counts = self._plan(topk_idx)
         send = plan.send  # [R, E, R] host int64
 
         # 2. order local copies by (destination, expert, index)
         flat_e = topk_idx.reshape(-1)
         order = torch.argsort(flat_e, stable=True)
         e_sorted = flat_e[order]
-        counts = torch.bincount(flat_e, minlength=E)
         rank_in_expert = torch.arange(N * k, device=device) - (counts.cumsum(0) - counts)[e_sorted]
         cum = send[r].cumsum(-1).to(device)  # [E, R] copies of e sent to destinations ≤ d
         dest = (rank_in_expert[:, None] >= cum[e_sorted]).sum(1)  # [N·k]
         pairs = order[torch.argsort(dest * E + e_sorted, stable=True)]  # pair ids in send order
-        in_splits = send[r].sum(0).tolist()
-        out_splits = send[:, :, r].sum(1).tolist()
+        in_splits, out_splits = plan.send_splits(r).tolist(), plan.recv_splits(r).tolist()
         x_send = z[pairs // k]
         x_recv = funcol.all_to_all_single_autograd(x_send, out_splits, in_splits, self.group)
 

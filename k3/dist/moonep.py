@@ -1,8 +1,9 @@
 """The MoonEP planner: balance expert-parallel ranks exactly with redundant expert copies (pure function).
 
 Follows the Kimi K3 report §5.2.1 and App. E, and systems.md §5.2. A pure function of the counts:
-`plan_moonep` (placement as tensor ops: 23 ms for E = 896, R = 64 on one CPU core, against 250 ms for
-`plan_moonep_reference`, its loop twin, which it is tested to equal exactly). `k3.dist.expert_parallel`
+`plan_moonep` (placement as tensor ops: 10.6 ms for E = 896, R = 64 on one CPU core, against 225 ms for
+`plan_moonep_reference`, its loop twin, which it is tested to equal exactly; `benchmarks/moonep_planner.py`).
+`k3.dist.expert_parallel`
 runs it on the all-gathered counts and dispatches by its `send`.
 
 Setting. R expert-parallel ranks, E routed experts, E/R of them at home on each rank: expert e lives on
@@ -76,10 +77,63 @@ def plan_moonep(counts: torch.Tensor, tokens_per_rank: int, top_k: int) -> MoonE
     counts: [R, E] non-negative integers, C[r, e] copies from rank r routed to expert e; E % R == 0.
     tokens_per_rank: S; top_k: K. Each row must sum to at most S·K. Returns a MoonEPPlan.
 
-    The fill (at most R − 1 moves over R ranks and P experts) runs on small Python lists; the per-expert
-    sums and the placement — O(E·R²) overlaps, the part that grows with the model — are tensor ops, so a
-    K3-sized plan (E = 896, R = 64) stays in the low milliseconds. `plan_moonep_reference` is the loop twin.
+    The fill (at most R − 1 moves over R ranks and P experts) runs on small Python lists; the placement —
+    O(E·R²) overlaps, the part that grows with the model — is tensor ops, so a K3-sized plan (E = 896,
+    R = 64) stays in the low milliseconds. `plan_moonep_reference` places with plain loops instead.
     """
+    C = _check_counts(counts, tokens_per_rank, top_k)
+    R, E = C.shape
+    remaining, chunks, slots, slot_home = _fill(C.sum(0).tolist(), R)
+    # Expert e's destination ranges: the home's leading range, then the migrated chunks in fill order.
+    width = 1 + max((len(c) for c in chunks), default=0)
+    dest = torch.zeros(E, width, dtype=torch.int64)
+    length = torch.zeros(E, width, dtype=torch.int64)
+    dest[:, 0] = torch.arange(E) // (E // R)
+    length[:, 0] = torch.tensor(remaining, dtype=torch.int64)
+    for e, migrated in enumerate(chunks):
+        for j, (d, c) in enumerate(migrated, start=1):
+            dest[e, j], length[e, j] = d, c
+    range_end = length.cumsum(1)  # [E, width]
+    range_start = range_end - length
+    src_end = C.t().cumsum(1)  # [E, R] end of source r's copies along expert e's order
+    src_start = src_end - C.t()
+    overlap = (torch.minimum(src_end[:, :, None], range_end[:, None, :])
+               - torch.maximum(src_start[:, :, None], range_start[:, None, :])).clamp(min=0)  # [E, R, width]
+    send = torch.zeros(R, E, R, dtype=torch.int64)
+    e_idx = torch.arange(E)[:, None, None].expand_as(overlap)
+    r_idx = torch.arange(R)[None, :, None].expand_as(overlap)
+    d_idx = dest[:, None, :].expand_as(overlap)
+    send.index_put_((r_idx.reshape(-1), e_idx.reshape(-1), d_idx.reshape(-1)), overlap.reshape(-1), accumulate=True)
+    return _assemble(send, slots, slot_home)
+
+
+def plan_moonep_reference(counts: torch.Tensor, tokens_per_rank: int, top_k: int) -> MoonEPPlan:
+    """`plan_moonep` with the placement as plain loops over integers: the twin it is tested to equal."""
+    C = _check_counts(counts, tokens_per_rank, top_k)
+    R, E = C.shape
+    P = E // R
+    remaining, chunks, slots, slot_home = _fill(C.sum(0).tolist(), R)
+    counts_list = C.tolist()
+    send = torch.zeros(R, E, R, dtype=torch.int64)
+    for e in range(E):
+        ranges = [(e // P, remaining[e])] + chunks[e]  # (dest, length) in order along e's copies
+        bounds, pos = [], 0
+        for d, length in ranges:
+            bounds.append((d, pos, pos + length))
+            pos += length
+        start = 0
+        for r in range(R):
+            lo, hi = start, start + counts_list[r][e]
+            for d, a, b in bounds:
+                overlap = min(hi, b) - max(lo, a)
+                if overlap > 0:
+                    send[r, e, d] += overlap
+            start = hi
+    return _assemble(send, slots, slot_home)
+
+
+def _check_counts(counts: torch.Tensor, tokens_per_rank: int, top_k: int) -> torch.Tensor:
+    """The counts as a CPU int64 [R, E] tensor, or ValueError for a shape or value the planner cannot take."""
     if counts.dim() != 2 or counts.is_floating_point():
         raise ValueError(f"counts must be an integer [R, E] tensor, got {counts.dtype} {tuple(counts.shape)}")
     R, E = counts.shape
@@ -93,14 +147,17 @@ def plan_moonep(counts: torch.Tensor, tokens_per_rank: int, top_k: int) -> MoonE
     if bool((routed > cap).any()):
         r = int(torch.nonzero(routed > cap)[0])
         raise ValueError(f"rank {r} routes {int(routed[r])} copies, more than S·K = {cap}")
+    return C
+
+
+def _fill(n: list[int], R: int):
+    """Steps 1–2 on the copies per expert n [E]: returns (remaining[e] copies kept at home, chunks[e] =
+    [(dest, count)] migrated in fill order, slots[d] = [(expert, count)], slot_home[d] or −1)."""
+    E = len(n)
     P = E // R
-    n_tensor = C.sum(0)  # [E] copies per expert
-    n = n_tensor.tolist()
-    load = n_tensor.view(R, P).sum(1).tolist()
+    load = [sum(n[h * P:(h + 1) * P]) for h in range(R)]
     N = sum(load)
     target = [N // R + (1 if h < N % R else 0) for h in range(R)]
-
-    # Fill: identical to the twin (lists of length R and P).
     remaining = list(n)
     chunks: list[list[tuple[int, int]]] = [[] for _ in range(E)]
     slots: list[list[tuple[int, int]]] = [[] for _ in range(R)]
@@ -127,115 +184,12 @@ def plan_moonep(counts: torch.Tensor, tokens_per_rank: int, top_k: int) -> MoonE
         assert q == 0
         load[o] -= deficit[u]
         load[u] = target[u]
-
-    # Placement as tensors: expert e's copies in (source rank, index) order; its destination ranges are
-    # the home's leading range then the migrated chunks in fill order (at most R ranges per expert).
-    width = 1 + max((len(c) for c in chunks), default=0)
-    dest = torch.zeros(E, width, dtype=torch.int64)
-    length = torch.zeros(E, width, dtype=torch.int64)
-    dest[:, 0] = torch.arange(E) // P
-    length[:, 0] = torch.tensor(remaining, dtype=torch.int64)
-    for e, migrated in enumerate(chunks):
-        for j, (d, c) in enumerate(migrated, start=1):
-            dest[e, j], length[e, j] = d, c
-    range_end = length.cumsum(1)  # [E, width]
-    range_start = range_end - length
-    src_end = C.t().cumsum(1)  # [E, R] end of source r's copies along expert e's order
-    src_start = src_end - C.t()
-    overlap = (torch.minimum(src_end[:, :, None], range_end[:, None, :])
-               - torch.maximum(src_start[:, :, None], range_start[:, None, :])).clamp(min=0)  # [E, R, width]
-    send = torch.zeros(R, E, R, dtype=torch.int64)
-    e_idx = torch.arange(E)[:, None, None].expand_as(overlap)
-    r_idx = torch.arange(R)[None, :, None].expand_as(overlap)
-    d_idx = dest[:, None, :].expand_as(overlap)
-    send.index_put_((r_idx.reshape(-1), e_idx.reshape(-1), d_idx.reshape(-1)), overlap.reshape(-1), accumulate=True)
-
-    slot_experts = torch.full((R, P), -1, dtype=torch.int64)
-    slot_counts = torch.zeros(R, P, dtype=torch.int64)
-    for d in range(R):
-        assert len(slots[d]) <= P
-        for i, (e, c) in enumerate(slots[d]):
-            slot_experts[d, i] = e
-            slot_counts[d, i] = c
-    return MoonEPPlan(
-        send=send,
-        slot_experts=slot_experts,
-        slot_counts=slot_counts,
-        slot_home=torch.tensor(slot_home, dtype=torch.int64),
-        load=send.sum((0, 1)),
-    )
+    return remaining, chunks, slots, slot_home
 
 
-def plan_moonep_reference(counts: torch.Tensor, tokens_per_rank: int, top_k: int) -> MoonEPPlan:
-    """`plan_moonep` written as plain loops over integers: the twin it is tested against (same plan).
-
-    counts: [R, E] non-negative integers, C[r, e] copies from rank r routed to expert e; E % R == 0.
-    tokens_per_rank: S; top_k: K. Each row must sum to at most S·K. Returns a MoonEPPlan.
-    """
-    if counts.dim() != 2 or counts.is_floating_point():
-        raise ValueError(f"counts must be an integer [R, E] tensor, got {counts.dtype} {tuple(counts.shape)}")
-    R, E = counts.shape
-    if R < 1 or E % R != 0:
-        raise ValueError(f"the number of experts E={E} must be a positive multiple of the number of ranks R={R}")
-    C = counts.tolist()
-    if any(c < 0 for row in C for c in row):
-        raise ValueError("counts must be non-negative")
-    cap = tokens_per_rank * top_k
-    for r, row in enumerate(C):
-        if sum(row) > cap:
-            raise ValueError(f"rank {r} routes {sum(row)} copies, more than S·K = {cap}")
+def _assemble(send: torch.Tensor, slots: list[list[tuple[int, int]]], slot_home: list[int]) -> MoonEPPlan:
+    R, E, _ = send.shape
     P = E // R
-    n = [sum(C[r][e] for r in range(R)) for e in range(E)]  # copies per expert
-    load = [sum(n[h * P : (h + 1) * P]) for h in range(R)]
-    N = sum(load)
-    target = [N // R + (1 if h < N % R else 0) for h in range(R)]
-
-    # remaining[e]: copies of expert e still at home; chunks[e]: (dest, count) migrated, in fill order.
-    remaining = list(n)
-    chunks: list[list[tuple[int, int]]] = [[] for _ in range(E)]
-    slots: list[list[tuple[int, int]]] = [[] for _ in range(R)]
-    slot_home = [-1] * R
-    while True:
-        deficit = [target[h] - load[h] for h in range(R)]
-        u = max(range(R), key=lambda h: (deficit[h], -h))
-        if deficit[u] <= 0:
-            break
-        o = max(range(R), key=lambda h: (-deficit[h], -h))
-        q = deficit[u]
-        assert load[o] - target[o] > 0 and load[o] >= q and slot_home[u] == -1
-        slot_home[u] = o
-        home = sorted(range(o * P, (o + 1) * P), key=lambda e: (-remaining[e], e))
-        for e in home:
-            if q == 0:
-                break
-            take = min(q, remaining[e])
-            if take == 0:
-                continue
-            remaining[e] -= take
-            q -= take
-            chunks[e].append((u, take))
-            slots[u].append((e, take))
-        assert q == 0
-        load[o] -= deficit[u]
-        load[u] = target[u]
-
-    # Placement: expert e's copies in (source rank, local index) order; home keeps the leading range.
-    send = torch.zeros(R, E, R, dtype=torch.int64)
-    for e in range(E):
-        ranges = [(e // P, remaining[e])] + chunks[e]  # (dest, length) in order along e's copies
-        bounds, pos = [], 0
-        for d, length in ranges:
-            bounds.append((d, pos, pos + length))
-            pos += length
-        start = 0
-        for r in range(R):
-            lo, hi = start, start + C[r][e]
-            for d, a, b in bounds:
-                overlap = min(hi, b) - max(lo, a)
-                if overlap > 0:
-                    send[r, e, d] += overlap
-            start = hi
-
     slot_experts = torch.full((R, P), -1, dtype=torch.int64)
     slot_counts = torch.zeros(R, P, dtype=torch.int64)
     for d in range(R):
@@ -243,10 +197,5 @@ def plan_moonep_reference(counts: torch.Tensor, tokens_per_rank: int, top_k: int
         for i, (e, c) in enumerate(slots[d]):
             slot_experts[d, i] = e
             slot_counts[d, i] = c
-    return MoonEPPlan(
-        send=send,
-        slot_experts=slot_experts,
-        slot_counts=slot_counts,
-        slot_home=torch.tensor(slot_home, dtype=torch.int64),
-        load=send.sum((0, 1)),
-    )
+    return MoonEPPlan(send=send, slot_experts=slot_experts, slot_counts=slot_counts,
+                      slot_home=torch.tensor(slot_home, dtype=torch.int64), load=send.sum((0, 1)))

@@ -384,10 +384,12 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, progress: bool = Tr
 
     preset = get_preset(cfg.preset)
     out.mkdir(parents=True, exist_ok=True)
+    vocab_size = cfg.vocab_size or preset.vocab_size
     if is_main:  # the others read what rank 0 built
-        prepare_data(cfg, cfg.vocab_size or preset.vocab_size, out, log)
+        tokenizer, train_corpus, heldout_corpus = prepare_data(cfg, vocab_size, out, log)
     _barrier(runtime)
-    tokenizer, train_corpus, heldout_corpus = prepare_data(cfg, cfg.vocab_size or preset.vocab_size, out, log)
+    if not is_main:
+        tokenizer, train_corpus, heldout_corpus = prepare_data(cfg, vocab_size, out, log)
     model_config = preset.replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
                                   eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
                                   media_placeholder_token_id=tokenizer.special_id("<|media_pad|>"))

@@ -126,6 +126,20 @@ def run_padded_documents(fn, q, k, v, g, beta, S0, bounds, *args):
     return o_pad[mask].unsqueeze(0), S  # [1, T, H, V]
 
 
+def document_offsets(cu_seqlens: torch.Tensor, B: int, T: int) -> list[int]:
+    """cu_seqlens [N+1] checked against a packed [B = 1, T] input; returns the offsets as ints."""
+    if B != 1:
+        raise ValueError(f"cu_seqlens requires batch size 1 (packed documents), got B={B}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N+1] with N ≥ 1, got {cu_seqlens!r}")
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0 or offsets[-1] != T:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {offsets[0]} … {offsets[-1]}")
+    if any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
+    return offsets
+
+
 def prepare_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     """Validate shapes and offsets, cast to the compute dtype, scale q, and build the initial state."""
     if q.dim() != 4:
@@ -144,15 +158,7 @@ def prepare_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     bounds = None
     N = B
     if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"cu_seqlens requires batch size 1 (packed documents), got B={B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
-            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N+1] with N ≥ 1, got {cu_seqlens!r}")
-        offsets = cu_seqlens.tolist()
-        if offsets[0] != 0 or offsets[-1] != T:
-            raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {offsets[0]} … {offsets[-1]}")
-        if any(b < a for a, b in zip(offsets, offsets[1:])):
-            raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
+        offsets = document_offsets(cu_seqlens, B, T)
         bounds = list(zip(offsets[:-1], offsets[1:]))
         N = len(bounds)
 

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops.kda.reference import document_offsets
+
 CHUNK = 64
 SUB = 16
 # Launch configurations for K = V = 128 on an H200 (docs/kda-kernels.md: chosen from the compiler's register
@@ -627,16 +629,7 @@ class _Plan:
 def make_plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> _Plan:
     if cu_seqlens is None:
         return _Plan([i * T for i in range(B + 1)], device)
-    if B != 1:
-        raise ValueError(f"cu_seqlens requires batch size 1 (packed documents), got B={B}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
-        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N+1] with N ≥ 1, got {cu_seqlens!r}")
-    offsets = cu_seqlens.tolist()
-    if offsets[0] != 0 or offsets[-1] != T:
-        raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {offsets[0]} … {offsets[-1]}")
-    if any(b < a for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
-    return _Plan(offsets, device)
+    return _Plan(document_offsets(cu_seqlens, B, T), device)
 
 
 def _check_device(*xs: torch.Tensor) -> None:
