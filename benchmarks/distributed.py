@@ -290,7 +290,13 @@ def launch(world: int, config: str, args, extra: list[str] | None = None) -> dic
     if args.fsdp_bf16:
         cmd.append("--fsdp-bf16")
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, args.threads // world)))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.job_timeout)
+    except subprocess.TimeoutExpired as exc:
+        sys.stderr.write(str(exc.stdout or "")[-3000:] + str(exc.stderr or "")[-6000:])
+        print(f"{config} on {world} ranks timed out after {args.job_timeout} s; continuing", file=sys.stderr, flush=True)
+        Path(result).unlink(missing_ok=True)
+        return None
     try:
         if proc.returncode != 0:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
@@ -314,12 +320,15 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--dcp-check", action="store_true", help="save on the largest world, resume on 1 rank")
+    p.add_argument("--job-timeout", type=float, help="seconds before a job counts as hung and is skipped")
+    p.add_argument("--dcp-steps", type=int, help="steps covered by the DCP check (default --steps)")
     p.add_argument("--set", nargs="*", default=[], help="runtime config fields, e.g. attention_backend=sdpa")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--fsdp-bf16", action="store_true", help="bf16 FSDP2 parameters on CPU too (GPU default)")
     p.add_argument("--cp-rows", type=int, help="rows for the fsdp+cp config (default --rows)")
     p.add_argument("--cp-seq-len", type=int, help="sequence length for the fsdp+cp config (long context)")
     p.add_argument("--json", help="also write all results here")
+    p.add_argument("--plot", help="loss curves (PNG), rewritten after every job")
     # worker mode
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", default="fsdp", help=argparse.SUPPRESS)
@@ -334,48 +343,50 @@ def main() -> None:
         return
 
     results = []
-    for world in args.worlds:
-        for config in args.configs:
-            if world == 1 and config != args.configs[0]:
-                continue  # one rank: every config is the same single-rank run
-            if "cp" in config and world == 1:
-                continue
-            print(f"running {config} on {world} rank(s)...", file=sys.stderr, flush=True)
-            started = time.perf_counter()
-            if "cp" in config and (args.cp_rows or args.cp_seq_len):
-                rows, seq = args.rows, args.seq_len
-                args.rows, args.seq_len = args.cp_rows or rows, args.cp_seq_len or seq
-                r = launch(world, config, args)
-                args.rows, args.seq_len = rows, seq
-            else:
-                r = launch(world, config, args)
-            if r is None:
-                continue
-            results.append(r)
-            print(f"  {time.perf_counter() - started:.0f} s: step {r['step_s'] * 1e3:,.0f} ms, losses "
-                  f"{[round(x, 4) for x in r['losses']]}, peak {r['peak_gib']} GiB, EP {r['ep_load']} "
-                  f"(plain {r['ep_home_load']}), nccl {r.get('nccl_ms')} ms", file=sys.stderr, flush=True)
-            if args.json:  # after every job: a cut-off run keeps what it measured
-                Path(args.json).write_text(json.dumps(results, indent=1))
+    for world, config, shape in job_list(args):
+        print(f"running {config} on {world} rank(s) at {shape[0]}×{shape[1]} tokens...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        rows, seq = args.rows, args.seq_len
+        args.rows, args.seq_len = shape
+        r = launch(world, config, args)
+        args.rows, args.seq_len = rows, seq
+        if r is None:
+            continue
+        r["rows"], r["seq_len"] = shape
+        results.append(r)
+        print(f"  {time.perf_counter() - started:.0f} s: step {r['step_s'] * 1e3:,.0f} ms, losses "
+              f"{' '.join(f'{x:.3f}' for x in r['losses'][::max(1, len(r['losses']) // 10)])}, "
+              f"peak {r['peak_gib']} GiB, EP {r['ep_load']} (plain {r['ep_home_load']}), nccl {r.get('nccl_ms')} ms",
+              file=sys.stderr, flush=True)
+        if args.json:  # after every job: a cut-off run keeps what it measured
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        if args.plot:
+            plot_losses(results, Path(args.plot))
     if not results:
         raise SystemExit("every job failed")
-    base = results[0]
     rows = []
     for r in results:
+        # the reference is the first job on the fewest ranks with the same batches (same rows × length)
+        base = next(b for b in sorted(results, key=lambda b: b["world"])
+                    if (b["rows"], b["seq_len"]) == (r["rows"], r["seq_len"]))
         tps = r["tokens_per_step"] / r["step_s"]
-        base_tps = base["tokens_per_step"] / base["step_s"]  # (scaling efficiency is vs the first job)
-        same_batches = r["tokens_per_step"] == base["tokens_per_step"]
-        diff = max(abs(a - b) for a, b in zip(r["losses"], base["losses"])) if same_batches else float("nan")
+        base_tps = base["tokens_per_step"] / base["step_s"]
+        deltas = [abs(a - b) for a, b in zip(r["losses"], base["losses"])]
+        tail = deltas[-max(1, len(deltas) // 10):]
+        diff = f"{max(deltas):.1e} / {statistics.mean(tail):.1e}"
         # GPU: time inside NCCL kernels (profiled step; they may overlap compute); CPU: wall time in gloo calls
         comm = r["nccl_ms"] / 1e3 if r.get("nccl_ms") is not None else sum(r["collective_s"].values())
-        rows.append([f"{r['world']}", r["config"], f"{r['step_s'] * 1e3:,.0f}", f"{tps / r['world']:,.0f}",
+        rows.append([f"{r['world']}", r["config"], f"{r['rows']}×{r['seq_len']}", f"{r['step_s'] * 1e3:,.0f}", f"{tps / r['world']:,.0f}",
                      f"{tps / r['world'] / base_tps:.2f}", f"{r['losses'][0]:.3f}→{r['losses'][-1]:.3f}",
-                     f"{diff:.1e}", f"{100 * comm / r['step_s']:.0f}%",
+                     diff, f"{100 * comm / r['step_s']:.0f}%",
                      "-" if r["ep_load"] is None else f"{r['ep_load']:.2f} ({r['ep_home_load']:.2f})",
                      "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"])
-    header = ["ranks", "config", "step ms", "tok/s/rank", "scaling eff.", "loss first→last", "max |Δloss|",
+    header = ["ranks", "config", "batch", "step ms", "tok/s/rank", "scaling eff.", "loss first→last",
+              "|Δloss| max / last 10%",
               "comm share", "EP load max/mean (no plan)", "peak GiB"]
-    print_table(f"{args.preset} on {args.device}: {args.rows}×{args.seq_len} tokens per step", header, rows)
+    print_table(f"{args.preset} on {args.device}, {args.steps} steps: {args.rows}×{args.seq_len} tokens per step"
+                + (f" ({args.cp_rows or args.rows}×{args.cp_seq_len or args.seq_len} for CP)"
+                   if any("cp" in c for c in args.configs) else ""), header, rows)
 
     byte_rows = []
     for r in results:
@@ -394,29 +405,87 @@ def main() -> None:
     if args.dcp_check:
         world = max(args.worlds)
         same = [r for r in results if r["world"] == world and r["config"] == "fsdp"]
-        dcp_check(args, world, same[0] if same else None)
+        dcp = dcp_check(args, world, same[0] if same else None)
+        if dcp is not None:
+            results.append({"dcp_check": dcp})
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 
-def dcp_check(args, world: int, straight: dict | None) -> None:
-    """Train half the steps on `world` ranks, save DCP, resume on 1 rank; compare with the straight run."""
-    half = args.steps // 2
+def job_list(args) -> list[tuple[int, str, tuple[int, int]]]:
+    """(world, config, (rows, seq_len)) per job. One rank runs once per batch shape: every config is the same
+    single-rank run there, and it is the reference the multi-rank runs of that shape are compared with."""
+    base_shape = (args.rows, args.seq_len)
+    cp_shape = (args.cp_rows or args.rows, args.cp_seq_len or args.seq_len)
+    jobs = []
+    for world in args.worlds:
+        for config in args.configs:
+            shape = cp_shape if "cp" in config else base_shape
+            if world == 1:
+                config = "fsdp"
+            if (world, config, shape) not in jobs:
+                jobs.append((world, config, shape))
+    return jobs
+
+
+def plot_losses(results: list[dict], path: Path) -> None:
+    """Loss curves of every job, one panel per batch shape, and the difference to that shape's 1-rank run."""
+    try:
+        import matplotlib
+    except ImportError:  # e.g. a GPU machine without it: plot later from --json
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({(r["rows"], r["seq_len"]) for r in results})
+    fig, axes = plt.subplots(2, len(shapes), figsize=(6 * len(shapes), 7), squeeze=False, sharex="col")
+    for col, shape in enumerate(shapes):
+        group = [r for r in results if (r["rows"], r["seq_len"]) == shape]
+        base = min(group, key=lambda r: r["world"])
+        for r in group:
+            label = f"{r['world']} rank{'s' if r['world'] > 1 else ''} {r['config']}"
+            axes[0][col].plot(r["losses"], label=label)
+            if r is not base:
+                axes[1][col].plot([a - b for a, b in zip(r["losses"], base["losses"])], label=label)
+        axes[0][col].set_title(f"{shape[0]}×{shape[1]} tokens per step")
+        axes[0][col].set_ylabel("training loss (nats)")
+        axes[0][col].legend()
+        axes[1][col].axhline(0, color="grey", lw=0.5)
+        axes[1][col].set_ylabel(f"loss − {base['world']}-rank loss")
+        axes[1][col].set_xlabel("step")
+        if len(group) > 1:
+            axes[1][col].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def dcp_check(args, world: int, straight: dict | None) -> dict | None:
+    """Train on `world` ranks, save DCP, resume on 1 rank; compare with the uninterrupted `world`-rank run.
+
+    The two halves cover the first --dcp-steps steps of the same --steps schedule, so the straight run's
+    first --dcp-steps losses are the reference.
+    """
+    total = args.dcp_steps or args.steps
+    half = total // 2
     with tempfile.TemporaryDirectory() as tmp:
         straight = straight or launch(world, "fsdp", args)
         steps, args.steps = args.steps, half
         first = launch(world, "fsdp", args, ["--save", f"{tmp}/ckpt", "--total-steps", str(steps)])
-        args.steps = steps - half
+        args.steps = total - half
         second = first and launch(1, "fsdp", args, ["--load", f"{tmp}/ckpt", "--start-step", str(half),
                                                     "--total-steps", str(steps)])
         args.steps = steps
     if not (straight and first and second):
         print("DCP check did not complete", file=sys.stderr)
-        return
+        return None
     resumed = first["losses"] + second["losses"]
     diff = max(abs(a - b) for a, b in zip(resumed, straight["losses"]))
-    print(f"DCP: saved on {world} ranks after {half} steps, resumed on 1 rank: max |Δloss| vs an uninterrupted "
-          f"{world}-rank run = {diff:.2e} over {steps} steps")
+    print(f"DCP: saved on {world} ranks after {half} steps, resumed on 1 rank for {total - half}: max |Δloss| vs "
+          f"the uninterrupted {world}-rank run = {diff:.2e} over {total} steps")
+    return {"world": world, "saved_after": half, "steps": total, "resumed_losses": resumed, "max_abs_diff": diff}
 
 
 def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:

@@ -79,3 +79,40 @@ def test_halo_carries_the_previous_ranks_tokens():
     base = run_workers(_worker, 2, "torch", None)
     moved = run_workers(_worker, 2, "torch", t_local - 1)
     assert not torch.equal(base[1]["logits"][0, 0], moved[1]["logits"][0, 0])
+
+
+def _triton_worker(rank, world):
+    """CP with the Triton KDA kernels (interpreter), and the single-process run, both in this worker."""
+    import os
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"  # else the torch fallback would run on both sides
+    model, config = _model("triton")
+    model.float()
+    ids, labels, cu = _inputs(config)
+    count = int((labels != -100).sum())
+    reference = _model("triton")[0].float()
+    logits, loss = _loss(reference, ids, labels, cu, count)
+    loss.backward()
+    ctx = CPContext(dist.group.WORLD, world, rank)
+    apply_context_parallel(model, ctx)
+    local_ids, local_labels, local_cu, shard = shard_batch(ids, labels, cu, 1, 0, world, rank)
+    ctx.set_batch(shard, local_cu, torch.device("cpu"))
+    local_logits, local_loss = _loss(model, local_ids, local_labels, local_cu, count)
+    local_loss.backward()
+    return {"logits": local_logits.detach(), "reference_logits": logits.detach(),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            "reference_grads": {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}}
+
+
+def test_context_parallel_with_triton_kda(monkeypatch):
+    """KCP's augmented-state run (V + K values, a final-state gradient) through the fused kernels: the CP
+    model equals one process running the same kernels, in float32 (the kernels' accumulation precision)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # inherited by the spawned workers before they import Triton
+    results = run_workers(_triton_worker, 2)
+    got = torch.cat([r["logits"] for r in results], dim=1)
+    torch.testing.assert_close(got, results[0]["reference_logits"], rtol=2e-4, atol=2e-4)
+    for name, ref in results[0]["reference_grads"].items():
+        total = sum(r["grads"][name] for r in results)
+        err = (total - ref).norm() / ref.norm().clamp_min(1e-30)
+        assert err < 2e-4, f"{name}: relative error {err:.2e}"
