@@ -2,8 +2,9 @@
 
 Runs each (world size, parallel config) as its own `torchrun --standalone` job of this file in worker
 mode, on gloo (CPU) or NCCL (GPU), and prints one table. Every job trains the same global batches —
-packed documents of a learnable synthetic language (next = (31·prev + 7 + r) mod V, r uniform in
-0…3, so the floor is ln 4 = 1.386 nats) — from the same seed, so loss curves are comparable across
+packed documents of a learnable synthetic language over the first V = --language-vocab token ids
+(next = (31·prev + 7 + r) mod V, r uniform in 0…3, so the floor is ln 4 = 1.386 nats; V well below the
+model's vocabulary makes the first hundred steps visibly learn) — from the same seed, so loss curves are comparable across
 world sizes; the first job of the list is the reference for the curve difference.
 
 Configs: `fsdp` (FSDP2 over all ranks), `fsdp+ep` (plus expert parallelism with MoonEP), `fsdp+ep-noplan`
@@ -182,7 +183,8 @@ def worker(args) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for step in range(args.steps):
-        batch = synthetic_batch(args.start_step + step, args.rows, args.seq_len, config.vocab_size)
+        batch = synthetic_batch(args.start_step + step, args.rows, args.seq_len,
+                                min(config.vocab_size, args.language_vocab))
         counter.enabled = step == args.steps - 1  # count (and on GPU profile) the last step only
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -282,7 +284,8 @@ def launch(world: int, config: str, args, extra: list[str] | None = None) -> dic
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", __file__,
            "--worker", "--config", config, "--result", result, "--device", args.device, "--preset", args.preset,
            "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--rows", str(args.rows),
-           "--lr", str(args.lr), "--threads", str(max(1, args.threads // world))] + (extra or [])
+           "--lr", str(args.lr), "--language-vocab", str(args.language_vocab),
+           "--threads", str(max(1, args.threads // world))] + (extra or [])
     if args.set:
         cmd += ["--set", *args.set]
     if args.activation_checkpointing:
@@ -320,6 +323,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--dcp-check", action="store_true", help="save on the largest world, resume on 1 rank")
+    p.add_argument("--language-vocab", type=int, default=1024, help="token ids the synthetic language uses")
     p.add_argument("--job-timeout", type=float, help="seconds before a job counts as hung and is skipped")
     p.add_argument("--dcp-steps", type=int, help="steps covered by the DCP check (default --steps)")
     p.add_argument("--set", nargs="*", default=[], help="runtime config fields, e.g. attention_backend=sdpa")
