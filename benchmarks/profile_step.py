@@ -1,0 +1,127 @@
+"""Where one training step goes: phase times and the top operators of a profiled step, on one device.
+
+Times forward, backward and the optimizer step (Per-Head Muon/AdamW + QK-Clip + QB) separately with a
+device synchronisation between them, over a few steps after warm-up, then profiles one more step with
+torch.profiler and prints the operators that take the most device time and the most host time. A step
+whose device-busy share is far below 100% is bound by the host (kernel launches, Python), not the GPU.
+
+    python benchmarks/profile_step.py --preset small --rows 2 --seq-len 4096 \\
+        --set kda_impl=triton attention_backend=sdpa --activation-checkpointing      # one H200
+    python benchmarks/profile_step.py --preset debug --rows 2 --seq-len 256 --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.train_throughput import Batch  # noqa: E402
+from k3.config import get_preset  # noqa: E402
+from k3.model.checkpointing import apply_activation_checkpointing  # noqa: E402
+from k3.model.model import build_model  # noqa: E402
+from k3.optim import MuonAdamW, cosine_schedule  # noqa: E402
+from k3.train.loop import TrainConfig, autocast_context, train_step  # noqa: E402
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def phase_times(model, optimizer, batch, device) -> dict[str, float]:
+    """Seconds of forward (loss included), backward and the optimizer's step, each synchronised."""
+    out = {}
+    sync(device)
+    t0 = time.perf_counter()
+    with autocast_context(device):
+        logits = model(batch.input_ids, cu_seqlens=batch.cu_seqlens).logits
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=-100)
+    sync(device)
+    out["forward"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    loss.backward()
+    sync(device)
+    out["backward"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    sync(device)
+    out["optimizer"] = time.perf_counter() - t0
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="small")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rows", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per measurement (after one warm-up)")
+    p.add_argument("--set", nargs="*", default=[], help="runtime config fields, e.g. kda_impl=triton")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--trace", help="also write a Chrome trace of the profiled step here")
+    args = p.parse_args()
+
+    device = torch.device(args.device)
+    config = get_preset(args.preset)
+    if args.set:
+        config = config.replace(**{k: v for k, v in (item.split("=", 1) for item in args.set)})
+    model = build_model(config, seed=0, device=device)
+    if args.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    optimizer = MuonAdamW(model.named_parameters(), config, lr=1e-3)
+    scheduler = cosine_schedule(optimizer, 1000)
+    cfg = TrainConfig(preset=args.preset)
+    batch = Batch(args.rows, args.seq_len, config.vocab_size, device).to(device)
+
+    for _ in range(2):  # warm-up: kernel compilation, autotuning, allocator
+        train_step(model, optimizer, scheduler, [batch], cfg, device)
+    phases = [phase_times(model, optimizer, batch, device) for _ in range(args.steps)]
+    steps = []
+    for _ in range(args.steps):
+        sync(device)
+        t0 = time.perf_counter()
+        train_step(model, optimizer, scheduler, [batch], cfg, device)
+        sync(device)
+        steps.append(time.perf_counter() - t0)
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        train_step(model, optimizer, scheduler, [batch], cfg, device)
+        sync(device)
+        profiled = time.perf_counter() - t0
+    events = prof.key_averages()
+
+    tokens = args.rows * args.seq_len
+    step = statistics.median(steps)
+    print(f"{args.preset}, {args.rows}×{args.seq_len} tokens, {args.set}, checkpointing "
+          f"{args.activation_checkpointing}: train_step {step * 1e3:,.0f} ms ({tokens / step:,.0f} tok/s)")
+    for name in ("forward", "backward", "optimizer"):
+        t = statistics.median(ph[name] for ph in phases)
+        print(f"  {name:10s} {t * 1e3:9,.1f} ms  ({100 * t / step:4.1f}% of the step)")
+    if device.type == "cuda":
+        # device time of kernels only (the profiler's top-level CUDA events), against the profiled wall time
+        busy = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        print(f"  profiled step {profiled * 1e3:,.0f} ms; kernels busy {busy / 1e3:,.0f} ms "
+              f"({100 * busy / 1e3 / (profiled * 1e3):.0f}% of wall)")
+        print(events.table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+
+
+if __name__ == "__main__":
+    main()
