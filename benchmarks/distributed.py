@@ -128,13 +128,28 @@ class CollectiveCounter:
 
         wrap(dist, "all_to_all_single", "muon_all_to_all", a2a_bytes)
 
+        def when_backward(out, kind: str, size: float) -> None:
+            """Count the backward collective when the gradient reaches `out`. A forward recomputed by
+            activation checkpointing is counted again, but its output gets no gradient (the backward runs
+            through the original graph), so its backward is not counted twice."""
+            if out.requires_grad:
+                def hook(grad):
+                    if self.enabled:
+                        self.bytes[kind] += size
+                    return grad
+
+                out.register_hook(hook)
+
         def funcol_a2a(a, k, o):  # (input, output_split_sizes, input_split_sizes, group)
             row = a[0].numel() // max(a[0].shape[0], 1) * a[0].element_size()
             rank = dist.get_rank()
-            return 2 * row * sum(n for r, n in enumerate(a[1]) if r != rank)  # forward + backward
+            # the backward returns the gradients of what this rank sent: it receives its input splits
+            when_backward(o, "ep_all_to_all", row * sum(n for r, n in enumerate(a[2]) if r != rank))
+            return row * sum(n for r, n in enumerate(a[1]) if r != rank)
 
-        def funcol_gather(a, k, o):
-            return 2 * nbytes(a[0]) * (world - 1)
+        def funcol_gather(a, k, o):  # backward: a reduce-scatter receiving W − 1 pieces of the input's size
+            when_backward(o, "cp_all_gather", nbytes(a[0]) * (world - 1))
+            return nbytes(a[0]) * (world - 1)
 
         wrap(funcol, "all_to_all_single_autograd", "ep_all_to_all", funcol_a2a)
         for name in ("all_gather_tensor_autograd", "all_gather_single_autograd"):  # old and new torch names
@@ -167,6 +182,7 @@ def worker(args) -> None:
         config = config.replace(**{k: v for k, v in (item.split("=", 1) for item in args.set)})
     model = build_model(config, seed=0, device=device)
     params = sum(p.numel() for p in model.parameters())
+    root_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." not in n)
     parallel = parallelize(model, runtime, moonep="noplan" not in args.config,
                            activation_checkpointing=args.activation_checkpointing,
                            param_dtype=torch.bfloat16 if args.fsdp_bf16 else None)
@@ -219,7 +235,7 @@ def worker(args) -> None:
         "ep_load": max(ep_load) if ep_load else None, "ep_home_load": max(ep_home) if ep_home else None,
         "peak_gib": max_over_ranks(torch.cuda.max_memory_allocated() / 2**30, device) if device.type == "cuda" else None,
         "nccl_ms": nccl_ms,
-        "prediction": predict(config, world, cp, ep, args, params),
+        "prediction": predict(config, world, cp, ep, args, params, root_params),
     }
     if runtime.is_main:
         Path(args.result).write_text(json.dumps(result))
@@ -250,23 +266,26 @@ def muon_plan_bytes(optimizer) -> float:
                   + sum(optimizer._send_splits) - optimizer._send_splits[rank])
 
 
-def predict(config, world: int, cp: int, ep: int, args, params: int) -> dict[str, float]:
+def predict(config, world: int, cp: int, ep: int, args, params: int, root_params: int) -> dict[str, float]:
     """Bytes per rank per step the algorithms predict (see the module docstring)."""
     frac = (world - 1) / world
     act = 2 if args.device == "cuda" else 4  # EP/CP activations travel in autocast's bf16 on GPU
+    forwards = 2 if args.activation_checkpointing else 1  # a checkpointed layer runs its forward again
     expert_params = sum(config.num_experts * 3 * config.moe_intermediate_size * config.routed_expert_hidden_size
                         for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
     sharded = params - (expert_params if ep == 0 and world > 1 else 0)
     n_moe = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    # FSDP2 regathers every layer for backward but keeps the root (embeddings, head) gathered after forward;
     # all-reduce: QB histograms dominate (plus expert loads, MLA max logits, loss, grad norm: small)
-    out = {"fsdp_all_gather": 2 * 4 * sharded * frac, "fsdp_reduce_scatter": 4 * sharded * frac,
+    out = {"fsdp_all_gather": 4 * (2 * sharded - root_params) * frac, "fsdp_reduce_scatter": 4 * sharded * frac,
            "all_reduce": 2 * frac * n_moe * config.num_experts * 1000 * 8}
     tokens_local = args.rows * args.seq_len // world
     if ep == 0 and world > 1:
         k, L = config.num_experts_per_token, config.routed_expert_hidden_size
-        # per MoE layer: dispatch + combine, forward + backward (slot weights come on top when the plan uses them)
-        out["ep_all_to_all"] = n_moe * 2 * 2 * tokens_local * k * L * act * frac
-        out["ep_counts_all_gather"] = n_moe * (world - 1) * config.num_experts * 8
+        # per MoE layer: dispatch + combine, each forward (once more when recomputed) + backward (slot weights
+        # come on top when the plan uses them)
+        out["ep_all_to_all"] = n_moe * 2 * (forwards + 1) * tokens_local * k * L * act * frac
+        out["ep_counts_all_gather"] = forwards * n_moe * (world - 1) * config.num_experts * 8
     if cp > 1:
         lin = config.linear_attn_config
         H, K = lin.num_heads, lin.head_dim
@@ -274,7 +293,7 @@ def predict(config, world: int, cp: int, ep: int, args, params: int) -> dict[str
         n_kda = config.num_hidden_layers - len(config.mla_layer_ids)
         kda = rows_local * H * K * 2 * K * 4 + 3 * rows_local * (lin.short_conv_kernel_size - 1) * H * K * act
         mla = rows_local * (args.seq_len // cp) * (config.kv_lora_rank + config.qk_rope_head_dim) * act
-        out["cp_all_gather"] = 2 * (cp - 1) * (n_kda * kda + len(config.mla_layer_ids) * mla)
+        out["cp_all_gather"] = (forwards + 1) * (cp - 1) * (n_kda * kda + len(config.mla_layer_ids) * mla)
     return out
 
 
