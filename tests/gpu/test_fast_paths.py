@@ -211,8 +211,8 @@ def test_mla_attention_backend_bf16(backend):
 
 # ---- whole model -----------------------------------------------------------------------------------
 
-def loss_and_grads(model, ids, cu):
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+def loss_and_grads(model, ids, cu, bf16=True):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
         out = model(ids, cu_seqlens=cu, return_router_infos=True, return_mla_max_logits=True)
     loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
     loss.backward()
@@ -220,8 +220,14 @@ def loss_and_grads(model, ids, cu):
 
 
 def test_tiny_model_fast_paths_and_checkpointing_match_reference():
-    """The tiny preset under bf16 autocast: all fast paths (with and without activation checkpointing) vs
-    all references from the same weights: loss within 1e-2 relative, gradients within 5e-2."""
+    """The tiny preset under bf16 autocast, all fast paths (with and without activation checkpointing) and all
+    references from the same weights, each against the references in fp32 (autocast off).
+
+    At initialisation bf16 gradients are far from the fp32 ones (the softmax gradient near uniform cancels:
+    on CPU the reference path's embedding gradient is 14% off and a router's 50%), so two bf16 runs cannot
+    be held to each other tightly. What a fast path must not do is add error: every gradient of the fast
+    stack is within 1.5× the bf16 reference stack's error (+1e-2), and the loss within 1e-2 relative.
+    """
     base = get_preset("tiny")
     ref_cfg = base.replace(moe_impl="reference", attention_backend="reference", attn_res_impl="direct",
                            situ_impl="reference", norm_impl="reference")
@@ -230,16 +236,18 @@ def test_tiny_model_fast_paths_and_checkpointing_match_reference():
     results = []
     # sdpa here: flex is covered at the MLA level and by the benchmark (each flex shape costs a compile)
     fast_cfg = base.replace(attention_backend="sdpa")
-    for cfg, ckpt in ((ref_cfg, False), (fast_cfg, False), (fast_cfg, True)):
+    for cfg, ckpt, bf16 in ((ref_cfg, False, False), (ref_cfg, False, True), (fast_cfg, False, True),
+                            (fast_cfg, True, True)):
         model = build_model(cfg, seed=0, device="cuda")
         if ckpt:
             apply_activation_checkpointing(model)
-        results.append(loss_and_grads(model, ids, cu))
-    (l_ref, g_ref), (l_fast, g_fast), (l_ckpt, g_ckpt) = results
-    assert abs(l_fast - l_ref) <= 1e-2 * abs(l_ref)
-    assert abs(l_ckpt - l_fast) <= 1e-3 * abs(l_fast)
-    assert g_fast.keys() == g_ref.keys() == g_ckpt.keys()
-    for name in g_ref:
-        if g_ref[name].norm() > 0:
-            assert rel(g_fast[name], g_ref[name]) <= 5e-2, name
-            assert rel(g_ckpt[name], g_fast[name]) <= 1e-2, name
+        results.append(loss_and_grads(model, ids, cu, bf16))
+    (l_32, g_32), (l_ref, g_ref), (l_fast, g_fast), (l_ckpt, g_ckpt) = results
+    for loss in (l_ref, l_fast, l_ckpt):
+        assert abs(loss - l_32) <= 1e-2 * abs(l_32)
+    assert g_fast.keys() == g_ref.keys() == g_ckpt.keys() == g_32.keys()
+    for name in g_32:
+        if g_32[name].norm() > 0:
+            budget = 1.5 * rel(g_ref[name], g_32[name]) + 1e-2
+            assert rel(g_fast[name], g_32[name]) <= budget, name
+            assert rel(g_ckpt[name], g_32[name]) <= budget, name
