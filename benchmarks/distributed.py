@@ -20,8 +20,10 @@ P2P Muon moves exactly its static plan; QB all-reduces E·1000 int64 per MoE lay
 maps [B_l, H, K, K+V] and conv halos per KDA layer and the MLA latents per MLA layer.
 
     python benchmarks/distributed.py --device cpu --preset debug --worlds 1 2 4            # CPU (gloo)
-    python benchmarks/distributed.py --device cuda --preset small --worlds 1 2 --steps 30 \\
-        --seq-len 4096 --rows 2 --configs fsdp fsdp+ep fsdp+cp                             # 2 × H200
+    python benchmarks/distributed.py --device cuda --preset small --worlds 1 2 --configs fsdp fsdp+ep fsdp+cp \
+        --steps 200 --rows 2 --seq-len 4096 --cp-rows 1 --cp-seq-len 16384 --activation-checkpointing \
+        --set attention_backend=sdpa kda_impl=triton --concurrent-references --dcp-check --dcp-steps 10 \
+        --json dist.json --plot dist.png                                                  # 2 × H200
 """
 
 from __future__ import annotations
@@ -297,37 +299,56 @@ def predict(config, world: int, cp: int, ep: int, args, params: int, root_params
     return out
 
 
-def launch(world: int, config: str, args, extra: list[str] | None = None) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        result = f.name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", __file__,
-           "--worker", "--config", config, "--result", result, "--device", args.device, "--preset", args.preset,
-           "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--rows", str(args.rows),
-           "--lr", str(args.lr), "--language-vocab", str(args.language_vocab),
-           "--threads", str(max(1, args.threads // world))] + (extra or [])
-    if args.set:
-        cmd += ["--set", *args.set]
-    if args.activation_checkpointing:
-        cmd.append("--activation-checkpointing")
-    if args.fsdp_bf16:
-        cmd.append("--fsdp-bf16")
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, args.threads // world)))
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.job_timeout)
-    except subprocess.TimeoutExpired as exc:
-        sys.stderr.write(str(exc.stdout or "")[-3000:] + str(exc.stderr or "")[-6000:])
-        print(f"{config} on {world} ranks timed out after {args.job_timeout} s; continuing", file=sys.stderr, flush=True)
-        Path(result).unlink(missing_ok=True)
-        return None
-    try:
-        if proc.returncode != 0:
-            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-            print(f"{config} on {world} ranks FAILED (exit {proc.returncode}); continuing", file=sys.stderr,
-                  flush=True)
+class Job:
+    """One torchrun job of this file in worker mode, started now; `result()` waits for it."""
+
+    def __init__(self, world: int, config: str, args, extra: list[str] | None = None, gpu: int | None = None):
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            self.path = Path(f.name)
+        self.world, self.config, self.timeout = world, config, args.job_timeout
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               __file__, "--worker", "--config", config, "--result", str(self.path), "--device", args.device,
+               "--preset", args.preset, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
+               "--rows", str(args.rows), "--lr", str(args.lr), "--language-vocab", str(args.language_vocab),
+               "--threads", str(max(1, args.threads // world))] + (extra or [])
+        if args.set:
+            cmd += ["--set", *args.set]
+        if args.activation_checkpointing:
+            cmd.append("--activation-checkpointing")
+        if args.fsdp_bf16:
+            cmd.append("--fsdp-bf16")
+        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, args.threads // world)))
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result(self) -> dict | None:
+        """The job's result, or None (reported on stderr) when it failed or ran past --job-timeout."""
+        try:
+            remaining = None if self.timeout is None else max(1.0, self.timeout - (time.perf_counter() - self.started))
+            out, err = self.proc.communicate(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, err = self.proc.communicate()
+            sys.stderr.write(out[-3000:] + err[-6000:])
+            print(f"{self.config} on {self.world} ranks timed out after {self.timeout} s; continuing",
+                  file=sys.stderr, flush=True)
+            self.path.unlink(missing_ok=True)
             return None
-        return json.loads(Path(result).read_text())
-    finally:
-        Path(result).unlink(missing_ok=True)
+        try:
+            if self.proc.returncode != 0:
+                sys.stderr.write(out[-3000:] + err[-6000:])
+                print(f"{self.config} on {self.world} ranks FAILED (exit {self.proc.returncode}); continuing",
+                      file=sys.stderr, flush=True)
+                return None
+            return json.loads(self.path.read_text())
+        finally:
+            self.path.unlink(missing_ok=True)
+
+
+def launch(world: int, config: str, args, extra: list[str] | None = None) -> dict | None:
+    return Job(world, config, args, extra).result()
 
 
 def main() -> None:
@@ -343,6 +364,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--dcp-check", action="store_true", help="save on the largest world, resume on 1 rank")
     p.add_argument("--language-vocab", type=int, default=1024, help="token ids the synthetic language uses")
+    p.add_argument("--concurrent-references", action="store_true",
+                   help="run the 1-rank reference jobs side by side before the rest: one per GPU (on a shared "
+                        "CPU their times are not comparable)")
     p.add_argument("--job-timeout", type=float, help="seconds before a job counts as hung and is skipped")
     p.add_argument("--dcp-steps", type=int, help="steps covered by the DCP check (default --steps)")
     p.add_argument("--set", nargs="*", default=[], help="runtime config fields, e.g. attention_backend=sdpa")
@@ -366,18 +390,34 @@ def main() -> None:
         return
 
     results = []
-    for world, config, shape in job_list(args):
-        print(f"running {config} on {world} rank(s) at {shape[0]}×{shape[1]} tokens...", file=sys.stderr, flush=True)
-        started = time.perf_counter()
-        rows, seq = args.rows, args.seq_len
-        args.rows, args.seq_len = shape
-        r = launch(world, config, args)
-        args.rows, args.seq_len = rows, seq
+    jobs = job_list(args)
+    # single-rank references on different GPUs may run side by side (one process per GPU, nothing shared)
+    side_by_side = []
+    if args.concurrent_references:
+        side_by_side = [job for job in jobs if job[0] == 1]
+        if args.device == "cuda":
+            side_by_side = side_by_side[:torch.cuda.device_count()]
+    started = {}
+    for i, (world, config, shape) in enumerate(side_by_side):
+        gpu = i if args.device == "cuda" else None
+        print(f"starting {config} on 1 rank at {shape[0]}×{shape[1]} tokens" + (f" on GPU {gpu}" if gpu is not None
+              else "") + "...", file=sys.stderr, flush=True)
+        started[(world, config, shape)] = Job(world, config, shape_args(args, shape), gpu=gpu)
+    # the side-by-side jobs are awaited first: nothing else shares their GPUs
+    for world, config, shape in side_by_side + [job for job in jobs if job not in side_by_side]:
+        if (world, config, shape) in started:
+            job = started[(world, config, shape)]
+        else:
+            print(f"running {config} on {world} rank(s) at {shape[0]}×{shape[1]} tokens...", file=sys.stderr,
+                  flush=True)
+            job = Job(world, config, shape_args(args, shape))
+        r = job.result()
         if r is None:
             continue
         r["rows"], r["seq_len"] = shape
         results.append(r)
-        print(f"  {time.perf_counter() - started:.0f} s: step {r['step_s'] * 1e3:,.0f} ms, losses "
+        print(f"  {config} on {world} rank(s), {time.perf_counter() - job.started:.0f} s: step "
+              f"{r['step_s'] * 1e3:,.0f} ms, losses "
               f"{' '.join(f'{x:.3f}' for x in r['losses'][::max(1, len(r['losses']) // 10)])}, "
               f"peak {r['peak_gib']} GiB, EP {r['ep_load']} (plain {r['ep_home_load']}), nccl {r.get('nccl_ms')} ms",
               file=sys.stderr, flush=True)
@@ -385,6 +425,7 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(results, indent=1))
         if args.plot:
             plot_losses(results, Path(args.plot))
+    results.sort(key=lambda r: jobs.index((r["world"], r["config"], (r["rows"], r["seq_len"]))))
     if not results:
         raise SystemExit("every job failed")
     rows = []
@@ -433,6 +474,11 @@ def main() -> None:
             results.append({"dcp_check": dcp})
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def shape_args(args, shape: tuple[int, int]):
+    """A copy of `args` with (rows, seq_len) = shape."""
+    return argparse.Namespace(**{**vars(args), "rows": shape[0], "seq_len": shape[1]})
 
 
 def job_list(args) -> list[tuple[int, str, tuple[int, int]]]:
