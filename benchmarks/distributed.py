@@ -384,9 +384,22 @@ def main() -> None:
     p.add_argument("--load", help=argparse.SUPPRESS)
     p.add_argument("--start-step", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--total-steps", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--report", nargs="+", metavar="JSON",
+                   help="only print the tables (and --plot) of earlier --json files, merged (e.g. one per device call)")
     args = p.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.report:
+        merged = [r for f in args.report for r in json.loads(Path(f).read_text())]
+        for r in merged:
+            if "dcp_check" in r:
+                d = r["dcp_check"]
+                print(f"DCP: saved on {d['world']} ranks after {d['saved_after']} steps, resumed on 1 rank: "
+                      f"max |Δloss| {d['max_abs_diff']:.2e} over {d['steps']} steps")
+        report([r for r in merged if "world" in r], args)
+        if args.plot:
+            plot_losses([r for r in merged if "world" in r], Path(args.plot))
         return
 
     results = []
@@ -428,6 +441,19 @@ def main() -> None:
     results.sort(key=lambda r: jobs.index((r["world"], r["config"], (r["rows"], r["seq_len"]))))
     if not results:
         raise SystemExit("every job failed")
+    report(results, args)
+    if args.dcp_check:
+        world = max(args.worlds)
+        same = [r for r in results if r["world"] == world and r["config"] == "fsdp"]
+        dcp = dcp_check(args, world, same[0] if same else None)
+        if dcp is not None:
+            results.append({"dcp_check": dcp})
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def report(results: list[dict], args) -> None:
+    """The tables (and the plot with --plot) of `results`, each compared with the 1-rank run of its shape."""
     rows = []
     for r in results:
         # the reference is the first job on the fewest ranks with the same batches (same rows × length)
@@ -440,7 +466,8 @@ def main() -> None:
         diff = f"{max(deltas):.1e} / {statistics.mean(tail):.1e}"
         # GPU: time inside NCCL kernels (profiled step; they may overlap compute); CPU: wall time in gloo calls
         comm = r["nccl_ms"] / 1e3 if r.get("nccl_ms") is not None else sum(r["collective_s"].values())
-        rows.append([f"{r['world']}", r["config"], f"{r['rows']}×{r['seq_len']}", f"{r['step_s'] * 1e3:,.0f}", f"{tps / r['world']:,.0f}",
+        rows.append([f"{r['world']}", r["config"], f"{r['rows']}×{r['seq_len']}", f"{r['step_s'] * 1e3:,.0f}",
+                     f"{tps / r['world']:,.0f}",
                      f"{tps / r['world'] / base_tps:.2f}", f"{r['losses'][0]:.3f}→{r['losses'][-1]:.3f}",
                      diff, f"{100 * comm / r['step_s']:.0f}%",
                      "-" if r["ep_load"] is None else f"{r['ep_load']:.2f} ({r['ep_home_load']:.2f})",
@@ -448,9 +475,9 @@ def main() -> None:
     header = ["ranks", "config", "batch", "step ms", "tok/s/rank", "scaling eff.", "loss first→last",
               "|Δloss| max / last 10%",
               "comm share", "EP load max/mean (no plan)", "peak GiB"]
-    print_table(f"{args.preset} on {args.device}, {args.steps} steps: {args.rows}×{args.seq_len} tokens per step"
-                + (f" ({args.cp_rows or args.rows}×{args.cp_seq_len or args.seq_len} for CP)"
-                   if any("cp" in c for c in args.configs) else ""), header, rows)
+    steps = sorted({len(r["losses"]) for r in results})
+    print_table(f"steps per job: {', '.join(map(str, steps))}; each run against the 1-rank run of its batch shape",
+                header, rows)
 
     byte_rows = []
     for r in results:
@@ -466,14 +493,6 @@ def main() -> None:
                               "-" if pr is None else f"{pr / 1e6:,.3f}"])
     print_table("bytes received per rank per step (MB)", ["ranks", "config", "collective", "measured", "predicted"],
                 byte_rows)
-    if args.dcp_check:
-        world = max(args.worlds)
-        same = [r for r in results if r["world"] == world and r["config"] == "fsdp"]
-        dcp = dcp_check(args, world, same[0] if same else None)
-        if dcp is not None:
-            results.append({"dcp_check": dcp})
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 def shape_args(args, shape: tuple[int, int]):
