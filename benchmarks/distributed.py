@@ -4,8 +4,10 @@ Runs each (world size, parallel config) as its own `torchrun --standalone` job o
 mode, on gloo (CPU) or NCCL (GPU), and prints one table. Every job trains the same global batches —
 packed documents of a learnable synthetic language over the first V = --language-vocab token ids
 (next = (31·prev + 7 + r) mod V, r uniform in 0…3, so the floor is ln 4 = 1.386 nats; V well below the
-model's vocabulary makes the first hundred steps visibly learn) — from the same seed, so loss curves are comparable across
-world sizes; the first job of the list is the reference for the curve difference.
+model's vocabulary makes the first hundred steps visibly learn) — from the same seed, so loss curves are
+comparable across world sizes. Each run is compared with the 1-rank run of its batch shape (rows × length);
+the CP config may use its own, longer shape (--cp-rows, --cp-seq-len). --report merges the JSON files of
+several device calls into one table.
 
 Configs: `fsdp` (FSDP2 over all ranks), `fsdp+ep` (plus expert parallelism with MoonEP), `fsdp+ep-noplan`
 (plain EP, for the imbalance MoonEP removes), `fsdp+cp` (plus context parallelism over all ranks).
@@ -235,7 +237,8 @@ def worker(args) -> None:
         "bytes": dict(counter.bytes), "collective_s": dict(counter.seconds),
         "muon_plan_bytes": muon_plan_bytes(optimizer),
         "ep_load": max(ep_load) if ep_load else None, "ep_home_load": max(ep_home) if ep_home else None,
-        "peak_gib": max_over_ranks(torch.cuda.max_memory_allocated() / 2**30, device) if device.type == "cuda" else None,
+        "peak_gib": (max_over_ranks(torch.cuda.max_memory_allocated() / 2**30, device)
+                     if device.type == "cuda" else None),
         "nccl_ms": nccl_ms,
         "prediction": predict(config, world, cp, ep, args, params, root_params),
     }
