@@ -14,8 +14,9 @@ measured variant are in docs/kda-kernels.md. In short:
   Aqk, G_C and T; `_state` walks each sequence's chunks in order with the state in registers, split
   over value blocks, and writes the output (and, on request, the state at every chunk start).
 - Backward (only the raw inputs are saved): `_prepare` and `_state` run again (the latter storing
-  chunk-start states), `_state_bwd` walks the chunks backwards for the state gradient, `_bwd_v` gathers
-  everything that contracts over the value dim, and `_bwd_k` finishes the score, gate and norm chains.
+  chunk-start states), `_state_bwd` walks the chunks backwards for the state gradient, `_bwd_vu` and
+  `_bwd_vw` gather everything that contracts over the value dim (split in two so that each holds half of
+  the accumulators), and `_bwd_k` finishes the score (in the same 16-row blocks), gate and norm chains.
 
 Intermediates are stored in bf16 for bf16 inputs except U and Aqk (fp32); states and accumulators are
 fp32; fp32 operands multiply in tf32, bf16 score blocks in bf16. Everything is indexed by packed document
@@ -44,7 +45,7 @@ TUNING = {
     "prepare_warps": 8,
     "state_bv": 32, "state_warps": 4, "state_stages": 2,
     "state_bwd_bv": 32, "state_bwd_warps": 8, "state_bwd_stages": 1,
-    "bwd_v_bv": 32, "bwd_v_warps": 8,
+    "bwd_v_bv": 32, "bwd_v_warps": 8,  # both `_bwd_vu` and `_bwd_vw`
     "bwd_k_warps": 8,
     "decode_bv": 64, "decode_warps": 4,
 }
@@ -89,6 +90,14 @@ def _bp(x, bos, L, i_h, row0, col0, H, W: tl.constexpr, C: tl.constexpr, BW: tl.
 
 
 @triton.jit
+def _load_beta(b, bos, L, row0, i_h, H, C: tl.constexpr):
+    """β = σ(b) for rows row0 … row0+C−1 of one document; 0 past its end."""
+    p_b = tl.make_block_ptr(b + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,))
+    b_raw = tl.load(p_b, boundary_check=(0,), padding_option="zero").to(tl.float32)
+    return tl.where(row0 + tl.arange(0, C) < L, tl.sigmoid(b_raw), 0.0)
+
+
+@triton.jit
 def _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
                        H, K: tl.constexpr, C: tl.constexpr, G_MIN: tl.constexpr):
     """Raw rows → (q̂·scale, k̂, β, g, q norm, k norm, gate pre-activation x, valid) for one chunk of one head.
@@ -101,15 +110,13 @@ def _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
     q_raw = tl.load(_bp(q, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     k_raw = tl.load(_bp(k, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     z_raw = tl.load(_bp(z, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
-    p_b = tl.make_block_ptr(b + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,))
-    b_raw = tl.load(p_b, boundary_check=(0,), padding_option="zero").to(tl.float32)
     q_raw = q_raw.to(tl.float32)
     k_raw = k_raw.to(tl.float32)
     q_n = tl.sqrt(tl.sum(q_raw * q_raw, 1) + 1e-6)
     k_n = tl.sqrt(tl.sum(k_raw * k_raw, 1) + 1e-6)
     qh = q_raw / q_n[:, None] * scale
     kh = k_raw / k_n[:, None]
-    beta = tl.where(valid, tl.sigmoid(b_raw), 0.0)
+    beta = _load_beta(b, bos, L, row0, i_h, H, C)
     a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     bias = tl.load(dt_bias + i_h * K + ck).to(tl.float32)
     x = a * (z_raw.to(tl.float32) + bias[None, :])
@@ -117,50 +124,30 @@ def _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
     return qh, kh, beta, g, q_n, k_n, x, valid
 
 
-@triton.jit
-def _row_anchors(G, C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr):
-    """Per row r, the cumulative gate at the first row of r's 16-row block: [C, K]."""
-    NB: tl.constexpr = C // BC
-    G3 = tl.reshape(G, [NB, BC, K])
-    first = tl.arange(0, BC)[None, :, None] == 0
-    a3 = tl.sum(tl.where(first, G3, 0.0), 1)  # [NB, K]
-    return tl.reshape(tl.broadcast_to(a3[:, None, :], [NB, BC, K]), [C, K]), a3
-
-
-@triton.jit
-def _pick_block(X, R: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, W: tl.constexpr):
-    """Rows R·BC … R·BC+BC−1 of X [C, W] as a [BC, W] tile."""
-    NB: tl.constexpr = C // BC
-    X3 = tl.reshape(X, [NB, BC, W])
-    return tl.sum(tl.where(tl.arange(0, NB)[:, None, None] == R, X3, 0.0), 0)
-
-
-@triton.jit
-def _pick_anchor(a3, R: tl.constexpr, NB: tl.constexpr):
-    return tl.sum(tl.where(tl.arange(0, NB)[:, None] == R, a3, 0.0), 0)  # [K]
-
-
-@triton.jit
-def _put_block(X3, blk, R: tl.constexpr, NB: tl.constexpr):
-    """X3 [NB, BC, W] with block R replaced by blk [BC, W]."""
-    return tl.where(tl.arange(0, NB)[:, None, None] == R, blk[None, :, :], X3)
-
-
 # forward kernels
 
 
 @triton.jit
-def _sub_block(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, carry,
-               H, K: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr):
-    """One 16-row block: q̂, k̂, β, the cumulative gate G (continuing from `carry`), and the block's own
-    anchor a (G at its first row) and end e (G at its last row), with the anchored operands
-    qs = q̂⊙exp(G − a), ks = k̂⊙exp(G − a) (≤ 1), kc = k̂⊙exp(a − G) (≤ e^75) and kend = k̂⊙exp(e − G) (≤ 1)."""
+def _block_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, carry,
+                  H, K: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr):
+    """One 16-row block: q̂, k̂, β, the cumulative gate G (continuing from `carry`), the block's anchor a
+    (G at its first row) and end e (G at its last row), and the norms, gate pre-activation and valid mask."""
     qh, kh, beta, g, q_n, k_n, x, valid = _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
                                                               H, K, BC, G_MIN)
     G = carry[None, :] + tl.cumsum(g, 0)
     r = tl.arange(0, BC)
     a = tl.sum(tl.where(r[:, None] == 0, G, 0.0), 0)
     e = tl.sum(tl.where(r[:, None] == BC - 1, G, 0.0), 0)
+    return qh, kh, beta, G, a, e, q_n, k_n, x, valid
+
+
+@triton.jit
+def _sub_block(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, carry,
+               H, K: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr):
+    """`_block_inputs` plus the anchored operands qs = q̂⊙exp(G − a), ks = k̂⊙exp(G − a) (≤ 1),
+    kc = k̂⊙exp(a − G) (≤ e^75) and kend = k̂⊙exp(e − G) (≤ 1)."""
+    qh, kh, beta, G, a, e, q_n, k_n, x, valid = _block_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
+                                                              carry, H, K, BC, G_MIN)
     rf = tl.exp(G - a[None, :])
     kc = kh * tl.exp(a[None, :] - G)
     kend = kh * tl.exp(e[None, :] - G)
@@ -444,16 +431,16 @@ def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
 
 
 @triton.jit
-def _bwd_v(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, t_in, hs, dse, do, du,
-           dv, dqh_out, dkh_out, dg_out, daqk_out, dakk_out, db_out,
-           scale, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-           G_MIN: tl.constexpr, INTERP: tl.constexpr):
-    """One (chunk, head): every gradient term that contracts over the value dim, looping over value blocks.
+def _bwd_vu(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, t_in, hs, dse, do,
+            dkh_out, dg_out, daqk_out,
+            scale, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+            G_MIN: tl.constexpr, INTERP: tl.constexpr):
+    """One (chunk, head), first half of the value-dim gradients: the terms through Ũ = T·diag(β)·V − W·S.
 
-    With S the chunk-start state, dS_end the chunk-end gradient and dŨ from `_state_bwd`:
-    dQg = dO·Sᵀ, dAqk = dO·Ũᵀ, dKd = Ũ·dS_endᵀ, dW = −dŨ·Sᵀ, dΓ_C = Σ_v S ⊙ dS_end, and through
-    U = T·diag(β)·V and W = T·diag(β)·(K⊙Γ): dv, dT and part of dβ. Then dAkk = −Tᵀ·dT·Tᵀ, and the
-    gate terms that do not involve the score matrices go into dG. Writes fp32 partials for `_bwd_k`.
+    With S the chunk-start state and dS_end the chunk-end gradient, looping over value blocks:
+    dAqk = dO·Ũᵀ, dKd = Ũ·dS_endᵀ and dΓ_C = Σ_v S ⊙ dS_end. Writes dAqk, and starts the fp32 partials
+    dk̂ = dKd⊙exp(G_C − G) and dG (the −k̂⊙dk̂ part, and G_C's gradient on the last row) that `_bwd_vw`
+    completes for `_bwd_k`.
     """
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -465,62 +452,211 @@ def _bwd_v(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, t_in, hs, dse, do, du,
     qh, kh, beta, g, q_n, k_n, x, valid = _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
                                                               H, K, C, G_MIN)
     G = tl.cumsum(g, 0)
-    gam = tl.exp(G)
-    gc = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)
     Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
-    Kg = kh * gam
-    Xk = beta[:, None] * Kg
-    W = tl.dot(Tm, Xk)
-    TmT = tl.trans(Tm)
+    W = tl.dot(Tm, beta[:, None] * kh * tl.exp(G))
     ck = tl.arange(0, K)
     s_base = (i_c * H + i_h).to(tl.int64) * K * V
-    dQg = tl.zeros([C, K], dtype=tl.float32)
     dKd = tl.zeros([C, K], dtype=tl.float32)
-    dW = tl.zeros([C, K], dtype=tl.float32)
     dAqk = tl.zeros([C, C], dtype=tl.float32)
-    dT = tl.zeros([C, C], dtype=tl.float32)
     dgc = tl.zeros([K], dtype=tl.float32)
-    dbeta = tl.zeros([C], dtype=tl.float32)
     for i_v in range(0, V // BV):
         off_s = ck[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
         S = tl.load(hs + s_base + off_s)
         dSe = tl.load(dse + s_base + off_s)
         dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-        dU = tl.load(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
         vb = tl.load(_bp(v, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-        dO = dO.to(tl.float32)
-        vb = vb.to(tl.float32)
-        Xv = beta[:, None] * vb
-        Ut = tl.dot(Tm, Xv) - tl.dot(W, S)
-        dQg += tl.dot(dO, tl.trans(S))
-        dAqk += tl.dot(dO, tl.trans(Ut))
+        Ut = tl.dot(Tm, beta[:, None] * vb.to(tl.float32)) - tl.dot(W, S)
+        dAqk += tl.dot(dO.to(tl.float32), tl.trans(Ut))
         dKd += tl.dot(Ut, tl.trans(dSe))
         dgc += tl.sum(S * dSe, 1)
+    tl.store(_bp(daqk_out, bos, L, i_h, row0, 0, H, C, C, C), tl.where(rows[:, None] >= rows[None, :], dAqk, 0.0),
+             boundary_check=(0,))
+    # reloaded rather than kept live through the loop (the store above keeps the compiler from merging the loads)
+    qh, kh, beta, g, q_n, k_n, x, valid = _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
+                                                              H, K, C, G_MIN)
+    G = tl.cumsum(g, 0)
+    gc = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)
+    dKd = dKd * tl.exp(gc[None, :] - G)
+    dG = -kh * dKd
+    # G_C feeds Γ_C and every exp(G_C − G_i): its gradient lands on the last row, spread back by the cumsum.
+    dG_end = tl.exp(gc) * dgc + tl.sum(kh * dKd, 0)
+    dG = tl.where(rows[:, None] == C - 1, dG + dG_end[None, :], dG)
+    tl.store(_bp(dkh_out, bos, L, i_h, row0, 0, H, K, C, K), dKd, boundary_check=(0,))
+    tl.store(dg_out + (i_c * H + i_h).to(tl.int64) * C * K + rows[:, None] * K + ck[None, :], dG)
+
+
+@triton.jit
+def _bwd_vw(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, t_in, hs, do, du,
+            dv, dqh_out, dkh_out, dg_out, dakk_out, db_out,
+            scale, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+            G_MIN: tl.constexpr, INTERP: tl.constexpr):
+    """One (chunk, head), second half of the value-dim gradients: the terms through S and dŨ.
+
+    Looping over value blocks: dQg = dO·Sᵀ, dW = −dŨ·Sᵀ, and through U = T·diag(β)·V: dv = β·Tᵀ·dŨ,
+    dT and part of dβ. Then through W = T·diag(β)·(K⊙Γ) the rest of dT and dβ, dAkk = −Tᵀ·dT·Tᵀ, and
+    the gate terms that do not involve the score matrices, added to `_bwd_vu`'s partial dk̂ and dG.
+    """
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    n = tl.load(chunk_idx + 2 * i_c)
+    row0 = tl.load(chunk_idx + 2 * i_c + 1) * C
+    bos = tl.load(cu + n).to(tl.int64)
+    L = tl.load(cu + n + 1) - tl.load(cu + n)
+    rows = tl.arange(0, C)
+    beta = _load_beta(b, bos, L, row0, i_h, H, C)
+    Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    TmT = tl.trans(Tm)
+    ck = tl.arange(0, K)
+    s_base = (i_c * H + i_h).to(tl.int64) * K * V
+    dQg = tl.zeros([C, K], dtype=tl.float32)
+    dW = tl.zeros([C, K], dtype=tl.float32)
+    dT = tl.zeros([C, C], dtype=tl.float32)
+    dbeta = tl.zeros([C], dtype=tl.float32)
+    for i_v in range(0, V // BV):
+        off_s = ck[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
+        S = tl.load(hs + s_base + off_s)
+        dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+        dU = tl.load(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+        vb = tl.load(_bp(v, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+        vb = vb.to(tl.float32)
+        dQg += tl.dot(dO.to(tl.float32), tl.trans(S))
         dW -= tl.dot(dU, tl.trans(S))
         dXv = tl.dot(TmT, dU)
         tl.store(_bp(dv, bos, L, i_h, row0, i_v * BV, H, V, C, BV),
                  _cast(beta[:, None] * dXv, dv.dtype.element_ty, INTERP), boundary_check=(0,))
         dbeta += tl.sum(dXv * vb, 1)
-        dT += tl.dot(dU, tl.trans(Xv))
+        dT += tl.dot(dU, tl.trans(beta[:, None] * vb))
+    qh, kh, beta, g, q_n, k_n, x, valid = _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
+                                                              H, K, C, G_MIN)
+    gam = tl.exp(tl.cumsum(g, 0))
+    Kg = kh * gam
     dXk = tl.dot(TmT, dW)
     dbeta += tl.sum(dXk * Kg, 1)
-    dT += tl.dot(dW, tl.trans(Xk))
+    dT += tl.dot(dW, tl.trans(beta[:, None] * Kg))
     dAkk = -tl.dot(tl.dot(TmT, dT), TmT)
-    dAkk = tl.where(rows[:, None] > rows[None, :], dAkk, 0.0)
-    dAqk = tl.where(rows[:, None] >= rows[None, :], dAqk, 0.0)
     dKg = beta[:, None] * dXk * gam
-    dKd = dKd * tl.exp(gc[None, :] - G)
     dqh = dQg * gam
-    dG = qh * dqh + kh * dKg - kh * dKd
-    # G_C feeds Γ_C and every exp(G_C − G_i): its gradient lands on the last row, spread back by the cumsum.
-    dG_end = tl.exp(gc) * dgc + tl.sum(kh * dKd, 0)
-    dG = tl.where(rows[:, None] == C - 1, dG + dG_end[None, :], dG)
+    p_dkh = _bp(dkh_out, bos, L, i_h, row0, 0, H, K, C, K)
+    p_dg = dg_out + (i_c * H + i_h).to(tl.int64) * C * K + rows[:, None] * K + ck[None, :]
+    dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero") + dKg
+    dG = tl.load(p_dg) + qh * dqh + kh * dKg
     tl.store(_bp(dqh_out, bos, L, i_h, row0, 0, H, K, C, K), dqh, boundary_check=(0,))
-    tl.store(_bp(dkh_out, bos, L, i_h, row0, 0, H, K, C, K), dKg + dKd, boundary_check=(0,))
-    tl.store(dg_out + (i_c * H + i_h).to(tl.int64) * C * K + rows[:, None] * K + ck[None, :], dG)
-    tl.store(_bp(daqk_out, bos, L, i_h, row0, 0, H, C, C, C), dAqk, boundary_check=(0,))
-    tl.store(_bp(dakk_out, bos, L, i_h, row0, 0, H, C, C, C), dAkk, boundary_check=(0,))
+    tl.store(p_dkh, dkh, boundary_check=(0,))
+    tl.store(p_dg, dG)
+    tl.store(_bp(dakk_out, bos, L, i_h, row0, 0, H, C, C, C), tl.where(rows[:, None] > rows[None, :], dAkk, 0.0),
+             boundary_check=(0,))
     tl.store(tl.make_block_ptr(db_out + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,)), dbeta, boundary_check=(0,))
+
+
+@triton.jit
+def _load_block(x, bos, L, i_h, row0, col0, H, W: tl.constexpr, BC: tl.constexpr):
+    """The BC×BC block at (row0, col0) of a [TT, H, W] tensor; rows past the document end read as zero."""
+    return tl.load(_bp(x, bos, L, i_h, row0, col0, H, W, BC, BC), boundary_check=(0,), padding_option="zero")
+
+
+@triton.jit
+def _score_bwd_off(daqk, dakk, bos, L, i_h, row0, col0, qs, ks, beta, a, kend_J, e_J, rowq, rowk, cs_J,
+                   H, C: tl.constexpr, BC: tl.constexpr):
+    """Block (R, J < R) of the score backward, factorised as in `_off_scores`: d = exp(a_R − e_J) ≤ 1.
+
+    Adds dAqk_RJ·(k̂⊙exp(e_J − G))·d to rowq and dAkk_RJ·(…)·d to rowk (the row side of block R), and
+    dAqk_RJᵀ·(qs⊙d) + dÃ_RJᵀ·(ks⊙d) to cs_J (block J's column side, scaled by exp(e_J − G) at the end).
+    """
+    d = tl.exp(a - e_J)[None, :]
+    daq = _load_block(daqk, bos, L, i_h, row0, col0, H, C, BC)
+    dak = _load_block(dakk, bos, L, i_h, row0, col0, H, C, BC)
+    rowq += d * tl.dot(daq, kend_J)
+    rowk += d * tl.dot(dak, kend_J)
+    cs_J += tl.dot(tl.trans(daq), qs * d) + tl.dot(tl.trans(beta[:, None] * dak), ks * d)
+    return rowq, rowk, cs_J
+
+
+@triton.jit
+def _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk, dakk, db_in, dq, dbl,
+              bos, L, row0, R: tl.constexpr, g_base, i_h, scale, carry, kend0, e0, kend1, e1, kend2, e2,
+              cs0, cs1, cs2, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+              G_MIN: tl.constexpr, INTERP: tl.constexpr):
+    """Sweep 1 of `_bwd_k`, row block R: everything its rows of the score matrices give.
+
+    dq̂ and dβ only have row-side terms, so dq and dβ's logit are finished here; the partial dk̂ and dG
+    (missing the column side of later row blocks) go back to their scratch rows. Adds block R's column
+    side to the cs of earlier blocks; returns (G at the block's end, k̂⊙exp(e_R − G), cs0, cs1, cs2).
+    """
+    qh, kh, beta, G, a, e, q_n, k_n, x, valid = _block_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0 + R * BC,
+                                                              i_h, scale, carry, H, K, BC, G_MIN)
+    rf = tl.exp(G - a[None, :])
+    ec = tl.exp(a[None, :] - G)
+    qs = qh * rf
+    ks = kh * rf
+    kc = kh * ec
+    # diagonal block: exp(G[r] − G[i]) = exp(G[r] − a)·exp(a − G[i]); dAqk, dAkk arrive masked
+    daq = _load_block(daqk, bos, L, i_h, row0 + R * BC, R * BC, H, C, BC)
+    dak = _load_block(dakk, bos, L, i_h, row0 + R * BC, R * BC, H, C, BC)
+    rowq = tl.dot(daq, kc)
+    rowk = tl.dot(dak, kc)
+    cs = tl.dot(tl.trans(daq), qs) + tl.dot(tl.trans(beta[:, None] * dak), ks)
+    if R > 0:
+        rowq, rowk, cs0 = _score_bwd_off(daqk, dakk, bos, L, i_h, row0 + R * BC, 0, qs, ks, beta, a, kend0, e0,
+                                         rowq, rowk, cs0, H, C, BC)
+    if R > 1:
+        rowq, rowk, cs1 = _score_bwd_off(daqk, dakk, bos, L, i_h, row0 + R * BC, BC, qs, ks, beta, a, kend1, e1,
+                                         rowq, rowk, cs1, H, C, BC)
+    if R > 2:
+        rowq, rowk, cs2 = _score_bwd_off(daqk, dakk, bos, L, i_h, row0 + R * BC, 2 * BC, qs, ks, beta, a, kend2,
+                                         e2, rowq, rowk, cs2, H, C, BC)
+    r0 = row0 + R * BC
+    ck = tl.arange(0, K)
+    p_dqh = _bp(dqh_in, bos, L, i_h, r0, 0, H, K, BC, K)
+    p_dkh = _bp(dkh_in, bos, L, i_h, r0, 0, H, K, BC, K)
+    p_dg = dg_in + g_base + (R * BC + tl.arange(0, BC))[:, None] * K + ck[None, :]
+    dqh = tl.load(p_dqh, boundary_check=(0,), padding_option="zero") + rf * rowq
+    # rowk was taken with dAkk; Akk = diag(β)·Ã, so Σ_i dAkk·Ã = Σ_k ks⊙rowk, and Ã's own gradient is β·rowk
+    p_db = tl.make_block_ptr(db_in + bos * H + i_h, (L,), (H,), (r0,), (BC,), (0,))
+    dbeta = tl.load(p_db, boundary_check=(0,), padding_option="zero") + tl.sum(ks * rowk, 1)
+    rowk = beta[:, None] * rowk
+    dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero") + rf * rowk + ec * cs
+    dG = tl.load(p_dg) + qs * rowq + ks * rowk - kc * cs
+    tl.store(p_dkh, dkh, boundary_check=(0,))
+    tl.store(p_dg, dG)
+    # L2 norm: y = x/‖x‖ → dx = (dy − y·⟨y, dy⟩)/‖x‖; q̂ = scale·y
+    yq = qh / scale
+    dyq = dqh * scale
+    dqv = (dyq - yq * tl.sum(yq * dyq, 1)[:, None]) / q_n[:, None]
+    tl.store(_bp(dq, bos, L, i_h, r0, 0, H, K, BC, K), _cast(dqv, dq.dtype.element_ty, INTERP), boundary_check=(0,))
+    p_dbl = tl.make_block_ptr(dbl + bos * H + i_h, (L,), (H,), (r0,), (BC,), (0,))
+    tl.store(p_dbl, _cast(dbeta * beta * (1.0 - beta), dbl.dtype.element_ty, INTERP), boundary_check=(0,))
+    return e, kh * tl.exp(e[None, :] - G), cs0, cs1, cs2
+
+
+@triton.jit
+def _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, J: tl.constexpr, g_base, i_h,
+              scale, carry, e_J, cs_J, dg_after, dA_sum, dbias_sum,
+              H, K: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr, HAS_CS: tl.constexpr,
+              INTERP: tl.constexpr):
+    """Sweep 2 of `_bwd_k`, block J (last block first): the column side of the later row blocks, the reverse
+    cumsum dG → dg (dg_after = Σ dG over the later blocks), and the gate and k-norm chains.
+
+    Returns dg_after, dA_sum and dbias_sum with this block added."""
+    qh, kh, beta, G, a, e, q_n, k_n, x, valid = _block_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0 + J * BC,
+                                                              i_h, scale, carry, H, K, BC, G_MIN)
+    r0 = row0 + J * BC
+    ck = tl.arange(0, K)
+    p_dkh = _bp(dkh_in, bos, L, i_h, r0, 0, H, K, BC, K)
+    dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero")
+    # padding rows keep their dG: the last row carries G_C's gradient into the chunk (`_bwd_vu`)
+    dG = tl.load(dg_in + g_base + (J * BC + tl.arange(0, BC))[:, None] * K + ck[None, :])
+    if HAS_CS:
+        f = tl.exp(e_J[None, :] - G) * cs_J
+        dkh += f
+        dG -= kh * f
+    dg = tl.cumsum(dG, 0, reverse=True) + dg_after[None, :]
+    sg = tl.sigmoid(x)
+    dx = tl.where(valid[:, None], dg * G_MIN * sg * (1.0 - sg), 0.0)
+    dzv = dx * tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    tl.store(_bp(dz, bos, L, i_h, r0, 0, H, K, BC, K), _cast(dzv, dz.dtype.element_ty, INTERP), boundary_check=(0,))
+    dkv = (dkh - kh * tl.sum(kh * dkh, 1)[:, None]) / k_n[:, None]
+    tl.store(_bp(dk, bos, L, i_h, r0, 0, H, K, BC, K), _cast(dkv, dk.dtype.element_ty, INTERP), boundary_check=(0,))
+    return dg_after + tl.sum(dG, 0), dA_sum + tl.sum(tl.sum(dx * x, 1), 0), dbias_sum + tl.sum(dzv, 0)
 
 
 @triton.jit
@@ -530,80 +666,56 @@ def _bwd_k(q, k, z, b, A_log, dt_bias, cu, chunk_idx, dqh_in, dkh_in, dg_in, daq
            G_MIN: tl.constexpr, INTERP: tl.constexpr):
     """One (chunk, head): the score-matrix, cumsum, gate, norm and sigmoid chains back to the raw inputs.
 
-    Per 16-row block R with anchor a_R (as in `_scores`): rows get exp(G − a_R), columns exp(a_R − G),
-    so dq̂, dk̂ and dG come out of [16, C] × [C, K] and [C, 16] × [16, K] matmuls. dG is summed back
-    to dg by a reverse cumsum. dA_log and dt_bias get per-chunk partial sums (reduced by the caller).
+    The score backward uses `_prepare`'s 16-row blocks and anchors, 2D tiles only. Block (R, J) of
+    Aqk = Σ_k q̂[r]k̂[i]·exp(G[r] − G[i]) (and of Ã, Akk = diag(β)·Ã) factorises into a row factor
+    exp(G[r] − a_R) and a column factor (exp(a_R − G[i]) on the diagonal, exp(a_R − e_J)·exp(e_J − G[i])
+    below it), so dq̂, dk̂ and dG come out of 16×16 by 16×K matmuls: row side Σ_i dA[r, i]·col[i], column
+    side Σ_r dA[r, i]·row[r]; the gate gets +x⊙dx on the row factor's side and −x⊙dx on the column's.
+    Sweep 1 (R = 0…3) does each row block's row side, finishes dq and dβ, adds its column side to the
+    earlier blocks' accumulators and writes the partial dk̂, dG back to their scratch. Sweep 2
+    (J = 3…0) adds the accumulated column sides, turns dG into dg by a reverse cumsum and finishes dk,
+    dz and the per-chunk partial sums of dA_log and dt_bias (reduced by the caller).
     """
-    NB: tl.constexpr = C // BC
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     n = tl.load(chunk_idx + 2 * i_c)
     row0 = tl.load(chunk_idx + 2 * i_c + 1) * C
     bos = tl.load(cu + n).to(tl.int64)
     L = tl.load(cu + n + 1) - tl.load(cu + n)
-    rows = tl.arange(0, C)
-    qh, kh, beta, g, q_n, k_n, x, valid = _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
-                                                              H, K, C, G_MIN)
-    m = valid[:, None]
-    G = tl.cumsum(g, 0)
-    ck = tl.arange(0, K)
-    dqh = tl.load(_bp(dqh_in, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
-    dkh = tl.load(_bp(dkh_in, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
-    dG = tl.load(dg_in + (i_c * H + i_h).to(tl.int64) * C * K + rows[:, None] * K + ck[None, :])
-    dAqk = tl.load(_bp(daqk_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
-    dAkk = tl.load(_bp(dakk_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
-    p_db = tl.make_block_ptr(db_in + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,))
-    dbeta = tl.load(p_db, boundary_check=(0,), padding_option="zero")
-    dA = beta[:, None] * dAkk  # gradient of Ã (Akk = diag(β)·Ã)
-
-    anchor, a3 = _row_anchors(G, C, BC, K)
-    rf = tl.exp(G - anchor)
-    qs = qh * rf
-    ks = kh * rf
-    row3 = tl.zeros([NB, BC, K], dtype=tl.float32)  # Σ_i dAqk·col and Σ_i dÃ·col, row-block by row-block
-    rowk3 = tl.zeros([NB, BC, K], dtype=tl.float32)
-    dbeta3 = tl.zeros([NB, BC], dtype=tl.float32)
-    for R in tl.static_range(NB):
-        aR = _pick_anchor(a3, R, NB)
-        ec = tl.exp(tl.where(rows[:, None] < (R + 1) * BC, aR[None, :] - G, float("-inf")))  # as `_col_factor`
-        col = kh * ec
-        qs_R = _pick_block(qs, R, C, BC, K)
-        ks_R = _pick_block(ks, R, C, BC, K)
-        dAq_R = _pick_block(dAqk, R, C, BC, C)
-        dA_R = _pick_block(dA, R, C, BC, C)
-        At_R = tl.dot(ks_R, tl.trans(col))  # Ã rows of block R (upper part finite, masked by dAkk)
-        dbeta3 = tl.where(tl.arange(0, NB)[:, None] == R,
-                          tl.sum(_pick_block(dAkk, R, C, BC, C) * At_R, 1)[None, :], dbeta3)
-        row3 = _put_block(row3, tl.dot(dAq_R, col), R, NB)
-        rowk3 = _put_block(rowk3, tl.dot(dA_R, col), R, NB)
-        # column side: Σ_r dAqk[r, i]·qs[r] + dÃ[r, i]·ks[r], times exp(a_R − G[i])
-        cs = tl.dot(tl.trans(dAq_R), qs_R) + tl.dot(tl.trans(dA_R), ks_R)  # [C, K]
-        dkh += ec * cs
-        dG -= col * cs
-    row_q = tl.reshape(row3, [C, K])
-    row_k = tl.reshape(rowk3, [C, K])
-    dqh += rf * row_q
-    dkh += rf * row_k
-    dG += qs * row_q + ks * row_k
-    dbeta += tl.reshape(dbeta3, [C])
-
-    dg = tl.cumsum(dG, 0, reverse=True)
-    sg = tl.sigmoid(x)
-    dx = tl.where(m, dg * G_MIN * sg * (1.0 - sg), 0.0)
-    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    dzv = dx * a
-    tl.store(dA_part + i_c * H + i_h, tl.sum(tl.sum(dx * x, 1), 0))
-    tl.store(dbias_part + (i_c * H + i_h).to(tl.int64) * K + ck, tl.sum(dzv, 0))
-    tl.store(_bp(dz, bos, L, i_h, row0, 0, H, K, C, K), _cast(dzv, dz.dtype.element_ty, INTERP), boundary_check=(0,))
-    # L2 norm: y = x/‖x‖ → dx = (dy − y·⟨y, dy⟩)/‖x‖; q̂ = scale·y
-    yq = qh / scale
-    dyq = dqh * scale
-    dqv = (dyq - yq * tl.sum(yq * dyq, 1)[:, None]) / q_n[:, None]
-    dkv = (dkh - kh * tl.sum(kh * dkh, 1)[:, None]) / k_n[:, None]
-    tl.store(_bp(dq, bos, L, i_h, row0, 0, H, K, C, K), _cast(dqv, dq.dtype.element_ty, INTERP), boundary_check=(0,))
-    tl.store(_bp(dk, bos, L, i_h, row0, 0, H, K, C, K), _cast(dkv, dk.dtype.element_ty, INTERP), boundary_check=(0,))
-    p_dbl = tl.make_block_ptr(dbl + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,))
-    tl.store(p_dbl, _cast(dbeta * beta * (1.0 - beta), dbl.dtype.element_ty, INTERP), boundary_check=(0,))
+    g_base = (i_c * H + i_h).to(tl.int64) * C * K
+    zero = tl.zeros([K], dtype=tl.float32)
+    cs0 = tl.zeros([BC, K], dtype=tl.float32)
+    cs1 = tl.zeros([BC, K], dtype=tl.float32)
+    cs2 = tl.zeros([BC, K], dtype=tl.float32)
+    # sweep 1; the kend/e arguments of blocks not reached yet are placeholders that the block R skips
+    e0, kend0, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
+                                         db_in, dq, dbl, bos, L, row0, 0, g_base, i_h, scale, zero,
+                                         cs0, zero, cs0, zero, cs0, zero, cs0, cs1, cs2, H, K, C, BC, G_MIN, INTERP)
+    e1, kend1, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
+                                         db_in, dq, dbl, bos, L, row0, 1, g_base, i_h, scale, e0,
+                                         kend0, e0, cs0, zero, cs0, zero, cs0, cs1, cs2, H, K, C, BC, G_MIN, INTERP)
+    e2, kend2, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
+                                         db_in, dq, dbl, bos, L, row0, 2, g_base, i_h, scale, e1,
+                                         kend0, e0, kend1, e1, cs0, zero, cs0, cs1, cs2, H, K, C, BC, G_MIN, INTERP)
+    e3, _, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
+                                     db_in, dq, dbl, bos, L, row0, 3, g_base, i_h, scale, e2,
+                                     kend0, e0, kend1, e1, kend2, e2, cs0, cs1, cs2, H, K, C, BC, G_MIN, INTERP)
+    # sweep 2 reads the partial dk̂ and dG that other threads of this program just wrote
+    tl.debug_barrier()
+    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, 3,
+                                            g_base, i_h, scale, e2, e3, cs0, zero, 0.0, zero,
+                                            H, K, BC, G_MIN, False, INTERP)
+    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, 2,
+                                            g_base, i_h, scale, e1, e2, cs2, dg_after, dA_sum, dbias_sum,
+                                            H, K, BC, G_MIN, True, INTERP)
+    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, 1,
+                                            g_base, i_h, scale, e0, e1, cs1, dg_after, dA_sum, dbias_sum,
+                                            H, K, BC, G_MIN, True, INTERP)
+    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, 0,
+                                            g_base, i_h, scale, zero, e0, cs0, dg_after, dA_sum, dbias_sum,
+                                            H, K, BC, G_MIN, True, INTERP)
+    tl.store(dA_part + i_c * H + i_h, dA_sum)
+    tl.store(dbias_part + (i_c * H + i_h).to(tl.int64) * K + tl.arange(0, K), dbias_sum)
 
 
 # host side
@@ -731,10 +843,14 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     dA_part = torch.zeros(NT, H, dtype=torch.float32, device=dev)
     dbias_part = torch.zeros(NT, H, K, dtype=torch.float32, device=dev)
     if plan.NT > 0:
-        _bwd_v[(plan.NT, H)](q, k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du,
-                             dv, dqh, dkh, dG, daqk, dakk, dbeta, scale, H=H, K=K, V=V,
-                             BV=min(V, TUNING["bwd_v_bv"]), C=CHUNK, G_MIN=g_min, INTERP=interp,
-                             num_warps=TUNING["bwd_v_warps"])
+        # two kernels, each holding half of the value-dim accumulators (docs/kda-kernels.md); S is read twice
+        BV = min(V, TUNING["bwd_v_bv"])
+        _bwd_vu[(plan.NT, H)](q, k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, hs, dse, do,
+                              dkh, dG, daqk, scale, H=H, K=K, V=V, BV=BV, C=CHUNK, G_MIN=g_min, INTERP=interp,
+                              num_warps=TUNING["bwd_v_warps"])
+        _bwd_vw[(plan.NT, H)](q, k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, hs, do, du,
+                              dv, dqh, dkh, dG, dakk, dbeta, scale, H=H, K=K, V=V, BV=BV, C=CHUNK, G_MIN=g_min,
+                              INTERP=interp, num_warps=TUNING["bwd_v_warps"])
         _bwd_k[(plan.NT, H)](q, k, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, dqh, dkh, dG, daqk, dakk,
                              dbeta, dq, dk, dz, db, dA_part, dbias_part, scale, H=H, K=K, C=CHUNK, BC=SUB,
                              G_MIN=g_min, INTERP=interp, num_warps=TUNING["bwd_k_warps"])

@@ -1,0 +1,100 @@
+"""Registers, spill bytes and shared memory of the KDA chunk kernels for an H100/H200 (sm_90), compiled offline.
+
+No GPU needed: each kernel of `k3/ops/kda/triton_chunk.py` is compiled by `triton.compile` for
+GPUTarget("cuda", 90, 64) with the launch settings of `TUNING` (or the ones given), bf16 inputs,
+K = V = 128, C = 64, divisibility 16 on pointers and H like the real JIT; the PTX then goes through the
+ptxas bundled with Triton (`-v -arch=sm_90a`), whose report gives registers and spills. A proxy for
+speed, not a measurement of it: spills were not the main cost of `_prepare` (docs/kda-kernels.md §7).
+
+    python benchmarks/kda_spills.py                       # every kernel at its TUNING settings
+    python benchmarks/kda_spills.py _bwd_k --warps 4 16   # one kernel, several warp counts
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import k3.ops.kda.triton_chunk as chunk  # noqa: E402
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+FP32_ARGS = {"A_log", "dt_bias", "t_in", "t_out", "hs", "dse", "du", "dqh_in", "dkh_in", "dg_in", "daqk_in",
+             "dakk_in", "db_in", "dqh_out", "dkh_out", "dg_out", "daqk_out", "dakk_out", "db_out", "dA_part",
+             "dbias_part", "aqk_out", "u_out", "gc_out", "gc", "h0", "ht", "aqk", "u", "dht", "dh0"}
+INT32_ARGS = {"cu", "chunk_idx", "chunk_off"}
+CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
+                  USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False)
+# kernel -> its TUNING key prefix ("bwd_v" serves both halves of the split value-side backward)
+TUNING_PREFIX = {"_prepare": "prepare", "_state": "state", "_state_bwd": "state_bwd", "_bwd_vu": "bwd_v",
+                 "_bwd_vw": "bwd_v", "_bwd_k": "bwd_k"}
+
+
+def compile_report(fn, num_warps: int, num_stages: int = 3, **constexprs) -> tuple[int, int, int, int]:
+    """(registers, spill store bytes, spill load bytes, shared bytes) of one kernel for sm_90."""
+    signature, constants, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if fn.params[i].is_constexpr:
+            signature[name] = "constexpr"
+            constants[name] = {**CONSTEXPRS, **constexprs}[name]
+        elif name == "scale":
+            signature[name] = "fp32"
+        else:
+            signature[name] = ("i32" if name == "H" else "*fp32" if name in FP32_ARGS
+                               else "*i32" if name in INT32_ARGS else "*bf16")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 64),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        report = subprocess.run([str(PTXAS), "-v", "-arch=sm_90a", str(ptx), "-o", os.devnull],
+                                capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    return registers, int(spills.group(1)), int(spills.group(2)), kernel.metadata.shared
+
+
+def tuned_settings(name: str) -> dict:
+    prefix = TUNING_PREFIX[name]
+    settings = {"num_warps": chunk.TUNING.get(f"{prefix}_warps", 4)}
+    if f"{prefix}_stages" in chunk.TUNING:
+        settings["num_stages"] = chunk.TUNING[f"{prefix}_stages"]
+    if f"{prefix}_bv" in chunk.TUNING:
+        settings["BV"] = chunk.TUNING[f"{prefix}_bv"]
+    return settings
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("kernels", nargs="*", help=f"some of {', '.join(TUNING_PREFIX)} (default: all)")
+    p.add_argument("--warps", type=int, nargs="+", help="warp counts to try instead of TUNING's")
+    p.add_argument("--bv", type=int, help="value block instead of TUNING's (kernels that take BV)")
+    args = p.parse_args()
+    unknown = set(args.kernels) - set(TUNING_PREFIX)
+    if unknown:
+        p.error(f"unknown kernels {sorted(unknown)}; choose from {', '.join(TUNING_PREFIX)}")
+    print(f"{'kernel':12s} {'settings':40s} {'regs':>5s} {'spill st/ld B':>14s} {'shared KB':>10s}")
+    for name in args.kernels or list(TUNING_PREFIX):
+        base = tuned_settings(name)
+        if args.bv is not None and "BV" in base:
+            base["BV"] = args.bv
+        for warps in args.warps or [base["num_warps"]]:
+            settings = {**base, "num_warps": warps}
+            regs, stores, loads, shared = compile_report(getattr(chunk, name), **settings)
+            print(f"{name:12s} {str(settings):40s} {regs:5d} {f'{stores} / {loads}':>14s} {shared / 1024:10.0f}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
