@@ -14,17 +14,18 @@ Configs: `fsdp` (FSDP2 over all ranks), `fsdp+ep` (plus expert parallelism with 
 
 Bytes are what one rank receives from other ranks per step, per collective kind, counted by wrapping
 the torch.distributed calls (FSDP2's all-gathers and reduce-scatters, P2P Muon's all-to-alls, the QB
-and metric all-reduces) and the autograd collectives of EP/CP (their backward mirrors the forward and
-is counted as the same again). Predictions: FSDP2 gathers every parameter twice (forward, and again in
-backward after resharding) and reduce-scatters its gradient once, each moving (W−1)/W of the bytes;
-P2P Muon moves exactly its static plan; QB all-reduces E·1000 int64 per MoE layer; EP moves
-2·S·k·L values each way with (W−1)/W leaving the rank when routing is uniform; CP gathers the KDA
-maps [B_l, H, K, K+V] and conv halos per KDA layer and the MLA latents per MLA layer.
+and metric all-reduces) and the autograd collectives of EP/CP (each call, recomputed forwards included,
+and its backward when the gradient arrives). Predictions: FSDP2 gathers every layer twice (forward, and
+again in backward after resharding) and the root once, and reduce-scatters the gradients once, each
+moving (W−1)/W of the bytes; P2P Muon moves exactly its static plan; QB all-reduces E·1000 int64 per MoE
+layer; EP moves 2·S·k·L values each way with (W−1)/W leaving the rank when routing is uniform; CP gathers
+the KDA maps [B_l, H, K, K+V] and conv halos per KDA layer and the MLA latents per MLA layer; with
+activation checkpointing the EP/CP forwards run twice.
 
     python benchmarks/distributed.py --device cpu --preset debug --worlds 1 2 4            # CPU (gloo)
-    python benchmarks/distributed.py --device cuda --preset small --worlds 1 2 --configs fsdp fsdp+ep fsdp+cp \
-        --steps 200 --rows 2 --seq-len 4096 --cp-rows 1 --cp-seq-len 16384 --activation-checkpointing \
-        --set attention_backend=sdpa kda_impl=triton --concurrent-references --dcp-check --dcp-steps 10 \
+    python benchmarks/distributed.py --device cuda --preset small --worlds 1 2 --configs fsdp fsdp+ep fsdp+cp \\
+        --steps 200 --rows 2 --seq-len 4096 --cp-rows 1 --cp-seq-len 16384 --activation-checkpointing \\
+        --set attention_backend=sdpa kda_impl=triton --concurrent-references --dcp-check --dcp-steps 10 \\
         --json dist.json --plot dist.png                                                  # 2 × H200
 """
 
@@ -226,6 +227,7 @@ def worker(args) -> None:
         if "ep_load_max_over_mean" in metrics:
             ep_load.append(max(metrics["ep_load_max_over_mean"]))
             ep_home.append(max(metrics["ep_home_load_max_over_mean"]))
+    counter.enabled = False
     if args.save:
         parallel.save(Path(args.save), optimizer)
     # the last step is instrumented (collectives wrapped, CUDA profiler on): it is never timed
@@ -274,7 +276,8 @@ def muon_plan_bytes(optimizer) -> float:
 def predict(config, world: int, cp: int, ep: int, args, params: int, root_params: int) -> dict[str, float]:
     """Bytes per rank per step the algorithms predict (see the module docstring)."""
     frac = (world - 1) / world
-    act = 2 if args.device == "cuda" else 4  # EP/CP activations travel in autocast's bf16 on GPU
+    act = 2 if args.device == "cuda" or args.fsdp_bf16 else 4  # EP/CP activations travel in autocast's bf16
+    param = 2 if args.fsdp_bf16 else 4  # FSDP2 gathers bf16 parameters with param_dtype=bf16
     forwards = 2 if args.activation_checkpointing else 1  # a checkpointed layer runs its forward again
     expert_params = sum(config.num_experts * 3 * config.moe_intermediate_size * config.routed_expert_hidden_size
                         for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
@@ -282,7 +285,7 @@ def predict(config, world: int, cp: int, ep: int, args, params: int, root_params
     n_moe = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
     # FSDP2 regathers every layer for backward but keeps the root (embeddings, head) gathered after forward;
     # all-reduce: QB histograms dominate (plus expert loads, MLA max logits, loss, grad norm: small)
-    out = {"fsdp_all_gather": 4 * (2 * sharded - root_params) * frac, "fsdp_reduce_scatter": 4 * sharded * frac,
+    out = {"fsdp_all_gather": param * (2 * sharded - root_params) * frac, "fsdp_reduce_scatter": 4 * sharded * frac,
            "all_reduce": 2 * frac * n_moe * config.num_experts * 1000 * 8}
     tokens_local = args.rows * args.seq_len // world
     if ep == 0 and world > 1:
@@ -303,51 +306,83 @@ def predict(config, world: int, cp: int, ep: int, args, params: int, root_params
 
 
 class Job:
-    """One torchrun job of this file in worker mode, started now; `result()` waits for it."""
+    """One torchrun job of this file in worker mode, started now; `result()` waits for it.
 
-    def __init__(self, world: int, config: str, args, extra: list[str] | None = None, gpu: int | None = None):
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-            self.path = Path(f.name)
+    Output goes to files (a pipe nobody reads while other jobs are awaited would stall the job), and a job
+    past --job-timeout gets SIGTERM first: torchrun then stops its workers, which live in their own
+    sessions and would outlive a SIGKILL of torchrun alone.
+    """
+
+    def __init__(self, world: int, config: str, args, extra: list[str] | None = None, gpu: int | None = None,
+                 threads: int | None = None):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.path = Path(self.tmp.name) / "result.json"
         self.world, self.config, self.timeout = world, config, args.job_timeout
+        threads = max(1, (threads or args.threads) // world)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                __file__, "--worker", "--config", config, "--result", str(self.path), "--device", args.device,
                "--preset", args.preset, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
                "--rows", str(args.rows), "--lr", str(args.lr), "--language-vocab", str(args.language_vocab),
-               "--threads", str(max(1, args.threads // world))] + (extra or [])
+               "--threads", str(threads)] + (extra or [])
         if args.set:
             cmd += ["--set", *args.set]
         if args.activation_checkpointing:
             cmd.append("--activation-checkpointing")
         if args.fsdp_bf16:
             cmd.append("--fsdp-bf16")
-        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, args.threads // world)))
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        if gpu is not None:  # the gpu-th device this process sees, through any mask it already has
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
+        self.settings = settings_of(args)
+        self.log = open(Path(self.tmp.name) / "log.txt", "w+")
         self.started = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
     def result(self) -> dict | None:
         """The job's result, or None (reported on stderr) when it failed or ran past --job-timeout."""
         try:
             remaining = None if self.timeout is None else max(1.0, self.timeout - (time.perf_counter() - self.started))
-            out, err = self.proc.communicate(timeout=remaining)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            out, err = self.proc.communicate()
-            sys.stderr.write(out[-3000:] + err[-6000:])
-            print(f"{self.config} on {self.world} ranks timed out after {self.timeout} s; continuing",
-                  file=sys.stderr, flush=True)
-            self.path.unlink(missing_ok=True)
-            return None
-        try:
+            try:
+                self.proc.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                self.stop()
+                sys.stderr.write(self.tail())
+                print(f"{self.config} on {self.world} ranks timed out after {self.timeout} s; continuing",
+                      file=sys.stderr, flush=True)
+                return None
             if self.proc.returncode != 0:
-                sys.stderr.write(out[-3000:] + err[-6000:])
+                sys.stderr.write(self.tail())
                 print(f"{self.config} on {self.world} ranks FAILED (exit {self.proc.returncode}); continuing",
                       file=sys.stderr, flush=True)
                 return None
-            return json.loads(self.path.read_text())
+            result = json.loads(self.path.read_text())
+            result["settings"] = self.settings
+            return result
         finally:
-            self.path.unlink(missing_ok=True)
+            self.log.close()
+            self.tmp.cleanup()
+
+    def tail(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-9000:]
+
+
+def settings_of(args) -> dict:
+    """What must match for two runs' losses to be comparable (besides the batch shape)."""
+    return {"preset": args.preset, "device": args.device, "steps": args.steps, "lr": args.lr, "set": args.set,
+            "activation_checkpointing": args.activation_checkpointing, "language_vocab": args.language_vocab,
+            "fsdp_bf16": args.fsdp_bf16}
 
 
 def launch(world: int, config: str, args, extra: list[str] | None = None) -> dict | None:
@@ -379,6 +414,8 @@ def main() -> None:
     p.add_argument("--cp-seq-len", type=int, help="sequence length for the fsdp+cp config (long context)")
     p.add_argument("--json", help="also write all results here")
     p.add_argument("--plot", help="loss curves (PNG), rewritten after every job")
+    p.add_argument("--report", nargs="+", metavar="JSON",
+                   help="only print the tables (and --plot) of earlier --json files, merged (e.g. one per device call)")
     # worker mode
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", default="fsdp", help=argparse.SUPPRESS)
@@ -387,9 +424,9 @@ def main() -> None:
     p.add_argument("--load", help=argparse.SUPPRESS)
     p.add_argument("--start-step", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--total-steps", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--report", nargs="+", metavar="JSON",
-                   help="only print the tables (and --plot) of earlier --json files, merged (e.g. one per device call)")
     args = p.parse_args()
+    if args.dcp_steps is not None and not 2 <= args.dcp_steps <= args.steps:
+        p.error(f"--dcp-steps must be in [2, --steps = {args.steps}], got {args.dcp_steps}")
     if args.worker:
         worker(args)
         return
@@ -400,7 +437,7 @@ def main() -> None:
                 d = r["dcp_check"]
                 print(f"DCP: saved on {d['world']} ranks after {d['saved_after']} steps, resumed on 1 rank: "
                       f"max |Δloss| {d['max_abs_diff']:.2e} over {d['steps']} steps")
-        report([r for r in merged if "world" in r], args)
+        report([r for r in merged if "world" in r])
         if args.plot:
             plot_losses([r for r in merged if "world" in r], Path(args.plot))
         return
@@ -418,33 +455,39 @@ def main() -> None:
         gpu = i if args.device == "cuda" else None
         print(f"starting {config} on 1 rank at {shape[0]}×{shape[1]} tokens" + (f" on GPU {gpu}" if gpu is not None
               else "") + "...", file=sys.stderr, flush=True)
-        started[(world, config, shape)] = Job(world, config, shape_args(args, shape), gpu=gpu)
+        started[(world, config, shape)] = Job(world, config, shape_args(args, shape), gpu=gpu,
+                                              threads=args.threads // len(side_by_side))
     # the side-by-side jobs are awaited first: nothing else shares their GPUs
-    for world, config, shape in side_by_side + [job for job in jobs if job not in side_by_side]:
-        if (world, config, shape) in started:
-            job = started[(world, config, shape)]
-        else:
-            print(f"running {config} on {world} rank(s) at {shape[0]}×{shape[1]} tokens...", file=sys.stderr,
-                  flush=True)
-            job = Job(world, config, shape_args(args, shape))
-        r = job.result()
-        if r is None:
-            continue
-        r["rows"], r["seq_len"] = shape
-        results.append(r)
-        print(f"  {config} on {world} rank(s), {time.perf_counter() - job.started:.0f} s: step "
-              f"{r['step_s'] * 1e3:,.0f} ms, losses "
-              f"{' '.join(f'{x:.3f}' for x in r['losses'][::max(1, len(r['losses']) // 10)])}, "
-              f"peak {r['peak_gib']} GiB, EP {r['ep_load']} (plain {r['ep_home_load']}), nccl {r.get('nccl_ms')} ms",
-              file=sys.stderr, flush=True)
-        if args.json:  # after every job: a cut-off run keeps what it measured
-            Path(args.json).write_text(json.dumps(results, indent=1))
-        if args.plot:
-            plot_losses(results, Path(args.plot))
+    try:
+        for world, config, shape in side_by_side + [job for job in jobs if job not in side_by_side]:
+            if (world, config, shape) in started:
+                job = started[(world, config, shape)]
+            else:
+                print(f"running {config} on {world} rank(s) at {shape[0]}×{shape[1]} tokens...", file=sys.stderr,
+                      flush=True)
+                job = Job(world, config, shape_args(args, shape))
+            r = job.result()
+            if r is None:
+                continue
+            r["rows"], r["seq_len"] = shape
+            results.append(r)
+            print(f"  {config} on {world} rank(s), {time.perf_counter() - job.started:.0f} s: step "
+                  f"{r['step_s'] * 1e3:,.0f} ms, losses "
+                  f"{' '.join(f'{x:.3f}' for x in r['losses'][::max(1, len(r['losses']) // 10)])}, "
+                  f"peak {r['peak_gib']} GiB, EP {r['ep_load']} (plain {r['ep_home_load']}), "
+                  f"nccl {r.get('nccl_ms')} ms",
+                  file=sys.stderr, flush=True)
+            if args.json:  # after every job: a cut-off run keeps what it measured
+                Path(args.json).write_text(json.dumps(results, indent=1))
+            if args.plot:
+                plot_losses(results, Path(args.plot))
+    finally:  # an interrupted run leaves no reference job behind
+        for job in started.values():
+            job.stop()
     results.sort(key=lambda r: jobs.index((r["world"], r["config"], (r["rows"], r["seq_len"]))))
     if not results:
         raise SystemExit("every job failed")
-    report(results, args)
+    report(results)
     if args.dcp_check:
         world = max(args.worlds)
         same = [r for r in results if r["world"] == world and r["config"] == "fsdp"]
@@ -455,23 +498,30 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 
-def report(results: list[dict], args) -> None:
-    """The tables (and the plot with --plot) of `results`, each compared with the 1-rank run of its shape."""
+def reference_of(r: dict, results: list[dict]) -> dict | None:
+    """The 1-rank run with r's batch shape and settings (r itself when r is one)."""
+    return next((b for b in results if b["world"] == 1 and (b["rows"], b["seq_len"]) == (r["rows"], r["seq_len"])
+                 and b.get("settings") == r.get("settings")), None)
+
+
+def report(results: list[dict]) -> None:
+    """The tables of `results`, each run compared with the 1-rank run of its batch shape and settings."""
     rows = []
     for r in results:
-        # the reference is the first job on the fewest ranks with the same batches (same rows × length)
-        base = next(b for b in sorted(results, key=lambda b: b["world"])
-                    if (b["rows"], b["seq_len"]) == (r["rows"], r["seq_len"]))
+        base = reference_of(r, results)
         tps = r["tokens_per_step"] / r["step_s"]
-        base_tps = base["tokens_per_step"] / base["step_s"]
-        deltas = [abs(a - b) for a, b in zip(r["losses"], base["losses"])]
-        tail = deltas[-max(1, len(deltas) // 10):]
-        diff = f"{max(deltas):.1e} / {statistics.mean(tail):.1e}"
+        if base is None:
+            scaling, diff = "-", "no 1-rank run"
+        else:
+            scaling = f"{tps / r['world'] / (base['tokens_per_step'] / base['step_s']):.2f}"
+            deltas = [abs(a - b) for a, b in zip(r["losses"], base["losses"])]
+            tail = deltas[-max(1, len(deltas) // 10):]
+            diff = f"{max(deltas):.1e} / {statistics.mean(tail):.1e}"
         # GPU: time inside NCCL kernels (profiled step; they may overlap compute); CPU: wall time in gloo calls
         comm = r["nccl_ms"] / 1e3 if r.get("nccl_ms") is not None else sum(r["collective_s"].values())
         rows.append([f"{r['world']}", r["config"], f"{r['rows']}×{r['seq_len']}", f"{r['step_s'] * 1e3:,.0f}",
                      f"{tps / r['world']:,.0f}",
-                     f"{tps / r['world'] / base_tps:.2f}", f"{r['losses'][0]:.3f}→{r['losses'][-1]:.3f}",
+                     scaling, f"{r['losses'][0]:.3f}→{r['losses'][-1]:.3f}",
                      diff, f"{100 * comm / r['step_s']:.0f}%",
                      "-" if r["ep_load"] is None else f"{r['ep_load']:.2f} ({r['ep_home_load']:.2f})",
                      "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"])
@@ -534,7 +584,7 @@ def plot_losses(results: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(2, len(shapes), figsize=(6 * len(shapes), 7), squeeze=False, sharex="col")
     for col, shape in enumerate(shapes):
         group = [r for r in results if (r["rows"], r["seq_len"]) == shape]
-        base = min(group, key=lambda r: r["world"])
+        base = reference_of(group[0], results) or min(group, key=lambda r: r["world"])
         for r in group:
             label = f"{r['world']} rank{'s' if r['world'] > 1 else ''} {r['config']}"
             axes[0][col].plot(r["losses"], label=label)
@@ -562,8 +612,11 @@ def dcp_check(args, world: int, straight: dict | None) -> dict | None:
     total = args.dcp_steps or args.steps
     half = total // 2
     with tempfile.TemporaryDirectory() as tmp:
-        straight = straight or launch(world, "fsdp", args)
-        steps, args.steps = args.steps, half
+        steps = args.steps
+        if straight is None:  # the first `total` steps of the same schedule are the reference
+            args.steps = total
+            straight = launch(world, "fsdp", args, ["--total-steps", str(steps)])
+        args.steps = half
         first = launch(world, "fsdp", args, ["--save", f"{tmp}/ckpt", "--total-steps", str(steps)])
         args.steps = total - half
         second = first and launch(1, "fsdp", args, ["--load", f"{tmp}/ckpt", "--start-step", str(half),

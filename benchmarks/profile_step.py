@@ -1,7 +1,8 @@
 """Where one training step goes: phase times and the top operators of a profiled step, on one device.
 
-Times forward, backward and the optimizer step (Per-Head Muon/AdamW + QK-Clip + QB) separately with a
-device synchronisation between them, over a few steps after warm-up, then profiles one more step with
+Times the whole `train_step` and, separately with a device synchronisation between them, its forward
+(with the loss), backward and `optimizer.step()` (Per-Head Muon/AdamW); "other" is the rest of the step
+(router statistics, QB bias update, QK-Clip, gradient clipping, metrics). Then profiles one more step with
 torch.profiler and prints the operators that take the most device time and the most host time. A step
 whose device-busy share is far below 100% is bound by the host (kernel launches, Python), not the GPU.
 
@@ -109,14 +110,17 @@ def main() -> None:
     step = statistics.median(steps)
     print(f"{args.preset}, {args.rows}×{args.seq_len} tokens, {args.set}, checkpointing "
           f"{args.activation_checkpointing}: train_step {step * 1e3:,.0f} ms ({tokens / step:,.0f} tok/s)")
-    for name in ("forward", "backward", "optimizer"):
-        t = statistics.median(ph[name] for ph in phases)
+    medians = {name: statistics.median(ph[name] for ph in phases) for name in ("forward", "backward", "optimizer")}
+    medians["other"] = max(0.0, step - sum(medians.values()))
+    for name, t in medians.items():
         print(f"  {name:10s} {t * 1e3:9,.1f} ms  ({100 * t / step:4.1f}% of the step)")
     if device.type == "cuda":
         # device time of kernels only (the profiler's top-level CUDA events), against the profiled wall time
         busy = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        # the profiler slows the host, so the busy share is given against the unprofiled step too
         print(f"  profiled step {profiled * 1e3:,.0f} ms; kernels busy {busy / 1e3:,.0f} ms "
-              f"({100 * busy / 1e3 / (profiled * 1e3):.0f}% of wall)")
+              f"({100 * busy / 1e3 / (profiled * 1e3):.0f}% of the profiled step, "
+              f"{100 * busy / 1e3 / (step * 1e3):.0f}% of the unprofiled one)")
         print(events.table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
     if args.trace:

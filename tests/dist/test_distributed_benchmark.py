@@ -14,7 +14,8 @@ def test_distributed_benchmark_smoke(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "distributed.py"), "--device", "cpu", "--preset", "debug",
            "--worlds", "1", "2", "--configs", "fsdp", "fsdp+cp", "--steps", "3", "--rows", "2", "--seq-len", "64",
            "--activation-checkpointing", "--threads", "2", "--job-timeout", "240", "--json", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     results = json.loads(out.read_text())
     assert [(r["world"], r["config"]) for r in results] == [(1, "fsdp"), (2, "fsdp"), (2, "fsdp+cp")]
     for r in results[1:]:
