@@ -434,9 +434,7 @@ def main() -> None:
         merged = [r for f in args.report for r in json.loads(Path(f).read_text())]
         for r in merged:
             if "dcp_check" in r:
-                d = r["dcp_check"]
-                print(f"DCP: saved on {d['world']} ranks after {d['saved_after']} steps, resumed on 1 rank: "
-                      f"max |Δloss| {d['max_abs_diff']:.2e} over {d['steps']} steps")
+                print(describe_dcp(r["dcp_check"]))
         report([r for r in merged if "world" in r])
         if args.plot:
             plot_losses([r for r in merged if "world" in r], Path(args.plot))
@@ -455,7 +453,7 @@ def main() -> None:
         gpu = i if args.device == "cuda" else None
         print(f"starting {config} on 1 rank at {shape[0]}×{shape[1]} tokens" + (f" on GPU {gpu}" if gpu is not None
               else "") + "...", file=sys.stderr, flush=True)
-        started[(world, config, shape)] = Job(world, config, shape_args(args, shape), gpu=gpu,
+        started[(world, config, shape)] = Job(world, config, with_args(args, rows=shape[0], seq_len=shape[1]), gpu=gpu,
                                               threads=args.threads // len(side_by_side))
     # the side-by-side jobs are awaited first: nothing else shares their GPUs
     try:
@@ -465,7 +463,7 @@ def main() -> None:
             else:
                 print(f"running {config} on {world} rank(s) at {shape[0]}×{shape[1]} tokens...", file=sys.stderr,
                       flush=True)
-                job = Job(world, config, shape_args(args, shape))
+                job = Job(world, config, with_args(args, rows=shape[0], seq_len=shape[1]))
             r = job.result()
             if r is None:
                 continue
@@ -548,9 +546,9 @@ def report(results: list[dict]) -> None:
                 byte_rows)
 
 
-def shape_args(args, shape: tuple[int, int]):
-    """A copy of `args` with (rows, seq_len) = shape."""
-    return argparse.Namespace(**{**vars(args), "rows": shape[0], "seq_len": shape[1]})
+def with_args(args, **changes):
+    """A copy of the parsed `args` with some fields changed."""
+    return argparse.Namespace(**{**vars(args), **changes})
 
 
 def job_list(args) -> list[tuple[int, str, tuple[int, int]]]:
@@ -611,25 +609,26 @@ def dcp_check(args, world: int, straight: dict | None) -> dict | None:
     """
     total = args.dcp_steps or args.steps
     half = total // 2
+    schedule = ["--total-steps", str(args.steps)]  # every part follows the same --steps schedule
     with tempfile.TemporaryDirectory() as tmp:
-        steps = args.steps
-        if straight is None:  # the first `total` steps of the same schedule are the reference
-            args.steps = total
-            straight = launch(world, "fsdp", args, ["--total-steps", str(steps)])
-        args.steps = half
-        first = launch(world, "fsdp", args, ["--save", f"{tmp}/ckpt", "--total-steps", str(steps)])
-        args.steps = total - half
-        second = first and launch(1, "fsdp", args, ["--load", f"{tmp}/ckpt", "--start-step", str(half),
-                                                    "--total-steps", str(steps)])
-        args.steps = steps
+        # (the first `total` steps of the uninterrupted run are the reference)
+        straight = straight or launch(world, "fsdp", with_args(args, steps=total), schedule)
+        first = launch(world, "fsdp", with_args(args, steps=half), ["--save", f"{tmp}/ckpt"] + schedule)
+        second = first and launch(1, "fsdp", with_args(args, steps=total - half),
+                                  ["--load", f"{tmp}/ckpt", "--start-step", str(half)] + schedule)
     if not (straight and first and second):
         print("DCP check did not complete", file=sys.stderr)
         return None
     resumed = first["losses"] + second["losses"]
-    diff = max(abs(a - b) for a, b in zip(resumed, straight["losses"]))
-    print(f"DCP: saved on {world} ranks after {half} steps, resumed on 1 rank for {total - half}: max |Δloss| vs "
-          f"the uninterrupted {world}-rank run = {diff:.2e} over {total} steps")
-    return {"world": world, "saved_after": half, "steps": total, "resumed_losses": resumed, "max_abs_diff": diff}
+    result = {"world": world, "saved_after": half, "steps": total, "resumed_losses": resumed,
+              "max_abs_diff": max(abs(a - b) for a, b in zip(resumed, straight["losses"]))}
+    print(describe_dcp(result))
+    return result
+
+
+def describe_dcp(d: dict) -> str:
+    return (f"DCP: saved on {d['world']} ranks after {d['saved_after']} steps, resumed on 1 rank: max |Δloss| "
+            f"{d['max_abs_diff']:.2e} against the uninterrupted {d['world']}-rank run over {d['steps']} steps")
 
 
 def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:

@@ -55,26 +55,27 @@ if triton is not None:
         return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
     @triton.jit
-    def _situ_fwd_kernel(G, U, F, M, N, stride_g, stride_u, stride_f, beta1, beta2,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _load_tile(G, U, M, N, stride_g, stride_u, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """This program's [BLOCK_M, BLOCK_N] tile: (int64 row index column, columns, mask, gate, up in fp32)."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         r = rows[:, None].to(tl.int64)
         g = tl.load(G + r * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + r * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        return r, cols, mask, g, u
+
+    @triton.jit
+    def _situ_fwd_kernel(G, U, F, M, N, stride_g, stride_u, stride_f, beta1, beta2,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        r, cols, mask, g, u = _load_tile(G, U, M, N, stride_g, stride_u, BLOCK_M, BLOCK_N)
         f = (beta1 * _tanh(g / beta1) * tl.sigmoid(g)) * (beta2 * _tanh(u / beta2))
         tl.store(F + r * stride_f + cols[None, :], f.to(F.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _situ_bwd_kernel(G, U, DF, DG, DU, M, N, stride_g, stride_u, stride_df, stride_dg, stride_du,
                          beta1, beta2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        r = rows[:, None].to(tl.int64)
-        g = tl.load(G + r * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U + r * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        r, cols, mask, g, u = _load_tile(G, U, M, N, stride_g, stride_u, BLOCK_M, BLOCK_N)
         df = tl.load(DF + r * stride_df + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tg = _tanh(g / beta1)
         sg = tl.sigmoid(g)

@@ -38,11 +38,12 @@ def _loss(model, ids, labels, cu, count):
     return logits, F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100) / count
 
 
-def _worker(rank, world, kda_impl, perturb):
-    model, config = _model(kda_impl)
-    ids, labels, cu = _inputs(config)
-    if perturb is not None:
-        ids[0, perturb] = (ids[0, perturb] + 1) % config.vocab_size
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _context_parallel_step(model, ids, labels, cu, rank, world):
+    """This rank's logits after switching `model` to CP over the world and back-propagating its loss piece."""
     count = int((labels != -100).sum())
     ctx = CPContext(dist.group.WORLD, world, rank)
     apply_context_parallel(model, ctx)
@@ -50,7 +51,16 @@ def _worker(rank, world, kda_impl, perturb):
     ctx.set_batch(shard, local_cu, torch.device("cpu"))
     logits, loss = _loss(model, local_ids, local_labels, local_cu, count)
     loss.backward()
-    return {"logits": logits.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+    return logits.detach()
+
+
+def _worker(rank, world, kda_impl, perturb):
+    model, config = _model(kda_impl)
+    ids, labels, cu = _inputs(config)
+    if perturb is not None:
+        ids[0, perturb] = (ids[0, perturb] + 1) % config.vocab_size
+    logits = _context_parallel_step(model, ids, labels, cu, rank, world)
+    return {"logits": logits, "grads": _grads(model)}
 
 
 @pytest.mark.parametrize("world,kda_impl", [(2, "naive"), (4, "torch")])
@@ -89,19 +99,12 @@ def _triton_worker(rank, world):
     model, config = _model("triton")
     model.float()
     ids, labels, cu = _inputs(config)
-    count = int((labels != -100).sum())
     reference = _model("triton")[0].float()
-    logits, loss = _loss(reference, ids, labels, cu, count)
+    logits, loss = _loss(reference, ids, labels, cu, int((labels != -100).sum()))
     loss.backward()
-    ctx = CPContext(dist.group.WORLD, world, rank)
-    apply_context_parallel(model, ctx)
-    local_ids, local_labels, local_cu, shard = shard_batch(ids, labels, cu, 1, 0, world, rank)
-    ctx.set_batch(shard, local_cu, torch.device("cpu"))
-    local_logits, local_loss = _loss(model, local_ids, local_labels, local_cu, count)
-    local_loss.backward()
-    return {"logits": local_logits.detach(), "reference_logits": logits.detach(),
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-            "reference_grads": {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}}
+    local_logits = _context_parallel_step(model, ids, labels, cu, rank, world)
+    return {"logits": local_logits, "reference_logits": logits.detach(), "grads": _grads(model),
+            "reference_grads": _grads(reference)}
 
 
 def test_context_parallel_with_triton_kda(monkeypatch):

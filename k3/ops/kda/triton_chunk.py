@@ -90,6 +90,24 @@ def _bp(x, bos, L, i_h, row0, col0, H, W: tl.constexpr, C: tl.constexpr, BW: tl.
 
 
 @triton.jit
+def _chunk_coords(cu, chunk_idx, i_c, C: tl.constexpr):
+    """Chunk i_c of the plan → (its document's first token, the document's length, the chunk's first row)."""
+    n = tl.load(chunk_idx + 2 * i_c)
+    row0 = tl.load(chunk_idx + 2 * i_c + 1) * C
+    bos = tl.load(cu + n).to(tl.int64)
+    return bos, tl.load(cu + n + 1) - tl.load(cu + n), row0
+
+
+@triton.jit
+def _sequence_coords(cu, chunk_off, i_nh, H, C: tl.constexpr):
+    """(document, head) program i_nh → (head, first token, length, first chunk's index, number of chunks)."""
+    n = i_nh // H
+    bos = tl.load(cu + n).to(tl.int64)
+    L = tl.load(cu + n + 1) - tl.load(cu + n)
+    return i_nh % H, bos, L, tl.load(chunk_off + n).to(tl.int64), tl.cdiv(L, C)
+
+
+@triton.jit
 def _load_beta(b, bos, L, row0, i_h, H, C: tl.constexpr):
     """β = σ(b) for rows row0 … row0+C−1 of one document; 0 past its end."""
     p_b = tl.make_block_ptr(b + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,))
@@ -212,10 +230,7 @@ def _prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx,
     """
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    n = tl.load(chunk_idx + 2 * i_c)
-    row0 = tl.load(chunk_idx + 2 * i_c + 1) * C
-    bos = tl.load(cu + n).to(tl.int64)
-    L = tl.load(cu + n + 1) - tl.load(cu + n)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
     lo = w_out.dtype.element_ty
     hi = aqk_out.dtype.element_ty
     zero = tl.zeros([K], dtype=tl.float32)
@@ -348,12 +363,7 @@ def _state(w, u, qg, kd, aqk, gc, h0, o, ht, hs, cu, chunk_off,
     """
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
-    n = i_nh // H
-    i_h = i_nh % H
-    bos = tl.load(cu + n).to(tl.int64)
-    L = tl.load(cu + n + 1) - tl.load(cu + n)
-    c0 = tl.load(chunk_off + n).to(tl.int64)
-    n_chunks = tl.cdiv(L, C)
+    i_h, bos, L, c0, n_chunks = _sequence_coords(cu, chunk_off, i_nh, H, C)
     off_s = tl.arange(0, K)[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]  # [K, BV]
     if USE_H0:
         S = tl.load(h0 + i_nh.to(tl.int64) * K * V + off_s).to(tl.float32)
@@ -406,12 +416,7 @@ def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
     """
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
-    n = i_nh // H
-    i_h = i_nh % H
-    bos = tl.load(cu + n).to(tl.int64)
-    L = tl.load(cu + n + 1) - tl.load(cu + n)
-    c0 = tl.load(chunk_off + n).to(tl.int64)
-    n_chunks = tl.cdiv(L, C)
+    i_h, bos, L, c0, n_chunks = _sequence_coords(cu, chunk_off, i_nh, H, C)
     off_s = tl.arange(0, K)[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
     if USE_DHT:
         dS = tl.load(dht + i_nh.to(tl.int64) * K * V + off_s).to(tl.float32)
@@ -444,10 +449,7 @@ def _bwd_vu(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, t_in, hs, dse, do,
     """
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    n = tl.load(chunk_idx + 2 * i_c)
-    row0 = tl.load(chunk_idx + 2 * i_c + 1) * C
-    bos = tl.load(cu + n).to(tl.int64)
-    L = tl.load(cu + n + 1) - tl.load(cu + n)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
     rows = tl.arange(0, C)
     qh, kh, beta, g, q_n, k_n, x, valid = _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
                                                               H, K, C, G_MIN)
@@ -498,10 +500,7 @@ def _bwd_vw(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, t_in, hs, do, du,
     """
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    n = tl.load(chunk_idx + 2 * i_c)
-    row0 = tl.load(chunk_idx + 2 * i_c + 1) * C
-    bos = tl.load(cu + n).to(tl.int64)
-    L = tl.load(cu + n + 1) - tl.load(cu + n)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
     rows = tl.arange(0, C)
     beta = _load_beta(b, bos, L, row0, i_h, H, C)
     Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
@@ -678,10 +677,7 @@ def _bwd_k(q, k, z, b, A_log, dt_bias, cu, chunk_idx, dqh_in, dkh_in, dg_in, daq
     """
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    n = tl.load(chunk_idx + 2 * i_c)
-    row0 = tl.load(chunk_idx + 2 * i_c + 1) * C
-    bos = tl.load(cu + n).to(tl.int64)
-    L = tl.load(cu + n + 1) - tl.load(cu + n)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
     g_base = (i_c * H + i_h).to(tl.int64) * C * K
     zero = tl.zeros([K], dtype=tl.float32)
     cs0 = tl.zeros([BC, K], dtype=tl.float32)
