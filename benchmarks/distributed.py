@@ -235,6 +235,7 @@ def worker(args) -> None:
     timed = plain[min(2, len(plain) - 1):]
     result = {
         "world": world, "config": args.config, "params": params, "losses": losses,
+        "language_vocab": min(config.vocab_size, args.language_vocab),
         "step_s": statistics.median(timed), "tokens_per_step": args.rows * args.seq_len,
         "bytes": dict(counter.bytes), "collective_s": dict(counter.seconds),
         "muon_plan_bytes": muon_plan_bytes(optimizer),
@@ -339,6 +340,11 @@ class Job:
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
 
+    def done(self) -> bool:
+        """Whether the job has ended or run past --job-timeout (result() then stops it)."""
+        over = self.timeout is not None and time.perf_counter() - self.started > self.timeout
+        return self.proc.poll() is not None or over
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -405,6 +411,9 @@ def main() -> None:
     p.add_argument("--concurrent-references", action="store_true",
                    help="run the 1-rank reference jobs side by side before the rest: one per GPU (on a shared "
                         "CPU their times are not comparable)")
+    p.add_argument("--repeat-reference", type=int, metavar="STEPS",
+                   help="run the 1-rank reference of the --rows × --seq-len shape again for the first STEPS steps "
+                        "of its schedule: the run-to-run spread that the loss tolerance is measured against")
     p.add_argument("--job-timeout", type=float, help="seconds before a job counts as hung and is skipped")
     p.add_argument("--dcp-steps", type=int, help="steps covered by the DCP check (default --steps)")
     p.add_argument("--set", nargs="*", default=[], help="runtime config fields, e.g. attention_backend=sdpa")
@@ -427,6 +436,8 @@ def main() -> None:
     args = p.parse_args()
     if args.dcp_steps is not None and not 2 <= args.dcp_steps <= args.steps:
         p.error(f"--dcp-steps must be in [2, --steps = {args.steps}], got {args.dcp_steps}")
+    if args.repeat_reference is not None and not 1 <= args.repeat_reference <= args.steps:
+        p.error(f"--repeat-reference must be in [1, --steps = {args.steps}], got {args.repeat_reference}")
     if args.worker:
         worker(args)
         return
@@ -442,47 +453,74 @@ def main() -> None:
 
     results = []
     jobs = job_list(args)
-    # single-rank references on different GPUs may run side by side (one process per GPU, nothing shared)
-    side_by_side = []
-    if args.concurrent_references:
-        side_by_side = [job for job in jobs if job[0] == 1]
-        if args.device == "cuda":
-            side_by_side = side_by_side[:torch.cuda.device_count()]
-    started = {}
-    for i, (world, config, shape) in enumerate(side_by_side):
-        gpu = i if args.device == "cuda" else None
-        print(f"starting {config} on 1 rank at {shape[0]}×{shape[1]} tokens" + (f" on GPU {gpu}" if gpu is not None
-              else "") + "...", file=sys.stderr, flush=True)
-        started[(world, config, shape)] = Job(world, config, with_args(args, rows=shape[0], seq_len=shape[1]), gpu=gpu,
-                                              threads=args.threads // len(side_by_side))
-    # the side-by-side jobs are awaited first: nothing else shares their GPUs
+    # single-rank references may run side by side, one process per GPU (nothing shared): a queue over the
+    # GPUs, each taking the next one when its job ends; they are awaited before any multi-rank job starts
+    side_by_side = [job for job in jobs if job[0] == 1] if args.concurrent_references else []
+    if args.repeat_reference:
+        side_by_side.append(REPEAT)
+    slots = (max(1, min(len(side_by_side), torch.cuda.device_count())) if args.device == "cuda"
+             else max(1, len(side_by_side)))
+    queue = list(side_by_side)
+    running: dict[int, tuple] = {}  # slot -> (job key, Job)
+
+    def start_next(slot: int) -> None:
+        key = queue.pop(0)
+        world, config, shape = key if key != REPEAT else (1, "fsdp", (args.rows, args.seq_len))
+        extra = None
+        job_args = with_args(args, rows=shape[0], seq_len=shape[1])
+        if key == REPEAT:  # the first --repeat-reference steps of the same schedule
+            job_args = with_args(job_args, steps=args.repeat_reference)
+            extra = ["--total-steps", str(args.steps)]
+        gpu = slot if args.device == "cuda" else None
+        print(f"starting {'a repeat of ' if key == REPEAT else ''}{config} on 1 rank at {shape[0]}×{shape[1]} "
+              f"tokens" + (f" on GPU {gpu}" if gpu is not None else "") + "...", file=sys.stderr, flush=True)
+        job = Job(world, config, job_args, extra, gpu=gpu, threads=args.threads // slots)
+        if key == REPEAT:
+            job.settings = settings_of(args)  # comparable with the reference, whose schedule it follows
+        running[slot] = (key, job)
+
+    def finished(key, job: Job) -> None:
+        r = job.result()
+        if r is None:
+            return
+        world, config, shape = key if key != REPEAT else (1, "fsdp", (args.rows, args.seq_len))
+        r["rows"], r["seq_len"] = shape
+        if key == REPEAT:
+            r["repeat"] = True
+        results.append(r)
+        print(f"  {config} on {world} rank(s){' (repeat)' if key == REPEAT else ''}, "
+              f"{time.perf_counter() - job.started:.0f} s: step "
+              f"{r['step_s'] * 1e3:,.0f} ms, losses "
+              f"{' '.join(f'{x:.3f}' for x in r['losses'][::max(1, len(r['losses']) // 10)])}, "
+              f"peak {r['peak_gib']} GiB, EP {r['ep_load']} (plain {r['ep_home_load']}), "
+              f"nccl {r.get('nccl_ms')} ms",
+              file=sys.stderr, flush=True)
+        if args.json:  # after every job: a cut-off run keeps what it measured
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        if args.plot:
+            plot_losses(results, Path(args.plot))
+
     try:
-        for world, config, shape in side_by_side + [job for job in jobs if job not in side_by_side]:
-            if (world, config, shape) in started:
-                job = started[(world, config, shape)]
-            else:
-                print(f"running {config} on {world} rank(s) at {shape[0]}×{shape[1]} tokens...", file=sys.stderr,
-                      flush=True)
-                job = Job(world, config, with_args(args, rows=shape[0], seq_len=shape[1]))
-            r = job.result()
-            if r is None:
-                continue
-            r["rows"], r["seq_len"] = shape
-            results.append(r)
-            print(f"  {config} on {world} rank(s), {time.perf_counter() - job.started:.0f} s: step "
-                  f"{r['step_s'] * 1e3:,.0f} ms, losses "
-                  f"{' '.join(f'{x:.3f}' for x in r['losses'][::max(1, len(r['losses']) // 10)])}, "
-                  f"peak {r['peak_gib']} GiB, EP {r['ep_load']} (plain {r['ep_home_load']}), "
-                  f"nccl {r.get('nccl_ms')} ms",
-                  file=sys.stderr, flush=True)
-            if args.json:  # after every job: a cut-off run keeps what it measured
-                Path(args.json).write_text(json.dumps(results, indent=1))
-            if args.plot:
-                plot_losses(results, Path(args.plot))
-    finally:  # an interrupted run leaves no reference job behind
-        for job in started.values():
+        for slot in range(min(slots, len(queue))):
+            start_next(slot)
+        while running:
+            for slot, (key, job) in list(running.items()):
+                if job.done():
+                    del running[slot]
+                    finished(key, job)
+                    if queue:
+                        start_next(slot)
+            time.sleep(0.5)
+        for key in [job for job in jobs if job not in side_by_side]:
+            world, config, shape = key
+            print(f"running {config} on {world} rank(s) at {shape[0]}×{shape[1]} tokens...", file=sys.stderr,
+                  flush=True)
+            finished(key, Job(world, config, with_args(args, rows=shape[0], seq_len=shape[1])))
+    finally:  # an interrupted run leaves no side-by-side job behind
+        for _, job in running.values():
             job.stop()
-    results.sort(key=lambda r: jobs.index((r["world"], r["config"], (r["rows"], r["seq_len"]))))
+    results.sort(key=lambda r: len(jobs) if r.get("repeat") else
+                 jobs.index((r["world"], r["config"], (r["rows"], r["seq_len"]))))
     if not results:
         raise SystemExit("every job failed")
     report(results)
@@ -496,9 +534,12 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 
+REPEAT = "repeat"  # the job key of --repeat-reference
+
+
 def reference_of(r: dict, results: list[dict]) -> dict | None:
-    """The 1-rank run with r's batch shape and settings (r itself when r is one)."""
-    return next((b for b in results if b["world"] == 1 and (b["rows"], b["seq_len"]) == (r["rows"], r["seq_len"])
+    """The 1-rank run with r's batch shape and settings (r itself when r is one; never a repeat)."""
+    return next((b for b in results if b["world"] == 1 and not b.get("repeat") and (b["rows"], b["seq_len"]) == (r["rows"], r["seq_len"])
                  and b.get("settings") == r.get("settings")), None)
 
 
@@ -510,6 +551,9 @@ def report(results: list[dict]) -> None:
         tps = r["tokens_per_step"] / r["step_s"]
         if base is None:
             scaling, diff = "-", "no 1-rank run"
+        elif r.get("repeat"):  # the same run again: only its losses mean something
+            deltas = [abs(a - b) for a, b in zip(r["losses"], base["losses"])]
+            scaling, diff = "-", f"{max(deltas):.1e} / {statistics.mean(deltas[-max(1, len(deltas) // 10):]):.1e}"
         else:
             scaling = f"{tps / r['world'] / (base['tokens_per_step'] / base['step_s']):.2f}"
             deltas = [abs(a - b) for a, b in zip(r["losses"], base["losses"])]
@@ -517,14 +561,15 @@ def report(results: list[dict]) -> None:
             diff = f"{max(deltas):.1e} / {statistics.mean(tail):.1e}"
         # GPU: time inside NCCL kernels (profiled step; they may overlap compute); CPU: wall time in gloo calls
         comm = r["nccl_ms"] / 1e3 if r.get("nccl_ms") is not None else sum(r["collective_s"].values())
-        rows.append([f"{r['world']}", r["config"], f"{r['rows']}×{r['seq_len']}", f"{r['step_s'] * 1e3:,.0f}",
+        escape = plateau_exit(r)
+        rows.append([f"{r['world']}", label_of(r), f"{r['rows']}×{r['seq_len']}", f"{r['step_s'] * 1e3:,.0f}",
                      f"{tps / r['world']:,.0f}",
                      scaling, f"{r['losses'][0]:.3f}→{r['losses'][-1]:.3f}",
-                     diff, f"{100 * comm / r['step_s']:.0f}%",
+                     diff, "-" if escape is None else f"{escape}", f"{100 * comm / r['step_s']:.0f}%",
                      "-" if r["ep_load"] is None else f"{r['ep_load']:.2f} ({r['ep_home_load']:.2f})",
                      "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"])
     header = ["ranks", "config", "batch", "step ms", "tok/s/rank", "scaling eff.", "loss first→last",
-              "|Δloss| max / last 10%",
+              "|Δloss| max / last 10%", "leaves plateau at step",
               "comm share", "EP load max/mean (no plan)", "peak GiB"]
     steps = sorted({len(r["losses"]) for r in results})
     print_table(f"steps per job: {', '.join(map(str, steps))}; each run against the 1-rank run of its batch shape",
@@ -544,6 +589,22 @@ def report(results: list[dict]) -> None:
                               "-" if pr is None else f"{pr / 1e6:,.3f}"])
     print_table("bytes received per rank per step (MB)", ["ranks", "config", "collective", "measured", "predicted"],
                 byte_rows)
+
+
+def label_of(r: dict) -> str:
+    return r["config"] + (" (repeat)" if r.get("repeat") else "")
+
+
+def plateau_exit(r: dict) -> int | None:
+    """First step whose loss is below the midpoint of the unigram plateau (ln V) and the floor (ln 4): when
+    the run started to use the context. Curves that leave the plateau a step apart differ by nats there."""
+    import math
+
+    vocab = r.get("language_vocab") or (r.get("settings") or {}).get("language_vocab")
+    if not vocab:
+        return None
+    threshold = (math.log(vocab) + math.log(4)) / 2
+    return next((i for i, x in enumerate(r["losses"]) if x < threshold), None)
 
 
 def with_args(args, **changes):
@@ -584,7 +645,7 @@ def plot_losses(results: list[dict], path: Path) -> None:
         group = [r for r in results if (r["rows"], r["seq_len"]) == shape]
         base = reference_of(group[0], results) or min(group, key=lambda r: r["world"])
         for r in group:
-            label = f"{r['world']} rank{'s' if r['world'] > 1 else ''} {r['config']}"
+            label = f"{r['world']} rank{'s' if r['world'] > 1 else ''} {label_of(r)}"
             axes[0][col].plot(r["losses"], label=label)
             if r is not base:
                 axes[1][col].plot([a - b for a, b in zip(r["losses"], base["losses"])], label=label)
