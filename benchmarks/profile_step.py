@@ -59,6 +59,35 @@ def phase_times(model, optimizer, batch, device) -> dict[str, float]:
     return out
 
 
+def sync_sites(model, optimizer, scheduler, batch, cfg, device, top: int = 12) -> str:
+    """Where one train_step makes the host wait for the GPU: torch's sync debug mode warns at every
+    synchronising call; the warnings are grouped by the k3 line that made them."""
+    import traceback
+    import warnings
+
+    sites: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack() if "/k3/" in f.filename or "/benchmarks/" in f.filename]
+        where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno} ({frames[-1].name})" if frames else "?"
+        sites[where] = sites.get(where, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        old, warnings.showwarning = warnings.showwarning, record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            train_step(model, optimizer, scheduler, [batch], cfg, device)
+            sync(device)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = old
+    lines = [f"  host syncs in one train_step: {sum(sites.values())} at {len(sites)} places"]
+    for where, n in sorted(sites.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"    {n:5d}  {where}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small")
@@ -121,6 +150,12 @@ def main() -> None:
         print(f"  profiled step {profiled * 1e3:,.0f} ms; kernels busy {busy / 1e3:,.0f} ms "
               f"({100 * busy / 1e3 / (profiled * 1e3):.0f}% of the profiled step, "
               f"{100 * busy / 1e3 / (step * 1e3):.0f}% of the unprofiled one)")
+        runtime = {e.key: e.count for e in events if e.key.startswith("cuda")}
+        syncs = {k: v for k, v in runtime.items() if "Synchronize" in k}
+        print(f"  kernel launches {sum(v for k, v in runtime.items() if 'Launch' in k):,}; host waits "
+              f"{', '.join(f'{k} {v:,}' for k, v in sorted(syncs.items())) or 'none'}; "
+              f"copies {sum(v for k, v in runtime.items() if 'Memcpy' in k):,}")
+        print(sync_sites(model, optimizer, scheduler, batch, cfg, device))
         print(events.table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
     if args.trace:

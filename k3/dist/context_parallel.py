@@ -72,6 +72,7 @@ class CPContext:
         self.first, self.continues_ = first.to(**to), continues.to(**to)
         self.carries = ((last == first) & continues).to(**to)
         self.frag_idx, self.frag_cu = frag_idx.to(**to), frag_cu.to(**to)
+        self.frag_offsets = tuple(frag_cu.tolist())  # host copy: the fused KDA kernels plan from it
 
     def current(self) -> BatchShard:
         if self.shard is None:
@@ -120,7 +121,8 @@ class ContextParallelKDA(KimiDeltaAttention):
         state = pre.new_zeros(N, halo, pre.shape[-1]).index_copy(0, ctx.first, previous.to(pre.dtype))
         return super().short_conv(pre, weight, state, cu_seqlens)
 
-    def recurrence(self, q, k, v, z, beta_logits, initial_state, output_final_state, cu_seqlens):
+    def recurrence(self, q, k, v, z, beta_logits, initial_state, output_final_state, cu_seqlens,
+                   cu_seqlens_host=None):
         ctx = self.cp_context
         if initial_state is not None or output_final_state or cu_seqlens is None:
             raise ValueError("context-parallel KDA runs packed training batches only (no cache)")
@@ -136,7 +138,7 @@ class ContextParallelKDA(KimiDeltaAttention):
         aug0 = torch.cat([eye.new_zeros(1, H, K, V), eye], dim=-1).expand(B_l, H, K, V + K)
         # only the final state is used; k stands in for the queries, whose outputs are discarded
         _, S = super().recurrence(k[:, idx], k[:, idx], v_aug, z[:, idx], beta_logits[:, idx], aug0, True,
-                                  ctx.frag_cu)
+                                  ctx.frag_cu, ctx.frag_offsets)
         S_tilde, M = S.to(state_dtype).split((V, K), dim=-1)  # [B_l, H, K, V], [B_l, H, K, K]
         # a document start inside the slice forgets the incoming state (M = 0); only a last fragment that
         # is also the row's first and continues from the previous rank carries it
@@ -155,7 +157,7 @@ class ContextParallelKDA(KimiDeltaAttention):
         # 3. the local varlen recurrence from it (zeros for documents that start on this rank)
         N = cu_seqlens.numel() - 1
         init = S_in.new_zeros(N, H, K, V).index_copy(0, ctx.first, S_in)
-        o, _ = super().recurrence(q, k, v, z, beta_logits, init, False, cu_seqlens)
+        o, _ = super().recurrence(q, k, v, z, beta_logits, init, False, cu_seqlens, cu_seqlens_host)
         return o, None
 
 

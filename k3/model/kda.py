@@ -87,13 +87,17 @@ class KimiDeltaAttention(nn.Module):
 
     def recurrence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor,
                    beta_logits: torch.Tensor, initial_state: torch.Tensor | None, output_final_state: bool,
-                   cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   cu_seqlens: torch.Tensor | None, cu_seqlens_host: tuple[int, ...] | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The delta-rule recurrence on raw inputs (q, k after conv+SiLU, not normalised; z before dt_bias;
         β logits), so fused kernels can take the gate, L2 norm and β sigmoid in. A seam: context
-        parallelism overrides it. Returns (o [B, T, H, V], final state [N, H, K, V] or None).
+        parallelism overrides it. `cu_seqlens_host`: the same offsets as host ints, if known (the fused
+        kernels then plan without reading `cu_seqlens` back). Returns (o [B, T, H, V], final state
+        [N, H, K, V] or None).
         """
         if self.impl == "triton":
-            return self.triton_recurrence(q, k, v, z, beta_logits, initial_state, output_final_state, cu_seqlens)
+            return self.triton_recurrence(q, k, v, z, beta_logits, initial_state, output_final_state, cu_seqlens,
+                                          cu_seqlens_host)
         q, k, g, beta = self.gate_inputs(q, k, z, beta_logits)
         kw = dict(initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
         if self.impl == "recurrent" or q.shape[1] == 1:
@@ -105,7 +109,8 @@ class KimiDeltaAttention(nn.Module):
             return naive_chunk_kda(q, k, v, g, beta, **kw, chunk_size=self.chunk_size)
         raise ValueError(f"kda_impl {self.impl!r} is not available in this build")
 
-    def triton_recurrence(self, q, k, v, z, beta_logits, initial_state, output_final_state, cu_seqlens):
+    def triton_recurrence(self, q, k, v, z, beta_logits, initial_state, output_final_state, cu_seqlens,
+                          cu_seqlens_host=None):
         """`kda_impl == "triton"`: the fused kernels on CUDA (or in the Triton interpreter), else the torch path.
 
         A few tokens per sequence without autograd (decode, speculative verify) take `fused_recurrent_kda` on
@@ -129,7 +134,8 @@ class KimiDeltaAttention(nn.Module):
                                        gate_lower_bound=self.gate_lower_bound)
             return o, (state if output_final_state else None)
         return chunk_kda(q, k, v, z, beta_logits, self.A_log, self.dt_bias, gate_lower_bound=self.gate_lower_bound,
-                         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                         cu_seqlens_host=cu_seqlens_host)
 
     def forward(self, x: torch.Tensor, layout: SequenceLayout, state: KDAState | None = None,
                 use_cache: bool = False) -> tuple[torch.Tensor, KDAState | None]:
@@ -162,7 +168,8 @@ class KimiDeltaAttention(nn.Module):
             cu = None
         elif cu is not None:
             q, k, v, z, beta_logits = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, z, beta_logits))
-        o, final = self.recurrence(q, k, v, z, beta_logits, initial, use_cache, cu)
+        o, final = self.recurrence(q, k, v, z, beta_logits, initial, use_cache, cu,
+                                   layout.offsets if cu is layout.cu_seqlens else None)
         o = o.view(B, T, H, K)
 
         o = self.o_norm(o)  # per-head norm, gain shared by heads

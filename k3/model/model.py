@@ -222,7 +222,7 @@ class K3ForCausalLM(nn.Module):
         B, T = input_ids.shape
         if T == 0:
             raise ValueError("input_ids has no tokens")
-        lo, hi = int(input_ids.min()), int(input_ids.max())
+        lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()  # one read back, not two
         if lo < 0 or hi >= self.config.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got range [{lo}, {hi}]")
         layout = SequenceLayout.build(B, T, cu_seqlens, input_ids.device)

@@ -75,7 +75,13 @@ def expert_loads(topk_idx: Tensor, num_experts: int, token_mask: Tensor | None =
         if tuple(token_mask.shape) != (topk_idx.shape[0],) or token_mask.dtype != torch.bool:
             raise ValueError("token_mask must be a bool tensor of shape [N]")
         topk_idx = topk_idx[token_mask]
-    return torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
+    return count_ids(topk_idx.reshape(-1), num_experts)
+
+
+def count_ids(ids: Tensor, n: int) -> Tensor:
+    """Occurrences of each id in [0, n): [n] int64. Unlike `torch.bincount`, whose CUDA kernel reads the
+    largest id back to the host, a scatter-add into a fixed-size tensor keeps the GPU queue running."""
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
 
 
 def qb_exact(
@@ -156,7 +162,7 @@ class QuantileHistogram:
         # flatten (expert, bin) so one bincount fills the whole [E, B] matrix
         offsets = torch.arange(self.num_experts, device=bins.device) * self.num_bins
         flat = (bins + offsets).reshape(-1)
-        self.counts += torch.bincount(flat, minlength=self.num_experts * self.num_bins).view_as(self.counts)
+        self.counts += count_ids(flat, self.num_experts * self.num_bins).view_as(self.counts)
 
     def state_tensors(self) -> tuple[Tensor, ...]:
         """The tensors to all-reduce (SUM, in place) before `bias`: just `counts` [E, B] int64.

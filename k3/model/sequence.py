@@ -22,6 +22,9 @@ class SequenceLayout:
     segment_ids: torch.Tensor | None = None  # [B, T] int64 document index of every token
     # ragged incremental decoding: tokens already cached for each document's sequence (B = 1)
     past_lengths: list[int] | None = None
+    # cu_seqlens as host ints, read once here: kernels that plan on the host take these instead of copying
+    # cu_seqlens back per layer (each such copy waits for the GPU)
+    offsets: tuple[int, ...] | None = None
 
     @property
     def packed(self) -> bool:
@@ -34,15 +37,15 @@ class SequenceLayout:
         cu = torch.as_tensor(cu_seqlens, device=device)
         if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point:
             raise ValueError("cu_seqlens must be a 1-D integer tensor with at least two offsets")
-        cu = cu.to(torch.int64)
+        offsets = tuple(cu.tolist())  # the one device→host read of a packed forward; checked on the host
         total = batch_size * seq_len
-        if int(cu[0]) != 0 or int(cu[-1]) != total:
-            raise ValueError(f"cu_seqlens must start at 0 and end at B*T = {total}, got {int(cu[0])} … {int(cu[-1])}")
-        if bool((cu[1:] < cu[:-1]).any()):
+        if offsets[0] != 0 or offsets[-1] != total:
+            raise ValueError(f"cu_seqlens must start at 0 and end at B*T = {total}, got {offsets[0]} … {offsets[-1]}")
+        if any(b < a for a, b in zip(offsets, offsets[1:])):
             raise ValueError("cu_seqlens must be non-decreasing")
-        row_ends = torch.arange(1, batch_size, device=device) * seq_len
-        if not bool(torch.isin(row_ends, cu).all()):
+        if not {r * seq_len for r in range(1, batch_size)} <= set(offsets):
             raise ValueError("with several rows, every row boundary (multiples of T) must be in cu_seqlens")
+        cu = cu.to(torch.int64)
         lengths = cu[1:] - cu[:-1]
-        segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
-        return cls(batch_size, seq_len, cu.to(torch.int32), segment.view(batch_size, seq_len))
+        segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths, output_size=total)
+        return cls(batch_size, seq_len, cu.to(torch.int32), segment.view(batch_size, seq_len), offsets=offsets)

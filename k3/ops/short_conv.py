@@ -15,7 +15,8 @@ import torch
 def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """cu_seqlens [N+1] offsets -> position of every token inside its document, [total] int64."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    starts = cu_seqlens[:-1].long().repeat_interleave(lengths)
+    # output_size: without it CUDA reads the lengths' sum back to the host (a sync per call)
+    starts = cu_seqlens[:-1].long().repeat_interleave(lengths, output_size=total)
     return torch.arange(total, device=cu_seqlens.device) - starts
 
 
@@ -65,7 +66,7 @@ def _varlen_conv(x, w, conv_state, cu_seqlens, compute):
     H = W - 1
     pool = torch.cat([conv_state.to(x.dtype).reshape(N * H, C), x[0]])  # [N·H + T, C]
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    doc = torch.repeat_interleave(torch.arange(N, device=x.device), lengths)  # [T]
+    doc = torch.repeat_interleave(torch.arange(N, device=x.device), lengths, output_size=T)  # [T]
     pos = positions_in_documents(cu_seqlens, T)  # [T]
     t = torch.arange(T, device=x.device)
     y = torch.zeros(T, C, dtype=compute, device=x.device)

@@ -29,7 +29,9 @@ BC sub-block (16 rows), NB = C/BC sub-blocks, BV value block.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -718,9 +720,13 @@ def _bwd_k(q, k, z, b, A_log, dt_bias, cu, chunk_idx, dqh_in, dkh_in, dg_in, daq
 
 
 class _Plan:
-    """Chunk bookkeeping for packed documents: offsets, (document, chunk) per global chunk, first chunk per document."""
+    """Chunk bookkeeping for packed documents: offsets, (document, chunk) per global chunk, first chunk per document.
 
-    def __init__(self, offsets: list[int], device: torch.device):
+    Built on the host from ints and sent to the device in one non-blocking copy: planning never waits for
+    the GPU. Plans are cached by their offsets (`make_plan`), so the layers of one forward share one.
+    """
+
+    def __init__(self, offsets: tuple[int, ...], device: torch.device):
         self.offsets = offsets
         self.N = len(offsets) - 1
         counts = [-(-(e - s) // CHUNK) for s, e in zip(offsets[:-1], offsets[1:])]
@@ -728,16 +734,37 @@ class _Plan:
         for c in counts:
             first.append(first[-1] + c)
         self.NT = first[-1]
-        pairs = [(n, j) for n, c in enumerate(counts) for j in range(c)] or [(0, 0)]
-        self.cu = torch.tensor(offsets, dtype=torch.int32, device=device)
-        self.chunk_idx = torch.tensor(pairs, dtype=torch.int32, device=device)  # [NT, 2]
-        self.chunk_off = torch.tensor(first, dtype=torch.int32, device=device)  # [N+1]
+        pairs = [x for n, c in enumerate(counts) for j in range(c) for x in (n, j)] or [0, 0]
+        host = torch.tensor(list(offsets) + first + pairs, dtype=torch.int32)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        packed = host.to(device, non_blocking=True)
+        self.cu = packed[: self.N + 1]
+        self.chunk_off = packed[self.N + 1: 2 * self.N + 2]  # [N+1]
+        self.chunk_idx = packed[2 * self.N + 2:].view(-1, 2)  # [NT, 2]
 
 
-def make_plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> _Plan:
+@functools.lru_cache(maxsize=16)
+def _cached_plan(offsets: tuple[int, ...], device: torch.device) -> _Plan:
+    return _Plan(offsets, device)
+
+
+def make_plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device,
+              cu_seqlens_host: Sequence[int] | None = None) -> _Plan:
+    """The plan for a [B, T] input, dense or packed by `cu_seqlens`. `cu_seqlens_host` (the same offsets as
+    host ints, e.g. `SequenceLayout.offsets`) spares reading `cu_seqlens` back, which waits for the GPU."""
     if cu_seqlens is None:
-        return _Plan([i * T for i in range(B + 1)], device)
-    return _Plan(document_offsets(cu_seqlens, B, T), device)
+        return _cached_plan(tuple(i * T for i in range(B + 1)), device)
+    if cu_seqlens_host is not None:
+        offsets = tuple(int(x) for x in cu_seqlens_host)
+        if len(offsets) != cu_seqlens.numel():
+            raise ValueError(f"cu_seqlens_host has {len(offsets)} offsets, cu_seqlens {cu_seqlens.numel()}")
+        if B != 1 or offsets[0] != 0 or offsets[-1] != T or any(b < a for a, b in zip(offsets, offsets[1:])):
+            raise ValueError(f"cu_seqlens_host must be non-decreasing from 0 to T={T} with B = 1, got B={B}, "
+                             f"{offsets[0]} … {offsets[-1]}")
+    else:
+        offsets = tuple(document_offsets(cu_seqlens, B, T))
+    return _cached_plan(offsets, device)
 
 
 def _check_device(*xs: torch.Tensor) -> None:
@@ -893,6 +920,7 @@ def chunk_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_host: Sequence[int] | None = None,
     return_chunk_states: bool = False,
     all_bf16: bool = False,
     state_bf16: bool = False,
@@ -906,6 +934,8 @@ def chunk_kda(
     Returns o [B, T, H, V] in v's dtype and the final state [N, H, K, V] fp32 (None unless
     output_final_state); with return_chunk_states also the states at every 64-token chunk start,
     [NT, H, K, V] fp32, chunks numbered document by document (not differentiable).
+    cu_seqlens_host: the same offsets as host ints when the caller has them (`SequenceLayout.offsets`):
+    planning then never reads `cu_seqlens` back from the GPU (a sync per call).
     all_bf16 / state_bf16 select the faster, less accurate variants measured in docs/kda-kernels.md.
     """
     if q.dim() != 4:
@@ -926,7 +956,7 @@ def chunk_kda(
     if not -5.0 <= gate_lower_bound < 0.0:
         raise ValueError(f"gate_lower_bound must be in [-5, 0) (16-token tiles stay in range), got {gate_lower_bound}")
     _check_device(q, k, v, z, beta_logits, A_log, dt_bias)
-    plan = make_plan(B, T, cu_seqlens, q.device)
+    plan = make_plan(B, T, cu_seqlens, q.device, cu_seqlens_host)
     if initial_state is not None and initial_state.shape != (plan.N, H, K, V):
         raise ValueError(f"initial_state must be [N, H, K, V] = [{plan.N}, {H}, {K}, {V}], "
                          f"got {tuple(initial_state.shape)}")
