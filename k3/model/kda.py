@@ -22,7 +22,7 @@ from k3.model.cache import KDAState
 from k3.model.norm import RMSNorm
 from k3.model.sequence import SequenceLayout
 from k3.ops.kda import naive_chunk_kda, naive_kda_gate, naive_recurrent_kda, torch_chunk_kda
-from k3.ops.short_conv import naive_causal_conv1d
+from k3.ops.short_conv import causal_conv1d
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -77,7 +77,7 @@ class KimiDeltaAttention(nn.Module):
 
         A seam: context parallelism (k3.dist) overrides it to bring in the previous rank's halo.
         """
-        return naive_causal_conv1d(pre, weight, conv_state, cu_seqlens)
+        return causal_conv1d(pre, weight, conv_state, cu_seqlens)
 
     def gate_inputs(self, q: torch.Tensor, k: torch.Tensor, z: torch.Tensor, beta_logits: torch.Tensor):
         """Raw → recurrence inputs: L2-normed q, k; g = g_min·σ(exp(A)(z + dt_bias)) (fp32); β = σ(·) (fp32)."""

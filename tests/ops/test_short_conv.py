@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3.ops.short_conv import naive_causal_conv1d
+from k3.ops.short_conv import causal_conv1d, naive_causal_conv1d
+
+IMPLS = pytest.mark.parametrize("conv", [naive_causal_conv1d, causal_conv1d], ids=["naive", "fast"])
 
 
 def _inputs(B: int, T: int, C: int, W: int, seed: int, dtype=torch.float64):
@@ -27,10 +29,11 @@ def torch_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 7, 33])
 @pytest.mark.parametrize("W", [1, 2, 4])
-def test_matches_torch_conv1d(T, W):
+@IMPLS
+def test_matches_torch_conv1d(T, W, conv):
     x, weight = _inputs(2, T, 5, W, seed=T * 10 + W)
     ref = torch_conv(x, weight)
-    tri, state = naive_causal_conv1d(x, weight)
+    tri, state = conv(x, weight)
     # fp64, same products in a different order: ≤ 1e-12
     torch.testing.assert_close(tri, ref, atol=1e-12, rtol=0)
     assert state.shape == (2, W - 1, 5)
@@ -39,10 +42,11 @@ def test_matches_torch_conv1d(T, W):
     assert torch.equal(state, padded[:, padded.shape[1] - (W - 1):])
 
 
-def test_weight_2d_and_fp32_dtype():
+@IMPLS
+def test_weight_2d_and_fp32_dtype(conv):
     x, weight = _inputs(1, 9, 4, 4, seed=1, dtype=torch.float32)
-    a, _ = naive_causal_conv1d(x, weight)
-    b, _ = naive_causal_conv1d(x, weight.view(4, 4))
+    a, _ = conv(x, weight)
+    b, _ = conv(x, weight.view(4, 4))
     assert torch.equal(a, b)
     assert a.dtype == torch.float32
     # fp32 compute against torch's fp32 conv: ≤ 1e-5
@@ -50,88 +54,185 @@ def test_weight_2d_and_fp32_dtype():
 
 
 @pytest.mark.parametrize("T1", [0, 1, 2, 3, 5, 11])
-def test_split_with_state_equals_one_pass(T1):
+@IMPLS
+def test_split_with_state_equals_one_pass(T1, conv):
     T, W = 11, 4
     x, weight = _inputs(2, T, 6, W, seed=100 + T1)
-    full, full_state = naive_causal_conv1d(x, weight)
-    y1, s1 = naive_causal_conv1d(x[:, :T1], weight)
-    y2, s2 = naive_causal_conv1d(x[:, T1:], weight, conv_state=s1)
+    full, full_state = conv(x, weight)
+    y1, s1 = conv(x[:, :T1], weight)
+    y2, s2 = conv(x[:, T1:], weight, conv_state=s1)
     # same products in the same order: bit-identical
     assert torch.equal(torch.cat([y1, y2], dim=1), full)
     assert torch.equal(s2, full_state)
 
 
-def test_token_by_token_equals_one_pass():
+@IMPLS
+def test_token_by_token_equals_one_pass(conv):
     T, W = 9, 4
     x, weight = _inputs(1, T, 3, W, seed=7)
-    full, full_state = naive_causal_conv1d(x, weight)
+    full, full_state = conv(x, weight)
     state, outs = None, []
     for t in range(T):
-        y, state = naive_causal_conv1d(x[:, t : t + 1], weight, conv_state=state)
+        y, state = conv(x[:, t : t + 1], weight, conv_state=state)
         outs.append(y)
     assert torch.equal(torch.cat(outs, dim=1), full)
     assert torch.equal(state, full_state)
 
 
-def test_bad_state_shape_raises():
+@IMPLS
+def test_bad_state_shape_raises(conv):
     x, weight = _inputs(1, 5, 3, 4, seed=0)
     with pytest.raises(ValueError):
-        naive_causal_conv1d(x, weight, conv_state=torch.zeros(1, 2, 3, dtype=x.dtype))
+        conv(x, weight, conv_state=torch.zeros(1, 2, 3, dtype=x.dtype))
 
 
 @pytest.mark.parametrize("lengths", [[5, 7], [1, 2, 9, 1], [3, 3, 3], [12]])
-def test_varlen_equals_separate_runs(lengths):
+@IMPLS
+def test_varlen_equals_separate_runs(lengths, conv):
     W, C = 4, 5
     total = sum(lengths)
     x, weight = _inputs(1, total, C, W, seed=sum(lengths) + len(lengths))
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
-    packed, _ = naive_causal_conv1d(x, weight, cu_seqlens=cu)
-    separate = torch.cat([naive_causal_conv1d(x[:, s:e], weight)[0] for s, e in zip(cu[:-1], cu[1:])], dim=1)
+    packed, _ = conv(x, weight, cu_seqlens=cu)
+    separate = torch.cat([conv(x[:, s:e], weight)[0] for s, e in zip(cu[:-1], cu[1:])], dim=1)
     # fp64; same taps, products masked instead of skipped: ≤ 1e-14
     torch.testing.assert_close(packed, separate, atol=1e-14, rtol=0)
 
 
-def test_varlen_no_leakage_across_document_start():
+@IMPLS
+def test_varlen_no_leakage_across_document_start(conv):
     W, C = 4, 3
     cu = torch.tensor([0, 6, 8, 15])
     x, weight = _inputs(1, 15, C, W, seed=3)
-    base, _ = naive_causal_conv1d(x, weight, cu_seqlens=cu)
+    base, _ = conv(x, weight, cu_seqlens=cu)
     # a large finite change to document 1 (positions 6, 7) moves document 1 only, bit for bit
     x2 = x.clone()
     x2[:, 6:8] += 1e6
-    moved, _ = naive_causal_conv1d(x2, weight, cu_seqlens=cu)
+    moved, _ = conv(x2, weight, cu_seqlens=cu)
     assert torch.equal(moved[:, :6], base[:, :6])
     assert torch.equal(moved[:, 8:], base[:, 8:])
     assert not torch.equal(moved[:, 6:8], base[:, 6:8])
     # changing the last tokens of document 0 (what document 1's first taps would reach) moves document 0 only
     x3 = x.clone()
     x3[:, 3:6] -= 3.0
-    moved, _ = naive_causal_conv1d(x3, weight, cu_seqlens=cu)
+    moved, _ = conv(x3, weight, cu_seqlens=cu)
     assert torch.equal(moved[:, 6:], base[:, 6:])
 
 
-def test_varlen_nan_stays_in_its_document():
+@IMPLS
+def test_varlen_nan_stays_in_its_document(conv):
     W, C = 4, 3
     cu = torch.tensor([0, 6, 8, 15])
     x, weight = _inputs(1, 15, C, W, seed=3)
-    base, _ = naive_causal_conv1d(x, weight, cu_seqlens=cu)
+    base, _ = conv(x, weight, cu_seqlens=cu)
     # NaN-poison the tail of document 0 and all of document 1
     x2 = x.clone()
     x2[:, 3:8] = float("nan")
-    poisoned, _ = naive_causal_conv1d(x2, weight, cu_seqlens=cu)
+    poisoned, _ = conv(x2, weight, cu_seqlens=cu)
     assert torch.equal(poisoned[:, :3], base[:, :3])
     assert torch.equal(poisoned[:, 8:], base[:, 8:])
 
 
-def test_varlen_with_per_document_history_equals_separate_calls():
+@IMPLS
+def test_varlen_with_per_document_history_equals_separate_calls(conv):
     """Each packed document continues from its own history (the engine's ragged decode/prefill)."""
     W, C = 4, 5
     lengths = [6, 1, 0, 2, 9]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     x, weight = _inputs(1, sum(lengths), C, W, seed=7)
     states = torch.randn(len(lengths), W - 1, C, dtype=x.dtype, generator=torch.Generator().manual_seed(8))
-    y, new_states = naive_causal_conv1d(x, weight, states, cu_seqlens=cu)
+    y, new_states = conv(x, weight, states, cu_seqlens=cu)
     for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        ref_y, ref_state = naive_causal_conv1d(x[:, a:b], weight, states[n : n + 1])
+        ref_y, ref_state = conv(x[:, a:b], weight, states[n : n + 1])
         assert torch.equal(y[:, a:b], ref_y)
         assert torch.equal(new_states[n], ref_state[0])
+
+
+@pytest.mark.parametrize("history", [False, True])
+@pytest.mark.parametrize("lengths", [[23], [5, 0, 1, 14, 3], [1, 1, 1, 20]])
+def test_fast_matches_reference_with_gradients(lengths, history):
+    """causal_conv1d against naive_causal_conv1d in fp64: outputs, new states and all gradients ≤ 1e-12."""
+    W, C = 4, 6
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    x, weight = _inputs(1, sum(lengths), C, W, seed=11)
+    states = torch.randn(len(lengths), W - 1, C, dtype=x.dtype, generator=torch.Generator().manual_seed(12))
+    leaves = [x, weight] + ([states] if history else [])
+    results = []
+    for conv in (naive_causal_conv1d, causal_conv1d):
+        inputs = [t.clone().requires_grad_() for t in leaves]
+        y, s = conv(inputs[0], inputs[1], inputs[2] if history else None, cu_seqlens=cu)
+        g = torch.Generator().manual_seed(13)
+        loss = (y * torch.randn(y.shape, generator=g, dtype=y.dtype)).sum() + (s * torch.randn(s.shape, generator=g, dtype=s.dtype)).sum()
+        results.append([y, s, *torch.autograd.grad(loss, inputs)])
+    for ref, fast in zip(*results):
+        torch.testing.assert_close(fast, ref, rtol=0, atol=1e-12)
+
+
+def test_fast_bf16_error_within_reference_error():
+    """bf16 activations, fp32 weights: the fast path is no further from fp64 than the reference (relative
+    RMSE of the output, new states and gradients; its fp32 accumulation of the taps is at least as good)."""
+    W, C, lengths = 4, 64, [5, 0, 1, 200, 30]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    x, weight = _inputs(1, sum(lengths), C, W, seed=21)
+    states = torch.randn(len(lengths), W - 1, C, dtype=x.dtype, generator=torch.Generator().manual_seed(22))
+    probe = torch.linspace(-1, 1, x.numel(), dtype=torch.float64).view_as(x)
+
+    def run(conv, dtype):
+        xs, st = x.to(dtype).requires_grad_(), states.to(dtype).requires_grad_()
+        w = weight.to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
+        y, s = conv(xs, w, st, cu_seqlens=cu)
+        grads = torch.autograd.grad((y.double() * probe).sum() + s.double().sum(), [xs, w, st])
+        return [t.double() for t in (y, s, *grads)]
+
+    exact = run(naive_causal_conv1d, torch.float64)
+    for ref, fast, truth in zip(run(naive_causal_conv1d, torch.bfloat16), run(causal_conv1d, torch.bfloat16), exact):
+        err = lambda t: float((t - truth).norm() / truth.norm())  # noqa: E731
+        assert err(fast) <= err(ref) * 1.01 + 1e-7, (err(fast), err(ref))
+        assert err(fast) < 5e-3
+
+
+def test_fast_is_a_few_ops():
+    """The point of the fast path: a packed call is ≲ 30 tensor ops forward and ≲ 15 backward (the
+    reference: ~80 and ~40), each a kernel launch on a GPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    free = {"aten::view", "aten::_unsafe_view", "aten::as_strided", "aten::t", "aten::transpose", "aten::expand",
+            "aten::unsqueeze", "aten::squeeze", "aten::slice", "aten::select", "aten::reshape", "aten::alias",
+            "aten::detach", "aten::empty", "aten::empty_like", "aten::new_empty", "aten::empty_strided",
+            "aten::new_empty_strided", "aten::lift_fresh", "aten::is_same_size"}
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func._schema.name not in free
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(1, 300, 64, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(64, 1, 4, requires_grad=True)
+    cu = torch.tensor([0, 100, 130, 300], dtype=torch.int32)
+    counts = {}
+    for conv in (naive_causal_conv1d, causal_conv1d):
+        with Count() as forward:
+            y, _ = conv(x, weight, None, cu_seqlens=cu)
+        with Count() as backward:
+            y.float().sum().backward()
+        counts[conv.__name__] = (forward.n, backward.n)
+    assert counts["causal_conv1d"][0] <= 30 and counts["causal_conv1d"][1] <= 15, counts
+    assert counts["naive_causal_conv1d"][0] >= 2 * counts["causal_conv1d"][0], counts
+
+
+def test_fast_column_cache_follows_identity_and_version():
+    """The stream columns are reused for the same cu_seqlens tensor, recomputed after an in-place change,
+    and never cached for inference tensors (they have no version counter)."""
+    x, weight = _inputs(1, 10, 3, 4, seed=31)
+    cu = torch.tensor([0, 4, 10])
+    first, _ = causal_conv1d(x, weight, cu_seqlens=cu)
+    cu[1] = 7  # same object, new contents
+    moved, _ = causal_conv1d(x, weight, cu_seqlens=cu)
+    torch.testing.assert_close(moved, naive_causal_conv1d(x, weight, cu_seqlens=cu)[0], rtol=0, atol=1e-12)
+    assert not torch.equal(first, moved)
+    with torch.inference_mode():
+        cu_inf = torch.tensor([0, 2, 10])
+        y, _ = causal_conv1d(x, weight, cu_seqlens=cu_inf)
+        torch.testing.assert_close(y, naive_causal_conv1d(x, weight, cu_seqlens=cu_inf)[0], rtol=0, atol=1e-12)
