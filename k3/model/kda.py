@@ -137,6 +137,15 @@ class KimiDeltaAttention(nn.Module):
                          initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                          cu_seqlens_host=cu_seqlens_host)
 
+    def input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The six projections of x [B, T, D] — q, k, v, output gate (each [B, T, P]), β logits [B, T, H] and
+        the decay's low-rank input [B, T, K] — as one GEMM over the concatenated weights: one launch, and
+        under autocast one cast of x and of the weights, instead of six each (the parameters stay apart,
+        as the checkpoint names them). The same function as the six `nn.Linear` calls."""
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.b_proj, self.f_a_proj)
+        weight = torch.cat([p.weight for p in projections])
+        return F.linear(x, weight).split([p.out_features for p in projections], dim=-1)
+
     def forward(self, x: torch.Tensor, layout: SequenceLayout, state: KDAState | None = None,
                 use_cache: bool = False) -> tuple[torch.Tensor, KDAState | None]:
         """x [B, T, D] (already input_layernorm'ed). Returns (y [B, T, D], new state or None)."""
@@ -144,8 +153,9 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.num_heads, self.head_dim
         cu = layout.cu_seqlens
 
-        def conv_path(proj: nn.Linear, conv: nn.Conv1d, conv_state):
-            pre = proj(x)  # [B, T, P]
+        q_pre, k_pre, v_pre, g_pre, beta_logits, f_a = self.input_projections(x)
+
+        def conv_path(pre: torch.Tensor, conv: nn.Conv1d, conv_state):
             if cu is not None:
                 # packed documents; with a cache each document continues its own sequence's history
                 y, tail = self.short_conv(pre.view(1, B * T, -1), conv.weight, conv_state, cu)
@@ -154,12 +164,11 @@ class KimiDeltaAttention(nn.Module):
                 y, tail = self.short_conv(pre, conv.weight, conv_state, None)
             return F.silu(y), tail
 
-        q, tail_q = conv_path(self.q_proj, self.q_conv1d, state.conv_q if state else None)
-        k, tail_k = conv_path(self.k_proj, self.k_conv1d, state.conv_k if state else None)
-        v, tail_v = conv_path(self.v_proj, self.v_conv1d, state.conv_v if state else None)
+        q, tail_q = conv_path(q_pre, self.q_conv1d, state.conv_q if state else None)
+        k, tail_k = conv_path(k_pre, self.k_conv1d, state.conv_k if state else None)
+        v, tail_v = conv_path(v_pre, self.v_conv1d, state.conv_v if state else None)
         q, k, v = (t.view(B, T, H, K) for t in (q, k, v))  # [B, T, H, K]
-        beta_logits = self.b_proj(x)  # [B, T, H]
-        z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)  # [B, T, H, K] decay logits before dt_bias
+        z = self.f_b_proj(f_a).view(B, T, H, K)  # [B, T, H, K] decay logits before dt_bias
 
         initial = state.recurrent if state is not None else None
         if cu is not None and B * T == cu.numel() - 1 and bool((cu[1:] - cu[:-1] == 1).all()):
@@ -173,6 +182,6 @@ class KimiDeltaAttention(nn.Module):
         o = o.view(B, T, H, K)
 
         o = self.o_norm(o)  # per-head norm, gain shared by heads
-        y = self.o_proj(torch.sigmoid(self.g_proj(x)) * o.reshape(B, T, H * K).to(x.dtype))
+        y = self.o_proj(torch.sigmoid(g_pre) * o.reshape(B, T, H * K).to(x.dtype))
         new_state = KDAState(tail_q, tail_k, tail_v, final) if use_cache else None
         return y, new_state

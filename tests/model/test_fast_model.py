@@ -98,3 +98,26 @@ def test_checkpointing_saves_less():
     plain = build_model(config, seed=0)
     ckpt = apply_activation_checkpointing(build_model(config, seed=0))
     assert saved_bytes(ckpt) < 0.5 * saved_bytes(plain)
+
+
+def test_kda_input_projections_equal_six_linears():
+    """The KDA layer's one concatenated GEMM equals its six nn.Linear calls (fp64, outputs and gradients of
+    x and of every weight ≤ 1e-12); the parameters stay separate, under their checkpoint names."""
+    config = get_preset("debug")
+    model = build_model(config, seed=0, dtype=torch.float64)
+    kda = next(layer.self_attn for layer in model.model.layers if layer.is_kda)
+    x = torch.randn(2, 5, config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    linears = (kda.q_proj, kda.k_proj, kda.v_proj, kda.g_proj, kda.b_proj, kda.f_a_proj)
+    leaves = [x] + [lin.weight for lin in linears]
+    results = []
+    for run in (lambda xx: kda.input_projections(xx), lambda xx: [lin(xx) for lin in linears]):
+        xx = x.clone().requires_grad_()
+        outs = run(xx)
+        probe = torch.Generator().manual_seed(2)
+        loss = sum((o * torch.randn(o.shape, generator=probe, dtype=o.dtype)).sum() for o in outs)
+        grads = torch.autograd.grad(loss, [xx] + leaves[1:])
+        results.append([*outs, *grads])
+    for fused, separate in zip(*results):
+        torch.testing.assert_close(fused, separate, rtol=0, atol=1e-12)
+    names = {n for n, _ in kda.named_parameters()}
+    assert {"q_proj.weight", "g_proj.weight", "b_proj.weight", "f_a_proj.weight"} <= names
