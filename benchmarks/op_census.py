@@ -5,7 +5,8 @@ counts, with a dispatch mode, every aten op of one forward and one backward (the
 checkpointing included) of the GPU configuration on CPU, leaving out views and allocations (no kernel)
 and anything Triton's interpreter runs inside a kernel (on a GPU the kernel is one launch). It prints the
 totals, the commonest ops and the k3 lines that issue the most, so a change that removes launches can be
-checked without a GPU. The grouped GEMMs run through torch._grouped_mm on CPU, one op as on a GPU.
+checked without a GPU. The grouped GEMMs run through torch._grouped_mm on CPU and the SiTU kernels
+interpreted, so each counts as on a GPU.
 
     python benchmarks/op_census.py --preset small --seq-len 128 --activation-checkpointing   # ~5 min, 2 cores
 """
@@ -76,8 +77,11 @@ def main() -> None:
     args = p.parse_args()
 
     import k3.ops.moe
+    import k3.ops.situ
 
     k3.ops.moe._native_ok = lambda *mats: True  # torch._grouped_mm runs on CPU too: one op, as on a GPU
+    # the fused SiTU kernels pick Triton only on CUDA; here they run interpreted, one launch each as on a GPU
+    k3.ops.situ._use_triton = lambda t: t.dtype in (torch.float32, torch.bfloat16, torch.float16)
     config = get_preset(args.preset).replace(**dict(item.split("=", 1) for item in args.set))
     model = build_model(config, seed=0)
     if args.activation_checkpointing:
