@@ -61,7 +61,9 @@ def phase_times(model, optimizer, batch, device) -> dict[str, float]:
 
 def sync_sites(model, optimizer, scheduler, batch, cfg, device, top: int = 12) -> str:
     """Where one train_step makes the host wait for the GPU: torch's sync debug mode warns at every
-    synchronising call; the warnings are grouped by the k3 line that made them."""
+    synchronising call; the warnings are grouped by the k3 line that made them. Syncs inside C++ autograd
+    nodes are replayed when backward ends, so they show at the `.backward()` line; Python backward code
+    and checkpoint recomputation are attributed to their own lines."""
     import traceback
     import warnings
 

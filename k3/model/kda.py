@@ -139,11 +139,14 @@ class KimiDeltaAttention(nn.Module):
 
     def input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The six projections of x [B, T, D] — q, k, v, output gate (each [B, T, P]), β logits [B, T, H] and
-        the decay's low-rank input [B, T, K] — as one GEMM over the concatenated weights: one launch, and
-        under autocast one cast of x and of the weights, instead of six each (the parameters stay apart,
-        as the checkpoint names them). The same function as the six `nn.Linear` calls."""
+        the decay's low-rank input [B, T, K] — as one GEMM over the concatenated weights: one GEMM launch and
+        one cast of x instead of six each (the parameters stay apart, as the checkpoint names them). The
+        same function as the six `nn.Linear` calls."""
         projections = (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.b_proj, self.f_a_proj)
-        weight = torch.cat([p.weight for p in projections])
+        device = x.device.type
+        # under autocast each weight is cast first: concatenating the fp32 masters would copy them in full
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        weight = torch.cat([p.weight.to(dtype) for p in projections])
         return F.linear(x, weight).split([p.out_features for p in projections], dim=-1)
 
     def forward(self, x: torch.Tensor, layout: SequenceLayout, state: KDAState | None = None,

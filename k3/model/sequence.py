@@ -34,10 +34,13 @@ class SequenceLayout:
     def build(cls, batch_size: int, seq_len: int, cu_seqlens: torch.Tensor | None, device) -> SequenceLayout:
         if cu_seqlens is None:
             return cls(batch_size, seq_len)
-        cu = torch.as_tensor(cu_seqlens, device=device)
-        if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point:
+        given = torch.as_tensor(cu_seqlens)
+        if given.dim() != 1 or given.numel() < 2 or given.dtype.is_floating_point:
             raise ValueError("cu_seqlens must be a 1-D integer tensor with at least two offsets")
-        offsets = tuple(cu.tolist())  # the one device→host read of a packed forward; checked on the host
+        # read on the host once, before any copy to the device (a device tensor is read back: the one sync
+        # of a packed forward); everything is checked on the host
+        offsets = tuple(given.tolist())
+        cu = given.to(device)
         total = batch_size * seq_len
         if offsets[0] != 0 or offsets[-1] != total:
             raise ValueError(f"cu_seqlens must start at 0 and end at B*T = {total}, got {offsets[0]} … {offsets[-1]}")

@@ -125,7 +125,8 @@ def causal_conv1d(
         elif conv_state.shape != (B, H, C):
             raise ValueError(f"conv_state must be [{B}, {H}, {C}], got {tuple(conv_state.shape)}")
         xs = torch.cat([conv_state.to(x.dtype), x], dim=1)  # [B, H+T, C]
-        y = F.conv1d(xs.to(compute).transpose(1, 2), wc, groups=C)  # [B, C, T]
+        with torch.autocast(x.device.type, enabled=False):  # autocast would run it in bf16
+            y = F.conv1d(xs.to(compute).transpose(1, 2), wc, groups=C)  # [B, C, T]
         return _channels_last(y, x.dtype), xs[:, T:].clone()
     if B != 1:
         raise ValueError("cu_seqlens requires a batch of 1 (packed sequences)")
@@ -137,7 +138,8 @@ def causal_conv1d(
     stream = x.new_zeros(C, T + N * H).index_copy(1, column, x[0].t())
     if conv_state is not None:
         stream = stream.index_copy(1, history.reshape(-1), conv_state.to(x.dtype).reshape(N * H, C).t())
-    y = F.conv1d(stream.to(compute).unsqueeze(0), wc, groups=C)  # [1, C, T + N·H − H]
+    with torch.autocast(x.device.type, enabled=False):  # autocast would run it (and round wc) in bf16
+        y = F.conv1d(stream.to(compute).unsqueeze(0), wc, groups=C)  # [1, C, T + N·H − H]
     y = _channels_last(y.index_select(2, column - H), x.dtype)
     return y, stream[:, tail].permute(1, 2, 0).contiguous()  # [1, T, C], [N, H, C]
 
@@ -151,7 +153,9 @@ _COLUMN_CACHE: list[tuple] = []
 def _stream_columns(cu_seqlens: torch.Tensor, T: int, H: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(column [T] of each token, history [N, H] columns of each document's history, tail [N, H] columns
     of each document's new history, i.e. the last H of its stretch) in the padded stream."""
-    cacheable = not cu_seqlens.is_inference()  # inference tensors have no version counter
+    # inference tensors have no version counter, and columns made under inference mode cannot be saved
+    # for a later backward
+    cacheable = not (cu_seqlens.is_inference() or torch.is_inference_mode_enabled())
     for key, value in _COLUMN_CACHE if cacheable else ():
         if key[0] is cu_seqlens and key[1:] == (cu_seqlens._version, T, H):
             return value

@@ -121,3 +121,19 @@ def test_kda_input_projections_equal_six_linears():
         torch.testing.assert_close(fused, separate, rtol=0, atol=1e-12)
     names = {n for n, _ in kda.named_parameters()}
     assert {"q_proj.weight", "g_proj.weight", "b_proj.weight", "f_a_proj.weight"} <= names
+
+
+def test_kda_input_projections_under_autocast():
+    """Under bf16 autocast the fused projections are the six autocast linears (weights cast one by one,
+    never a full fp32 copy of the concatenation)."""
+    config = get_preset("debug")
+    model = build_model(config, seed=0)
+    kda = next(layer.self_attn for layer in model.model.layers if layer.is_kda)
+    x = torch.randn(2, 5, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    linears = (kda.q_proj, kda.k_proj, kda.v_proj, kda.g_proj, kda.b_proj, kda.f_a_proj)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = kda.input_projections(x)
+        separate = [lin(x) for lin in linears]
+    for a, b in zip(fused, separate):
+        assert a.dtype == b.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)

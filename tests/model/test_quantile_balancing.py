@@ -204,3 +204,12 @@ def test_bad_input_raises():
         hist.bias(top_k=4)  # E == k
     with pytest.raises(ValueError):
         QuantileHistogram(torch.zeros(2, 2))
+
+
+def test_expert_loads_counts_int32_and_int64_ids():
+    """Counted by a scatter-add (no host sync on CUDA, unlike bincount), for either index dtype."""
+    from k3.model.quantile_balancing import expert_loads
+
+    for dtype in (torch.int32, torch.int64):
+        ids = torch.tensor([[0, 3], [3, 1], [3, 0]], dtype=dtype)
+        assert expert_loads(ids, 5).tolist() == [2, 1, 0, 3, 0]

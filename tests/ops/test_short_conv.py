@@ -236,3 +236,35 @@ def test_fast_column_cache_follows_identity_and_version():
         cu_inf = torch.tensor([0, 2, 10])
         y, _ = causal_conv1d(x, weight, cu_seqlens=cu_inf)
         torch.testing.assert_close(y, naive_causal_conv1d(x, weight, cu_seqlens=cu_inf)[0], rtol=0, atol=1e-12)
+
+
+def test_fast_stays_fp32_under_autocast():
+    """Training runs under bf16 autocast, which would run F.conv1d (and round the fp32 conv weights) in
+    bf16: the fast path opts out, so under autocast it still agrees with the reference's fp32 arithmetic
+    (bf16 would put them ~1e-3 apart)."""
+    cu = torch.tensor([0, 100, 300])
+    x, weight = _inputs(1, 300, 64, 4, seed=41)
+    probe = torch.linspace(-1, 1, x.numel(), dtype=torch.float64).view_as(x)
+    results = []
+    for conv in (naive_causal_conv1d, causal_conv1d):
+        w = weight.float().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, _ = conv(x.to(torch.bfloat16), w, cu_seqlens=cu)
+        assert y.dtype == torch.bfloat16
+        (grad,) = torch.autograd.grad((y.double() * probe).sum(), [w])
+        results.append(grad.double())
+    naive, fast = results
+    assert float((fast - naive).norm() / naive.norm()) < 1e-5
+
+
+def test_fast_column_cache_not_filled_under_inference_mode():
+    """Columns computed under inference mode are inference tensors: a later training call with the same
+    cu_seqlens must not get them (they cannot be saved for backward)."""
+    x, weight = _inputs(1, 10, 3, 4, seed=51)
+    cu = torch.tensor([0, 3, 10])
+    with torch.inference_mode():
+        causal_conv1d(x, weight, cu_seqlens=cu)
+    xg = x.clone().requires_grad_()
+    y, _ = causal_conv1d(xg, weight, cu_seqlens=cu)
+    y.sum().backward()
+    assert xg.grad is not None

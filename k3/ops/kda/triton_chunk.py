@@ -735,13 +735,17 @@ class _Plan:
             first.append(first[-1] + c)
         self.NT = first[-1]
         pairs = [x for n, c in enumerate(counts) for j in range(c) for x in (n, j)] or [0, 0]
-        host = torch.tensor(list(offsets) + first + pairs, dtype=torch.int32)
+        # each table starts on a 16-byte boundary: Triton specialises kernels on pointer alignment
+        pad = -(self.N + 1) % 4
+        host = torch.tensor(list(offsets) + [0] * pad + first + [0] * pad + pairs, dtype=torch.int32)
         if device.type == "cuda":
             host = host.pin_memory()
         packed = host.to(device, non_blocking=True)
+        self._host = host  # kept: a CUDA graph captured with this plan copies from it at every replay
+        n = self.N + 1 + pad
         self.cu = packed[: self.N + 1]
-        self.chunk_off = packed[self.N + 1: 2 * self.N + 2]  # [N+1]
-        self.chunk_idx = packed[2 * self.N + 2:].view(-1, 2)  # [NT, 2]
+        self.chunk_off = packed[n: n + self.N + 1]  # [N+1]
+        self.chunk_idx = packed[2 * n:].view(-1, 2)  # [NT, 2]
 
 
 @functools.lru_cache(maxsize=16)
@@ -754,8 +758,8 @@ def make_plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.dev
     """The plan for a [B, T] input, dense or packed by `cu_seqlens`. `cu_seqlens_host` (the same offsets as
     host ints, e.g. `SequenceLayout.offsets`) spares reading `cu_seqlens` back, which waits for the GPU."""
     if cu_seqlens is None:
-        return _cached_plan(tuple(i * T for i in range(B + 1)), device)
-    if cu_seqlens_host is not None:
+        offsets = tuple(i * T for i in range(B + 1))
+    elif cu_seqlens_host is not None:
         offsets = tuple(int(x) for x in cu_seqlens_host)
         if len(offsets) != cu_seqlens.numel():
             raise ValueError(f"cu_seqlens_host has {len(offsets)} offsets, cu_seqlens {cu_seqlens.numel()}")
@@ -764,6 +768,8 @@ def make_plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.dev
                              f"{offsets[0]} … {offsets[-1]}")
     else:
         offsets = tuple(document_offsets(cu_seqlens, B, T))
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _Plan(offsets, device)  # a graph keeps its own copy; a shared cached one could be freed under it
     return _cached_plan(offsets, device)
 
 
