@@ -113,7 +113,7 @@ class GatedMLA(nn.Module):
 
     def _ragged(self, q, new_latent, layout, state, impl):
         """Each document attends to its own sequence's past latents plus its new ones (causal)."""
-        cu = layout.cu_seqlens.tolist()
+        cu = layout.host_offsets()
         past = layout.past_lengths
         outs, rows = [], []
         for n, (a, b) in enumerate(zip(cu[:-1], cu[1:])):

@@ -244,7 +244,8 @@ class K3ForCausalLM(nn.Module):
         logits = self.lm_head(h)
         if cache is not None:
             if cu_seqlens is not None:
-                added = (layout.cu_seqlens[1:] - layout.cu_seqlens[:-1]).tolist()
+                offsets = layout.host_offsets()
+                added = [b - a for a, b in zip(offsets, offsets[1:])]
             else:
                 added = [T] * B
             cache.lengths = [n + a for n, a in zip(cache.lengths, added)]

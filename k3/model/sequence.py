@@ -30,6 +30,15 @@ class SequenceLayout:
     def packed(self) -> bool:
         return self.cu_seqlens is not None
 
+    def host_offsets(self) -> list[int]:
+        """cu_seqlens as ints: the host copy when the layout has one (no device read)."""
+        return list(self.offsets) if self.offsets is not None else self.cu_seqlens.tolist()
+
+    def one_token_per_document(self) -> bool:
+        """Packed, and every document holds exactly one token (a batched decode step)."""
+        offsets = self.host_offsets() if self.packed else []
+        return bool(offsets) and all(b - a == 1 for a, b in zip(offsets, offsets[1:]))
+
     @classmethod
     def build(cls, batch_size: int, seq_len: int, cu_seqlens: torch.Tensor | None, device) -> SequenceLayout:
         if cu_seqlens is None:
