@@ -25,8 +25,9 @@ activation checkpointing the EP/CP forwards run twice.
     python benchmarks/distributed.py --device cpu --preset debug --worlds 1 2 4            # CPU (gloo)
     python benchmarks/distributed.py --device cuda --preset small --worlds 1 2 --configs fsdp fsdp+ep fsdp+cp \\
         --steps 200 --rows 2 --seq-len 4096 --cp-rows 1 --cp-seq-len 16384 --activation-checkpointing \\
-        --set attention_backend=sdpa kda_impl=triton --concurrent-references --dcp-check --dcp-steps 10 \\
-        --json dist.json --plot dist.png                                                  # 2 × H200
+        --set attention_backend=sdpa kda_impl=triton --concurrent-references --repeat-reference 60 \\
+        --dcp-check --dcp-steps 10 --json dist.json --plot dist.png                       # 2 × H200
+    (docs/distributed.md splits this into four calls of under ten minutes each and merges them with --report)
 """
 
 from __future__ import annotations
