@@ -174,7 +174,7 @@ class KimiDeltaAttention(nn.Module):
         z = self.f_b_proj(f_a).view(B, T, H, K)  # [B, T, H, K] decay logits before dt_bias
 
         initial = state.recurrent if state is not None else None
-        if cu is not None and B * T == cu.numel() - 1 and layout.one_token_per_document():
+        if layout.one_token_per_document():
             # every document is one token (a batched decode step): a dense batch of one-step recurrences
             q, k, v, z, beta_logits = (t.reshape(B * T, 1, *t.shape[2:]) for t in (q, k, v, z, beta_logits))
             cu = None

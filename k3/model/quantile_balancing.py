@@ -81,7 +81,8 @@ def expert_loads(topk_idx: Tensor, num_experts: int, token_mask: Tensor | None =
 def count_ids(ids: Tensor, n: int) -> Tensor:
     """Occurrences of each id in [0, n): [n] int64. Unlike `torch.bincount`, whose CUDA kernel reads the
     largest id back to the host, a scatter-add into a fixed-size tensor keeps the GPU queue running."""
-    return torch.zeros(n, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids, dtype=torch.int64))
+    ones = torch.ones_like(ids, dtype=torch.int64)
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).index_add_(0, ids, ones)
 
 
 def qb_exact(

@@ -47,30 +47,43 @@ def naive_causal_conv1d(
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     if cu_seqlens is not None:
         return _varlen_conv(x, w, conv_state, cu_seqlens, compute)
-    if conv_state is None:
-        conv_state = x.new_zeros(B, W - 1, C)
-    elif conv_state.shape != (B, W - 1, C):
-        raise ValueError(f"conv_state must be [{B}, {W - 1}, {C}], got {tuple(conv_state.shape)}")
-    xs = torch.cat([conv_state.to(x.dtype), x], dim=1)  # [B, W-1+T, C]
+    xs = _with_history(x, conv_state, W - 1)  # [B, W-1+T, C]
     y = torch.zeros(B, T, C, dtype=compute, device=x.device)
     for j in range(W):
         y = y + xs[:, j : j + T].to(compute) * w[:, j].to(compute)
     return y.to(x.dtype), xs[:, T:].clone()
 
 
-def _varlen_conv(x, w, conv_state, cu_seqlens, compute):
-    """Packed documents, each with its own history. Every tap is a gather from [histories ; tokens], so a
-    tap before a document's start reads that document's history (zeros by default), never a neighbour."""
-    B, T, C = x.shape
-    W = w.shape[1]
+def _with_history(x: torch.Tensor, conv_state: torch.Tensor | None, H: int) -> torch.Tensor:
+    """Rows without documents: [conv_state (zeros if None) ; x] along time, [B, H+T, C] in x's dtype."""
+    B, _, C = x.shape
+    if conv_state is None:
+        conv_state = x.new_zeros(B, H, C)
+    elif conv_state.shape != (B, H, C):
+        raise ValueError(f"conv_state must be [{B}, {H}, {C}], got {tuple(conv_state.shape)}")
+    return torch.cat([conv_state.to(x.dtype), x], dim=1)
+
+
+def _check_packed(x: torch.Tensor, conv_state: torch.Tensor | None, cu_seqlens: torch.Tensor, H: int) -> int:
+    """Packed input's shape checks; returns N, the number of documents."""
+    B, _, C = x.shape
     if B != 1:
         raise ValueError("cu_seqlens requires a batch of 1 (packed sequences)")
     N = cu_seqlens.numel() - 1
+    if conv_state is not None and conv_state.shape != (N, H, C):
+        raise ValueError(f"conv_state must be [{N}, {H}, {C}] (one history per document), "
+                         f"got {tuple(conv_state.shape)}")
+    return N
+
+
+def _varlen_conv(x, w, conv_state, cu_seqlens, compute):
+    """Packed documents, each with its own history. Every tap is a gather from [histories ; tokens], so a
+    tap before a document's start reads that document's history (zeros by default), never a neighbour."""
+    _, T, C = x.shape
+    W = w.shape[1]
+    N = _check_packed(x, conv_state, cu_seqlens, W - 1)
     if conv_state is None:
         conv_state = x.new_zeros(N, W - 1, C)
-    elif conv_state.shape != (N, W - 1, C):
-        raise ValueError(f"conv_state must be [{N}, {W - 1}, {C}] (one history per document), "
-                         f"got {tuple(conv_state.shape)}")
     H = W - 1
     pool = torch.cat([conv_state.to(x.dtype).reshape(N * H, C), x[0]])  # [N·H + T, C]
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
@@ -111,7 +124,7 @@ def causal_conv1d(
     On CUDA the convolution follows `torch.backends.cudnn.allow_tf32` (PyTorch's default: TF32 on), which
     rounds the fp32 weights to 10 mantissa bits; the inputs are usually bf16 and exact in TF32.
     """
-    B, T, C = x.shape
+    _, T, C = x.shape
     if T == 0:  # nothing to convolve (and too short for F.conv1d): only the state passes through
         return naive_causal_conv1d(x, weight, conv_state, cu_seqlens)
     w = weight.reshape(C, 1, -1)
@@ -120,20 +133,11 @@ def causal_conv1d(
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     wc = w.to(compute)
     if cu_seqlens is None:
-        if conv_state is None:
-            conv_state = x.new_zeros(B, H, C)
-        elif conv_state.shape != (B, H, C):
-            raise ValueError(f"conv_state must be [{B}, {H}, {C}], got {tuple(conv_state.shape)}")
-        xs = torch.cat([conv_state.to(x.dtype), x], dim=1)  # [B, H+T, C]
+        xs = _with_history(x, conv_state, H)  # [B, H+T, C]
         with torch.autocast(x.device.type, enabled=False):  # autocast would run it in bf16
             y = F.conv1d(xs.to(compute).transpose(1, 2), wc, groups=C)  # [B, C, T]
         return _channels_last(y, x.dtype), xs[:, T:].clone()
-    if B != 1:
-        raise ValueError("cu_seqlens requires a batch of 1 (packed sequences)")
-    N = cu_seqlens.numel() - 1
-    if conv_state is not None and conv_state.shape != (N, H, C):
-        raise ValueError(f"conv_state must be [{N}, {H}, {C}] (one history per document), "
-                         f"got {tuple(conv_state.shape)}")
+    N = _check_packed(x, conv_state, cu_seqlens, H)
     column, history, tail = _stream_columns(cu_seqlens, T, H)
     stream = x.new_zeros(C, T + N * H).index_copy(1, column, x[0].t())
     if conv_state is not None:
