@@ -221,6 +221,9 @@ def main() -> int:
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fla_all = load_fla(args.fla_configs) if device == "cuda" else None
+    if fla_all is not None and not args.fla_configs:
+        print("fla autotunes every config (~180 per shape key): minutes per case; --fla-configs 1 keeps one",
+              flush=True)
     torch.manual_seed(0)
 
     errs, ok = small_gate(device)
@@ -251,10 +254,15 @@ def main() -> int:
         torch.cuda.reset_peak_memory_stats() if device == "cuda" else None
         fla = fla_all if not args.fla_cases or name in args.fla_cases.split(",") else None
         if mode == "decode":
-            rows += run_decode(name, B, H, fla, device, args.quick)
+            new = run_decode(name, B, H, fla, device, args.quick)
         else:
             extra = {v: kw for v, kw in VARIANTS.items() if variants_ok.get(v)}
-            rows += run_chunk(name, mode, B, T, H, lengths, fla, device, args.quick, extra)
+            new = run_chunk(name, mode, B, T, H, lengths, fla, device, args.quick, extra)
+        rows += new
+        for r in new:  # as each case finishes, so a run cut short by a time limit keeps what it measured
+            ratio = "" if r["ratio_vs_baseline"] is None else f", {r['ratio_vs_baseline']:.2f}x fla"
+            print(f"[{name}] {r['impl']}: {r['ms_median']:.3f} ms{ratio}, diff {r['correctness']['value']:.1e}",
+                  flush=True)
         torch.cuda.empty_cache() if device == "cuda" else None
     print_table(rows)
     if args.profile and device == "cuda":

@@ -49,6 +49,7 @@ class Census(TorchDispatchMode):
         self.phase = "forward"
         self.ops: collections.Counter = collections.Counter()
         self.sites: collections.Counter = collections.Counter()
+        self.written: collections.Counter = collections.Counter()  # bytes of the outputs, by k3 line and op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
@@ -64,6 +65,11 @@ class Census(TorchDispatchMode):
             else:
                 self.ops[(self.phase, name)] += 1
                 self.sites[(self.phase, where or "(autograd engine)")] += 1
+                out = func(*args, **(kwargs or {}))
+                nbytes = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(out)
+                             if isinstance(t, torch.Tensor))
+                self.written[(self.phase, f"{where or '(autograd engine)'} {name}")] += nbytes
+                return out
         return func(*args, **(kwargs or {}))
 
 
@@ -106,6 +112,12 @@ def main() -> None:
             print(f"\n{ph}: commonest {title}")
             for (p_, key), v in [kv for kv in counter.most_common() if kv[0][0] == ph][: args.top]:
                 print(f"  {v:7,d}  {key}")
+    # a proxy for memory traffic: on a GPU most of these ops are bandwidth-bound, so bytes written ~ time
+    for ph in ("forward", "backward"):
+        total = sum(v for (p_, _), v in census.written.items() if p_ == ph)
+        print(f"\n{ph}: most bytes written, by k3 line and op ({total / 2**20:,.1f} MiB in all)")
+        for (p_, key), v in [kv for kv in census.written.most_common() if kv[0][0] == ph][: args.top]:
+            print(f"  {v / 2**20:9,.2f} MiB  {key}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -43,8 +42,7 @@ def phase_times(model, optimizer, batch, device) -> dict[str, float]:
     sync(device)
     t0 = time.perf_counter()
     with autocast_context(device):
-        logits = model(batch.input_ids, cu_seqlens=batch.cu_seqlens).logits
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=-100)
+        loss = model(batch.input_ids, cu_seqlens=batch.cu_seqlens, labels=batch.labels).loss / batch.num_tokens
     sync(device)
     out["forward"] = time.perf_counter() - t0
     t0 = time.perf_counter()

@@ -39,7 +39,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
@@ -187,9 +186,7 @@ def run_variant(name, preset, seq_len, rows, steps, base, device, peak):
         # with gradients enabled, so compiled kernels (flex) are built once, for training
         with (torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)):
             b = batch.to(device)
-            logits = model(b.input_ids, cu_seqlens=b.cu_seqlens).logits
-            loss0 = F.cross_entropy(logits.flatten(0, 1).float(), b.labels.flatten(), ignore_index=-100).item()
-            del logits
+            loss0 = (model(b.input_ids, cu_seqlens=b.cu_seqlens, labels=b.labels).loss / b.num_tokens).item()
         if not (math.isfinite(loss0) and abs(loss0 - math.log(config.vocab_size)) < 1.0):
             raise RuntimeError(f"correctness gate: loss at init {loss0:.3f}, ln V = {math.log(config.vocab_size):.3f}")
         if cuda:
@@ -224,18 +221,22 @@ def run_variant(name, preset, seq_len, rows, steps, base, device, peak):
     return result
 
 
-def loss_curves(preset, seq_len, rows, steps, base, device):
+def loss_curves(preset, seq_len, rows, steps, base, device, ckpt=False):
     """Train `reference` and `fast` for `steps` steps from the same init on the same batches."""
     curves = {}
     for name in ("reference", "fast"):
         overrides, _ = variant_overrides(name)
         overrides.update(base)
-        config, model, optimizer, scheduler = build(name, preset, overrides, False, device, [])
+        config, model, optimizer, scheduler = build(name, preset, overrides, ckpt, device, [])
         cfg = TrainConfig(preset=preset)
         losses = []
+        started = time.perf_counter()
         for step in range(steps):
             batch = Batch(rows, seq_len, config.vocab_size, device, seed=1000 + step)
             losses.append(train_step(model, optimizer, scheduler, [batch], cfg, device)["loss"])
+            if step % 10 == 9 or step == steps - 1:
+                print(f"  loss curve {name}: step {step + 1}/{steps} loss {losses[-1]:.4f} "
+                      f"({time.perf_counter() - started:.0f} s)", flush=True)
         curves[name] = losses
         del model, optimizer
         free(device)
@@ -261,6 +262,9 @@ def main():
     parser.add_argument("--extra", nargs="*", default=[], help="more variants at the ablation length")
     parser.add_argument("--late", nargs="*", default=[], help="variants run last, at the first length")
     parser.add_argument("--loss-steps", type=int, default=0, help="loss-curve comparison, reference vs fast")
+    parser.add_argument("--loss-tokens", type=int, default=None, help="tokens per loss-curve step (default --tokens)")
+    parser.add_argument("--ckpt", action="store_true",
+                        help="activation checkpointing for every variant (ablations and loss curves included)")
     parser.add_argument("--time-budget", type=float, default=None, help="seconds; later cases are skipped")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
@@ -286,6 +290,8 @@ def main():
             rows = args.rows or max(1, tokens // args.ablate_at)
             plan += [(preset, args.ablate_at, rows, v) for v in [f"fast-no-{p}" for p in PATHS] + list(args.extra)]
         plan += [(preset, seq_lens[0], args.rows or max(1, tokens // seq_lens[0]), v) for v in args.late]
+    if args.ckpt:
+        plan = [(p, t, r, v if v.endswith("-ckpt") else v + "-ckpt") for p, t, r, v in plan]
     results = []
     for preset, seq_len, rows, variant in plan:
         if args.time_budget and time.perf_counter() - started > args.time_budget:
@@ -303,8 +309,9 @@ def main():
             curves = {"error": "skipped (time budget)"}
         else:
             try:
-                curves = loss_curves(args.presets[0], seq_lens[0], args.rows or max(1, tokens // seq_lens[0]),
-                                     args.loss_steps, base, device)
+                loss_tokens = args.loss_tokens or tokens
+                curves = loss_curves(args.presets[0], seq_lens[0], max(1, loss_tokens // seq_lens[0]),
+                                     args.loss_steps, base, device, ckpt=args.ckpt)
             except Exception as e:
                 curves = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
@@ -324,7 +331,7 @@ def main():
         ref = by_key.get((r["preset"], r["seq_len"], "reference"))
         if ref is None or "step_s" not in ref:  # e.g. out of memory without checkpointing
             ref = by_key.get((r["preset"], r["seq_len"], "reference-ckpt"))
-        fast = by_key.get((r["preset"], r["seq_len"], "fast"))
+        fast = by_key.get((r["preset"], r["seq_len"], "fast-ckpt" if r["variant"].endswith("-ckpt") else "fast"))
         vs_ref = f"{ref['step_s'] / r['step_s']:.2f}×" if ref and "step_s" in ref else ""
         path = ""
         if r["variant"].startswith("fast-no-") and fast and "step_s" in fast:

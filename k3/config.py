@@ -24,10 +24,11 @@ AttnResImpl = Literal["auto", "direct", "two_phase", "triton"]
 MoEImpl = Literal["auto", "reference", "grouped"]
 AttentionBackend = Literal["auto", "reference", "flash", "flex", "sdpa"]
 FusedOpImpl = Literal["auto", "reference", "triton"]
+LossImpl = Literal["auto", "reference", "chunked"]
 
 # Fields of ModelConfig that are k3 runtime choices, not part of the released schema.
 RUNTIME_FIELDS = ("kda_impl", "kda_chunk_size", "mla_impl", "attn_res_impl", "moe_impl", "attention_backend",
-                  "situ_impl", "norm_impl")
+                  "situ_impl", "norm_impl", "loss_impl")
 
 # "auto" resolves to the fast path on CUDA and to the reference elsewhere (docs/fast-paths.md).
 RUNTIME_CHOICES = {
@@ -36,6 +37,7 @@ RUNTIME_CHOICES = {
     "attention_backend": ("auto", "reference", "flash", "flex", "sdpa"),
     "situ_impl": ("auto", "reference", "triton"),
     "norm_impl": ("auto", "reference", "triton"),
+    "loss_impl": ("auto", "reference", "chunked"),
 }
 
 
@@ -155,6 +157,7 @@ class ModelConfig:
     attention_backend: AttentionBackend = "auto"  # MLA training/prefill attention (k3.ops.attention)
     situ_impl: FusedOpImpl = "auto"  # SiTU-GLU: autograd formula or fused Triton kernels
     norm_impl: FusedOpImpl = "auto"  # RMSNorm: autograd formula or fused Triton kernels
+    loss_impl: LossImpl = "auto"  # lm_head + cross-entropy: full logits, or chunked (k3.ops.cross_entropy)
 
     def __post_init__(self) -> None:
         self.validate()

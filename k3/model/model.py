@@ -29,6 +29,7 @@ from k3.model.mla import GatedMLA
 from k3.model.moe import LatentExperts, RouterInfo, SiTUMLP, StableLatentMoE
 from k3.model.norm import RMSNorm
 from k3.model.sequence import SequenceLayout
+from k3.ops.cross_entropy import linear_cross_entropy
 
 
 class Collector:
@@ -56,10 +57,11 @@ class Collector:
 
 @dataclass
 class K3Output:
-    logits: torch.Tensor  # [B, T, V]
+    logits: torch.Tensor | None  # [B, T, V]; None when the forward was given labels
     cache: K3Cache | None = None
     router_infos: list[RouterInfo] | None = None  # one per MoE layer, in layer order
     mla_max_logits: torch.Tensor | None = None  # [num MLA layers, H] fp32, for QK-Clip
+    loss: torch.Tensor | None = None  # with labels: Σ token cross-entropy over labelled tokens (fp32)
 
 
 class DecoderLayer(nn.Module):
@@ -205,9 +207,12 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 cache: K3Cache | None = None, return_router_infos: bool = False,
-                return_mla_max_logits: bool = False, logits_at: torch.Tensor | None = None) -> K3Output:
+                return_mla_max_logits: bool = False, logits_at: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> K3Output:
         """input_ids [B, T] int. Returns logits [B, T, V], or [n, V] at the flat positions (into B·T)
         given by `logits_at` [n] — what a decoding engine needs, without the head's cost at every token.
+        With `labels` [B, T] (ignore_index where unlabelled) it returns the summed loss instead of logits,
+        through `config.loss_impl` (chunked on CUDA: the [B·T, V] logits never exist at once).
 
         - Training / packed prefill: `cu_seqlens` [N+1] offsets into the flattened B·T tokens
           (every row boundary must be a document boundary); nothing crosses documents.
@@ -222,6 +227,9 @@ class K3ForCausalLM(nn.Module):
         B, T = input_ids.shape
         if T == 0:
             raise ValueError("input_ids has no tokens")
+        if labels is not None and (labels.shape != input_ids.shape or logits_at is not None):
+            raise ValueError(f"labels must be [B, T] = {list(input_ids.shape)} and exclude logits_at, "
+                             f"got {list(labels.shape)}")
         lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()  # one read back, not two
         if lo < 0 or hi >= self.config.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got range [{lo}, {hi}]")
@@ -239,9 +247,17 @@ class K3ForCausalLM(nn.Module):
         router_infos = Collector() if return_router_infos else None
         max_logits = Collector() if return_mla_max_logits else None
         h = self.model(input_ids, layout, cache, router_infos, max_logits)
-        if logits_at is not None:
-            h = h.reshape(B * T, -1)[logits_at]  # [n, D]
-        logits = self.lm_head(h)
+        loss = logits = None
+        if labels is not None:
+            impl = self.config.loss_impl
+            if impl == "auto":
+                impl = "chunked" if h.device.type == "cuda" else "reference"
+            loss = linear_cross_entropy(h.reshape(B * T, -1), self.lm_head.weight, labels.reshape(B * T),
+                                        self.config.ignore_index, impl)
+        else:
+            if logits_at is not None:
+                h = h.reshape(B * T, -1)[logits_at]  # [n, D]
+            logits = self.lm_head(h)
         if cache is not None:
             if cu_seqlens is not None:
                 offsets = layout.host_offsets()
@@ -254,6 +270,7 @@ class K3ForCausalLM(nn.Module):
             cache=cache,
             router_infos=list(router_infos) if router_infos is not None else None,
             mla_max_logits=torch.stack(list(max_logits)) if max_logits else None,
+            loss=loss,
         )
 
     @torch.no_grad()

@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from k3.config import ModelConfig, get_preset
 from k3.dist.muon import DistributedMuonAdamW
@@ -224,9 +223,9 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
             batch = batch.to(device)
             input_ids, labels, cu_seqlens = batch.input_ids, batch.labels, batch.cu_seqlens
         with autocast_context(device):
-            out = model(input_ids, cu_seqlens=cu_seqlens, return_router_infos=True, return_mla_max_logits=True)
-        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                               ignore_index=-100)
+            out = model(input_ids, cu_seqlens=cu_seqlens, return_router_infos=True, return_mla_max_logits=True,
+                        labels=labels)
+        loss = out.loss
         scale = parallel.loss_scale if parallel is not None else 1.0
         (loss * (scale / total_tokens)).backward()
         loss_sum += loss.item()
@@ -291,9 +290,7 @@ def evaluate(model: K3ForCausalLM, corpus: TokenizedCorpus, seq_len: int, max_to
             batch = batch.to(device)
             input_ids, labels, cu_seqlens = batch.input_ids, batch.labels, batch.cu_seqlens
         with autocast_context(device):
-            logits = model(input_ids, cu_seqlens=cu_seqlens).logits
-        batch_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                                     ignore_index=-100).double()
+            batch_loss = model(input_ids, cu_seqlens=cu_seqlens, labels=labels).loss.double()
         loss_sum += float(parallel.sum_(batch_loss) if parallel is not None else batch_loss)
         count += batch.num_tokens
         if count >= max_tokens:
