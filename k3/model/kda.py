@@ -22,7 +22,7 @@ from k3.model.cache import KDAState
 from k3.model.norm import RMSNorm
 from k3.model.sequence import SequenceLayout
 from k3.ops.kda import naive_chunk_kda, naive_kda_gate, naive_recurrent_kda, torch_chunk_kda
-from k3.ops.short_conv import causal_conv1d
+from k3.ops.short_conv import causal_conv1d, short_conv_silu, short_conv_silu_available
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -78,6 +78,12 @@ class KimiDeltaAttention(nn.Module):
         A seam: context parallelism (k3.dist) overrides it to bring in the previous rank's halo.
         """
         return causal_conv1d(pre, weight, conv_state, cu_seqlens)
+
+    def fuses_short_conv(self, pre: torch.Tensor) -> bool:
+        """Whether conv + SiLU runs as the fused kernel (`short_conv_silu`): with the KDA kernels, and only
+        where the `short_conv` seam is not overridden (context parallelism brings its halo through it)."""
+        return (self.impl == "triton" and short_conv_silu_available(pre)
+                and type(self).short_conv is KimiDeltaAttention.short_conv)
 
     def gate_inputs(self, q: torch.Tensor, k: torch.Tensor, z: torch.Tensor, beta_logits: torch.Tensor):
         """Raw → recurrence inputs: L2-normed q, k; g = g_min·σ(exp(A)(z + dt_bias)) (fp32); β = σ(·) (fp32)."""
@@ -159,6 +165,10 @@ class KimiDeltaAttention(nn.Module):
         q_pre, k_pre, v_pre, g_pre, beta_logits, f_a = self.input_projections(x)
 
         def conv_path(pre: torch.Tensor, conv: nn.Conv1d, conv_state):
+            if conv_state is None and not use_cache and self.fuses_short_conv(pre):
+                if cu is not None:
+                    return short_conv_silu(pre.view(1, B * T, -1), conv.weight, cu).view(B, T, -1), None
+                return short_conv_silu(pre, conv.weight), None
             if cu is not None:
                 # packed documents; with a cache each document continues its own sequence's history
                 y, tail = self.short_conv(pre.view(1, B * T, -1), conv.weight, conv_state, cu)

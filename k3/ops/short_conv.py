@@ -16,6 +16,8 @@ Two implementations of the same function:
   front of it, so one valid convolution serves all documents; one gather picks the outputs. No host sync.
 """
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -148,29 +150,202 @@ def causal_conv1d(
     return y, stream[:, tail].permute(1, 2, 0).contiguous()  # [1, T, C], [N, H, C]
 
 
-# (cu_seqlens, its version, T, H) -> columns; the layers of one forward pass the same cu_seqlens tensor,
-# so its columns are computed once per forward instead of once per conv (identity and version, never
-# contents, are compared: no host sync, and an in-place change is a miss)
-_COLUMN_CACHE: list[tuple] = []
+# (tag, cu_seqlens, its version, T, H) -> index tensors; the layers of one forward pass the same cu_seqlens
+# tensor, so what depends only on it is computed once per forward instead of once per conv (identity and
+# version, never contents, are compared: no host sync, and an in-place change is a miss)
+_INDEX_CACHE: list[tuple] = []
+
+
+def _per_layout(tag: str, cu_seqlens: torch.Tensor, T: int, H: int, build):
+    # inference tensors have no version counter, and tensors made under inference mode cannot be saved
+    # for a later backward
+    cacheable = not (cu_seqlens.is_inference() or torch.is_inference_mode_enabled())
+    for key, value in _INDEX_CACHE if cacheable else ():
+        if key[0] == tag and key[1] is cu_seqlens and key[2:] == (cu_seqlens._version, T, H):
+            return value
+    value = build()
+    if cacheable:
+        _INDEX_CACHE.insert(0, ((tag, cu_seqlens, cu_seqlens._version, T, H), value))
+        del _INDEX_CACHE[8:]
+    return value
 
 
 def _stream_columns(cu_seqlens: torch.Tensor, T: int, H: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(column [T] of each token, history [N, H] columns of each document's history, tail [N, H] columns
     of each document's new history, i.e. the last H of its stretch) in the padded stream."""
-    # inference tensors have no version counter, and columns made under inference mode cannot be saved
-    # for a later backward
-    cacheable = not (cu_seqlens.is_inference() or torch.is_inference_mode_enabled())
-    for key, value in _COLUMN_CACHE if cacheable else ():
-        if key[0] is cu_seqlens and key[1:] == (cu_seqlens._version, T, H):
-            return value
-    N, device = cu_seqlens.numel() - 1, cu_seqlens.device
-    cu = cu_seqlens.long()
-    lengths = cu[1:] - cu[:-1]
-    doc = torch.repeat_interleave(torch.arange(N, device=device), lengths, output_size=T)  # [T]
-    column = torch.arange(T, device=device) + (doc + 1) * H
-    history = (cu[:-1] + torch.arange(N, device=device) * H)[:, None] + torch.arange(H, device=device)
-    value = (column, history, history + lengths[:, None])
-    if cacheable:
-        _COLUMN_CACHE.insert(0, ((cu_seqlens, cu_seqlens._version, T, H), value))
-        del _COLUMN_CACHE[4:]
-    return value
+
+    def build():
+        N, device = cu_seqlens.numel() - 1, cu_seqlens.device
+        cu = cu_seqlens.long()
+        lengths = cu[1:] - cu[:-1]
+        doc = torch.repeat_interleave(torch.arange(N, device=device), lengths, output_size=T)  # [T]
+        column = torch.arange(T, device=device) + (doc + 1) * H
+        history = (cu[:-1] + torch.arange(N, device=device) * H)[:, None] + torch.arange(H, device=device)
+        return column, history, history + lengths[:, None]
+
+    return _per_layout("columns", cu_seqlens, T, H, build)
+
+
+# --- fused short conv + SiLU (training and prefill without a carried history) -----------------------------
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the KDA layer keeps `causal_conv1d` + SiLU
+    triton = None
+
+
+def naive_short_conv_silu(x: torch.Tensor, weight: torch.Tensor,
+                          cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference of `short_conv_silu`: SiLU(naive_causal_conv1d(x)) from zero history, in x's dtype."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    B, T, C = x.shape
+    w = weight.reshape(C, -1).to(compute)
+    if cu_seqlens is None:
+        y, _ = naive_causal_conv1d(x.to(compute), w)
+    else:
+        y, _ = naive_causal_conv1d(x.to(compute), w, cu_seqlens=cu_seqlens)
+    return F.silu(y).to(x.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _conv_silu_fwd_kernel(X, Wt, POS, Y, R, C, stride_x, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+        t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        in_t, in_c = t < R, c < C
+        pos = tl.load(POS + t, mask=in_t, other=0)
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
+        for j in tl.static_range(W):  # tap j reads token t − (W−1−j) if it is inside the document
+            lag = W - 1 - j
+            ok = in_t & (pos >= lag)
+            xv = tl.load(X + (t - lag)[:, None] * stride_x + c[None, :], mask=ok[:, None] & in_c[None, :], other=0.0)
+            wv = tl.load(Wt + c * W + j, mask=in_c, other=0.0)
+            acc += xv.to(tl.float32) * wv[None, :]
+        y = acc * tl.sigmoid(acc)
+        tl.store(Y + t[:, None] * C + c[None, :], y.to(Y.dtype.element_ty), mask=in_t[:, None] & in_c[None, :])
+
+    @triton.jit
+    def _pre_activation_grad(X, Wt, POS, DY, u, c, R, in_c, stride_x, stride_dy, W: tl.constexpr,
+                             BT: tl.constexpr, BC: tl.constexpr):
+        """dL/d(conv output) at tokens u: dy · SiLU'(a), a recomputed from x (zero where u ≥ R)."""
+        in_u = u < R
+        pos = tl.load(POS + u, mask=in_u, other=0)
+        a = tl.zeros([BT, BC], dtype=tl.float32)
+        for j in tl.static_range(W):
+            lag = W - 1 - j
+            ok = in_u & (pos >= lag)
+            xv = tl.load(X + (u - lag)[:, None] * stride_x + c[None, :], mask=ok[:, None] & in_c[None, :], other=0.0)
+            wv = tl.load(Wt + c * W + j, mask=in_c, other=0.0)
+            a += xv.to(tl.float32) * wv[None, :]
+        dy = tl.load(DY + u[:, None] * stride_dy + c[None, :], mask=in_u[:, None] & in_c[None, :], other=0.0)
+        sig = tl.sigmoid(a)
+        return dy.to(tl.float32) * sig * (1.0 + a * (1.0 - sig)), pos
+
+    @triton.jit
+    def _conv_silu_bwd_kernel(X, Wt, POS, DY, DX, DW, R, C, stride_x, stride_dy, W: tl.constexpr, BT: tl.constexpr,
+                              BC: tl.constexpr):
+        """dx[t] = Σ_d w[W−1−d] · g[t+d] over the d with t+d in t's document; dw[j] = Σ_t g[t] · x[t−(W−1−j)],
+        per program (a row of partial sums [C, W] per token block, summed by the caller)."""
+        t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        in_t, in_c = t < R, c < C
+        g0, pos0 = _pre_activation_grad(X, Wt, POS, DY, t, c, R, in_c, stride_x, stride_dy, W, BT, BC)
+        dx = g0 * tl.load(Wt + c * W + (W - 1), mask=in_c, other=0.0)[None, :]
+        for d in tl.static_range(1, W):
+            g, pos = _pre_activation_grad(X, Wt, POS, DY, t + d, c, R, in_c, stride_x, stride_dy, W, BT, BC)
+            g = tl.where((pos >= d)[:, None], g, 0.0)  # token t+d reaches back to t inside its document
+            dx += g * tl.load(Wt + c * W + (W - 1 - d), mask=in_c, other=0.0)[None, :]
+        tl.store(DX + t[:, None] * C + c[None, :], dx.to(DX.dtype.element_ty), mask=in_t[:, None] & in_c[None, :])
+        for j in tl.static_range(W):
+            lag = W - 1 - j
+            ok = in_t & (pos0 >= lag)
+            xv = tl.load(X + (t - lag)[:, None] * stride_x + c[None, :], mask=ok[:, None] & in_c[None, :], other=0.0)
+            part = tl.sum(g0 * xv.to(tl.float32), axis=0)  # [BC]
+            tl.store(DW + (tl.program_id(0) * C + c) * W + j, part, mask=in_c)
+
+
+_CONV_BT, _CONV_BC = 64, 64
+
+
+def _token_positions(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
+    """Position of every token of the flattened [B·T] input inside its document (rows are documents when
+    there are no cu_seqlens), int32; cached per forward like the stream columns."""
+    if cu_seqlens is None:
+        return (torch.arange(B * T, device=device, dtype=torch.int32) % T)
+    return _per_layout("positions", cu_seqlens, B * T, 0,
+                       lambda: positions_in_documents(cu_seqlens, B * T).to(torch.int32))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, C] with unit channel stride (e.g. a slice of a wider projection) as [B·T, C], without a copy
+    where the strides allow it."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return x.reshape(-1, x.shape[-1])
+
+
+class _ShortConvSiLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, pos):
+        B, T, C = x.shape
+        w = weight.reshape(C, -1).to(torch.float32).contiguous()
+        W = w.shape[1]
+        xr = _rows(x)
+        R = xr.shape[0]
+        y = torch.empty(R, C, dtype=x.dtype, device=x.device)
+        grid = (triton.cdiv(R, _CONV_BT), triton.cdiv(C, _CONV_BC))
+        _conv_silu_fwd_kernel[grid](xr, w, pos, y, R, C, xr.stride(0), W=W, BT=_CONV_BT, BC=_CONV_BC)
+        ctx.save_for_backward(xr, w, pos)
+        ctx.shape, ctx.weight_shape, ctx.weight_dtype = x.shape, weight.shape, weight.dtype
+        return y.view(B, T, C)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xr, w, pos = ctx.saved_tensors
+        R, C = xr.shape
+        W = w.shape[1]
+        dyr = _rows(dy)
+        blocks = triton.cdiv(R, _CONV_BT)
+        dx = torch.empty(R, C, dtype=xr.dtype, device=xr.device)
+        dw = torch.empty(blocks, C, W, dtype=torch.float32, device=xr.device)
+        _conv_silu_bwd_kernel[(blocks, triton.cdiv(C, _CONV_BC))](xr, w, pos, dyr, dx, dw, R, C, xr.stride(0),
+                                                                  dyr.stride(0), W=W, BT=_CONV_BT, BC=_CONV_BC)
+        dweight = dw.sum(0).reshape(ctx.weight_shape).to(ctx.weight_dtype)
+        return dx.view(ctx.shape), dweight, None
+
+
+def short_conv_silu_available(x: torch.Tensor) -> bool:
+    """The fused kernel runs here: Triton on CUDA (or its interpreter), fp32/bf16/fp16 input."""
+    return (triton is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and (x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"))
+
+
+def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU(causal depthwise conv of x) from zero history, fused: one Triton kernel each way.
+
+    x [B, T, C] (channels contiguous; a column slice of a wider projection is read in place), weight [C, 1, W]
+    or [C, W] (fp32 master), cu_seqlens [N+1] for packed documents (B = 1). Returns y [B, T, C] in x's dtype;
+    taps and SiLU in fp32. The forward reads x once and writes y; the backward recomputes the conv from x
+    (W² shifted tile loads, from cache) and writes dx and per-block dw partials — against the ~20 ops, two
+    transposes and fp32 copies of `causal_conv1d` + `F.silu` each way. No carried history: decoding and
+    context parallelism (which hands in a halo) keep `causal_conv1d`.
+    """
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, T, C], got {tuple(x.shape)}")
+    B, T, C = x.shape
+    if weight.numel() % C or weight.shape[0] != C:
+        raise ValueError(f"weight must be [C, 1, W] or [C, W] with C = {C}, got {tuple(weight.shape)}")
+    if cu_seqlens is not None:
+        _check_packed(x, None, cu_seqlens, 0)
+    if not short_conv_silu_available(x):
+        raise RuntimeError("short_conv_silu needs Triton on CUDA (or TRITON_INTERPRET=1) and fp32/bf16/fp16 input")
+    if T == 0:
+        return x.new_empty(x.shape)
+    pos = _token_positions(cu_seqlens, B, T, x.device)
+    with torch.autocast(x.device.type, enabled=False):
+        return _ShortConvSiLU.apply(x, weight, pos)

@@ -301,6 +301,31 @@ def test_layer_triton_matches_torch(dev):
         assert rel_err(p_tri, p_ref) <= 1e-3
 
 
+def test_layer_training_path_fuses_short_conv(dev, monkeypatch):
+    """Training (no cache): q/k/v conv + SiLU run as the fused kernel; outputs and all gradients match."""
+    import k3.model.kda as kda_module
+    from k3.model.sequence import SequenceLayout
+
+    calls = []
+    fused = kda_module.short_conv_silu
+    monkeypatch.setattr(kda_module, "short_conv_silu", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    cfg, ref_layer, tri_layer = _layer_pair(dev)
+    for rows, cu in ((1, torch.tensor([0, 5, 6, 70], device=dev)), (2, None)):
+        x = torch.randn(rows, 70 if cu is not None else 35, cfg.hidden_size, device=dev)
+        layout = SequenceLayout.build(rows, x.shape[1], cu, dev)
+        xr, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y_ref, _ = ref_layer(xr, layout)
+        y_tri, _ = tri_layer(xt, layout)
+        assert rel_err(y_tri, y_ref) <= 1e-3
+        (y_ref * y_ref).sum().backward()
+        (y_tri * y_tri).sum().backward()
+        assert rel_err(xt.grad, xr.grad) <= 5e-3
+        for (name, p), p2 in zip(ref_layer.named_parameters(), tri_layer.parameters()):
+            assert rel_err(p2.grad, p.grad) <= 5e-3, name
+            p.grad = p2.grad = None
+    assert len(calls) == 6  # q, k, v in both layouts
+
+
 @pytest.mark.skipif(INTERPRETING, reason="checks the path taken without the interpreter")
 def test_layer_triton_on_cpu_falls_back_to_torch():
     from k3.model.sequence import SequenceLayout

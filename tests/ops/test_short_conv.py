@@ -268,3 +268,28 @@ def test_fast_column_cache_not_filled_under_inference_mode():
     y, _ = causal_conv1d(xg, weight, cu_seqlens=cu)
     y.sum().backward()
     assert xg.grad is not None
+
+
+def test_short_conv_silu_reference_and_checks():
+    """The fused kernel's reference is SiLU of the convolution from zero history; its entry checks run on CPU
+    (the kernel itself: tests/ops/triton_interpreter_checks.py and tests/gpu)."""
+    import os
+
+    from k3.ops.short_conv import naive_short_conv_silu, short_conv_silu, short_conv_silu_available
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 30, 6, generator=g, dtype=torch.float64)
+    w = torch.randn(6, 1, 4, generator=g, dtype=torch.float64)
+    cu = torch.tensor([0, 2, 9, 30])
+    expected = torch.nn.functional.silu(naive_causal_conv1d(x, w, cu_seqlens=cu)[0])
+    assert torch.allclose(naive_short_conv_silu(x, w, cu), expected, rtol=1e-14, atol=0)
+    assert not short_conv_silu_available(x)  # fp64 never takes the kernel
+    with pytest.raises(ValueError, match=r"\[B, T, C\]"):
+        short_conv_silu(x[0], w)
+    with pytest.raises(ValueError, match="weight"):
+        short_conv_silu(x.float(), w[:5].float())
+    with pytest.raises(ValueError, match="batch of 1"):
+        short_conv_silu(x.float().expand(2, -1, -1), w.float(), cu)
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        with pytest.raises(RuntimeError, match="Triton"):
+            short_conv_silu(x.float(), w.float())

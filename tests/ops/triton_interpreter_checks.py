@@ -3,6 +3,8 @@ interpreter on CPU, against the fp64 references: forward and every gradient.
 
 Run by tests/ops/test_triton_interpreter.py in a subprocess, because TRITON_INTERPRET must be set
 before triton is imported. Tolerances are relative RMSE (‖a − b‖ / ‖b‖): fp32 ≤ 2e-6, bf16 ≤ 1e-2.
+The interpreter (triton 3.6) truncates fp32 → bf16 stores where a GPU rounds to nearest, so bf16 results
+here carry about 1.3× a GPU's rounding error; "no worse than the unfused path" is checked on the GPU.
 """
 
 import os
@@ -14,6 +16,7 @@ import torch  # noqa: E402
 from k3.model.attn_res import attn_res_read  # noqa: E402
 from k3.ops.attn_res import attn_res_read_triton  # noqa: E402
 from k3.ops.norm import naive_rms_norm, rms_norm_triton  # noqa: E402
+from k3.ops.short_conv import naive_short_conv_silu, short_conv_silu  # noqa: E402
 from k3.ops.situ import naive_situ_glu, situ_glu_backward_triton, situ_glu_forward_triton  # noqa: E402
 
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
@@ -88,6 +91,31 @@ def attn_res(dtype, n, D):
         check(tag + f" d source {i}", st[i].grad, sr[i].grad, dtype)
 
 
+def conv_silu(dtype, B, T, C, lengths):
+    g = torch.Generator().manual_seed(T + C)
+    cu = None if lengths is None else torch.tensor([0] + lengths).cumsum(0)
+    # a column slice of a wider projection output, as the KDA layer passes it
+    wide = torch.randn(B, T, 3 * C, generator=g, dtype=torch.float64) * 2
+    w = torch.randn(C, 1, 4, generator=g, dtype=torch.float64) * 0.7
+    xr, wr = leaf(wide[..., C:2 * C]), leaf(w)
+    ref = naive_short_conv_silu(xr, wr, cu)
+    dy = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    ref.backward(dy)
+    wide_t, wt = leaf(wide, dtype), leaf(w, torch.float32)
+    out = short_conv_silu(wide_t[..., C:2 * C], wt, cu)
+    out.backward(dy.to(dtype))
+    tag = f"conv+silu B={B} T={T} C={C} docs={lengths}"
+    check(tag + " forward", out, ref, dtype)
+    check(tag + " dx", wide_t.grad[..., C:2 * C], xr.grad, dtype)
+    check(tag + " dw", wt.grad, wr.grad, dtype)
+    assert wide_t.grad[..., :C].abs().max() == 0 and wide_t.grad[..., 2 * C:].abs().max() == 0
+
+
+for dtype in (torch.float32, torch.bfloat16):
+    # documents of 1, 2 and 3 tokens (shorter than the 3-token history), one crossing the 64-token blocks
+    conv_silu(dtype, 1, 140, 70, [1, 2, 3, 60, 1, 73])
+conv_silu(torch.float32, 2, 67, 64, None)
+conv_silu(torch.float32, 1, 1, 5, [1])
 for dtype in (torch.float32, torch.bfloat16):
     situ(dtype)
     for D, gated in ((96, False), (130, True), (64, True)):
