@@ -8,7 +8,7 @@ OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 step() { local limit=$1; shift; echo "=== [$(date +%T)] $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
 
-step 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fast_paths.py -k "chunked or short_conv"
+step 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fast_paths.py -k "chunked or short_conv or grouped"
 step 60 python3 -m benchmarks.short_conv
 # issue 9: MFU at 4K and 8K, reference ops vs fast, checkpointing on both; then the 50-step loss comparison
 step 330 python3 benchmarks/train_throughput.py --presets small --seq-lens 4096 8192 --tokens 16384 \

@@ -70,10 +70,12 @@ def gmm_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, native: bool
 
 
 class _GroupedSituGLU(torch.autograd.Function):
-    """y = p ⊙ (SiTU-GLU(x W13ᵀ) W2ᵀ) per expert group; p None means unweighted (output in x's dtype).
+    """y = (p ⊙ SiTU-GLU(x W13ᵀ)) W2ᵀ per expert group; p None means unweighted. Output in x's dtype.
 
     x [M, L]; w13 [G, 2I, L] (w1 rows then w3 rows); w2 [G, L, I]; p [M] fp32/fp64 or None.
-    With p the output is [M, L] in p's dtype (fp32 accumulation of the weighted sum).
+    The weight scales the activation (computed in p's dtype, then cast) before the down-projection, the same
+    product as scaling its output: y leaves the GEMM weighted and in the compute dtype, so no fp32 copy of
+    the [M, L] expert outputs is made, and the combine sums k bf16 rows per token in fp32.
     """
 
     @staticmethod
@@ -81,9 +83,9 @@ class _GroupedSituGLU(torch.autograd.Function):
         I = w2.shape[-1]
         h = gmm(x, w13.transpose(1, 2), offs, native)  # [M, 2I]
         act = situ_glu_forward(h[:, :I], h[:, I:], beta1, beta2)  # [M, I]
-        y = gmm(act, w2.transpose(1, 2), offs, native)  # [M, L]
         if probs is not None:
-            y = y.to(probs.dtype) * probs[:, None]
+            act = (act.to(probs.dtype) * probs[:, None]).to(x.dtype)
+        y = gmm(act, w2.transpose(1, 2), offs, native)  # [M, L]
         ctx.save_for_backward(x, offs, w13, w2, h, probs)
         ctx.betas, ctx.native = (beta1, beta2), native
         return y
@@ -134,22 +136,22 @@ class _ScatterRows(torch.autograd.Function):
 
 
 class _GatherRows(torch.autograd.Function):
-    """out [N, L] = Σ_j y[dest[n·k + j]]; backward scatters the token gradient to its k rows."""
+    """out [N, L] = Σ_j y[dest[n·k + j]] summed in `accum` (fp32 for bf16 rows); backward scatters the token
+    gradient, cast to y's dtype first (the [N, L] tensor, not the k× larger scattered one), to its k rows."""
 
     @staticmethod
-    def forward(ctx, y, dest, k):
+    def forward(ctx, y, dest, k, accum):
         ctx.save_for_backward(dest)
-        ctx.k, ctx.rows = k, y.shape[0]
-        if k == 1:
+        ctx.k, ctx.rows, ctx.dtype = k, y.shape[0], y.dtype
+        if k == 1 and accum == y.dtype:
             return y[dest]
-        # autocast would run the sum in fp32 whatever y's dtype; the combine keeps y's (fp32) dtype
         with torch.autocast(y.device.type, enabled=False):
-            return y[dest].view(-1, k, y.shape[-1]).sum(1)
+            return y[dest].view(-1, k, y.shape[-1]).sum(1, dtype=accum)
 
     @staticmethod
     def backward(ctx, grad):
         (dest,) = ctx.saved_tensors
-        return _scatter_rows(grad, dest, ctx.k, ctx.rows), None, None
+        return _scatter_rows(grad.to(ctx.dtype), dest, ctx.k, ctx.rows), None, None, None
 
 
 def _round_up(x, a):
@@ -218,7 +220,7 @@ def grouped_latent_experts(z: torch.Tensor, topk_idx: torch.Tensor, weights: tor
     x = _ScatterRows.apply(z.to(dtype), dest, k, rows)  # [M_pad, L]
     probs = weights.new_zeros(rows, dtype=accum).index_put((dest,), weights.reshape(-1).to(accum))
     y = _GroupedSituGLU.apply(x, offs, w13, w2.to(dtype), probs, beta1, beta2, native)  # [M_pad, L]
-    return _GatherRows.apply(y, dest, k)
+    return _GatherRows.apply(y, dest, k, accum)
 
 
 def grouped_situ_glu(x: torch.Tensor, group_sizes: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
@@ -247,7 +249,7 @@ def _grouped_situ_glu(x, group_sizes, w1, w3, w2, beta1, beta2, align=None, nati
     xp = _ScatterRows.apply(x.to(dtype), dest, 1, rows)
     w13 = _stack_gate_up(w1, w3, dtype)
     y = _GroupedSituGLU.apply(xp, offs, w13, w2.to(dtype), None, beta1, beta2, native)
-    return _GatherRows.apply(y, dest, 1)
+    return _GatherRows.apply(y, dest, 1, y.dtype)
 
 
 def naive_grouped_situ_glu(x: torch.Tensor, group_sizes: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
