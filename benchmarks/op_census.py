@@ -14,6 +14,7 @@ interpreted, so each counts as on a GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import collections
 import os
 import sys
@@ -22,13 +23,12 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported: the fused kernels run on CPU
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from k3.config import get_preset  # noqa: E402
+from k3.config import get_preset, hybrid_layer_schedule  # noqa: E402
 from k3.model.checkpointing import apply_activation_checkpointing  # noqa: E402
 from k3.model.model import build_model  # noqa: E402
 
@@ -40,7 +40,7 @@ NO_KERNEL = {"aten::view", "aten::_unsafe_view", "aten::as_strided", "aten::t", 
 K3 = str(ROOT / "k3") + os.sep
 TRITON = f"{os.sep}triton{os.sep}"
 GPU_CONFIG = ["kda_impl=triton", "attention_backend=sdpa", "moe_impl=grouped", "attn_res_impl=triton",
-              "situ_impl=triton", "norm_impl=triton"]
+              "situ_impl=triton", "norm_impl=triton", "loss_impl=chunked"]
 
 
 class Census(TorchDispatchMode):
@@ -78,6 +78,7 @@ def main() -> None:
     p.add_argument("--preset", default="small")
     p.add_argument("--seq-len", type=int, default=128, help="tokens, packed as two documents in one row")
     p.add_argument("--set", nargs="*", default=GPU_CONFIG, help="runtime config fields (default: the GPU fast paths)")
+    p.add_argument("--layers", type=int, default=0, help="keep this many layers (default: the preset's)")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args()
@@ -89,6 +90,10 @@ def main() -> None:
     # the fused SiTU kernels pick Triton only on CUDA; here they run interpreted, one launch each as on a GPU
     k3.ops.situ._use_triton = lambda t: t.dtype in (torch.float32, torch.bfloat16, torch.float16)
     config = get_preset(args.preset).replace(**dict(item.split("=", 1) for item in args.set))
+    if args.layers:  # the first N layers (every layer repeats; fewer make the census faster)
+        kda, full = hybrid_layer_schedule(args.layers)
+        config = config.replace(num_hidden_layers=args.layers, linear_attn_config=dataclasses.replace(
+            config.linear_attn_config, kda_layers=kda, full_attn_layers=full))
     model = build_model(config, seed=0)
     if args.activation_checkpointing:
         apply_activation_checkpointing(model)
@@ -96,9 +101,8 @@ def main() -> None:
     ids = torch.randint(0, min(1000, config.vocab_size), (1, T), generator=torch.Generator().manual_seed(0))
     cu = torch.tensor([0, T // 2, T], dtype=torch.int32)
     census = Census()
-    with torch.autocast("cpu", dtype=torch.bfloat16), census:
-        logits = model(ids, cu_seqlens=cu).logits
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
+    with torch.autocast("cpu", dtype=torch.bfloat16), census:  # the loss as training computes it
+        loss = model(ids, cu_seqlens=cu, labels=ids.roll(-1, 1)).loss / T
     census.phase = "backward"
     with census:
         loss.backward()
