@@ -24,7 +24,7 @@ AttnResImpl = Literal["auto", "direct", "two_phase", "triton"]
 MoEImpl = Literal["auto", "reference", "grouped"]
 AttentionBackend = Literal["auto", "reference", "flash", "flex", "sdpa"]
 FusedOpImpl = Literal["auto", "reference", "triton"]
-LossImpl = Literal["auto", "reference", "chunked"]
+LossImpl = Literal["auto", "reference", "chunked", "triton"]
 
 # Fields of ModelConfig that are k3 runtime choices, not part of the released schema.
 RUNTIME_FIELDS = ("kda_impl", "kda_chunk_size", "mla_impl", "attn_res_impl", "moe_impl", "attention_backend",
@@ -37,7 +37,7 @@ RUNTIME_CHOICES = {
     "attention_backend": ("auto", "reference", "flash", "flex", "sdpa"),
     "situ_impl": ("auto", "reference", "triton"),
     "norm_impl": ("auto", "reference", "triton"),
-    "loss_impl": ("auto", "reference", "chunked"),
+    "loss_impl": ("auto", "reference", "chunked", "triton"),
 }
 
 
@@ -157,7 +157,8 @@ class ModelConfig:
     attention_backend: AttentionBackend = "auto"  # MLA training/prefill attention (k3.ops.attention)
     situ_impl: FusedOpImpl = "auto"  # SiTU-GLU: autograd formula or fused Triton kernels
     norm_impl: FusedOpImpl = "auto"  # RMSNorm: autograd formula or fused Triton kernels
-    loss_impl: LossImpl = "auto"  # lm_head + cross-entropy: full logits, or chunked (k3.ops.cross_entropy)
+    # lm_head + cross-entropy: full logits, chunked, or chunked with the Triton row kernel (k3.ops.cross_entropy)
+    loss_impl: LossImpl = "auto"
 
     def __post_init__(self) -> None:
         self.validate()

@@ -18,6 +18,8 @@ and Cut Cross-Entropy do the same in Triton; this one is plain PyTorch (docs/fas
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -36,8 +38,11 @@ def naive_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                 ignore_index: int = -100, chunk_rows: int | None = None) -> torch.Tensor:
-    """Same contract and GEMM dtypes as `naive_linear_cross_entropy` (autocast included), chunked."""
+                                 ignore_index: int = -100, chunk_rows: int | None = None,
+                                 rows_kernel: bool = False) -> torch.Tensor:
+    """Same contract and GEMM dtypes as `naive_linear_cross_entropy` (autocast included), chunked.
+    `rows_kernel`: each chunk's softmax and logit gradient by the Triton row kernel where Triton runs
+    (bf16/fp16/fp32 logits), else the torch formula."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden [N, D] and weight [V, D] expected, got {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -56,12 +61,13 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
     grad = torch.is_grad_enabled()
     wants = (grad and hidden.requires_grad, grad and weight.requires_grad)  # no gradient work for evaluation
     with torch.autocast(device_type, enabled=False):
-        return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_rows, compute, wants)
+        return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_rows, compute, wants,
+                                                rows_kernel)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, chunk_rows, compute, wants):
+    def forward(ctx, hidden, weight, labels, ignore_index, chunk_rows, compute, wants, rows_kernel):
         acc = torch.float64 if compute == torch.float64 else torch.float32
         w = weight.to(compute)
         want_dh, want_dw = wants
@@ -71,23 +77,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_rows):
             h = hidden[start:start + chunk_rows].to(compute)
             y = labels[start:start + chunk_rows]
-            valid = y != ignore_index
-            target = torch.where(valid, y, 0).unsqueeze(1)
-            logits = (h @ w.T).to(acc)  # [c, V]
-            lse = torch.logsumexp(logits, dim=1)
-            # torch.where, not a product: an ignored row with inf/NaN logits must not reach the sum
-            loss += torch.where(valid, lse - logits.gather(1, target).squeeze(1), 0).sum()
-            if not (want_dh or want_dw):
-                continue
-            grad = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
-            grad.scatter_add_(1, target, torch.full_like(lse, -1).unsqueeze(1))
-            grad.mul_(valid.unsqueeze(1))
-            grad = grad.to(compute)
+            chunk_loss, grad = _loss_and_logit_grad(h @ w.T, y, ignore_index, want_dh or want_dw, acc, rows_kernel)
+            loss += chunk_loss
             if want_dh:
                 dh[start:start + chunk_rows] = grad @ w
             if want_dw:
                 dw += grad.T @ h  # mixed-dtype in-place add: no fp32 copy of the [V, D] product
-            del logits, grad
+            del grad
         ctx.save_for_backward(dh, dw)
         ctx.hidden_dtype, ctx.weight_dtype = hidden.dtype, weight.dtype
         return loss
@@ -97,14 +93,96 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         dh, dw = ctx.saved_tensors
         grad_h = None if dh is None else (dh * grad_loss.to(dh.dtype)).to(ctx.hidden_dtype)
         grad_w = None if dw is None else (dw * grad_loss.to(dw.dtype)).to(ctx.weight_dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+def _loss_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, want_grad: bool,
+                         acc: torch.dtype, rows_kernel: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk: logits [c, V] (the GEMM's dtype) -> (Σ loss over labelled rows in `acc`, the logit gradient
+    softmax − onehot (zero rows where ignored) in the logits' dtype, or None). The Triton kernel where it
+    runs (it overwrites the logits with the gradient), the torch formula elsewhere: the same math."""
+    if rows_kernel and _rows_kernel_ok(logits):
+        return _loss_and_logit_grad_triton(logits, labels, ignore_index, want_grad)
+    valid = labels != ignore_index
+    target = torch.where(valid, labels, 0).unsqueeze(1)
+    full = logits.to(acc)
+    lse = torch.logsumexp(full, dim=1)
+    # torch.where, not a product: an ignored row with inf/NaN logits must not reach the sum
+    loss = torch.where(valid, lse - full.gather(1, target).squeeze(1), 0).sum()
+    if not want_grad:
+        return loss, None
+    grad = full.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the fp32 logits
+    grad.scatter_add_(1, target, torch.full_like(lse, -1).unsqueeze(1))
+    grad.mul_(valid.unsqueeze(1))
+    return loss, grad.to(logits.dtype)
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch formula
+    triton = None
+
+
+def _rows_kernel_ok(logits: torch.Tensor) -> bool:
+    return (triton is not None and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and (logits.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _loss_rows_kernel(L, Y, LOSS, V, stride, ignore_index, WRITE_GRAD: tl.constexpr, BV: tl.constexpr,
+                          TILES: tl.constexpr):
+        """One row per program: an online logsumexp over V in BV-wide tiles (per-lane running max and sum,
+        combined at the end), the row's loss, then — if asked — a second sweep that overwrites the row
+        with softmax − onehot (zeros for an ignored row). Two reads and one write of the row in its dtype,
+        against the torch formula's six fp32 passes."""
+        row = tl.program_id(0).to(tl.int64)
+        base = L + row * stride
+        y = tl.load(Y + row).to(tl.int64)
+        valid = y != ignore_index
+        m = tl.full([BV], float("-inf"), tl.float32)
+        s = tl.zeros([BV], tl.float32)
+        for tile in range(TILES):  # TILES = ⌈V / BV⌉, fixed per vocabulary (one compile)
+            cols = tile * BV + tl.arange(0, BV)
+            x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, x)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane with nothing yet: no inf − inf
+            s = s * tl.exp(m - m_ref) + tl.exp(x - m_ref)
+            m = m_new
+        top = tl.max(m, axis=0)
+        lse = top + tl.log(tl.sum(s * tl.exp(m - top), axis=0))
+        x_y = tl.load(base + tl.where(valid, y, 0)).to(tl.float32)
+        tl.store(LOSS + row, tl.where(valid, lse - x_y, 0.0))
+        if WRITE_GRAD:
+            for tile in range(TILES):
+                cols = tile * BV + tl.arange(0, BV)
+                x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
+                p = tl.exp(x - lse)
+                p = tl.where(cols == y, p - 1.0, p)
+                p = tl.where(valid, p, 0.0)
+                tl.store(base + cols, p.to(L.dtype.element_ty), mask=cols < V)
+
+
+def _loss_and_logit_grad_triton(logits, labels, ignore_index, want_grad):
+    rows, V = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows:
+        BV = min(4096, triton.next_power_of_2(V))
+        _loss_rows_kernel[(rows,)](logits, labels.contiguous(), losses, V, logits.stride(0), ignore_index,
+                                   WRITE_GRAD=want_grad, BV=BV, TILES=triton.cdiv(V, BV), num_warps=8)
+    return losses.sum(), (logits if want_grad else None)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          ignore_index: int = -100, impl: str = "auto") -> torch.Tensor:
-    """The summed LM loss. `impl`: "reference" | "chunked" | "auto" (chunked)."""
+    """The summed LM loss. `impl`: "reference" | "chunked" | "triton" (chunked, each chunk's softmax and
+    gradient by the Triton row kernel) | "auto" (chunked)."""
     if impl == "reference":
         return naive_linear_cross_entropy(hidden, weight, labels, ignore_index)
-    if impl in ("auto", "chunked"):
-        return chunked_linear_cross_entropy(hidden, weight, labels, ignore_index)
-    raise ValueError(f"loss impl must be auto|reference|chunked, got {impl!r}")
+    if impl in ("auto", "chunked", "triton"):
+        return chunked_linear_cross_entropy(hidden, weight, labels, ignore_index, rows_kernel=impl == "triton")
+    raise ValueError(f"loss impl must be auto|reference|chunked|triton, got {impl!r}")

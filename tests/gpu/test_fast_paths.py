@@ -255,9 +255,13 @@ def test_tiny_model_fast_paths_and_checkpointing_match_reference():
             assert rel(g_ckpt[name], g_fast[name]) <= 1e-2, name
 
 
-def test_chunked_cross_entropy_small_vocab_shape():
-    """The small preset's lm_head at 8192 tokens: chunked vs full logits under bf16 autocast, both against fp32
-    operands (loss ≤ 1e-3, gradients ≤ 2e-2), and the chunked peak memory below the reference's."""
+@pytest.mark.parametrize("rows_kernel", [False, True])
+def test_chunked_cross_entropy_small_vocab_shape(rows_kernel):
+    """The small preset's lm_head at 8192 tokens: chunked (torch or Triton row kernel) vs full logits under bf16
+    autocast, both against fp32 operands (loss ≤ 1e-3, gradients ≤ 2e-2), and the chunked peak memory below
+    half the reference's."""
+    from functools import partial
+
     from k3.ops.cross_entropy import chunked_linear_cross_entropy, naive_linear_cross_entropy
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -270,7 +274,8 @@ def test_chunked_cross_entropy_small_vocab_shape():
     exact = naive_linear_cross_entropy(exact_h, exact_w, y)
     eh, ew = torch.autograd.grad(exact, (exact_h, exact_w))
     peaks = {}
-    for name, fn in (("reference", naive_linear_cross_entropy), ("chunked", chunked_linear_cross_entropy)):
+    chunked = partial(chunked_linear_cross_entropy, rows_kernel=rows_kernel)
+    for name, fn in (("reference", naive_linear_cross_entropy), ("chunked", chunked)):
         hh, ww = leaf(h, torch.float32), leaf(w, torch.float32)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

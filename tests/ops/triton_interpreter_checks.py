@@ -15,6 +15,8 @@ import torch  # noqa: E402
 
 from k3.model.attn_res import attn_res_read  # noqa: E402
 from k3.ops.attn_res import attn_res_read_triton  # noqa: E402
+from k3.ops import cross_entropy  # noqa: E402
+from k3.ops.cross_entropy import chunked_linear_cross_entropy, naive_linear_cross_entropy  # noqa: E402
 from k3.ops.norm import naive_rms_norm, rms_norm_triton  # noqa: E402
 from k3.ops.short_conv import naive_short_conv_silu, short_conv_silu  # noqa: E402
 from k3.ops.situ import naive_situ_glu, situ_glu_backward_triton, situ_glu_forward_triton  # noqa: E402
@@ -111,6 +113,35 @@ def conv_silu(dtype, B, T, C, lengths):
     assert wide_t.grad[..., :C].abs().max() == 0 and wide_t.grad[..., 2 * C:].abs().max() == 0
 
 
+def loss_rows(dtype, N, V, chunk_rows):
+    """The chunked loss with its per-row Triton kernel (logsumexp, loss, softmax − onehot in place)."""
+    g = torch.Generator().manual_seed(V)
+    h = torch.randn(N, 24, generator=g, dtype=torch.float64) * 2
+    w = torch.randn(V, 24, generator=g, dtype=torch.float64) * 0.5
+    y = torch.randint(0, V, (N,), generator=g)
+    y[[1, N - 2]] = -100
+    hr, wr = leaf(h), leaf(w)
+    ref = naive_linear_cross_entropy(hr, wr, y)
+    ref.backward()
+    ht, wt = leaf(h, torch.float32), leaf(w, torch.float32)
+    calls = []
+    kernel = cross_entropy._loss_and_logit_grad_triton
+    cross_entropy._loss_and_logit_grad_triton = lambda *a: calls.append(1) or kernel(*a)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        loss = chunked_linear_cross_entropy(ht, wt, y, chunk_rows=chunk_rows, rows_kernel=True)
+    cross_entropy._loss_and_logit_grad_triton = kernel
+    loss.backward()
+    assert len(calls) == -(-N // chunk_rows), "the row kernel was not the path taken"
+    tag = f"chunked loss N={N} V={V} chunk={chunk_rows}"
+    check(tag + " loss", loss.reshape(1), ref.reshape(1), dtype)
+    check(tag + " dh", ht.grad, hr.grad, dtype)
+    check(tag + " dw", wt.grad, wr.grad, dtype)
+    assert ht.grad[1].abs().max() == 0 and ht.grad[N - 2].abs().max() == 0
+
+
+loss_rows(torch.float32, 21, 300, 8)
+loss_rows(torch.float32, 9, 5000, 4)  # two vocabulary tiles, the second partial
+loss_rows(torch.bfloat16, 21, 300, 8)
 for dtype in (torch.float32, torch.bfloat16):
     # documents of 1, 2 and 3 tokens (shorter than the 3-token history), one crossing the 64-token blocks
     conv_silu(dtype, 1, 140, 70, [1, 2, 3, 60, 1, 73])
