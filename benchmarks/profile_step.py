@@ -9,6 +9,7 @@ whose device-busy share is far below 100% is bound by the host (kernel launches,
     python benchmarks/profile_step.py --preset small --rows 2 --seq-len 4096 \\
         --set kda_impl=triton attention_backend=sdpa --activation-checkpointing      # one H200
     python benchmarks/profile_step.py --preset debug --rows 2 --seq-len 256 --device cpu
+    ... --by-line    # and the device time of one more step by the k3 function that launched it
 """
 
 from __future__ import annotations
@@ -88,6 +89,45 @@ def sync_sites(model, optimizer, scheduler, batch, cfg, device, top: int = 12) -
     return "\n".join(lines)
 
 
+def time_by_line(model, optimizer, scheduler, batch, cfg, device, top: int = 25) -> str:
+    """One more profiled train_step, with Python stacks: each op's own device time (CPU time without a GPU)
+    summed by the innermost k3 function that issued it (the profiler's Python tracer names a function by
+    its file and first line), and by (function, op). Ops without a k3 frame (the C++
+    autograd engine's backward kernels, the optimizer's foreach ops) are grouped by op name. Stacks slow
+    the host, so this step is not the timed one."""
+    import collections
+
+    cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    # stacks are recorded only in verbose mode (torch >= 2.4)
+    config = torch._C._profiler._ExperimentalConfig(verbose=True)
+    sync(device)
+    with torch.profiler.profile(activities=activities, with_stack=True, experimental_config=config) as prof:
+        train_step(model, optimizer, scheduler, [batch], cfg, device)
+        sync(device)
+    by_line: collections.Counter = collections.Counter()
+    by_line_op: collections.Counter = collections.Counter()
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        t = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if t <= 0:
+            continue
+        frame = next((f for f in e.stack if "k3/" in f and "benchmarks/" not in f), None)
+        where = frame[frame.index("k3/"):] if frame else f"(no k3 frame) {e.name}"
+        by_line[where] += t
+        by_line_op[(where, e.name)] += t
+    total = sum(by_line.values())
+    unit = "device" if cuda else "CPU"
+    lines = [f"  {unit} time by k3 function ({total / 1e3:,.1f} ms in one profiled step):"]
+    for where, t in by_line.most_common(top):
+        lines.append(f"    {t / 1e3:9.2f} ms  {100 * t / total:5.1f}%  {where}")
+    lines.append(f"  {unit} time by k3 function and op:")
+    for (where, name), t in by_line_op.most_common(top):
+        lines.append(f"    {t / 1e3:9.2f} ms  {name:32s} {where}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small")
@@ -99,6 +139,7 @@ def main() -> None:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--trace", help="also write a Chrome trace of the profiled step here")
+    p.add_argument("--by-line", action="store_true", help="also attribute device time to k3 functions")
     args = p.parse_args()
 
     device = torch.device(args.device)
@@ -158,6 +199,8 @@ def main() -> None:
         print(sync_sites(model, optimizer, scheduler, batch, cfg, device))
         print(events.table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
+    if args.by_line:
+        print(time_by_line(model, optimizer, scheduler, batch, cfg, device, args.top))
     if args.trace:
         prof.export_chrome_trace(args.trace)
 
