@@ -215,7 +215,7 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
     loads = [torch.zeros(m.gate.e_score_correction_bias.numel(), dtype=torch.int64, device=device) for m in moes]
     max_logits = None
     total_tokens = sum(b.num_tokens for b in batches)
-    loss_sum = 0.0
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # stays on the device until the step's one read
     for batch in batches:
         if parallel is not None:  # cut on the host, move only this rank's piece
             input_ids, labels, cu_seqlens = parallel.shard(batch.input_ids, batch.labels, batch.cu_seqlens)
@@ -228,7 +228,7 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
         loss = out.loss
         scale = parallel.loss_scale if parallel is not None else 1.0
         (loss * (scale / total_tokens)).backward()
-        loss_sum += loss.item()
+        loss_sum += loss.detach().double()
         if len(out.router_infos) != len(moes):
             raise TrainingError(f"the forward reported {len(out.router_infos)} router statistics for "
                                 f"{len(moes)} MoE layers (a wrapper dropped them)")
@@ -239,15 +239,18 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
             max_logits = out.mla_max_logits if max_logits is None else torch.maximum(max_logits, out.mla_max_logits)
     if parallel is not None:
         parallel.finish_gradients()
-        loss_sum = float(parallel.sum_(torch.tensor(loss_sum, dtype=torch.float64, device=device)))
+        parallel.sum_(loss_sum)
         for hist, layer_loads in zip(histograms, loads):
             parallel.sum_(hist.counts)
             parallel.sum_(layer_loads)
         if max_logits is not None:
             parallel.max_(max_logits)
         grad_norm = parallel.clip_grad_norm_(cfg.grad_clip)
+        loss_sum = float(loss_sum)
     else:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+        # the loss and the gradient norm in one read back: the host waits for the GPU once, not per micro-batch
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        loss_sum, grad_norm = torch.stack([loss_sum, norm.to(loss_sum.device, torch.float64)]).tolist()
     loss_value = loss_sum / total_tokens
     lr = optimizer.param_groups[0]["lr"]
     metrics: dict[str, Any] = {"loss": loss_value, "grad_norm": grad_norm, "lr": lr, "tokens": total_tokens}
