@@ -263,6 +263,8 @@ def main():
     parser.add_argument("--late", nargs="*", default=[], help="variants run last, at the first length")
     parser.add_argument("--loss-steps", type=int, default=0, help="loss-curve comparison, reference vs fast")
     parser.add_argument("--loss-tokens", type=int, default=None, help="tokens per loss-curve step (default --tokens)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                        help="runtime config overrides for every variant, e.g. loss_impl=triton")
     parser.add_argument("--ckpt", action="store_true",
                         help="activation checkpointing for every variant (ablations and loss curves included)")
     parser.add_argument("--time-budget", type=float, default=None, help="seconds; later cases are skipped")
@@ -277,7 +279,7 @@ def main():
         torch.set_flush_denormal(True)
     started = time.perf_counter()
     peak = measured_gemm_peak(device)
-    base = {"kda_impl": args.kda_impl}
+    base = {"kda_impl": args.kda_impl, **dict(item.split("=", 1) for item in args.set)}
     if args.vocab_size:
         base["vocab_size"] = args.vocab_size
 
@@ -318,7 +320,8 @@ def main():
     console = Console(width=240)
     table = Table(title=f"k3 training step on {torch.cuda.get_device_name() if cuda else 'CPU'} "
                         f"({'bf16 autocast' if cuda else 'fp32'}, {tokens} packed tokens/step, kda_impl "
-                        f"{args.kda_impl}, measured GEMM peak {peak / 1e12:.1f} TFLOP/s)")
+                        f"{args.kda_impl}{''.join(', ' + item for item in args.set)}, measured GEMM peak "
+                        f"{peak / 1e12:.1f} TFLOP/s)")
     for col in ("preset", "T", "rows", "variant", "step s", "tokens/s", "TFLOP/s", "MFU (measured)", "MFU (989 TF)",
                 "vs reference", "path speedup", "first step s", "optimizer", "peak GiB"):
         table.add_column(col, justify="right")
