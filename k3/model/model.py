@@ -230,9 +230,17 @@ class K3ForCausalLM(nn.Module):
         if labels is not None and (labels.shape != input_ids.shape or logits_at is not None):
             raise ValueError(f"labels must be [B, T] = {list(input_ids.shape)} and exclude logits_at, "
                              f"got {list(labels.shape)}")
-        lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()  # one read back, not two
-        if lo < 0 or hi >= self.config.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got range [{lo}, {hi}]")
+        ranges = list(torch.aminmax(input_ids))
+        if labels is not None:  # the labels' range in the same read back (the loss kernels index by label)
+            ranges += torch.aminmax(torch.where(labels == self.config.ignore_index, 0, labels))
+        ranges = torch.stack([r.long() for r in ranges]).tolist()  # one read back, not two or four
+        lo, hi = ranges[:2]
+        V = self.config.vocab_size
+        if lo < 0 or hi >= V:
+            raise ValueError(f"token ids must be in [0, {V}), got range [{lo}, {hi}]")
+        if labels is not None and (ranges[2] < 0 or ranges[3] >= V):
+            raise ValueError(f"labels must be in [0, {V}) or ignore_index ({self.config.ignore_index}), got range "
+                             f"[{ranges[2]}, {ranges[3]}]")
         layout = SequenceLayout.build(B, T, cu_seqlens, input_ids.device)
         if cache is not None and cu_seqlens is not None:
             if B != 1:

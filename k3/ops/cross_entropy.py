@@ -82,7 +82,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if want_dh:
                 dh[start:start + chunk_rows] = grad @ w
             if want_dw:
-                dw += grad.T @ h  # mixed-dtype in-place add: no fp32 copy of the [V, D] product
+                # summed across chunks in fp32 by one mixed-dtype add (no fp32 copy of the [V, D] product);
+                # each chunk's product itself is rounded to the GEMM dtype, as the reference's single one is
+                dw += grad.T @ h
             del grad
         ctx.save_for_backward(dh, dw)
         ctx.hidden_dtype, ctx.weight_dtype = hidden.dtype, weight.dtype
@@ -91,7 +93,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         dh, dw = ctx.saved_tensors
-        grad_h = None if dh is None else (dh * grad_loss.to(dh.dtype)).to(ctx.hidden_dtype)
+        # the scale (e.g. 1 / tokens) in fp32, not rounded to dh's bf16; out of place, so a retained graph
+        # (gradcheck, a second backward) still sees the unscaled gradients
+        grad_h = None if dh is None else (dh.to(grad_loss.dtype) * grad_loss).to(ctx.hidden_dtype)
         grad_w = None if dw is None else (dw * grad_loss.to(dw.dtype)).to(ctx.weight_dtype)
         return grad_h, grad_w, None, None, None, None, None, None
 
@@ -113,7 +117,7 @@ def _loss_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor, ignore_inde
         return loss, None
     grad = full.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the fp32 logits
     grad.scatter_add_(1, target, torch.full_like(lse, -1).unsqueeze(1))
-    grad.mul_(valid.unsqueeze(1))
+    grad.masked_fill_(~valid.unsqueeze(1), 0)  # not a product: an ignored row's NaN stays out
     return loss, grad.to(logits.dtype)
 
 

@@ -9,9 +9,9 @@ Forward of the fast path (`grouped_latent_experts`, what `LatentExperts` runs on
    weight-gradient GEMM and no group is empty. M_pad = round_up(N·k, align) + E·align is static, and
    the plan needs no host synchronisation (no `.item()`, no `bincount`, whose CUDA kernel reads the max).
 2. Dispatch: latent rows are scattered to their padded positions (padding rows are zero).
-3. Experts: [w1; w3] as one grouped GEMM (L → 2I), fused SiTU-GLU, w2 as a grouped GEMM (I → L),
-   each row scaled by its router weight in fp32 — all inside one autograd Function.
-4. Combine: each token's k rows are gathered back and summed in fp32.
+3. Experts: [w1; w3] as one grouped GEMM (L → 2I), fused SiTU-GLU, each activation row scaled by its
+   router weight (in fp32, then cast), w2 as a grouped GEMM (I → L) — all inside one autograd Function.
+4. Combine: each token's k (already weighted) rows are gathered back and summed in fp32.
 
 The MoE gradient transform (K3 report §2.3): the router-weight gradient dp = ⟨dy, E(x)⟩ is computed
 as ⟨dy·w2, act⟩ from the activation and the gradient flowing into it, so the expert outputs E(x) are

@@ -124,3 +124,10 @@ def test_model_loss_with_labels_equals_logits_loss():
             assert _rel(a, b) <= 1e-10 or (b.norm() == 0 and a.norm() == 0)
     with pytest.raises(ValueError, match="labels"):
         model(ids, labels=labels[:, :5])
+    bad = labels.clone()
+    bad[0, 3] = config.vocab_size  # the Triton row kernel would read past its row: refused up front
+    with pytest.raises(ValueError, match="labels must be in"):
+        model(ids, labels=bad)
+    bad[0, 3] = -7  # neither a class nor ignore_index
+    with pytest.raises(ValueError, match="labels must be in"):
+        model(ids, labels=bad)
