@@ -266,7 +266,10 @@ if triton is not None:
             tl.store(DW + (tl.program_id(0) * C + c) * W + j, part, mask=in_c)
 
 
-_CONV_BT, _CONV_BC = 64, 64
+_CONV_BT, _CONV_BC = 64, 64  # forward: 208 registers, no spills (offline sm_90 compile, 4 warps)
+# backward: it keeps g, dx and the shifted x tiles live; at 64 × 64 × 4 warps ptxas spilled 12.8 KB per
+# thread (7 KB stack), at 32 × 64 × 8 warps 44 B (benchmarks/kernel_spills.py)
+_CONV_BWD_BT, _CONV_BWD_BC, _CONV_BWD_WARPS = 32, 64, 8
 
 
 def _token_positions(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
@@ -310,11 +313,12 @@ class _ShortConvSiLU(torch.autograd.Function):
         R, C = xr.shape
         W = w.shape[1]
         dyr = _rows(dy)
-        blocks = triton.cdiv(R, _CONV_BT)
+        blocks = triton.cdiv(R, _CONV_BWD_BT)
         dx = torch.empty(R, C, dtype=xr.dtype, device=xr.device)
         dw = torch.empty(blocks, C, W, dtype=torch.float32, device=xr.device)
-        _conv_silu_bwd_kernel[(blocks, triton.cdiv(C, _CONV_BC))](xr, w, pos, dyr, dx, dw, R, C, xr.stride(0),
-                                                                  dyr.stride(0), W=W, BT=_CONV_BT, BC=_CONV_BC)
+        _conv_silu_bwd_kernel[(blocks, triton.cdiv(C, _CONV_BWD_BC))](
+            xr, w, pos, dyr, dx, dw, R, C, xr.stride(0), dyr.stride(0), W=W, BT=_CONV_BWD_BT, BC=_CONV_BWD_BC,
+            num_warps=_CONV_BWD_WARPS)
         dweight = dw.sum(0).reshape(ctx.weight_shape).to(ctx.weight_dtype)
         return dx.view(ctx.shape), dweight, None
 

@@ -1,0 +1,82 @@
+"""Registers and spills of the non-KDA Triton kernels (short conv + SiLU, loss rows) for sm_90, compiled offline.
+
+No GPU needed: `triton.compile` for GPUTarget("cuda", 90, 64) with the launch settings the ops use, then the
+ptxas bundled with Triton (`-v -arch=sm_90a`). It also shows that a kernel compiles for the H200 at all,
+before any device time is spent. A proxy for speed, not a measurement (the KDA kernels' report is
+`benchmarks/kda_spills.py`).
+
+    python benchmarks/kernel_spills.py
+    python benchmarks/kernel_spills.py --conv-bwd 64x64x4 32x64x8     # backward tilings BTxBCxwarps
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import k3.ops.cross_entropy as cross_entropy  # noqa: E402
+import k3.ops.short_conv as short_conv  # noqa: E402
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+LOSS_ARGS = dict(L="*bf16", Y="*i64", LOSS="*fp32", V="i32", stride="i64", ignore_index="i32")
+CONV_FWD_ARGS = dict(X="*bf16", Wt="*fp32", POS="*i32", Y="*bf16", R="i32", C="i32", stride_x="i32")
+CONV_BWD_ARGS = dict(X="*bf16", Wt="*fp32", POS="*i32", DY="*bf16", DX="*bf16", DW="*fp32", R="i32", C="i32",
+                     stride_x="i32", stride_dy="i32")
+
+
+def report(fn, args: dict, constexprs: dict, num_warps: int) -> tuple[int, int, int, int]:
+    """(registers, spill store bytes, spill load bytes, stack frame bytes) of one kernel for sm_90."""
+    signature = {name: "constexpr" if name in constexprs else args[name] for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if args.get(name, "").startswith("*")}
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 64),
+                            options=dict(num_warps=num_warps))
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        out = subprocess.run([str(PTXAS), "-v", "-arch=sm_90a", str(ptx), "-o", str(Path(tmp) / "kernel.o")],
+                             capture_output=True, text=True, check=True)
+    text = out.stdout + out.stderr
+    regs = int(re.search(r"Used (\d+) registers", text).group(1))
+    stack, stores, loads = map(int, re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                                              r"(\d+) bytes spill loads", text).groups())
+    return regs, stores, loads, stack
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--conv-bwd", nargs="*", default=[], help="extra backward tilings, e.g. 64x64x4")
+    args = ap.parse_args()
+    sc = short_conv
+    cases = [
+        ("loss rows (grad)", cross_entropy._loss_rows_kernel, LOSS_ARGS,
+         dict(WRITE_GRAD=True, BV=4096, TILES=40), 8),
+        ("loss rows (loss only)", cross_entropy._loss_rows_kernel, LOSS_ARGS,
+         dict(WRITE_GRAD=False, BV=4096, TILES=40), 8),
+        ("conv+silu fwd", sc._conv_silu_fwd_kernel, CONV_FWD_ARGS, dict(W=4, BT=sc._CONV_BT, BC=sc._CONV_BC), 4),
+        ("conv+silu bwd", sc._conv_silu_bwd_kernel, CONV_BWD_ARGS,
+         dict(W=4, BT=sc._CONV_BWD_BT, BC=sc._CONV_BWD_BC), sc._CONV_BWD_WARPS),
+    ]
+    for tiling in args.conv_bwd:
+        bt, bc, warps = map(int, tiling.split("x"))
+        cases.append((f"conv+silu bwd {tiling}", sc._conv_silu_bwd_kernel, CONV_BWD_ARGS, dict(W=4, BT=bt, BC=bc),
+                      warps))
+    print(f"{'kernel':28s} {'settings':28s} {'regs':>5s} {'spill st/ld B':>14s} {'stack B':>8s}")
+    for name, fn, fn_args, constexprs, warps in cases:
+        regs, stores, loads, stack = report(fn, fn_args, constexprs, warps)
+        settings = ", ".join(f"{k}={v}" for k, v in constexprs.items() if k in ("BT", "BC", "BV")) + f", {warps} warps"
+        print(f"{name:28s} {settings:28s} {regs:5d} {f'{stores} / {loads}':>14s} {stack:8d}")
+
+
+if __name__ == "__main__":
+    main()
