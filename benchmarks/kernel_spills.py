@@ -1,4 +1,4 @@
-"""Registers and spills of the non-KDA Triton kernels (short conv + SiLU, loss rows) for sm_90, compiled offline.
+"""Registers and spills of non-KDA Triton kernels (short conv + SiLU, loss rows, SiTU-GLU) for sm_90, offline.
 
 No GPU needed: `triton.compile` for GPUTarget("cuda", 90, 64) with the launch settings the ops use, then the
 ptxas bundled with Triton (`-v -arch=sm_90a`). It also shows that a kernel compiles for the H200 at all,
@@ -26,10 +26,15 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import k3.ops.cross_entropy as cross_entropy  # noqa: E402
 import k3.ops.short_conv as short_conv  # noqa: E402
+import k3.ops.situ as situ  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 LOSS_ARGS = dict(L="*bf16", Y="*i64", LOSS="*fp32", V="i32", stride="i64", ignore_index="i32")
 CONV_FWD_ARGS = dict(X="*bf16", Wt="*fp32", POS="*i32", Y="*bf16", R="i32", C="i32", stride_x="i32")
+SITU_FWD_ARGS = dict(G="*bf16", U="*bf16", F="*bf16", M="i32", N="i32", stride_g="i32", stride_u="i32",
+                     stride_f="i32", beta1="fp32", beta2="fp32")
+SITU_BWD_ARGS = dict(G="*bf16", U="*bf16", DF="*bf16", DG="*bf16", DU="*bf16", M="i32", N="i32", stride_g="i32",
+                     stride_u="i32", stride_df="i32", stride_dg="i32", stride_du="i32", beta1="fp32", beta2="fp32")
 CONV_BWD_ARGS = dict(X="*bf16", Wt="*fp32", POS="*i32", DY="*bf16", DX="*bf16", DW="*fp32", R="i32", C="i32",
                      stride_x="i32", stride_dy="i32")
 
@@ -66,16 +71,18 @@ def main() -> None:
         ("conv+silu fwd", sc._conv_silu_fwd_kernel, CONV_FWD_ARGS, dict(W=4, BT=sc._CONV_BT, BC=sc._CONV_BC), 4),
         ("conv+silu bwd", sc._conv_silu_bwd_kernel, CONV_BWD_ARGS,
          dict(W=4, BT=sc._CONV_BWD_BT, BC=sc._CONV_BWD_BC), sc._CONV_BWD_WARPS),
+        ("situ-glu fwd", situ._situ_fwd_kernel, SITU_FWD_ARGS, dict(BLOCK_M=situ._BLOCK_M, BLOCK_N=situ._BLOCK_N), 4),
+        ("situ-glu bwd", situ._situ_bwd_kernel, SITU_BWD_ARGS, dict(BLOCK_M=situ._BLOCK_M, BLOCK_N=situ._BLOCK_N), 4),
     ]
     for tiling in args.conv_bwd:
         bt, bc, warps = map(int, tiling.split("x"))
         cases.append((f"conv+silu bwd {tiling}", sc._conv_silu_bwd_kernel, CONV_BWD_ARGS, dict(W=4, BT=bt, BC=bc),
                       warps))
-    print(f"{'kernel':28s} {'settings':28s} {'regs':>5s} {'spill st/ld B':>14s} {'stack B':>8s}")
+    print(f"{'kernel':28s} {'settings':34s} {'regs':>5s} {'spill st/ld B':>14s} {'stack B':>8s}")
     for name, fn, fn_args, constexprs, warps in cases:
         regs, stores, loads, stack = report(fn, fn_args, constexprs, warps)
-        settings = ", ".join(f"{k}={v}" for k, v in constexprs.items() if k in ("BT", "BC", "BV")) + f", {warps} warps"
-        print(f"{name:28s} {settings:28s} {regs:5d} {f'{stores} / {loads}':>14s} {stack:8d}")
+        settings = ", ".join(f"{k}={v}" for k, v in constexprs.items() if k in ("BT", "BC", "BV", "BLOCK_M", "BLOCK_N")) + f", {warps} warps"
+        print(f"{name:28s} {settings:34s} {regs:5d} {f'{stores} / {loads}':>14s} {stack:8d}")
 
 
 if __name__ == "__main__":
