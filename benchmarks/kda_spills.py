@@ -53,6 +53,13 @@ def compile_report(fn, num_warps: int, num_stages: int = 3, **constexprs) -> tup
             signature[name] = ("i32" if name == "H" else "*fp32" if name in FP32_ARGS
                                else "*i32" if name in INT32_ARGS else "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
+    return sm90_report(fn, signature, constants, attrs, num_warps, num_stages)[:4]
+
+
+def sm90_report(fn, signature: dict, constants: dict, attrs: dict, num_warps: int,
+                num_stages: int = 3) -> tuple[int, int, int, int, int]:
+    """Compile one kernel for sm_90 and read ptxas's report: (registers, spill store bytes, spill load
+    bytes, shared bytes, stack frame bytes)."""
     kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 64),
                             options=dict(num_warps=num_warps, num_stages=num_stages))
     with tempfile.TemporaryDirectory() as tmp:
@@ -61,8 +68,9 @@ def compile_report(fn, num_warps: int, num_stages: int = 3, **constexprs) -> tup
         report = subprocess.run([str(PTXAS), "-v", "-arch=sm_90a", str(ptx), "-o", os.devnull],
                                 capture_output=True, text=True, check=True).stderr
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    return registers, int(spills.group(1)), int(spills.group(2)), kernel.metadata.shared
+    stack, stores, loads = map(int, re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                                              r"(\d+) bytes spill loads", report).groups())
+    return registers, stores, loads, kernel.metadata.shared, stack
 
 
 def tuned_settings(name: str) -> dict:

@@ -2,8 +2,8 @@
 
 No GPU needed: `triton.compile` for GPUTarget("cuda", 90, 64) with the launch settings the ops use, then the
 ptxas bundled with Triton (`-v -arch=sm_90a`). It also shows that a kernel compiles for the H200 at all,
-before any device time is spent. A proxy for speed, not a measurement (the KDA kernels' report is
-`benchmarks/kda_spills.py`).
+before any device time is spent. A proxy for speed, not a measurement (the KDA kernels' report, whose
+compile-and-ptxas step this reuses, is `benchmarks/kda_spills.py`).
 
     python benchmarks/kernel_spills.py
     python benchmarks/kernel_spills.py --conv-bwd 64x64x4 32x64x8     # backward tilings BTxBCxwarps
@@ -12,23 +12,16 @@ before any device time is spent. A proxy for speed, not a measurement (the KDA k
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
 import k3.ops.cross_entropy as cross_entropy  # noqa: E402
 import k3.ops.short_conv as short_conv  # noqa: E402
 import k3.ops.situ as situ  # noqa: E402
+from benchmarks.kda_spills import sm90_report  # noqa: E402
 
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 LOSS_ARGS = dict(L="*bf16", Y="*i64", LOSS="*fp32", V="i32", stride="i64", ignore_index="i32")
 CONV_FWD_ARGS = dict(X="*bf16", Wt="*fp32", POS="*i32", Y="*bf16", R="i32", C="i32", stride_x="i32")
 SITU_FWD_ARGS = dict(G="*bf16", U="*bf16", F="*bf16", M="i32", N="i32", stride_g="i32", stride_u="i32",
@@ -40,22 +33,13 @@ CONV_BWD_ARGS = dict(X="*bf16", Wt="*fp32", POS="*i32", DY="*bf16", DX="*bf16", 
 
 
 def report(fn, args: dict, constexprs: dict, num_warps: int) -> tuple[int, int, int, int]:
-    """(registers, spill store bytes, spill load bytes, stack frame bytes) of one kernel for sm_90."""
+    """(registers, spill store bytes, spill load bytes, stack frame bytes) of one kernel for sm_90; pointer
+    arguments divisible by 16, as the real JIT specialises them."""
     signature = {name: "constexpr" if name in constexprs else args[name] for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if args.get(name, "").startswith("*")}
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 64),
-                            options=dict(num_warps=num_warps))
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "kernel.ptx"
-        ptx.write_text(kernel.asm["ptx"])
-        out = subprocess.run([str(PTXAS), "-v", "-arch=sm_90a", str(ptx), "-o", str(Path(tmp) / "kernel.o")],
-                             capture_output=True, text=True, check=True)
-    text = out.stdout + out.stderr
-    regs = int(re.search(r"Used (\d+) registers", text).group(1))
-    stack, stores, loads = map(int, re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
-                                              r"(\d+) bytes spill loads", text).groups())
-    return regs, stores, loads, stack
+    registers, stores, loads, _, stack = sm90_report(fn, signature, constexprs, attrs, num_warps)
+    return registers, stores, loads, stack
 
 
 def main() -> None:

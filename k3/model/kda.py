@@ -11,7 +11,6 @@ the implementation with `config.kda_impl`.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +20,7 @@ from k3.config import ModelConfig
 from k3.model.cache import KDAState
 from k3.model.norm import RMSNorm
 from k3.model.sequence import SequenceLayout
+from k3.ops import triton_runs_on
 from k3.ops.kda import naive_chunk_kda, naive_kda_gate, naive_recurrent_kda, torch_chunk_kda
 from k3.ops.short_conv import causal_conv1d, short_conv_silu, short_conv_silu_available
 
@@ -123,7 +123,7 @@ class KimiDeltaAttention(nn.Module):
         a copy of the state; everything else takes the differentiable `chunk_kda`. On CPU without
         TRITON_INTERPRET=1 the torch reference runs instead, so a GPU config also loads on a CPU machine.
         """
-        if not (q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
+        if not triton_runs_on(q):
             q, k, g, beta = self.gate_inputs(q, k, z, beta_logits)
             kw = dict(initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
             if q.shape[1] == 1:

@@ -257,11 +257,8 @@ class K3ForCausalLM(nn.Module):
         h = self.model(input_ids, layout, cache, router_infos, max_logits)
         loss = logits = None
         if labels is not None:
-            impl = self.config.loss_impl
-            if impl == "auto":
-                impl = "chunked" if h.device.type == "cuda" else "reference"
             loss = linear_cross_entropy(h.reshape(B * T, -1), self.lm_head.weight, labels.reshape(B * T),
-                                        self.config.ignore_index, impl)
+                                        self.config.ignore_index, self.config.loss_impl)
         else:
             if logits_at is not None:
                 h = h.reshape(B * T, -1)[logits_at]  # [n, D]

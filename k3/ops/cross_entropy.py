@@ -18,10 +18,10 @@ and Cut Cross-Entropy do the same in Triton; this one is plain PyTorch (docs/fas
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from k3.ops import triton_runs_on
 
 # elements of one chunk's fp32 logits: 2^28 (1 GiB; 1,638 rows at V = 163,840). Each chunk adds its [V, D]
 # product into dW once, so fewer, larger chunks move fewer bytes; the chunk's transients (fp32 logits,
@@ -130,7 +130,7 @@ except ImportError:  # CPU-only installs: the torch formula
 
 def _rows_kernel_ok(logits: torch.Tensor) -> bool:
     return (triton is not None and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and (logits.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"))
+            and triton_runs_on(logits))
 
 
 if triton is not None:
@@ -184,9 +184,11 @@ def _loss_and_logit_grad_triton(logits, labels, ignore_index, want_grad):
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          ignore_index: int = -100, impl: str = "auto") -> torch.Tensor:
     """The summed LM loss. `impl`: "reference" | "chunked" | "triton" (chunked, each chunk's softmax and
-    gradient by the Triton row kernel) | "auto" (chunked)."""
+    gradient by the Triton row kernel) | "auto" (chunked on CUDA, the reference elsewhere)."""
+    if impl == "auto":
+        impl = "chunked" if hidden.is_cuda else "reference"
     if impl == "reference":
         return naive_linear_cross_entropy(hidden, weight, labels, ignore_index)
-    if impl in ("auto", "chunked", "triton"):
+    if impl in ("chunked", "triton"):
         return chunked_linear_cross_entropy(hidden, weight, labels, ignore_index, rows_kernel=impl == "triton")
     raise ValueError(f"loss impl must be auto|reference|chunked|triton, got {impl!r}")

@@ -16,10 +16,10 @@ Two implementations of the same function:
   front of it, so one valid convolution serves all documents; one gather picks the outputs. No host sync.
 """
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from k3.ops import triton_runs_on
 
 
 def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -199,16 +199,23 @@ def naive_short_conv_silu(x: torch.Tensor, weight: torch.Tensor,
                           cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """The reference of `short_conv_silu`: SiLU(naive_causal_conv1d(x)) from zero history, in x's dtype."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    B, T, C = x.shape
-    w = weight.reshape(C, -1).to(compute)
-    if cu_seqlens is None:
-        y, _ = naive_causal_conv1d(x.to(compute), w)
-    else:
-        y, _ = naive_causal_conv1d(x.to(compute), w, cu_seqlens=cu_seqlens)
-    return F.silu(y).to(x.dtype)
+    w = weight.reshape(x.shape[-1], -1).to(compute)
+    return F.silu(naive_causal_conv1d(x.to(compute), w, cu_seqlens=cu_seqlens)[0]).to(x.dtype)
 
 
 if triton is not None:
+
+    @triton.jit
+    def _conv_taps(X, Wt, pos, u, in_u, c, in_c, stride_x, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+        """The conv output a[u] = Σ_j w[j] · x[u − (W−1−j)] in fp32, each tap only inside u's document."""
+        a = tl.zeros([BT, BC], dtype=tl.float32)
+        for j in tl.static_range(W):
+            lag = W - 1 - j
+            ok = in_u & (pos >= lag)
+            xv = tl.load(X + (u - lag)[:, None] * stride_x + c[None, :], mask=ok[:, None] & in_c[None, :], other=0.0)
+            wv = tl.load(Wt + c * W + j, mask=in_c, other=0.0)
+            a += xv.to(tl.float32) * wv[None, :]
+        return a
 
     @triton.jit
     def _conv_silu_fwd_kernel(X, Wt, POS, Y, R, C, stride_x, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
@@ -216,13 +223,7 @@ if triton is not None:
         c = tl.program_id(1) * BC + tl.arange(0, BC)
         in_t, in_c = t < R, c < C
         pos = tl.load(POS + t, mask=in_t, other=0)
-        acc = tl.zeros([BT, BC], dtype=tl.float32)
-        for j in tl.static_range(W):  # tap j reads token t − (W−1−j) if it is inside the document
-            lag = W - 1 - j
-            ok = in_t & (pos >= lag)
-            xv = tl.load(X + (t - lag)[:, None] * stride_x + c[None, :], mask=ok[:, None] & in_c[None, :], other=0.0)
-            wv = tl.load(Wt + c * W + j, mask=in_c, other=0.0)
-            acc += xv.to(tl.float32) * wv[None, :]
+        acc = _conv_taps(X, Wt, pos, t, in_t, c, in_c, stride_x, W, BT, BC)
         y = acc * tl.sigmoid(acc)
         tl.store(Y + t[:, None] * C + c[None, :], y.to(Y.dtype.element_ty), mask=in_t[:, None] & in_c[None, :])
 
@@ -232,13 +233,7 @@ if triton is not None:
         """dL/d(conv output) at tokens u: dy · SiLU'(a), a recomputed from x (zero where u ≥ R)."""
         in_u = u < R
         pos = tl.load(POS + u, mask=in_u, other=0)
-        a = tl.zeros([BT, BC], dtype=tl.float32)
-        for j in tl.static_range(W):
-            lag = W - 1 - j
-            ok = in_u & (pos >= lag)
-            xv = tl.load(X + (u - lag)[:, None] * stride_x + c[None, :], mask=ok[:, None] & in_c[None, :], other=0.0)
-            wv = tl.load(Wt + c * W + j, mask=in_c, other=0.0)
-            a += xv.to(tl.float32) * wv[None, :]
+        a = _conv_taps(X, Wt, pos, u, in_u, c, in_c, stride_x, W, BT, BC)
         dy = tl.load(DY + u[:, None] * stride_dy + c[None, :], mask=in_u[:, None] & in_c[None, :], other=0.0)
         sig = tl.sigmoid(a)
         return dy.to(tl.float32) * sig * (1.0 + a * (1.0 - sig)), pos
@@ -284,12 +279,7 @@ def _token_positions(cu_seqlens: torch.Tensor | None, B: int, T: int, device: to
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """[B, T, C] with unit channel stride (e.g. a slice of a wider projection) as [B·T, C], without a copy
     where the strides allow it."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    try:
-        return x.view(-1, x.shape[-1])
-    except RuntimeError:
-        return x.reshape(-1, x.shape[-1])
+    return (x if x.stride(-1) == 1 else x.contiguous()).reshape(-1, x.shape[-1])
 
 
 class _ShortConvSiLU(torch.autograd.Function):
@@ -326,7 +316,7 @@ class _ShortConvSiLU(torch.autograd.Function):
 def short_conv_silu_available(x: torch.Tensor) -> bool:
     """The fused kernel runs here: Triton on CUDA (or its interpreter), fp32/bf16/fp16 input."""
     return (triton is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and (x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"))
+            and triton_runs_on(x))
 
 
 def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:

@@ -30,13 +30,13 @@ BC sub-block (16 rows), NB = C/BC sub-blocks, BV value block.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from k3.ops import interpreting, triton_runs_on
 from k3.ops.kda.reference import document_offsets
 
 CHUNK = 64
@@ -51,11 +51,6 @@ TUNING = {
     "bwd_k_warps": 8,
     "decode_bv": 64, "decode_warps": 4,
 }
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (must be set before triton is imported)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # device helpers
@@ -774,7 +769,7 @@ def make_plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.dev
 
 
 def _check_device(*xs: torch.Tensor) -> None:
-    if not (xs[0].is_cuda or interpreting()):
+    if not triton_runs_on(xs[0]):
         raise RuntimeError("chunk_kda runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1")
     if any(x.device != xs[0].device for x in xs):
         raise ValueError("all inputs must be on one device")

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton_chunk import TUNING, _cast, interpreting
+from k3.ops import interpreting, triton_runs_on
+from k3.ops.kda.triton_chunk import TUNING, _cast
 
 
 @triton.jit
@@ -98,7 +99,7 @@ def fused_recurrent_kda(
     for name, d in (("K", K), ("V", V)):
         if d < 16 or d > 256 or d & (d - 1):
             raise ValueError(f"{name} must be a power of two in [16, 256], got {d}")
-    if not (q.is_cuda or interpreting()):
+    if not triton_runs_on(q):
         raise RuntimeError("fused_recurrent_kda runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1")
     if state_indices is None:
         if state.shape[0] < N:
