@@ -19,6 +19,10 @@ FLOPs per token (performance.md §3.5): training = 3 × forward, forward = 2 × 
 (lm_head included, embedding excluded, routed experts at top-k/E) + per MLA layer 2·H·(d_qk + d_v)·L_ctx
 (L_ctx = mean attended length inside each document) + per KDA layer H·(6d² + 3Cd + C²).
 
+`--micro-batches N` accumulates N forward+backward passes of `--tokens` tokens per optimizer step, as
+training at a realistic batch does: the optimizer's fixed cost per step (Newton–Schulz on every block) is
+then shared by N× the tokens. Tables report tokens per micro-batch and the micro-batch count.
+
 Correctness gate: the loss at init is within 1 nat of ln V and finite after the timed steps. With
 `--loss-steps N`, `reference` and `fast` also train N steps from the same init on the same batches and
 the largest loss difference is reported (`docs/fast-paths.md` states the tolerance).
@@ -171,18 +175,20 @@ def free(device):
         torch.cuda.empty_cache()
 
 
-def run_variant(name, preset, seq_len, rows, steps, base, device, peak):
-    """Time one variant. Returns a result dict (with "error" on failure)."""
+def run_variant(name, preset, seq_len, rows, steps, base, device, peak, micro_batches=1):
+    """Time one variant: `micro_batches` forward+backward passes of rows × seq_len tokens per optimizer step.
+    Returns a result dict (with "error" on failure)."""
     cuda = device.type == "cuda"
     overrides, ckpt = variant_overrides(name)
     overrides.update(base)
     opt_times: list[float] = []
     result = {"preset": preset, "seq_len": seq_len, "rows": rows, "variant": name, "overrides": overrides,
-              "checkpointing": ckpt}
+              "checkpointing": ckpt, "micro_batches": micro_batches}
     model = optimizer = None
     try:
         config, model, optimizer, scheduler = build(name, preset, overrides, ckpt, device, opt_times)
-        batch = Batch(rows, seq_len, config.vocab_size, device)
+        batches = [Batch(rows, seq_len, config.vocab_size, device, seed=i) for i in range(micro_batches)]
+        batch = batches[0]
         # with gradients enabled, so compiled kernels (flex) are built once, for training
         with (torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)):
             b = batch.to(device)
@@ -196,14 +202,15 @@ def run_variant(name, preset, seq_len, rows, steps, base, device, peak):
         for _ in range(steps + 1):
             sync(device)
             t = time.perf_counter()
-            metrics = train_step(model, optimizer, scheduler, [batch], cfg, device)
+            metrics = train_step(model, optimizer, scheduler, batches, cfg, device)
             sync(device)
             times.append(time.perf_counter() - t)
         if not math.isfinite(metrics["loss"]):
             raise RuntimeError(f"correctness gate: non-finite loss after {steps} steps")
         step_s = statistics.median(times[1:])
-        tokens = rows * seq_len
-        mm, attn = flops_per_token(model, config, batch.mean_context(), config.kda_chunk_size)
+        tokens = rows * seq_len * micro_batches
+        mean_context = statistics.mean(b.mean_context() for b in batches)
+        mm, attn = flops_per_token(model, config, mean_context, config.kda_chunk_size)
         achieved = (mm + attn) * tokens / step_s
         acc = account(config)
         result.update(step_s=step_s, first_step_s=times[0], step_samples_s=times[1:], tokens_per_s=tokens / step_s,
@@ -267,6 +274,8 @@ def main():
                         help="runtime config overrides for every variant, e.g. loss_impl=triton")
     parser.add_argument("--ckpt", action="store_true",
                         help="activation checkpointing for every variant (ablations and loss curves included)")
+    parser.add_argument("--micro-batches", type=int, default=1,
+                        help="forward+backward passes of --tokens each per optimizer step (gradient accumulation)")
     parser.add_argument("--time-budget", type=float, default=None, help="seconds; later cases are skipped")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
@@ -300,7 +309,7 @@ def main():
             results.append({"preset": preset, "seq_len": seq_len, "rows": rows, "variant": variant,
                             "error": "skipped (time budget)"})
             continue
-        r = run_variant(variant, preset, seq_len, rows, steps, base, device, peak)
+        r = run_variant(variant, preset, seq_len, rows, steps, base, device, peak, args.micro_batches)
         results.append(r)
         status = r.get("error") or "{:.3f} s/step, {:.1f} TFLOP/s".format(r["step_s"], r["tflop_s"])
         print(f"[{time.perf_counter() - started:6.0f}s] {preset} T={seq_len} {variant}: {status}", flush=True)
@@ -319,7 +328,8 @@ def main():
 
     console = Console(width=240)
     table = Table(title=f"k3 training step on {torch.cuda.get_device_name() if cuda else 'CPU'} "
-                        f"({'bf16 autocast' if cuda else 'fp32'}, {tokens} packed tokens/step, kda_impl "
+                        f"({'bf16 autocast' if cuda else 'fp32'}, {tokens} packed tokens/micro-batch, "
+                        f"{args.micro_batches} micro-batch{'es' if args.micro_batches > 1 else ''}/step, kda_impl "
                         f"{args.kda_impl}{''.join(', ' + item for item in args.set)}, measured GEMM peak "
                         f"{peak / 1e12:.1f} TFLOP/s)")
     for col in ("preset", "T", "rows", "variant", "step s", "tokens/s", "TFLOP/s", "MFU (measured)", "MFU (989 TF)",

@@ -8,7 +8,7 @@ Forward of the fast path (`grouped_latent_experts`, what `LatentExperts` runs on
    `align` rows (at least `align`), so every group start is 16-byte aligned for the TMA loads of the
    weight-gradient GEMM and no group is empty. M_pad = round_up(N·k, align) + E·align is static, and
    the plan needs no host synchronisation (no `.item()`, no `bincount`, whose CUDA kernel reads the max).
-2. Dispatch: latent rows are scattered to their padded positions (padding rows are zero).
+2. Dispatch: latent rows are gathered into their padded positions (padding rows are zero).
 3. Experts: [w1; w3] as one grouped GEMM (L → 2I), fused SiTU-GLU, each activation row scaled by its
    router weight (in fp32, then cast), w2 as a grouped GEMM (I → L) — all inside one autograd Function.
 4. Combine: each token's k (already weighted) rows are gathered back and summed in fp32.
@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.situ import naive_situ_glu, situ_glu_backward, situ_glu_forward
+from k3.ops.situ import (naive_situ_glu, situ_glu_backward, situ_glu_forward, weighted_situ_glu_backward,
+                         weighted_situ_glu_forward)
 
 # Rows per expert group on CUDA: bf16 group starts on 16-byte boundaries along the token dimension.
 CUDA_ALIGN = 8
@@ -73,18 +74,20 @@ class _GroupedSituGLU(torch.autograd.Function):
     """y = (p ⊙ SiTU-GLU(x W13ᵀ)) W2ᵀ per expert group; p None means unweighted. Output in x's dtype.
 
     x [M, L]; w13 [G, 2I, L] (w1 rows then w3 rows); w2 [G, L, I]; p [M] fp32/fp64 or None.
-    The weight scales the activation (computed in p's dtype, then cast) before the down-projection, the same
-    product as scaling its output: y leaves the GEMM weighted and in the compute dtype, so no fp32 copy of
-    the [M, L] expert outputs is made, and the combine sums k bf16 rows per token in fp32.
+    The weight scales the activation (inside the SiTU kernel, in p's dtype, cast once) before the
+    down-projection, the same product as scaling its output: y leaves the GEMM weighted and in the compute
+    dtype, so no fp32 copy of the [M, L] expert outputs is made, and the combine sums k bf16 rows per token
+    in fp32. The backward's SiTU kernel also returns the weighted activation (for dW2) and dp.
     """
 
     @staticmethod
     def forward(ctx, x, offs, w13, w2, probs, beta1, beta2, native):
         I = w2.shape[-1]
         h = gmm(x, w13.transpose(1, 2), offs, native)  # [M, 2I]
-        act = situ_glu_forward(h[:, :I], h[:, I:], beta1, beta2)  # [M, I]
-        if probs is not None:
-            act = (act.to(probs.dtype) * probs[:, None]).to(x.dtype)
+        if probs is None:
+            act = situ_glu_forward(h[:, :I], h[:, I:], beta1, beta2)  # [M, I]
+        else:
+            act = weighted_situ_glu_forward(h[:, :I], h[:, I:], probs, beta1, beta2)
         y = gmm(act, w2.transpose(1, 2), offs, native)  # [M, L]
         ctx.save_for_backward(x, offs, w13, w2, h, probs)
         ctx.betas, ctx.native = (beta1, beta2), native
@@ -96,62 +99,74 @@ class _GroupedSituGLU(torch.autograd.Function):
         native = ctx.native
         I = w2.shape[-1]
         g, u = h[:, :I], h[:, I:]
-        act = situ_glu_forward(g, u, *ctx.betas)  # recomputed, never saved
         dy = dy.to(x.dtype)
-        dact = gmm(dy, w2, offs, native)  # [M, I]: the gradient flowing into the activation, before p
+        dact = gmm(dy, w2, offs, native)  # [M, I]: the gradient flowing into the (weighted) activation
+        dh = torch.empty_like(h)  # [M, 2I] = [dg | du]
         dprobs = None
-        if probs is not None:
-            # the transform: dp_m = ⟨dy_m, E(x_m)⟩ = ⟨dy_m · w2, act_m⟩
-            dprobs = (dact.to(probs.dtype) * act.to(probs.dtype)).sum(-1)
-            p = probs[:, None]
-            act = (act.to(probs.dtype) * p).to(x.dtype)
-            dact = (dact.to(probs.dtype) * p).to(x.dtype)
+        if probs is None:
+            act = situ_glu_forward(g, u, *ctx.betas)  # recomputed, never saved
+            situ_glu_backward(g, u, dact, *ctx.betas, out=dh)
+        else:
+            # the transform: dp_m = ⟨dy_m, E(x_m)⟩ = ⟨dy_m · w2, act_m⟩, from the recomputed activation
+            act, dprobs = weighted_situ_glu_backward(g, u, dact, probs, *ctx.betas, out=dh)
         dw2 = gmm_wgrad(dy.t(), act, offs, native)  # [G, L, I]
-        dh = torch.empty_like(h)
-        situ_glu_backward(g, u, dact, *ctx.betas, out=dh)  # [M, 2I] = [dg | du]
         dx = gmm(dh, w13, offs, native)  # [M, L]
         dw13 = gmm_wgrad(dh.t(), x, offs, native)  # [G, 2I, L]
         return dx, None, dw13, dw2, dprobs, None, None, None
 
 
-def _scatter_rows(x: torch.Tensor, dest: torch.Tensor, k: int, rows: int) -> torch.Tensor:
-    out = x.new_zeros(rows, x.shape[-1])
-    out[dest.view(-1, k)] = x.unsqueeze(1).expand(-1, k, -1)
-    return out
+def _source_rows(dest: torch.Tensor, k: int, rows: int) -> torch.Tensor:
+    """The inverse of the dispatch: src [rows] = the token of each padded row, N (one past the last token)
+    for padding rows."""
+    n_tokens = dest.numel() // k
+    src = torch.full((rows,), n_tokens, dtype=dest.dtype, device=dest.device)
+    return src.scatter_(0, dest, torch.arange(dest.numel(), device=dest.device) // k)
+
+
+def _spread_rows(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """out[r] = x[src[r]], zero where src[r] = len(x): one gather pass (with a zero row appended to x) instead
+    of zero-filling the [rows, L] output and scattering k copies of every token into it."""
+    return torch.cat([x, x.new_zeros(1, x.shape[-1])]).index_select(0, src)
+
+
+def _sum_rows(y: torch.Tensor, dest: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """out[n] = Σ_j y[dest[n·k + j]], summed in `dtype`."""
+    if k == 1 and dtype == y.dtype:
+        return y.index_select(0, dest)
+    with torch.autocast(y.device.type, enabled=False):
+        return y.index_select(0, dest).view(-1, k, y.shape[-1]).sum(1, dtype=dtype)
 
 
 class _ScatterRows(torch.autograd.Function):
-    """out [M_pad, L] zeros with out[dest[i]] = x[i // k]; backward sums each token's k row gradients."""
+    """out [M_pad, L] with out[dest[i]] = x[i // k], padding rows zero; backward sums each token's k row
+    gradients (in x's dtype)."""
 
     @staticmethod
-    def forward(ctx, x, dest, k, rows):
+    def forward(ctx, x, dest, src, k):
         ctx.save_for_backward(dest)
         ctx.k = k
-        return _scatter_rows(x, dest, k, rows)
+        return _spread_rows(x, src)
 
     @staticmethod
     def backward(ctx, grad):
         (dest,) = ctx.saved_tensors
-        return grad[dest].view(-1, ctx.k, grad.shape[-1]).sum(1), None, None, None
+        return _sum_rows(grad, dest, ctx.k, grad.dtype), None, None, None
 
 
 class _GatherRows(torch.autograd.Function):
-    """out [N, L] = Σ_j y[dest[n·k + j]] summed in `accum` (fp32 for bf16 rows); backward scatters the token
-    gradient, cast to y's dtype first (the [N, L] tensor, not the k× larger scattered one), to its k rows."""
+    """out [N, L] = Σ_j y[dest[n·k + j]] summed in `accum` (fp32 for bf16 rows); backward spreads the token
+    gradient, cast to y's dtype first (the [N, L] tensor, not the k× larger spread one), to its k rows."""
 
     @staticmethod
-    def forward(ctx, y, dest, k, accum):
-        ctx.save_for_backward(dest)
-        ctx.k, ctx.rows, ctx.dtype = k, y.shape[0], y.dtype
-        if k == 1 and accum == y.dtype:
-            return y[dest]
-        with torch.autocast(y.device.type, enabled=False):
-            return y[dest].view(-1, k, y.shape[-1]).sum(1, dtype=accum)
+    def forward(ctx, y, dest, src, k, accum):
+        ctx.save_for_backward(src)
+        ctx.dtype = y.dtype
+        return _sum_rows(y, dest, k, accum)
 
     @staticmethod
     def backward(ctx, grad):
-        (dest,) = ctx.saved_tensors
-        return _scatter_rows(grad.to(ctx.dtype), dest, ctx.k, ctx.rows), None, None, None
+        (src,) = ctx.saved_tensors
+        return _spread_rows(grad.to(ctx.dtype), src), None, None, None, None
 
 
 def _round_up(x, a):
@@ -216,11 +231,12 @@ def grouped_latent_experts(z: torch.Tensor, topk_idx: torch.Tensor, weights: tor
     dtype = _compute_dtype(z)
     accum = torch.float64 if z.dtype == torch.float64 else torch.float32
     dest, offs, rows = dispatch_plan(topk_idx, E, align)
+    src = _source_rows(dest, k, rows)
     w13 = _stack_gate_up(w1, w3, dtype)  # [E, 2I, L]
-    x = _ScatterRows.apply(z.to(dtype), dest, k, rows)  # [M_pad, L]
+    x = _ScatterRows.apply(z.to(dtype), dest, src, k)  # [M_pad, L]
     probs = weights.new_zeros(rows, dtype=accum).index_put((dest,), weights.reshape(-1).to(accum))
     y = _GroupedSituGLU.apply(x, offs, w13, w2.to(dtype), probs, beta1, beta2, native)  # [M_pad, L]
-    return _GatherRows.apply(y, dest, k, accum)
+    return _GatherRows.apply(y, dest, src, k, accum)
 
 
 def grouped_situ_glu(x: torch.Tensor, group_sizes: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
@@ -246,10 +262,11 @@ def _grouped_situ_glu(x, group_sizes, w1, w3, w2, beta1, beta2, align=None, nati
     pad_start, offs = padded_offsets(sizes, align, rows)
     group_of = torch.repeat_interleave(torch.arange(G, device=x.device), sizes, output_size=M)  # [M]
     dest = torch.arange(M, device=x.device) + (pad_start - (sizes.cumsum(0) - sizes))[group_of]
-    xp = _ScatterRows.apply(x.to(dtype), dest, 1, rows)
+    src = _source_rows(dest, 1, rows)
+    xp = _ScatterRows.apply(x.to(dtype), dest, src, 1)
     w13 = _stack_gate_up(w1, w3, dtype)
     y = _GroupedSituGLU.apply(xp, offs, w13, w2.to(dtype), None, beta1, beta2, native)
-    return _GatherRows.apply(y, dest, 1, y.dtype)
+    return _GatherRows.apply(y, dest, src, 1, y.dtype)
 
 
 def naive_grouped_situ_glu(x: torch.Tensor, group_sizes: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,

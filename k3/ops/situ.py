@@ -30,10 +30,14 @@ def naive_situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, bet
     """gate, up: same shape, any float dtype. Returns f(gate, up) in the input dtype."""
     if gate.shape != up.shape:
         raise ValueError(f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    return _situ_value(gate, up, beta1, beta2).to(gate.dtype)
+
+
+def _situ_value(gate, up, beta1, beta2):
+    """f(gate, up) in fp32 (fp64 for fp64 inputs), not cast back."""
     compute = torch.float64 if gate.dtype == torch.float64 else torch.float32
     g, u = gate.to(compute), up.to(compute)
-    out = (beta1 * torch.tanh(g / beta1) * torch.sigmoid(g)) * (beta2 * torch.tanh(u / beta2))
-    return out.to(gate.dtype)
+    return (beta1 * torch.tanh(g / beta1) * torch.sigmoid(g)) * (beta2 * torch.tanh(u / beta2))
 
 
 def _torch_backward(gate, up, grad, beta1, beta2):
@@ -66,10 +70,12 @@ if triton is not None:
         return r, cols, mask, g, u
 
     @triton.jit
-    def _situ_fwd_kernel(G, U, F, M, N, stride_g, stride_u, stride_f, beta1, beta2,
+    def _situ_fwd_kernel(G, U, P, F, M, N, stride_g, stride_u, stride_f, beta1, beta2, HAS_P: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         r, cols, mask, g, u = _load_tile(G, U, M, N, stride_g, stride_u, BLOCK_M, BLOCK_N)
         f = (beta1 * _tanh(g / beta1) * tl.sigmoid(g)) * (beta2 * _tanh(u / beta2))
+        if HAS_P:  # each row scaled by its fp32 weight before the one cast
+            f *= tl.load(P + r, mask=r < M, other=0.0)
         tl.store(F + r * stride_f + cols[None, :], f.to(F.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -86,6 +92,37 @@ if triton is not None:
         tl.store(DG + r * stride_dg + cols[None, :], dg.to(DG.dtype.element_ty), mask=mask)
         tl.store(DU + r * stride_du + cols[None, :], du.to(DU.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _situ_weighted_bwd_kernel(G, U, DA, P, DG, DU, WACT, DP, M, N: tl.constexpr, stride_g, stride_u, stride_da, stride_dg,
+                                  stride_du, stride_w, beta1, beta2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Backward of a = p ⊙ f(g, u) per row, given da: dg, du (through df = p·da), the weighted activation
+        p ⊙ f (what the down-projection's weight gradient needs) and dp = Σ_cols da ⊙ f. One program owns
+        whole rows and walks their column tiles, so dp is summed in a fixed order (no atomics). N is a
+        compile-time constant (one expert width per model), which also keeps the loop bound static."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        r = rows[:, None].to(tl.int64)
+        p = tl.load(P + r, mask=r < M, other=0.0)
+        dp = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for c0 in range(0, N, BLOCK_N):
+            cols = c0 + tl.arange(0, BLOCK_N)
+            mask = (rows[:, None] < M) & (cols[None, :] < N)
+            g = tl.load(G + r * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(U + r * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            da = tl.load(DA + r * stride_da + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            tg = _tanh(g / beta1)
+            sg = tl.sigmoid(g)
+            tu = _tanh(u / beta2)
+            a = beta1 * tg * sg
+            f = a * (beta2 * tu)
+            dp += tl.sum(da * f, 1)
+            df = da * p
+            dg = df * (beta2 * tu) * ((1.0 - tg * tg) * sg + a * (1.0 - sg))
+            du = df * a * (1.0 - tu * tu)
+            tl.store(DG + r * stride_dg + cols[None, :], dg.to(DG.dtype.element_ty), mask=mask)
+            tl.store(DU + r * stride_du + cols[None, :], du.to(DU.dtype.element_ty), mask=mask)
+            tl.store(WACT + r * stride_w + cols[None, :], (f * p).to(WACT.dtype.element_ty), mask=mask)
+        tl.store(DP + rows, dp, mask=rows < M)
+
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
     """A [*, N] tensor as a 2-D [M, N] view with unit column stride (copies only if it must)."""
@@ -97,14 +134,16 @@ _BLOCK_M, _BLOCK_N = 16, 128
 
 
 def situ_glu_forward_triton(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
-    """Fused forward. gate, up [..., N] (row-strided views allowed) -> f [..., N] in gate's dtype."""
+                            out: torch.Tensor | None = None, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused forward. gate, up [..., N] (row-strided views allowed) -> f [..., N] in gate's dtype;
+    with `row_scale` [M] fp32, row m is multiplied by row_scale[m] in fp32 before the cast."""
     g, u = _as_rows(gate), _as_rows(up)
     M, N = g.shape
     f = torch.empty(M, N, dtype=gate.dtype, device=gate.device) if out is None else out
     grid = (triton.cdiv(M, _BLOCK_M), triton.cdiv(N, _BLOCK_N))
-    _situ_fwd_kernel[grid](g, u, f, M, N, g.stride(0), u.stride(0), f.stride(0), float(beta1), float(beta2),
-                           BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)
+    p = row_scale if row_scale is not None else g  # an unused pointer when HAS_P is off
+    _situ_fwd_kernel[grid](g, u, p, f, M, N, g.stride(0), u.stride(0), f.stride(0), float(beta1), float(beta2),
+                           HAS_P=row_scale is not None, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)
     return f.view(gate.shape) if out is None else f
 
 
@@ -149,6 +188,55 @@ def situ_glu_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor, 
         out[:, :n].copy_(dg.reshape(-1, n))
         out[:, n:].copy_(du.reshape(-1, n))
     return dg, du
+
+
+_WEIGHTED_BLOCK_M, _WEIGHTED_BLOCK_N = 32, 64  # whole rows per program; 64 divides the MoE widths (I = 320)
+
+
+def weighted_situ_glu_forward(gate: torch.Tensor, up: torch.Tensor, row_scale: torch.Tensor, beta1: float,
+                              beta2: float) -> torch.Tensor:
+    """p ⊙ f(gate, up) without autograd: gate, up [M, N] (row-strided views allowed), row_scale p [M] fp32
+    (fp64 for fp64 inputs) -> [M, N] in gate's dtype, the product taken in p's dtype and cast once."""
+    with torch.no_grad():
+        if _use_triton(gate) and row_scale.dtype == torch.float32:
+            return situ_glu_forward_triton(gate, up, beta1, beta2, row_scale=row_scale.contiguous())
+        return (_situ_value(gate, up, beta1, beta2).to(row_scale.dtype) * row_scale[:, None]).to(gate.dtype)
+
+
+def weighted_situ_glu_backward_triton(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor,
+                                      row_scale: torch.Tensor, beta1: float, beta2: float, out: torch.Tensor):
+    """The fused kernel of `weighted_situ_glu_backward` (same contract; row_scale fp32)."""
+    g, u, da = _as_rows(gate), _as_rows(up), _as_rows(grad)
+    M, N = g.shape
+    wact = torch.empty(M, N, dtype=gate.dtype, device=gate.device)
+    dp = torch.empty(M, dtype=torch.float32, device=gate.device)
+    dg, du = out[:, :N], out[:, N:]
+    _situ_weighted_bwd_kernel[(triton.cdiv(M, _WEIGHTED_BLOCK_M),)](
+        g, u, da, row_scale.contiguous(), dg, du, wact, dp, M, N, g.stride(0), u.stride(0), da.stride(0),
+        dg.stride(0), du.stride(0), wact.stride(0), float(beta1), float(beta2),
+        BLOCK_M=_WEIGHTED_BLOCK_M, BLOCK_N=_WEIGHTED_BLOCK_N)
+    return wact, dp
+
+
+def weighted_situ_glu_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor, row_scale: torch.Tensor,
+                               beta1: float, beta2: float, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of a = p ⊙ f(gate, up) for upstream `grad` = da [M, N].
+
+    Writes [dgate | dup] into `out` [M, 2N] and returns (p ⊙ f in gate's dtype, dp [M] in p's dtype) with
+    dp = Σ_n da ⊙ f: the router-weight gradient of the MoE gradient transform, from the activation and the
+    gradient flowing into it. On CUDA one kernel reads g, u, da once (against ~8 fp32 passes of the torch
+    formulas below, the reference).
+    """
+    if _use_triton(gate) and row_scale.dtype == torch.float32:
+        return weighted_situ_glu_backward_triton(gate, up, grad, row_scale, beta1, beta2, out)
+    N = gate.shape[-1]
+    f = _situ_value(gate, up, beta1, beta2).to(row_scale.dtype)
+    da = grad.to(row_scale.dtype)
+    p = row_scale[:, None]
+    dg, du = _torch_backward(gate, up, da * p, beta1, beta2)
+    out[:, :N].copy_(dg)
+    out[:, N:].copy_(du)
+    return (f * p).to(gate.dtype), (da * f).sum(-1)
 
 
 class _SiTUGLU(torch.autograd.Function):

@@ -4,7 +4,8 @@ in test_triton_interpreter.py and, at full shapes, in tests/gpu)."""
 import torch
 
 from k3.model.norm import RMSNorm, gated_rms_norm, rms_norm
-from k3.ops.situ import naive_situ_glu, situ_glu, situ_glu_backward
+from k3.ops.situ import (naive_situ_glu, situ_glu, situ_glu_backward, weighted_situ_glu_backward,
+                         weighted_situ_glu_forward)
 
 
 def test_situ_glu_function_equals_reference_fp64():
@@ -30,6 +31,24 @@ def test_situ_backward_into_halves_of_one_buffer():
     out = torch.empty_like(h)
     dg, du = situ_glu_backward(h[:, :4], h[:, 4:], df, 4.0, 25.0, out=out)
     torch.testing.assert_close(out, torch.cat([dg, du], dim=1), atol=0, rtol=0)
+
+
+def test_weighted_situ_glu_equals_autograd_fp64():
+    """The MoE's row-weighted SiTU-GLU a = p ⊙ f(g, u) without autograd: forward, [dg | du] into one buffer,
+    the weighted activation and dp = Σ da ⊙ f against autograd of the reference (fp64, ≤ 1e-12)."""
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(7, 10, generator=g, dtype=torch.float64) * torch.tensor([6.0] * 5 + [40.0] * 5, dtype=torch.float64)
+    p = torch.rand(7, generator=g, dtype=torch.float64)
+    gate, up, pr = (t.clone().requires_grad_() for t in (h[:, :5], h[:, 5:], p))
+    ref = naive_situ_glu(gate, up) * pr[:, None]
+    da = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    ref.backward(da)
+    torch.testing.assert_close(weighted_situ_glu_forward(h[:, :5], h[:, 5:], p, 4.0, 25.0), ref.detach(),
+                               atol=1e-12, rtol=1e-12)
+    out = torch.empty_like(h)
+    wact, dp = weighted_situ_glu_backward(h[:, :5], h[:, 5:], da, p, 4.0, 25.0, out=out)
+    for got, want in ((out[:, :5], gate.grad), (out[:, 5:], up.grad), (wact, ref.detach()), (dp, pr.grad)):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
 
 
 def test_gated_rms_norm_reference():
