@@ -6,7 +6,11 @@ before any device time is spent. A proxy for speed, not a measurement (the KDA k
 compile-and-ptxas step this reuses, is `benchmarks/kda_spills.py`).
 
     python benchmarks/kernel_spills.py
-    python benchmarks/kernel_spills.py --conv-bwd 64x64x4 32x64x8     # backward tilings BTxBCxwarps
+    python benchmarks/kernel_spills.py --conv-bwd 64x128x4 32x128x4   # both backward kernels at BTxBCxwarps
+
+The short-conv kernels are compiled as they launch at the model's shapes (C = 1,024 or 12,288, 8,192 tokens,
+strides multiples of C), where the JIT specialises those integers as multiples of 16 and the channel masks
+allow 16-byte loads; the "(odd C)" rows compile the backward without that, as at test shapes like C = 70.
 """
 
 from __future__ import annotations
@@ -24,47 +28,63 @@ from benchmarks.kda_spills import sm90_report  # noqa: E402
 
 LOSS_ARGS = dict(L="*bf16", Y="*i64", LOSS="*fp32", V="i32", stride="i64", ignore_index="i32")
 CONV_FWD_ARGS = dict(X="*bf16", Wt="*fp32", POS="*i32", Y="*bf16", R="i32", C="i32", stride_x="i32")
-SITU_FWD_ARGS = dict(G="*bf16", U="*bf16", F="*bf16", M="i32", N="i32", stride_g="i32", stride_u="i32",
+SITU_FWD_ARGS = dict(G="*bf16", U="*bf16", P="*fp32", F="*bf16", M="i32", N="i32", stride_g="i32", stride_u="i32",
                      stride_f="i32", beta1="fp32", beta2="fp32")
 SITU_BWD_ARGS = dict(G="*bf16", U="*bf16", DF="*bf16", DG="*bf16", DU="*bf16", M="i32", N="i32", stride_g="i32",
                      stride_u="i32", stride_df="i32", stride_dg="i32", stride_du="i32", beta1="fp32", beta2="fp32")
-CONV_BWD_ARGS = dict(X="*bf16", Wt="*fp32", POS="*i32", DY="*bf16", DX="*bf16", DW="*fp32", R="i32", C="i32",
-                     stride_x="i32", stride_dy="i32")
+SITU_WEIGHTED_BWD_ARGS = dict(G="*bf16", U="*bf16", DA="*bf16", P="*fp32", DG="*bf16", DU="*bf16", WACT="*bf16",
+                              DP="*fp32", M="i32", stride_g="i32", stride_u="i32", stride_da="i32", stride_dg="i32",
+                              stride_du="i32", stride_w="i32", beta1="fp32", beta2="fp32")
+CONV_GRAD_ARGS = dict(X="*bf16", Wt="*fp32", POS="*i32", DY="*bf16", G="*fp32", DW="*fp32", R="i32", C="i32",
+                      stride_x="i32", stride_dy="i32")
+CONV_DX_ARGS = dict(G="*fp32", Wt="*fp32", POS="*i32", DX="*bf16", R="i32", C="i32")
+CONV_ALIGNED = ("R", "C", "stride_x", "stride_dy")  # multiples of 16 at the model's shapes
 
 
-def report(fn, args: dict, constexprs: dict, num_warps: int) -> tuple[int, int, int, int]:
+def report(fn, args: dict, constexprs: dict, num_warps: int, aligned: tuple = ()) -> tuple[int, int, int, int]:
     """(registers, spill store bytes, spill load bytes, stack frame bytes) of one kernel for sm_90; pointer
-    arguments divisible by 16, as the real JIT specialises them."""
+    arguments divisible by 16, as the real JIT specialises them, and so the integer arguments in `aligned`."""
     signature = {name: "constexpr" if name in constexprs else args[name] for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if args.get(name, "").startswith("*")}
+             if args.get(name, "").startswith("*") or name in aligned}
     registers, stores, loads, _, stack = sm90_report(fn, signature, constexprs, attrs, num_warps)
     return registers, stores, loads, stack
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--conv-bwd", nargs="*", default=[], help="extra backward tilings, e.g. 64x64x4")
+    ap.add_argument("--conv-bwd", nargs="*", default=[], help="extra tilings of both backward kernels, e.g. 64x128x4")
     args = ap.parse_args()
     sc = short_conv
+    conv_bwd = dict(W=4, BT=sc._CONV_BWD_BT, BC=sc._CONV_BWD_BC)
     cases = [
         ("loss rows (grad)", cross_entropy._loss_rows_kernel, LOSS_ARGS,
          dict(WRITE_GRAD=True, BV=4096, TILES=40), 8),
         ("loss rows (loss only)", cross_entropy._loss_rows_kernel, LOSS_ARGS,
          dict(WRITE_GRAD=False, BV=4096, TILES=40), 8),
-        ("conv+silu fwd", sc._conv_silu_fwd_kernel, CONV_FWD_ARGS, dict(W=4, BT=sc._CONV_BT, BC=sc._CONV_BC), 4),
-        ("conv+silu bwd", sc._conv_silu_bwd_kernel, CONV_BWD_ARGS,
-         dict(W=4, BT=sc._CONV_BWD_BT, BC=sc._CONV_BWD_BC), sc._CONV_BWD_WARPS),
-        ("situ-glu fwd", situ._situ_fwd_kernel, SITU_FWD_ARGS, dict(BLOCK_M=situ._BLOCK_M, BLOCK_N=situ._BLOCK_N), 4),
+        ("conv+silu fwd", sc._conv_silu_fwd_kernel, CONV_FWD_ARGS, dict(W=4, BT=sc._CONV_BT, BC=sc._CONV_BC), 4,
+         CONV_ALIGNED),
+        ("conv+silu bwd g, dw", sc._conv_silu_grad_kernel, CONV_GRAD_ARGS, conv_bwd, sc._CONV_BWD_WARPS, CONV_ALIGNED),
+        ("conv+silu bwd dx", sc._conv_silu_dx_kernel, CONV_DX_ARGS, conv_bwd, sc._CONV_BWD_WARPS, CONV_ALIGNED),
+        ("conv+silu bwd g, dw (odd C)", sc._conv_silu_grad_kernel, CONV_GRAD_ARGS, conv_bwd, sc._CONV_BWD_WARPS),
+        ("conv+silu bwd dx (odd C)", sc._conv_silu_dx_kernel, CONV_DX_ARGS, conv_bwd, sc._CONV_BWD_WARPS),
+        ("situ-glu fwd", situ._situ_fwd_kernel, SITU_FWD_ARGS,
+         dict(HAS_P=False, BLOCK_M=situ._BLOCK_M, BLOCK_N=situ._BLOCK_N), 4),
+        ("situ-glu fwd (row-weighted)", situ._situ_fwd_kernel, SITU_FWD_ARGS,
+         dict(HAS_P=True, BLOCK_M=situ._BLOCK_M, BLOCK_N=situ._BLOCK_N), 4),
+        ("situ-glu bwd (row-weighted)", situ._situ_weighted_bwd_kernel, SITU_WEIGHTED_BWD_ARGS,
+         dict(N=320, BLOCK_M=situ._WEIGHTED_BLOCK_M, BLOCK_N=situ._WEIGHTED_BLOCK_N), 4),
         ("situ-glu bwd", situ._situ_bwd_kernel, SITU_BWD_ARGS, dict(BLOCK_M=situ._BLOCK_M, BLOCK_N=situ._BLOCK_N), 4),
     ]
     for tiling in args.conv_bwd:
         bt, bc, warps = map(int, tiling.split("x"))
-        cases.append((f"conv+silu bwd {tiling}", sc._conv_silu_bwd_kernel, CONV_BWD_ARGS, dict(W=4, BT=bt, BC=bc),
-                      warps))
+        cases.append((f"conv+silu bwd g, dw {tiling}", sc._conv_silu_grad_kernel, CONV_GRAD_ARGS,
+                      dict(W=4, BT=bt, BC=bc), warps, CONV_ALIGNED))
+        cases.append((f"conv+silu bwd dx {tiling}", sc._conv_silu_dx_kernel, CONV_DX_ARGS, dict(W=4, BT=bt, BC=bc),
+                      warps, CONV_ALIGNED))
     print(f"{'kernel':28s} {'settings':34s} {'regs':>5s} {'spill st/ld B':>14s} {'stack B':>8s}")
-    for name, fn, fn_args, constexprs, warps in cases:
-        regs, stores, loads, stack = report(fn, fn_args, constexprs, warps)
+    for name, fn, fn_args, constexprs, warps, *aligned in cases:
+        regs, stores, loads, stack = report(fn, fn_args, constexprs, warps, *aligned)
         settings = ", ".join(f"{k}={v}" for k, v in constexprs.items() if k in ("BT", "BC", "BV", "BLOCK_M", "BLOCK_N")) + f", {warps} warps"
         print(f"{name:28s} {settings:34s} {regs:5d} {f'{stores} / {loads}':>14s} {stack:8d}")
 

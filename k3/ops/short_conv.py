@@ -228,43 +228,58 @@ if triton is not None:
         tl.store(Y + t[:, None] * C + c[None, :], y.to(Y.dtype.element_ty), mask=in_t[:, None] & in_c[None, :])
 
     @triton.jit
-    def _pre_activation_grad(X, Wt, POS, DY, u, c, R, in_c, stride_x, stride_dy, W: tl.constexpr,
-                             BT: tl.constexpr, BC: tl.constexpr):
-        """dL/d(conv output) at tokens u: dy · SiLU'(a), a recomputed from x (zero where u ≥ R)."""
-        in_u = u < R
-        pos = tl.load(POS + u, mask=in_u, other=0)
-        a = _conv_taps(X, Wt, pos, u, in_u, c, in_c, stride_x, W, BT, BC)
-        dy = tl.load(DY + u[:, None] * stride_dy + c[None, :], mask=in_u[:, None] & in_c[None, :], other=0.0)
-        sig = tl.sigmoid(a)
-        return dy.to(tl.float32) * sig * (1.0 + a * (1.0 - sig)), pos
-
-    @triton.jit
-    def _conv_silu_bwd_kernel(X, Wt, POS, DY, DX, DW, R, C, stride_x, stride_dy, W: tl.constexpr, BT: tl.constexpr,
-                              BC: tl.constexpr):
-        """dx[t] = Σ_d w[W−1−d] · g[t+d] over the d with t+d in t's document; dw[j] = Σ_t g[t] · x[t−(W−1−j)],
-        per program (a row of partial sums [C, W] per token block, summed by the caller)."""
+    def _conv_silu_grad_kernel(X, Wt, POS, DY, G, DW, R, C, stride_x, stride_dy, W: tl.constexpr,
+                               BT: tl.constexpr, BC: tl.constexpr):
+        """Backward, kernel 1: g = dy · SiLU'(a) at the tile's tokens (a recomputed from x) into G [R, C], and
+        dw[j] = Σ_t g[t] · x[t−(W−1−j)] over them (a row of partial sums [C, W] per token block, summed by the
+        caller: deterministic, no atomics)."""
         t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
         c = tl.program_id(1) * BC + tl.arange(0, BC)
         in_t, in_c = t < R, c < C
-        g0, pos0 = _pre_activation_grad(X, Wt, POS, DY, t, c, R, in_c, stride_x, stride_dy, W, BT, BC)
-        dx = g0 * tl.load(Wt + c * W + (W - 1), mask=in_c, other=0.0)[None, :]
-        for d in tl.static_range(1, W):
-            g, pos = _pre_activation_grad(X, Wt, POS, DY, t + d, c, R, in_c, stride_x, stride_dy, W, BT, BC)
-            g = tl.where((pos >= d)[:, None], g, 0.0)  # token t+d reaches back to t inside its document
-            dx += g * tl.load(Wt + c * W + (W - 1 - d), mask=in_c, other=0.0)[None, :]
-        tl.store(DX + t[:, None] * C + c[None, :], dx.to(DX.dtype.element_ty), mask=in_t[:, None] & in_c[None, :])
+        pos = tl.load(POS + t, mask=in_t, other=0)
+        a = _conv_taps(X, Wt, pos, t, in_t, c, in_c, stride_x, W, BT, BC)
+        dy = tl.load(DY + t[:, None] * stride_dy + c[None, :], mask=in_t[:, None] & in_c[None, :], other=0.0)
+        sig = tl.sigmoid(a)
+        g = dy.to(tl.float32) * sig * (1.0 + a * (1.0 - sig))  # zero outside the tile's rows and channels
+        tl.store(G + t[:, None] * C + c[None, :], g.to(G.dtype.element_ty), mask=in_t[:, None] & in_c[None, :])
         for j in tl.static_range(W):
             lag = W - 1 - j
-            ok = in_t & (pos0 >= lag)
+            ok = in_t & (pos >= lag)
+            # the same shifted tiles as the taps, again: from L1, and not held live across the SiLU
             xv = tl.load(X + (t - lag)[:, None] * stride_x + c[None, :], mask=ok[:, None] & in_c[None, :], other=0.0)
-            part = tl.sum(g0 * xv.to(tl.float32), axis=0)  # [BC]
-            tl.store(DW + (tl.program_id(0) * C + c) * W + j, part, mask=in_c)
+            tl.store(DW + (tl.program_id(0) * C + c) * W + j, tl.sum(g * xv.to(tl.float32), axis=0), mask=in_c)
+
+    @triton.jit
+    def _conv_silu_dx_kernel(G, Wt, POS, DX, R, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+        """Backward, kernel 2: dx[t] = Σ_d w[W−1−d] · g[t+d] over the d with t+d in t's document (t+d < R and
+        pos[t+d] ≥ d), written in DX's dtype."""
+        t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        in_t, in_c = t < R, c < C
+        dx = tl.zeros([BT, BC], dtype=tl.float32)
+        for d in tl.static_range(W):
+            u = t + d
+            ok = u < R
+            if d > 0:  # token t+d reaches back to t inside its document
+                ok = ok & (tl.load(POS + u, mask=ok, other=0) >= d)
+            gv = tl.load(G + u[:, None] * C + c[None, :], mask=ok[:, None] & in_c[None, :], other=0.0)
+            dx += gv.to(tl.float32) * tl.load(Wt + c * W + (W - 1 - d), mask=in_c, other=0.0)[None, :]
+        tl.store(DX + t[:, None] * C + c[None, :], dx.to(DX.dtype.element_ty), mask=in_t[:, None] & in_c[None, :])
 
 
-_CONV_BT, _CONV_BC = 64, 64  # forward: 208 registers, no spills (offline sm_90 compile, 4 warps)
-# backward: it keeps g, dx and the shifted x tiles live; at 64 × 64 × 4 warps ptxas spilled 12.8 KB per
-# thread (7 KB stack), at 32 × 64 × 8 warps 44 B (benchmarks/kernel_spills.py)
-_CONV_BWD_BT, _CONV_BWD_BC, _CONV_BWD_WARPS = 32, 64, 8
+# Tiles, from the offline sm_90 compile (benchmarks/kernel_spills.py) at the model's shapes, where the JIT
+# specialises C, R and the strides as multiples of 16 (so masked loads are 16-byte vectors). Forward: 88
+# registers. The backward is two memory-bound passes (kernel 1 reads x and dy and writes g; kernel 2 reads g
+# and writes dx; the W − 1 shifted re-reads of each tile come from L1): 64 × 64 tiles with 4 warps (32
+# elements per thread) compile to 150 and 102 registers without spills: three and four programs per SM,
+# 50-70 KB of loads in flight per SM. 64 × 128 or 128 × 64 with 4 warps reach 255 registers and spill (ptxas
+# hoists all W shifted loads); 64 × 64 with 8 warps (92 and 76 registers) fits fewer tiles per SM (2 and 3).
+_CONV_BT, _CONV_BC = 64, 64
+_CONV_BWD_BT, _CONV_BWD_BC, _CONV_BWD_WARPS = 64, 64, 4
+# g between the backward's two kernels, for bf16/fp16 input (fp32 input always keeps fp32 g): fp32 costs 14
+# bytes per element against 10 in x's dtype, but the bf16 dx of the small preset's shape is then 18% closer to
+# fp64 than the unfused path's instead of 2% (CPU emulation; the GPU test allows 5% further)
+_CONV_G_FP32 = True
 
 
 def _token_positions(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
@@ -304,11 +319,13 @@ class _ShortConvSiLU(torch.autograd.Function):
         W = w.shape[1]
         dyr = _rows(dy)
         blocks = triton.cdiv(R, _CONV_BWD_BT)
-        dx = torch.empty(R, C, dtype=xr.dtype, device=xr.device)
+        grid = (blocks, triton.cdiv(C, _CONV_BWD_BC))
+        tiles = dict(W=W, BT=_CONV_BWD_BT, BC=_CONV_BWD_BC, num_warps=_CONV_BWD_WARPS)
+        g = torch.empty(R, C, dtype=torch.float32 if _CONV_G_FP32 else xr.dtype, device=xr.device)
         dw = torch.empty(blocks, C, W, dtype=torch.float32, device=xr.device)
-        _conv_silu_bwd_kernel[(blocks, triton.cdiv(C, _CONV_BWD_BC))](
-            xr, w, pos, dyr, dx, dw, R, C, xr.stride(0), dyr.stride(0), W=W, BT=_CONV_BWD_BT, BC=_CONV_BWD_BC,
-            num_warps=_CONV_BWD_WARPS)
+        _conv_silu_grad_kernel[grid](xr, w, pos, dyr, g, dw, R, C, xr.stride(0), dyr.stride(0), **tiles)
+        dx = torch.empty(R, C, dtype=xr.dtype, device=xr.device)
+        _conv_silu_dx_kernel[grid](g, w, pos, dx, R, C, **tiles)
         dweight = dw.sum(0).reshape(ctx.weight_shape).to(ctx.weight_dtype)
         return dx.view(ctx.shape), dweight, None
 
@@ -320,14 +337,15 @@ def short_conv_silu_available(x: torch.Tensor) -> bool:
 
 
 def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """SiLU(causal depthwise conv of x) from zero history, fused: one Triton kernel each way.
+    """SiLU(causal depthwise conv of x) from zero history, fused: one Triton kernel forward, two backward.
 
     x [B, T, C] (channels contiguous; a column slice of a wider projection is read in place), weight [C, 1, W]
     or [C, W] (fp32 master), cu_seqlens [N+1] for packed documents (B = 1). Returns y [B, T, C] in x's dtype;
-    taps and SiLU in fp32. The forward reads x once and writes y; the backward recomputes the conv from x
-    (W² shifted tile loads, from cache) and writes dx and per-block dw partials — against the ~20 ops, two
-    transposes and fp32 copies of `causal_conv1d` + `F.silu` each way. No carried history: decoding and
-    context parallelism (which hands in a halo) keep `causal_conv1d`.
+    taps and SiLU in fp32. The forward reads x once and writes y. The backward's first kernel recomputes the
+    conv from x, writes g = dy · SiLU'(conv) (fp32) and per-block dw partials; the second forms dx from W
+    shifted tiles of g — against the ~20 ops, two transposes and fp32 copies of `causal_conv1d` + `F.silu`
+    each way. No carried history: decoding and context parallelism (which hands in a halo) keep
+    `causal_conv1d`.
     """
     if x.dim() != 3:
         raise ValueError(f"x must be [B, T, C], got {tuple(x.shape)}")

@@ -190,7 +190,7 @@ def situ_glu_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor, 
     return dg, du
 
 
-_WEIGHTED_BLOCK_M, _WEIGHTED_BLOCK_N = 32, 64  # whole rows per program; 64 divides the MoE widths (I = 320)
+_WEIGHTED_BLOCK_M, _WEIGHTED_BLOCK_N = 8, 64  # whole rows per program; 96 registers at 8 × 64 (16 × 64: 255)
 
 
 def weighted_situ_glu_forward(gate: torch.Tensor, up: torch.Tensor, row_scale: torch.Tensor, beta1: float,

@@ -219,7 +219,7 @@ class MuonAdamW(torch.optim.Optimizer):
             _, rows, cols = self._block_shapes[p]
             w = local_tensor(p)
             w.mul_(1 - lr * wd)
-            w.add_(o.to(w.dtype), alpha=-(lr * (RMS_MATCH * math.sqrt(max(rows, cols)))))
+            w.add_(o, alpha=-(lr * (RMS_MATCH * math.sqrt(max(rows, cols)))))  # mixed-dtype add: no cast copy
 
     def _orthogonalize(self, params: list[Parameter], nesterov: list[Tensor], ns_dtype: torch.dtype,
                        steps: int) -> list[Tensor]:
@@ -237,7 +237,7 @@ class MuonAdamW(torch.optim.Optimizer):
         updates: list[Tensor | None] = [None] * len(params)
         for items in buckets.values():
             for batch in _batches(items):
-                O = newton_schulz(torch.cat([blocks for _, blocks in batch]).to(ns_dtype), steps)
+                O = newton_schulz(_stack_as(ns_dtype, [blocks for _, blocks in batch]), steps)
                 for (i, blocks), o in zip(batch, O.split([blocks.shape[0] for _, blocks in batch])):
                     n_blocks, rows, cols = self._block_shapes[params[i]]
                     updates[i] = (o.mT if rows > cols else o).reshape(nesterov[i].shape)
@@ -306,6 +306,16 @@ def local_tensor(t: Tensor) -> Tensor:
     """The local shard of a DTensor (sharing its storage), or t itself: the optimizer's math is per element
     or per owned block, so it runs on local shards; k3.dist.muon does the cross-rank part."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _stack_as(dtype: torch.dtype, blocks: list[Tensor]) -> Tensor:
+    """torch.cat(blocks).to(dtype), cast while copying: one read of the fp32 blocks and one write in dtype."""
+    out = torch.empty((sum(b.shape[0] for b in blocks), *blocks[0].shape[1:]), dtype=dtype, device=blocks[0].device)
+    start = 0
+    for b in blocks:
+        out[start:start + b.shape[0]].copy_(b)
+        start += b.shape[0]
+    return out
 
 
 def _batches(items: list[tuple[Tensor, Tensor]]) -> Iterable[list[tuple[Tensor, Tensor]]]:

@@ -289,10 +289,13 @@ def test_chunked_cross_entropy_small_vocab_shape(rows_kernel):
     assert peaks["chunked"] < 0.5 * peaks["reference"], peaks
 
 
-@pytest.mark.parametrize("lengths", [None, [1300, 547, 2048, 963, 271, 3063]])
+# no documents; the benchmark's documents; documents starting on and one token past the backward's 64-token
+# tile edges (1280, 1281, 1344)
+@pytest.mark.parametrize("lengths", [None, [1300, 547, 2048, 963, 271, 3063], [1280, 1, 63, 2047, 4801]])
 def test_short_conv_silu_full_shape(lengths):
-    """The KDA q/k/v conv + SiLU kernel at the small preset's width (P = 1024, a slice of the 6-way projection
-    output): fp32 ≤ 1e-5 vs fp64; bf16 no further from fp64 than the unfused path (conv fp32, SiLU bf16)."""
+    """The KDA q/k/v conv + SiLU kernels (one forward, two backward) at the small preset's width (P = 1024, a
+    slice of the 6-way projection output): fp32 ≤ 1e-5 vs fp64; bf16 no further from fp64 than the unfused
+    path (conv fp32, SiLU bf16)."""
     from k3.ops.short_conv import causal_conv1d, naive_short_conv_silu, short_conv_silu
 
     g = torch.Generator(device="cuda").manual_seed(0)

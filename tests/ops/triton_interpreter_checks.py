@@ -18,8 +18,10 @@ from k3.ops.attn_res import attn_res_read_triton  # noqa: E402
 from k3.ops import cross_entropy  # noqa: E402
 from k3.ops.cross_entropy import chunked_linear_cross_entropy, naive_linear_cross_entropy  # noqa: E402
 from k3.ops.norm import naive_rms_norm, rms_norm_triton  # noqa: E402
+from k3.ops import short_conv  # noqa: E402
 from k3.ops.short_conv import naive_short_conv_silu, short_conv_silu  # noqa: E402
-from k3.ops.situ import naive_situ_glu, situ_glu_backward_triton, situ_glu_forward_triton  # noqa: E402
+from k3.ops.situ import (naive_situ_glu, situ_glu_backward_triton, situ_glu_forward_triton,  # noqa: E402
+                         weighted_situ_glu_backward_triton)
 
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
 failures = []
@@ -51,6 +53,27 @@ def situ(dtype):
     check("situ d gate", dg, gr.grad, dtype)
     check("situ d up", du, ur.grad, dtype)
 
+
+def weighted_situ(dtype, M=45, N=70):
+    """The MoE's row-weighted SiTU-GLU: a = p ⊙ f(g, u); forward, dg, du, dp and the weighted activation
+    (columns not a multiple of the kernel's 64-column tile, rows not a multiple of its 32-row block)."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(M, 2 * N, generator=g, dtype=torch.float64) * torch.tensor([6.0] * N + [40.0] * N)
+    p = torch.rand(M, generator=g, dtype=torch.float64)
+    p[3] = 0.0  # a padding row
+    gr, ur, pr = leaf(h[:, :N]), leaf(h[:, N:]), leaf(p)
+    ref = naive_situ_glu(gr, ur) * pr[:, None]
+    da = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    ref.backward(da)
+    hc, pc = h.to(dtype), p.float()
+    check("weighted situ forward", situ_glu_forward_triton(hc[:, :N], hc[:, N:], 4.0, 25.0, row_scale=pc), ref, dtype)
+    out = torch.empty(M, 2 * N, dtype=dtype)
+    wact, dp = weighted_situ_glu_backward_triton(hc[:, :N], hc[:, N:], da.to(dtype), pc, 4.0, 25.0, out)
+    check("weighted situ d gate", out[:, :N], gr.grad, dtype)
+    check("weighted situ d up", out[:, N:], ur.grad, dtype)
+    check("weighted situ dp", dp, pr.grad, dtype)
+    check("weighted situ p*act", wact, ref.detach(), dtype)
+    assert dp.dtype == torch.float32 and wact.dtype == dtype
 
 def norm(dtype, D, gated):
     g = torch.Generator().manual_seed(D)
@@ -93,7 +116,9 @@ def attn_res(dtype, n, D):
         check(tag + f" d source {i}", st[i].grad, sr[i].grad, dtype)
 
 
-def conv_silu(dtype, B, T, C, lengths):
+def conv_silu(dtype, B, T, C, lengths, tol_dtype=None):
+    """The fused short conv + SiLU against the fp64 reference, forward and both gradients; `tol_dtype` holds
+    a dtype without a tolerance of its own (fp16) to another's."""
     g = torch.Generator().manual_seed(T + C)
     cu = None if lengths is None else torch.tensor([0] + lengths).cumsum(0)
     # a column slice of a wider projection output, as the KDA layer passes it
@@ -106,10 +131,10 @@ def conv_silu(dtype, B, T, C, lengths):
     wide_t, wt = leaf(wide, dtype), leaf(w, torch.float32)
     out = short_conv_silu(wide_t[..., C:2 * C], wt, cu)
     out.backward(dy.to(dtype))
-    tag = f"conv+silu B={B} T={T} C={C} docs={lengths}"
-    check(tag + " forward", out, ref, dtype)
-    check(tag + " dx", wide_t.grad[..., C:2 * C], xr.grad, dtype)
-    check(tag + " dw", wt.grad, wr.grad, dtype)
+    tag = f"conv+silu B={B} T={T} C={C} docs={lengths}" + (f" {dtype}" if tol_dtype else "")
+    check(tag + " forward", out, ref, tol_dtype or dtype)
+    check(tag + " dx", wide_t.grad[..., C:2 * C], xr.grad, tol_dtype or dtype)
+    check(tag + " dw", wt.grad, wr.grad, tol_dtype or dtype)
     assert wide_t.grad[..., :C].abs().max() == 0 and wide_t.grad[..., 2 * C:].abs().max() == 0
 
 
@@ -147,8 +172,20 @@ for dtype in (torch.float32, torch.bfloat16):
     conv_silu(dtype, 1, 140, 70, [1, 2, 3, 60, 1, 73])
 conv_silu(torch.float32, 2, 67, 64, None)
 conv_silu(torch.float32, 1, 1, 5, [1])
+# the backward's tiles: documents ending exactly at a token-tile edge (64), one token before one (127: dx of
+# tokens 125-126 must not take g from the next tile, which is the next document) and one after (129: token
+# 127 takes g from the next tile), T and C not multiples of the tile; batched rows ending at tile edges
+BT, BC = short_conv._CONV_BWD_BT, short_conv._CONV_BWD_BC
+conv_silu(torch.float32, 1, 3 * BT + 7, BC + 3, [BT, BT - 1, 2, BT + 1, 1, 4])
+conv_silu(torch.float32, 3, BT, BC - 24, None)
+conv_silu(torch.float16, 1, 3 * BT + 7, BC + 3, [BT, BT - 1, 2, BT + 1, 1, 4], tol_dtype=torch.bfloat16)
+short_conv._CONV_G_FP32 = False  # g between the backward's kernels in x's dtype (fp32 input keeps fp32)
+for dtype in (torch.float32, torch.bfloat16):
+    conv_silu(dtype, 1, 3 * BT + 7, BC + 3, [BT, BT - 1, 2, BT + 1, 1, 4])
+short_conv._CONV_G_FP32 = True
 for dtype in (torch.float32, torch.bfloat16):
     situ(dtype)
+    weighted_situ(dtype)
     for D, gated in ((96, False), (130, True), (64, True)):
         norm(dtype, D, gated)
 for n, D in ((2, 80), (3, 100), (5, 64)):
