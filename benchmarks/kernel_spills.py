@@ -1,4 +1,4 @@
-"""Registers and spills of non-KDA Triton kernels (short conv + SiLU, loss rows, SiTU-GLU) for sm_90, offline.
+"""Registers and spills of non-KDA Triton kernels (short conv + SiLU, loss rows, SiTU-GLU, MoE combine) for sm_90, offline.
 
 No GPU needed: `triton.compile` for GPUTarget("cuda", 90, 64) with the launch settings the ops use, then the
 ptxas bundled with Triton (`-v -arch=sm_90a`). It also shows that a kernel compiles for the H200 at all,
@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import k3.ops.cross_entropy as cross_entropy  # noqa: E402
+import k3.ops.moe as moe  # noqa: E402
 import k3.ops.short_conv as short_conv  # noqa: E402
 import k3.ops.situ as situ  # noqa: E402
 from benchmarks.kda_spills import sm90_report  # noqa: E402
@@ -35,6 +36,7 @@ SITU_BWD_ARGS = dict(G="*bf16", U="*bf16", DF="*bf16", DG="*bf16", DU="*bf16", M
 SITU_WEIGHTED_BWD_ARGS = dict(G="*bf16", U="*bf16", DA="*bf16", P="*fp32", DG="*bf16", DU="*bf16", WACT="*bf16",
                               DP="*fp32", M="i32", stride_g="i32", stride_u="i32", stride_da="i32", stride_dg="i32",
                               stride_du="i32", stride_w="i32", beta1="fp32", beta2="fp32")
+SUM_ROWS_ARGS = dict(Y="*bf16", DEST="*i64", OUT="*fp32", N="i32", L="i32", stride_y="i32")
 CONV_GRAD_ARGS = dict(X="*bf16", Wt="*fp32", POS="*i32", DY="*bf16", G="*fp32", DW="*fp32", R="i32", C="i32",
                       stride_x="i32", stride_dy="i32")
 CONV_DX_ARGS = dict(G="*fp32", Wt="*fp32", POS="*i32", DX="*bf16", R="i32", C="i32")
@@ -74,6 +76,8 @@ def main() -> None:
          dict(HAS_P=True, BLOCK_M=situ._BLOCK_M, BLOCK_N=situ._BLOCK_N), 4),
         ("situ-glu bwd (row-weighted)", situ._situ_weighted_bwd_kernel, SITU_WEIGHTED_BWD_ARGS,
          dict(N=320, BLOCK_M=situ._WEIGHTED_BLOCK_M, BLOCK_N=situ._WEIGHTED_BLOCK_N), 4),
+        ("moe combine (sum of k rows)", moe._sum_rows_kernel, SUM_ROWS_ARGS,
+         dict(K=8, BLOCK_N=moe._SUM_BLOCK_N, BLOCK_L=moe._SUM_BLOCK_L), 4),
         ("situ-glu bwd", situ._situ_bwd_kernel, SITU_BWD_ARGS, dict(BLOCK_M=situ._BLOCK_M, BLOCK_N=situ._BLOCK_N), 4),
     ]
     for tiling in args.conv_bwd:
@@ -85,7 +89,7 @@ def main() -> None:
     print(f"{'kernel':28s} {'settings':34s} {'regs':>5s} {'spill st/ld B':>14s} {'stack B':>8s}")
     for name, fn, fn_args, constexprs, warps, *aligned in cases:
         regs, stores, loads, stack = report(fn, fn_args, constexprs, warps, *aligned)
-        settings = ", ".join(f"{k}={v}" for k, v in constexprs.items() if k in ("BT", "BC", "BV", "BLOCK_M", "BLOCK_N")) + f", {warps} warps"
+        settings = ", ".join(f"{k}={v}" for k, v in constexprs.items() if k in ("BT", "BC", "BV", "BLOCK_M", "BLOCK_N", "BLOCK_L")) + f", {warps} warps"
         print(f"{name:28s} {settings:34s} {regs:5d} {f'{stores} / {loads}':>14s} {stack:8d}")
 
 

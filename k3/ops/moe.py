@@ -28,8 +28,35 @@ from __future__ import annotations
 
 import torch
 
+from k3.ops import triton_runs_on
 from k3.ops.situ import (naive_situ_glu, situ_glu_backward, situ_glu_forward, weighted_situ_glu_backward,
                          weighted_situ_glu_forward)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch gather + sum is used
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _sum_rows_kernel(Y, DEST, OUT, N, L, stride_y, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_L: tl.constexpr):
+        """out[n] = Σ_j y[dest[n·K + j]] in fp32 for BLOCK_N tokens × BLOCK_L columns: the k rows are read
+        where they lie, never gathered into a [N·K, L] copy first."""
+        tokens = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+        in_n = tokens < N
+        mask = in_n[:, None] & (cols[None, :] < L)
+        acc = tl.zeros([BLOCK_N, BLOCK_L], dtype=tl.float32)
+        for j in tl.static_range(K):
+            row = tl.load(DEST + tokens.to(tl.int64) * K + j, mask=in_n, other=0).to(tl.int64)
+            acc += tl.load(Y + row[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(OUT + tokens.to(tl.int64)[:, None] * L + cols[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+_SUM_BLOCK_N, _SUM_BLOCK_L = 16, 128
 
 # Rows per expert group on CUDA: bf16 group starts on 16-byte boundaries along the token dimension.
 CUDA_ALIGN = 8
@@ -130,11 +157,22 @@ def _spread_rows(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
 
 def _sum_rows(y: torch.Tensor, dest: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """out[n] = Σ_j y[dest[n·k + j]], summed in `dtype`."""
+    """out[n] = Σ_j y[dest[n·k + j]], summed in `dtype` (fp32 inside the kernel)."""
     if k == 1 and dtype == y.dtype:
         return y.index_select(0, dest)
+    if triton is not None and triton_runs_on(y) and dtype in (torch.float32, y.dtype) and y.stride(-1) == 1:
+        return sum_rows_triton(y, dest, k, dtype)
     with torch.autocast(y.device.type, enabled=False):
         return y.index_select(0, dest).view(-1, k, y.shape[-1]).sum(1, dtype=dtype)
+
+
+def sum_rows_triton(y: torch.Tensor, dest: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The fused kernel of `_sum_rows`: y [M, L] (unit column stride), dest [N·k] -> [N, L] in dtype."""
+    N, L = dest.numel() // k, y.shape[-1]
+    out = torch.empty(N, L, dtype=dtype, device=y.device)
+    grid = (triton.cdiv(N, _SUM_BLOCK_N), triton.cdiv(L, _SUM_BLOCK_L))
+    _sum_rows_kernel[grid](y, dest, out, N, L, y.stride(0), K=k, BLOCK_N=_SUM_BLOCK_N, BLOCK_L=_SUM_BLOCK_L)
+    return out
 
 
 class _ScatterRows(torch.autograd.Function):

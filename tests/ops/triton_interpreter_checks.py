@@ -17,6 +17,7 @@ from k3.model.attn_res import attn_res_read  # noqa: E402
 from k3.ops.attn_res import attn_res_read_triton  # noqa: E402
 from k3.ops import cross_entropy  # noqa: E402
 from k3.ops.cross_entropy import chunked_linear_cross_entropy, naive_linear_cross_entropy  # noqa: E402
+from k3.ops.moe import sum_rows_triton  # noqa: E402
 from k3.ops.norm import naive_rms_norm, rms_norm_triton  # noqa: E402
 from k3.ops import short_conv  # noqa: E402
 from k3.ops.short_conv import naive_short_conv_silu, short_conv_silu  # noqa: E402
@@ -74,6 +75,20 @@ def weighted_situ(dtype, M=45, N=70):
     check("weighted situ dp", dp, pr.grad, dtype)
     check("weighted situ p*act", wact, ref.detach(), dtype)
     assert dp.dtype == torch.float32 and wact.dtype == dtype
+
+def sum_rows(dtype, N=37, k=3, L=150):
+    """The MoE combine: out[n] = Σ_j y[dest[n·k + j]] (fp32 sum), with padding rows in y that no token reads,
+    N and L not multiples of the kernel's tiles, and y a row-strided view."""
+    g = torch.Generator().manual_seed(3)
+    rows = N * k + 11
+    y = torch.randn(rows, L + 6, generator=g, dtype=torch.float64)[:, 3:L + 3]
+    dest = torch.randperm(rows, generator=g)[:N * k]
+    ref = y[dest].view(N, k, L).sum(1)
+    for out_dtype in (torch.float32, dtype):
+        got = sum_rows_triton(y.to(dtype), dest, k, out_dtype)
+        assert got.dtype == out_dtype
+        check(f"moe combine (sum of k rows) -> {out_dtype}", got, ref, dtype)
+
 
 def norm(dtype, D, gated):
     g = torch.Generator().manual_seed(D)
@@ -186,6 +201,7 @@ short_conv._CONV_G_FP32 = True
 for dtype in (torch.float32, torch.bfloat16):
     situ(dtype)
     weighted_situ(dtype)
+    sum_rows(dtype)
     for D, gated in ((96, False), (130, True), (64, True)):
         norm(dtype, D, gated)
 for n, D in ((2, 80), (3, 100), (5, 64)):
