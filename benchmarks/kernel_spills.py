@@ -1,4 +1,5 @@
-"""Registers and spills of non-KDA Triton kernels (short conv + SiLU, loss rows, SiTU-GLU, MoE combine) for sm_90, offline.
+"""Registers and spills of non-KDA Triton kernels (short conv + SiLU, loss rows, SiTU-GLU, MoE combine) for
+sm_90, offline.
 
 No GPU needed: `triton.compile` for GPUTarget("cuda", 90, 64) with the launch settings the ops use, then the
 ptxas bundled with Triton (`-v -arch=sm_90a`). It also shows that a kernel compiles for the H200 at all,
