@@ -194,7 +194,8 @@ class KimiDeltaAttention(nn.Module):
                                    layout.offsets if cu is layout.cu_seqlens else None)
         o = o.view(B, T, H, K)
 
-        o = self.o_norm(o)  # per-head norm, gain shared by heads
-        y = self.o_proj(torch.sigmoid(g_pre) * o.reshape(B, T, H * K).to(x.dtype))
+        # per-head norm (gain shared by heads) and the sigmoid output gate: one fused kernel each way on CUDA
+        o = self.o_norm.gated(o, g_pre.view(B, T, H, K))  # in the gate's dtype (x's)
+        y = self.o_proj(o.reshape(B, T, H * K))
         new_state = KDAState(tail_q, tail_k, tail_v, final) if use_cache else None
         return y, new_state
