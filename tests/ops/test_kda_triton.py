@@ -205,6 +205,109 @@ def test_nan_initial_state_stays_in_its_sequence(dev):
     assert o[1].isnan().any() and torch.equal(o[0], base[0]) and torch.equal(o[2], base[2])
 
 
+def _fwd_bwd(inputs, dev, seed=21, **kw):
+    """chunk_kda forward + backward (with dht) on fresh leaves; returns outputs and gradients."""
+    from k3.ops.kda import chunk_kda
+
+    leaves = [x.to(dev).requires_grad_() for x in inputs]
+    o, S, *hs = chunk_kda(*leaves[:7], initial_state=leaves[7], output_final_state=True, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    do, dS = torch.randn(o.shape, generator=gen).to(o), torch.randn(S.shape, generator=gen).to(S)
+    torch.autograd.backward((o, S), (do, dS))
+    return [o.detach(), S.detach(), *hs] + [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("case", ["bf16", "fp32", "varlen_all_bf16_state_bf16"])
+def test_saved_intermediates_match_recompute_bitwise(dev, monkeypatch, case):
+    """The backward with the forward's kept operands and states gives bit-identical gradients to the one
+    that recomputes them, and really skips the recompute: one `_prepare` and one `_state` launch per call."""
+    from k3.ops.kda import triton_chunk as tc
+
+    calls = []
+    prepare, state = tc._fwd_prepare, tc._fwd_state
+    monkeypatch.setattr(tc, "_fwd_prepare", lambda *a, **k: calls.append(("prepare", k)) or prepare(*a, **k))
+    monkeypatch.setattr(tc, "_fwd_state", lambda *a, **k: calls.append(("state", k)) or state(*a, **k))
+    kw = {}
+    if case == "varlen_all_bf16_state_bf16":
+        cu = [0, 5, 70, 70, 150]
+        inputs = make_raw(1, cu[-1], 2, 32, 32, seed=22, N=len(cu) - 1)
+        kw = dict(cu_seqlens=torch.tensor(cu, device=dev), return_chunk_states=True, all_bf16=True,
+                  state_bf16=True)
+    else:
+        inputs = make_raw(2, 70, 2, 32, 32, seed=23, dtype=torch.bfloat16 if case == "bf16" else torch.float32)
+    runs = {}
+    for save in (False, True):
+        calls.clear()
+        runs[save] = _fwd_bwd(inputs, dev, save_intermediates=save, **kw)
+        prepares = [k for name, k in calls if name == "prepare"]
+        states = [k for name, k in calls if name == "state"]
+        assert len(prepares) == len(states) == (1 if save else 2), (save, calls)
+        assert prepares[0].get("store_t", False) == save
+        assert states[0].get("want_hs", False) == (save or kw.get("return_chunk_states", False))
+    assert len(runs[True]) == len(runs[False])
+    for a, b in zip(runs[True], runs[False]):
+        assert a is not None and torch.equal(a, b)
+    # the default (None) saves when a backward follows
+    calls.clear()
+    _fwd_bwd(inputs, dev, **kw)
+    assert sum(name == "prepare" for name, _ in calls) == 1
+
+
+def test_saved_intermediates_only_when_a_backward_follows(dev, monkeypatch):
+    """No grad mode or no input that requires grad: nothing extra is computed or kept."""
+    from k3.ops.kda import chunk_kda
+    from k3.ops.kda import triton_chunk as tc
+
+    calls = []
+    prepare, state = tc._fwd_prepare, tc._fwd_state
+    monkeypatch.setattr(tc, "_fwd_prepare", lambda *a, **k: calls.append(k) or prepare(*a, **k))
+    monkeypatch.setattr(tc, "_fwd_state", lambda *a, **k: calls.append(k) or state(*a, **k))
+    inputs = [x.to(dev) for x in make_raw(1, 70, 2, 32, 32, seed=24)]
+    with torch.no_grad():
+        o, _ = chunk_kda(*(x.clone().requires_grad_() for x in inputs[:7]), save_intermediates=True)
+    o2, _ = chunk_kda(*inputs[:7], save_intermediates=True)
+    assert o.grad_fn is None and o2.grad_fn is None and torch.equal(o, o2)
+    assert len(calls) == 4 and not any(k.get("store_t") or k.get("want_hs") for k in calls), calls
+    # the module switch is the default of save_intermediates=None
+    monkeypatch.setattr(tc, "SAVE_INTERMEDIATES", False)
+    calls.clear()
+    leaves = [x.clone().requires_grad_() for x in inputs[:7]]
+    chunk_kda(*leaves)[0].sum().backward()
+    assert len(calls) == 4 and not calls[0].get("store_t")
+
+
+def test_saved_intermediates_survive_retain_graph(dev):
+    """A second backward over a retained graph reuses the kept tensors and gives the same gradients."""
+    from k3.ops.kda import chunk_kda
+
+    leaves = [x.to(dev).requires_grad_() for x in make_raw(1, 70, 2, 32, 32, seed=25)]
+    o, _ = chunk_kda(*leaves[:7], initial_state=leaves[7], save_intermediates=True)
+    loss = (o.float() * torch.linspace(-1, 1, o.shape[-1], device=dev)).sum()
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    second = torch.autograd.grad(loss, leaves)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_saved_intermediates_under_activation_checkpointing(dev):
+    """Non-reentrant checkpointing (the model's) drops the kept tensors and recomputes them with the layer."""
+    from torch.utils.checkpoint import checkpoint
+
+    from k3.ops.kda import chunk_kda
+
+    inputs = make_raw(1, 70, 2, 32, 32, seed=26)
+    grads = []
+    for ckpt in (False, True):
+        leaves = [x.to(dev).requires_grad_() for x in inputs]
+
+        def f(*xs):
+            return chunk_kda(*xs[:7], initial_state=xs[7], save_intermediates=True)[0]
+
+        o = checkpoint(f, *leaves, use_reentrant=False) if ckpt else f(*leaves)
+        (o.float() * torch.linspace(-1, 1, o.shape[-1], device=dev)).sum().backward()
+        grads.append([x.grad for x in leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_chunk_states_for_prefix_caching(dev):
     from k3.ops.kda import chunk_kda
 

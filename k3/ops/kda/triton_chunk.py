@@ -13,8 +13,10 @@ measured variant are in docs/kda-kernels.md. In short:
 - Forward: `_prepare` (all chunks in parallel) writes the chunk-local operands W, U, Q⊙Γ, K⊙exp(G_C − G),
   Aqk, G_C and T; `_state` walks each sequence's chunks in order with the state in registers, split
   over value blocks, and writes the output (and, on request, the state at every chunk start).
-- Backward (only the raw inputs are saved): `_prepare` and `_state` run again (the latter storing
-  chunk-start states), `_state_bwd` walks the chunks backwards for the state gradient, `_bwd_vu` and
+- Backward: by default (`SAVE_INTERMEDIATES`) the forward keeps what `_prepare` wrote (all but U) and the
+  chunk-start states, at ~1.7 GiB per layer at the K3 shape (`chunk_kda`'s docstring); with the switch
+  off only the raw inputs are saved and `_prepare` and `_state` run again (the latter storing chunk-start
+  states). Then `_state_bwd` walks the chunks backwards for the state gradient, `_bwd_vu` and
   `_bwd_vw` gather everything that contracts over the value dim (split in two so that each holds half of
   the accumulators), and `_bwd_k` finishes the score (in the same 16-row blocks), gate and norm chains.
 
@@ -51,6 +53,9 @@ TUNING = {
     "bwd_k_warps": 8,
     "decode_bv": 64, "decode_warps": 4,
 }
+# Default of `chunk_kda(save_intermediates=None)`: when a backward will follow, keep the forward's chunk
+# operands and chunk-start states for it (faster, more memory) instead of recomputing them there.
+SAVE_INTERMEDIATES = True
 
 
 # device helpers
@@ -336,8 +341,6 @@ def _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, bos, L, c0, i_h, i_v, off_s,
     Kd = tl.load(_bp(kd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     U = tl.load(_bp(u, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
     g_end = tl.load(gc + ((c0 + j) * H + i_h) * K + tl.arange(0, K))
-    if STORE_HS:
-        tl.store(hs + ((c0 + j) * H + i_h) * K * V + off_s, S)
     Ut = U.to(tl.float32) - _mm(W, S, BF16, INTERP)
     if WRITE_O:
         Qg = tl.load(_bp(qg, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
@@ -345,6 +348,11 @@ def _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, bos, L, c0, i_h, i_v, off_s,
         out = _mm(Qg, S, BF16, INTERP) + _mm(Aq, Ut, BF16, INTERP)
         tl.store(_bp(o, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(out, o.dtype.element_ty, INTERP),
                  boundary_check=(0,))
+    if STORE_HS:
+        # the chunk-start state, stored last and through a block pointer: at the start, through the offset tile,
+        # the forward that also writes o spilled 796 B (offline sm_90 report; here 156 B)
+        tl.store(tl.make_block_ptr(hs + ((c0 + j) * H + i_h).to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV),
+                                   (K, BV), (1, 0)), S)
     return tl.exp(g_end)[:, None] * S + _mm(tl.trans(Kd), Ut, BF16, INTERP)
 
 
@@ -825,25 +833,43 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
     return o, ht, hs
 
 
-def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes, state_bf16):
-    W, U, Qg, Kd, Aqk, gc, _ = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes)
-    return _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, want_ht=want_ht, want_hs=want_hs,
-                      state_bf16=state_bf16)
+def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes, state_bf16,
+         keep=False):
+    """The forward: (o, final state or None, chunk-start states if want_hs else None, kept).
+
+    keep: also return what the backward would recompute, (W, Qg, Kd, Aqk, gc, T, hs), for `_bwd(inter=…)`;
+    else kept is None. The states come from the same `_state` launch as o, with the same `state_bf16`: storing
+    them does not change the arithmetic (and `_bwd` recomputes them with `state_bf16` as well), so the
+    gradients are bit-identical either way.
+    """
+    W, U, Qg, Kd, Aqk, gc, Tm = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
+                                             store_t=keep)
+    o, ht, hs = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, want_ht=want_ht, want_hs=want_hs or keep,
+                           state_bf16=state_bf16)
+    kept = (W, Qg, Kd, Aqk, gc, Tm, hs) if keep else None  # U is not needed by the backward
+    return o, ht, (hs if want_hs else None), kept
 
 
-def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes, state_bf16):
+def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes, state_bf16, inter=None):
     """All gradients from the raw inputs and dO (and dht): recompute, two state passes, two chunk passes.
 
+    inter: the forward's (W, Qg, Kd, Aqk, gc, T, hs) (`_fwd(keep=True)`); then nothing is recomputed and h0
+    is not used. Without it `_prepare` and `_state` run again here.
     The backward state pass always multiplies in tf32: its bf16 build computed wrong gradients on the
     H200 (docs/kda-kernels.md, run 1), so state_bf16 only changes the forward and the recomputed states.
     """
     TT, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
-    W, U, Qg, Kd, Aqk, gc, Tm = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
-                                             store_t=True)
-    _, _, hs = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, write_o=False, want_hs=True,
-                          state_bf16=state_bf16)
+    if inter is None:
+        W, U, Qg, Kd, Aqk, gc, Tm = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
+                                                 store_t=True)
+        _, _, hs = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, write_o=False, want_hs=True,
+                              state_bf16=state_bf16)
+        del U
+    else:
+        W, Qg, Kd, Aqk, gc, Tm, hs = inter
+        del inter
     BV = min(V, TUNING["state_bwd_bv"])
     NT = max(plan.NT, 1)
     du = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
@@ -854,7 +880,7 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
                                       plan.cu, plan.chunk_off, H=H, K=K, V=V, BV=BV, C=CHUNK,
                                       USE_DHT=dht is not None, BF16=False, INTERP=interp,
                                       num_warps=TUNING["state_bwd_warps"], num_stages=TUNING["state_bwd_stages"])
-    del W, U, Qg, Kd, Aqk
+    del W, Qg, Kd, Aqk  # (kept ones live on in the autograd context until the backward returns)
     dv = torch.empty_like(v)
     dqh = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
     dkh = torch.empty_like(dqh)
@@ -886,26 +912,36 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
 
 
 class ChunkKDAFunction(torch.autograd.Function):
-    """Autograd wrapper: saves only the raw inputs (and the initial state); the backward recomputes."""
+    """Autograd wrapper. With `keep` it saves the raw inputs and the forward's chunk operands and chunk-start
+    states (`_fwd(keep=True)`; not h0), and the backward recomputes nothing; without, only the raw inputs and
+    h0, and the backward recomputes them. Everything goes through `save_for_backward`, so saved-tensor hooks
+    (non-reentrant activation checkpointing, offloading) and the in-place checks cover it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, z, b, A_log, dt_bias, h0, g_min, scale, plan, want_ht, want_hs, dtypes, state_bf16):
-        o, ht, hs = _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes,
-                         state_bf16)
-        ctx.save_for_backward(q, k, v, z, b, A_log, dt_bias, h0)
-        ctx.cfg = (g_min, scale, plan, dtypes, state_bf16)
+    def forward(ctx, q, k, v, z, b, A_log, dt_bias, h0, g_min, scale, plan, want_ht, want_hs, dtypes, state_bf16,
+                keep):
+        o, ht, hs, kept = _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes,
+                               state_bf16, keep=keep)
+        if kept is None:
+            ctx.save_for_backward(q, k, v, z, b, A_log, dt_bias, h0)
+        else:
+            ctx.save_for_backward(q, k, v, z, b, A_log, dt_bias, *kept)
+        ctx.cfg = (g_min, scale, plan, dtypes, state_bf16, kept is not None, h0 is not None)
         ctx.mark_non_differentiable(*(x for x in (hs,) if x is not None))
         return o, ht, hs
 
     @staticmethod
     def backward(ctx, do, dht, dhs):
-        q, k, v, z, b, A_log, dt_bias, h0 = ctx.saved_tensors
-        g_min, scale, plan, dtypes, state_bf16 = ctx.cfg
+        g_min, scale, plan, dtypes, state_bf16, kept, has_h0 = ctx.cfg
+        saved = ctx.saved_tensors
+        q, k, v, z, b, A_log, dt_bias = saved[:7]
+        h0, inter = (None, saved[7:]) if kept else (saved[7], None)
+        del saved
         dq, dk, dv, dz, db, dA_log, ddt_bias, dh0 = _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan,
                                                           do.contiguous(),
                                                           None if dht is None else dht.contiguous(),
-                                                          dtypes, state_bf16)
-        return (dq, dk, dv, dz, db, dA_log, ddt_bias, dh0 if h0 is not None else None) + (None,) * 7
+                                                          dtypes, state_bf16, inter=inter)
+        return (dq, dk, dv, dz, db, dA_log, ddt_bias, dh0 if has_h0 else None) + (None,) * 8
 
 
 def chunk_kda(
@@ -925,6 +961,7 @@ def chunk_kda(
     return_chunk_states: bool = False,
     all_bf16: bool = False,
     state_bf16: bool = False,
+    save_intermediates: bool | None = None,
 ):
     """Chunked KDA on raw inputs, with the gate, q/k L2 norms and β sigmoid fused in. Differentiable.
 
@@ -938,6 +975,24 @@ def chunk_kda(
     cu_seqlens_host: the same offsets as host ints when the caller has them (`SequenceLayout.offsets`):
     planning then never reads `cu_seqlens` back from the GPU (a sync per call).
     all_bf16 / state_bf16 select the faster, less accurate variants measured in docs/kda-kernels.md.
+
+    save_intermediates (None: the module's `SAVE_INTERMEDIATES`, True by default) trades memory for
+    backward time. Only when a backward can follow (grad mode on and some input requires grad; never for
+    inference or prefill) the forward keeps, until the backward has run, what the backward would otherwise
+    recompute with `_prepare` and `_state` (same kernels, same inputs: bit-identical gradients). Per call,
+    with TT = B·T tokens and NT chunks (NT = ⌈T/64⌉·B dense; per document with cu_seqlens):
+      W, Q⊙Γ, K⊙exp(G_C − G)   3 × [TT, H, K]    bf16 (fp32 for fp32 inputs)
+      Aqk                      [TT, H, 64]       fp32 (bf16 with all_bf16)
+      T = (I + Akk)⁻¹          [TT, H, 64]       fp32
+      G_C                      [NT, H, K]        fp32
+      chunk-start states       [NT, H, K, V]     fp32 (shared with the returned ones if return_chunk_states)
+    At the K3 shape (T = 8192, H = 96, K = V = 128, bf16, no all_bf16) that is 576 + 192 + 192 + 6 + 768 MiB
+    ≈ 1.69 GiB per layer (the states are the largest part: 4·K·V/64 = 1 KiB per token and head), in exchange
+    for ~6.5 ms of the ~32 ms forward + backward (docs/kda-kernels.md §7 item 9). initial_state is then not
+    saved. The kept W, Q⊙Γ, K⊙exp(G_C − G) and Aqk are released when the backward returns (autograd
+    frees saved tensors only then), not after the state pass as the recomputed ones are. With
+    return_chunk_states the returned states are the saved ones: modifying them in place before the
+    backward makes autograd raise instead of computing wrong gradients.
     """
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
@@ -967,10 +1022,14 @@ def chunk_kda(
         return x.reshape(B * T, *x.shape[2:]).contiguous()
 
     h0 = None if initial_state is None else initial_state.float().contiguous()
+    if save_intermediates is None:
+        save_intermediates = SAVE_INTERMEDIATES
+    keep = bool(save_intermediates) and torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, z, beta_logits, A_log, dt_bias, initial_state))
     o, ht, hs = ChunkKDAFunction.apply(flat(q), flat(k), flat(v), flat(z), flat(beta_logits), A_log.contiguous(),
                                        dt_bias.reshape(-1).contiguous(), h0, float(gate_lower_bound), scale, plan,
                                        output_final_state, return_chunk_states,
-                                       inter_dtypes(q.dtype, all_bf16), state_bf16)
+                                       inter_dtypes(q.dtype, all_bf16), state_bf16, keep)
     o = o.view(B, T, H, V)
     if return_chunk_states:
         return o, ht, hs[: plan.NT]
