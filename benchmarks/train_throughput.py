@@ -4,11 +4,11 @@ For each preset and sequence length, one full training step (forward, backward, 
 QK-Clip, Quantile Balancing update) on packed synthetic documents, timed after a warm-up step (whose
 time, compilation included, is reported separately). Variants run side by side in one process:
 - `reference`: every reference path (padded MoE, explicit fp32 MLA attention, stacked AttnRes reads,
-  autograd SiTU-GLU and RMSNorm);
+  autograd SiTU-GLU and RMSNorm, full-logit loss);
 - `fast`: every fast path ("auto" on CUDA: grouped-GEMM MoE, flash/flex attention, fused Triton AttnRes,
-  SiTU-GLU and RMSNorm);
+  SiTU-GLU and RMSNorm, chunked loss with the Triton row kernel);
 - `fast-no-X`: the fast stack with one path X back on its reference, so step(fast-no-X) / step(fast) is
-  X's speedup inside the fast stack (X ∈ moe, attn, attnres, situ, norm);
+  X's speedup inside the fast stack (X ∈ moe, attn, attnres, situ, norm, loss);
 - `fast-sdpa`: the fast stack with SDPA (explicit document mask) instead of flex;
 - `*-ckpt`: with activation checkpointing per decoder layer (k3.model.checkpointing).
 KDA runs `kda_impl` (default the torch chunked form) in every variant: its kernels are another issue.
@@ -55,10 +55,11 @@ from k3.train.loop import TrainConfig, train_step
 
 H200_BF16_PEAK = 989e12
 REFERENCE = dict(moe_impl="reference", attention_backend="reference", attn_res_impl="direct",
-                 situ_impl="reference", norm_impl="reference")
-FAST = dict(moe_impl="auto", attention_backend="auto", attn_res_impl="auto", situ_impl="auto", norm_impl="auto")
+                 situ_impl="reference", norm_impl="reference", loss_impl="reference")
+FAST = dict(moe_impl="auto", attention_backend="auto", attn_res_impl="auto", situ_impl="auto", norm_impl="auto",
+            loss_impl="auto")
 PATHS = {"moe": "moe_impl", "attn": "attention_backend", "attnres": "attn_res_impl", "situ": "situ_impl",
-         "norm": "norm_impl"}
+         "norm": "norm_impl", "loss": "loss_impl"}
 
 
 def variant_overrides(name: str) -> tuple[dict, bool]:

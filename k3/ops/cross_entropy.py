@@ -184,9 +184,9 @@ def _loss_and_logit_grad_triton(logits, labels, ignore_index, want_grad):
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          ignore_index: int = -100, impl: str = "auto") -> torch.Tensor:
     """The summed LM loss. `impl`: "reference" | "chunked" | "triton" (chunked, each chunk's softmax and
-    gradient by the Triton row kernel) | "auto" (chunked on CUDA, the reference elsewhere)."""
+    gradient by the Triton row kernel) | "auto" (triton on CUDA, the reference elsewhere)."""
     if impl == "auto":
-        impl = "chunked" if hidden.is_cuda else "reference"
+        impl = "triton" if hidden.is_cuda else "reference"
     if impl == "reference":
         return naive_linear_cross_entropy(hidden, weight, labels, ignore_index)
     if impl in ("chunked", "triton"):
