@@ -90,7 +90,8 @@ def main() -> None:
     print(f"{'kernel':28s} {'settings':34s} {'regs':>5s} {'spill st/ld B':>14s} {'stack B':>8s}")
     for name, fn, fn_args, constexprs, warps, *aligned in cases:
         regs, stores, loads, stack = report(fn, fn_args, constexprs, warps, *aligned)
-        settings = ", ".join(f"{k}={v}" for k, v in constexprs.items() if k in ("BT", "BC", "BV", "BLOCK_M", "BLOCK_N", "BLOCK_L")) + f", {warps} warps"
+        tiles = ("BT", "BC", "BV", "BLOCK_M", "BLOCK_N", "BLOCK_L")
+        settings = ", ".join(f"{k}={v}" for k, v in constexprs.items() if k in tiles) + f", {warps} warps"
         print(f"{name:28s} {settings:34s} {regs:5d} {f'{stores} / {loads}':>14s} {stack:8d}")
 
 

@@ -280,6 +280,8 @@ def main():
     parser.add_argument("--time-budget", type=float, default=None, help="seconds; later cases are skipped")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
+    if args.micro_batches < 1:
+        parser.error(f"--micro-batches must be at least 1, got {args.micro_batches}")
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     seq_lens = args.seq_lens or ([args.seq_len] if args.seq_len else [4096 if cuda else 256])

@@ -27,8 +27,8 @@ FusedOpImpl = Literal["auto", "reference", "triton"]
 LossImpl = Literal["auto", "reference", "chunked", "triton"]
 
 # Fields of ModelConfig that are k3 runtime choices, not part of the released schema.
-RUNTIME_FIELDS = ("kda_impl", "kda_chunk_size", "mla_impl", "attn_res_impl", "moe_impl", "attention_backend",
-                  "situ_impl", "norm_impl", "loss_impl")
+RUNTIME_FIELDS = ("kda_impl", "kda_chunk_size", "kda_save_intermediates", "mla_impl", "attn_res_impl", "moe_impl",
+                  "attention_backend", "situ_impl", "norm_impl", "loss_impl")
 
 # "auto" resolves to the fast path on CUDA and to the reference elsewhere (docs/fast-paths.md).
 RUNTIME_CHOICES = {
@@ -149,6 +149,9 @@ class ModelConfig:
     # k3 runtime switches (RUNTIME_FIELDS): never serialised.
     kda_impl: KDAImpl = "torch"
     kda_chunk_size: int = 16
+    # kda_impl "triton" in training: the forward keeps its chunk operands and chunk-start states for the
+    # backward (~1.7 GiB per layer at K3's shape, ~6 ms less per layer; docs/kda-kernels.md §2), or recomputes
+    kda_save_intermediates: bool = True
     mla_impl: MLAImpl = "auto"
     # Block AttnRes wiring: direct reads (reference), the two-phase inference form, or the direct wiring
     # with the fused Triton read (the CUDA default under "auto")
@@ -245,6 +248,8 @@ class ModelConfig:
             problems.append("qk_rope_head_dim must be >= 0")
         if self.kda_impl not in ("torch", "naive", "recurrent", "triton"):
             problems.append(f"kda_impl must be torch|naive|recurrent|triton, got {self.kda_impl!r}")
+        if not isinstance(self.kda_save_intermediates, bool):
+            problems.append(f"kda_save_intermediates must be True or False, got {self.kda_save_intermediates!r}")
         if self.kda_impl == "torch" and (not 1 <= self.kda_chunk_size <= 16
                                          or self.kda_chunk_size * abs(lin.gate_lower_bound) > 80):
             problems.append(f"kda_impl 'torch' needs kda_chunk_size in [1, 16] with chunk × |gate_lower_bound| "

@@ -1,5 +1,5 @@
-"""Session-6 diagnostic for tests/gpu/test_fast_paths.py::test_tiny_model_fast_paths_and_checkpointing_match_reference:
-for several token draws, each fast variant's worst gradient error against fp32 as a fraction of the test's budget
+"""Session-6 diagnostic for the GPU whole-model test
+(tests/gpu/test_fast_paths.py::test_tiny_model_fast_paths_and_checkpointing_match_reference): for several token draws, each fast variant's worst gradient error against fp32 as a fraction of the test's budget
 (1.5 × the bf16 reference stack's error + 1e-2). A fast path that adds error shows up in every draw; noise does not."""
 import torch
 

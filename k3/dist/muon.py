@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from k3.optim.muon import MuonAdamW, _batches, newton_schulz
+from k3.optim.muon import MuonAdamW, _batches, _stack_as, newton_schulz
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ class DistributedMuonAdamW(MuonAdamW):
         out = {}
         for items in buckets.values():
             for batch in _batches(items):
-                O = newton_schulz(torch.cat([b for _, b in batch]).to(ns_dtype), steps)
+                O = newton_schulz(_stack_as(ns_dtype, [b for _, b in batch]), steps)
                 for (u, _), o in zip(batch, O):
                     out[u] = (o.mT if owned[u].shape[0] > owned[u].shape[1] else o).float()
         return out

@@ -44,6 +44,7 @@ class KimiDeltaAttention(nn.Module):
         self.gate_lower_bound = lin.gate_lower_bound
         self.impl = config.kda_impl
         self.chunk_size = config.kda_chunk_size
+        self.save_intermediates = config.kda_save_intermediates
         D, H, K = config.hidden_size, self.num_heads, self.head_dim
         P = H * K
         self.q_proj = nn.Linear(D, P, bias=False)
@@ -141,7 +142,7 @@ class KimiDeltaAttention(nn.Module):
             return o, (state if output_final_state else None)
         return chunk_kda(q, k, v, z, beta_logits, self.A_log, self.dt_bias, gate_lower_bound=self.gate_lower_bound,
                          initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                         cu_seqlens_host=cu_seqlens_host)
+                         cu_seqlens_host=cu_seqlens_host, save_intermediates=self.save_intermediates)
 
     def input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The six projections of x [B, T, D] — q, k, v, output gate (each [B, T, P]), β logits [B, T, H] and
@@ -195,7 +196,7 @@ class KimiDeltaAttention(nn.Module):
         o = o.view(B, T, H, K)
 
         # per-head norm (gain shared by heads) and the sigmoid output gate: one fused kernel each way on CUDA
-        o = self.o_norm.gated(o, g_pre.view(B, T, H, K))  # in the gate's dtype (x's)
+        o = self.o_norm.gated(o, g_pre.view(B, T, H, K))  # in the gate's dtype (the projections')
         y = self.o_proj(o.reshape(B, T, H * K))
         new_state = KDAState(tail_q, tail_k, tail_v, final) if use_cache else None
         return y, new_state

@@ -212,7 +212,8 @@ class K3ForCausalLM(nn.Module):
         """input_ids [B, T] int. Returns logits [B, T, V], or [n, V] at the flat positions (into B·T)
         given by `logits_at` [n] — what a decoding engine needs, without the head's cost at every token.
         With `labels` [B, T] (ignore_index where unlabelled) it returns the summed loss instead of logits,
-        through `config.loss_impl` (chunked on CUDA: the [B·T, V] logits never exist at once).
+        through `config.loss_impl` (on CUDA chunked, with the Triton row kernel: the [B·T, V] logits never
+        exist at once).
 
         - Training / packed prefill: `cu_seqlens` [N+1] offsets into the flattened B·T tokens
           (every row boundary must be a document boundary); nothing crosses documents.

@@ -11,7 +11,8 @@ Forward of the fast path (`grouped_latent_experts`, what `LatentExperts` runs on
 2. Dispatch: latent rows are gathered into their padded positions (padding rows are zero).
 3. Experts: [w1; w3] as one grouped GEMM (L → 2I), fused SiTU-GLU, each activation row scaled by its
    router weight (in fp32, then cast), w2 as a grouped GEMM (I → L) — all inside one autograd Function.
-4. Combine: each token's k (already weighted) rows are gathered back and summed in fp32.
+4. Combine: each token's k (already weighted) rows are summed in fp32 where they lie (`sum_rows_triton`,
+   one Triton kernel; a gather and a sum elsewhere); the dispatch's backward sums the same way.
 
 The MoE gradient transform (K3 report §2.3): the router-weight gradient dp = ⟨dy, E(x)⟩ is computed
 as ⟨dy·w2, act⟩ from the activation and the gradient flowing into it, so the expert outputs E(x) are
@@ -151,8 +152,9 @@ def _source_rows(dest: torch.Tensor, k: int, rows: int) -> torch.Tensor:
 
 
 def _spread_rows(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """out[r] = x[src[r]], zero where src[r] = len(x): one gather pass (with a zero row appended to x) instead
-    of zero-filling the [rows, L] output and scattering k copies of every token into it."""
+    """out[r] = x[src[r]], zero where src[r] = len(x): a copy of x with a zero row appended ([N, L]), then one
+    gather into the k× larger [rows, L] output, instead of zero-filling that output and scattering k copies of
+    every token into it."""
     return torch.cat([x, x.new_zeros(1, x.shape[-1])]).index_select(0, src)
 
 
@@ -160,7 +162,8 @@ def _sum_rows(y: torch.Tensor, dest: torch.Tensor, k: int, dtype: torch.dtype) -
     """out[n] = Σ_j y[dest[n·k + j]], summed in `dtype` (fp32 inside the kernel)."""
     if k == 1 and dtype == y.dtype:
         return y.index_select(0, dest)
-    if triton is not None and triton_runs_on(y) and dtype in (torch.float32, y.dtype) and y.stride(-1) == 1:
+    low = (torch.float32, torch.bfloat16, torch.float16)  # the kernel sums in fp32: fp64 stays on torch
+    if triton is not None and triton_runs_on(y) and y.dtype in low and dtype in low and y.stride(-1) == 1:
         return sum_rows_triton(y, dest, k, dtype)
     with torch.autocast(y.device.type, enabled=False):
         return y.index_select(0, dest).view(-1, k, y.shape[-1]).sum(1, dtype=dtype)

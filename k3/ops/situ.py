@@ -10,7 +10,11 @@ Two implementations of the same function:
 - `naive_situ_glu`: plain PyTorch, differentiated by autograd (the reference; saves fp32 intermediates);
 - `situ_glu`: one fused Triton kernel each way on CUDA (reads g and u once, writes f; the backward reads
   g, u, df and writes dg, du), saving only g and u. `situ_glu_forward` / `situ_glu_backward` are the
-  same math without autograd, for callers that own their backward (the grouped MoE experts).
+  same math without autograd, for callers that own their backward.
+The routed experts use the row-weighted form a = p ⊙ f (p the router weight of each row):
+`weighted_situ_glu_forward` (the forward kernel with `row_scale`) and `weighted_situ_glu_backward` (one
+kernel returning dg, du, the weighted activation for the down-projection's weight gradient, and
+dp = Σ da ⊙ f, the MoE gradient transform's router-weight gradient); their torch formulas are the reference.
 Gradients (architecture.md §5.3): ∂f/∂g = [sech²(g/β1)σ(g) + β1 tanh(g/β1)σ(g)(1−σ(g))]·β2 tanh(u/β2),
 ∂f/∂u = β1 tanh(g/β1)σ(g)·sech²(u/β2).
 """
@@ -93,8 +97,9 @@ if triton is not None:
         tl.store(DU + r * stride_du + cols[None, :], du.to(DU.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _situ_weighted_bwd_kernel(G, U, DA, P, DG, DU, WACT, DP, M, N: tl.constexpr, stride_g, stride_u, stride_da, stride_dg,
-                                  stride_du, stride_w, beta1, beta2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _situ_weighted_bwd_kernel(G, U, DA, P, DG, DU, WACT, DP, M, N: tl.constexpr, stride_g, stride_u, stride_da,
+                                  stride_dg, stride_du, stride_w, beta1, beta2,
+                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """Backward of a = p ⊙ f(g, u) per row, given da: dg, du (through df = p·da), the weighted activation
         p ⊙ f (what the down-projection's weight gradient needs) and dp = Σ_cols da ⊙ f. One program owns
         whole rows and walks their column tiles, so dp is summed in a fixed order (no atomics). N is a

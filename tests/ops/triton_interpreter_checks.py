@@ -17,6 +17,7 @@ from k3.model.attn_res import attn_res_read  # noqa: E402
 from k3.ops.attn_res import attn_res_read_triton  # noqa: E402
 from k3.ops import cross_entropy  # noqa: E402
 from k3.ops.cross_entropy import chunked_linear_cross_entropy, naive_linear_cross_entropy  # noqa: E402
+from k3.ops import moe  # noqa: E402
 from k3.ops.moe import sum_rows_triton  # noqa: E402
 from k3.ops.norm import naive_rms_norm, rms_norm_triton  # noqa: E402
 from k3.ops import short_conv  # noqa: E402
@@ -57,7 +58,7 @@ def situ(dtype):
 
 def weighted_situ(dtype, M=45, N=70):
     """The MoE's row-weighted SiTU-GLU: a = p ⊙ f(g, u); forward, dg, du, dp and the weighted activation
-    (columns not a multiple of the kernel's 64-column tile, rows not a multiple of its 32-row block)."""
+    (columns not a multiple of the kernel's 64-column tile, rows not a multiple of its 8-row block)."""
     g = torch.Generator().manual_seed(1)
     h = torch.randn(M, 2 * N, generator=g, dtype=torch.float64) * torch.tensor([6.0] * N + [40.0] * N)
     p = torch.rand(M, generator=g, dtype=torch.float64)
@@ -76,6 +77,7 @@ def weighted_situ(dtype, M=45, N=70):
     check("weighted situ p*act", wact, ref.detach(), dtype)
     assert dp.dtype == torch.float32 and wact.dtype == dtype
 
+
 def sum_rows(dtype, N=37, k=3, L=150):
     """The MoE combine: out[n] = Σ_j y[dest[n·k + j]] (fp32 sum), with padding rows in y that no token reads,
     N and L not multiples of the kernel's tiles, and y a row-strided view."""
@@ -88,6 +90,9 @@ def sum_rows(dtype, N=37, k=3, L=150):
         got = sum_rows_triton(y.to(dtype), dest, k, out_dtype)
         assert got.dtype == out_dtype
         check(f"moe combine (sum of k rows) -> {out_dtype}", got, ref, dtype)
+    # the dispatcher: fp64 never takes the fp32-accumulating kernel
+    exact = moe._sum_rows(y, dest, k, torch.float64)
+    assert exact.dtype == torch.float64 and ((exact - ref).abs().max() <= 1e-12 * ref.abs().max()), "fp64 combine"
 
 
 def norm(dtype, D, gated):

@@ -13,7 +13,7 @@ measured variant are in docs/kda-kernels.md. In short:
 - Forward: `_prepare` (all chunks in parallel) writes the chunk-local operands W, U, Q⊙Γ, K⊙exp(G_C − G),
   Aqk, G_C and T; `_state` walks each sequence's chunks in order with the state in registers, split
   over value blocks, and writes the output (and, on request, the state at every chunk start).
-- Backward: by default (`SAVE_INTERMEDIATES`) the forward keeps what `_prepare` wrote (all but U) and the
+- Backward: by default (`save_intermediates`) the forward keeps what `_prepare` wrote (all but U) and the
   chunk-start states, at ~1.7 GiB per layer at the K3 shape (`chunk_kda`'s docstring); with the switch
   off only the raw inputs are saved and `_prepare` and `_state` run again (the latter storing chunk-start
   states). Then `_state_bwd` walks the chunks backwards for the state gradient, `_bwd_vu` and
@@ -53,9 +53,6 @@ TUNING = {
     "bwd_k_warps": 8,
     "decode_bv": 64, "decode_warps": 4,
 }
-# Default of `chunk_kda(save_intermediates=None)`: when a backward will follow, keep the forward's chunk
-# operands and chunk-start states for it (faster, more memory) instead of recomputing them there.
-SAVE_INTERMEDIATES = True
 
 
 # device helpers
@@ -961,7 +958,7 @@ def chunk_kda(
     return_chunk_states: bool = False,
     all_bf16: bool = False,
     state_bf16: bool = False,
-    save_intermediates: bool | None = None,
+    save_intermediates: bool = True,
 ):
     """Chunked KDA on raw inputs, with the gate, q/k L2 norms and β sigmoid fused in. Differentiable.
 
@@ -976,7 +973,7 @@ def chunk_kda(
     planning then never reads `cu_seqlens` back from the GPU (a sync per call).
     all_bf16 / state_bf16 select the faster, less accurate variants measured in docs/kda-kernels.md.
 
-    save_intermediates (None: the module's `SAVE_INTERMEDIATES`, True by default) trades memory for
+    save_intermediates (the model's `kda_save_intermediates`) trades memory for
     backward time. Only when a backward can follow (grad mode on and some input requires grad; never for
     inference or prefill) the forward keeps, until the backward has run, what the backward would otherwise
     recompute with `_prepare` and `_state` (same kernels, same inputs: bit-identical gradients). Per call,
@@ -1022,8 +1019,6 @@ def chunk_kda(
         return x.reshape(B * T, *x.shape[2:]).contiguous()
 
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    if save_intermediates is None:
-        save_intermediates = SAVE_INTERMEDIATES
     keep = bool(save_intermediates) and torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, z, beta_logits, A_log, dt_bias, initial_state))
     o, ht, hs = ChunkKDAFunction.apply(flat(q), flat(k), flat(v), flat(z), flat(beta_logits), A_log.contiguous(),
