@@ -9,6 +9,7 @@ per 8,192 tokens. Times: median of `triton.testing.do_bench` (ms); GB/s counts t
 
     python -m benchmarks.short_conv            # one GPU
     python -m benchmarks.short_conv --quick    # tiny shapes, gate only (any device; CPU via the interpreter)
+    python -m benchmarks.short_conv --profile  # also the CUDA kernels of one fused forward+backward, by time
 """
 
 from __future__ import annotations
@@ -59,9 +60,38 @@ def gate(device):
     return errs, all(e <= 1e-5 for e in errs.values())
 
 
+def profile_fused(device, T=8192, C=1024, iters=10):
+    """CUDA time per kernel of the fused forward+backward at the small preset's shape, as the model calls it
+    (gradient into the column slice only, so no zero-filled gradient of the wide projection is timed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    wide, w, cu = inputs(T, C, device, torch.bfloat16)
+    x = wide[..., C:2 * C].detach().requires_grad_()
+    wg = w.clone().requires_grad_()
+    dy = torch.randn(1, T, C, device=device, dtype=torch.bfloat16)
+
+    def step():
+        return torch.autograd.grad(short_conv_silu(x, wg, cu), (x, wg), dy)
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+                    key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in events) / iters
+    print(f"[profile] fused fwd+bwd, T={T} C={C}: {total:.1f} µs of kernel time per call")
+    for e in events[:10]:
+        print(f"[profile]   {e.self_device_time_total / iters:8.1f} µs  x{e.count // iters:<3d} {e.key[:90]}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="kernel times of the fused forward+backward (small, T = 8192): what each call costs")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     errs, ok = gate(device)
@@ -97,6 +127,8 @@ def main() -> int:
         for name, (fwd, both) in times.items():
             rows.append((preset, T, C, name, fwd, times["unfused"][0] / fwd, nbytes_f / fwd / 1e6,
                          both, times["unfused"][1] / both, nbytes_b / both / 1e6))
+    if args.profile:
+        profile_fused(device)
     header = ("preset", "T", "C", "impl", "fwd ms", "fwd speedup", "fwd GB/s", "fwd+bwd ms", "speedup", "GB/s")
     try:
         from rich.console import Console
