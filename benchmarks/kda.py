@@ -33,6 +33,7 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 from k3.ops.kda import chunk_kda, fused_recurrent_kda, naive_kda_gate, naive_recurrent_kda  # noqa: E402
+from k3.ops.kda import triton_chunk  # noqa: E402
 
 BANDWIDTH = 4.25e12  # measured device copy bandwidth (performance.md §1)
 PEAK_FLOPS = 807e12
@@ -219,7 +220,16 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="per-kernel CUDA times of fwd+bwd at B=1 T=8192 H=96")
     ap.add_argument("--fla-configs", type=int, default=0, help="keep this many configs per fla autotuner (0: all)")
     ap.add_argument("--fla-cases", default="", help="comma-separated case names: run fla only on these cases")
+    ap.add_argument("--tuning", default="", metavar="JSON",
+                    help='launch-config overrides for every k3 case, e.g. \'{"prepare_maxnreg": 128}\' (keys of '
+                         'k3.ops.kda.triton_chunk.TUNING)')
     args = ap.parse_args()
+    if args.tuning:
+        overrides = json.loads(args.tuning)
+        unknown = set(overrides) - set(triton_chunk.TUNING)
+        if unknown:
+            ap.error(f"unknown TUNING keys {sorted(unknown)}; known: {', '.join(triton_chunk.TUNING)}")
+        triton_chunk.TUNING.update(overrides)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fla_all = load_fla(args.fla_configs) if device == "cuda" else None
     if fla_all is not None and not args.fla_configs:
@@ -267,7 +277,9 @@ def main() -> int:
         torch.cuda.empty_cache() if device == "cuda" else None
     print_table(rows)
     if args.profile and device == "cuda":
-        profile_breakdown(fla_all)
+        # fla only where it was asked for: `--fla-cases none` times and profiles k3 alone
+        profile_fla = not args.fla_cases or "fwd+bwd B=1 T=8192 H=96" in args.fla_cases.split(",")
+        profile_breakdown(fla_all if profile_fla else None)
     if args.sweep and device == "cuda":
         tuning_sweep()
     result = {
@@ -278,7 +290,7 @@ def main() -> int:
                 "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                 "FLA_FLASH_KDA": os.environ.get("FLA_FLASH_KDA")},
         "config": {"bandwidth": BANDWIDTH, "peak_flops": PEAK_FLOPS, "quick": args.quick,
-                   "fla_configs_per_autotuner": args.fla_configs or "all"},
+                   "fla_configs_per_autotuner": args.fla_configs or "all", "tuning": dict(triton_chunk.TUNING)},
         "gate": errs, "cases": rows,
     }
     text = json.dumps(result, indent=1)

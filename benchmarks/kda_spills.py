@@ -8,6 +8,7 @@ speed, not a measurement of it: spills were not the main cost of `_prepare` (doc
 
     python benchmarks/kda_spills.py                       # every kernel at its TUNING settings
     python benchmarks/kda_spills.py _bwd_k --warps 4 16   # one kernel, several warp counts
+    python benchmarks/kda_spills.py _prepare --maxnreg 128 168   # with a register cap (more programs per SM)
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ TUNING_PREFIX = {"_prepare": "prepare", "_state": "state", "_state_bwd": "state_
                  "_bwd_vw": "bwd_v", "_bwd_k": "bwd_k"}
 
 
-def compile_report(fn, num_warps: int, num_stages: int = 3, **constexprs) -> tuple[int, int, int, int]:
+def compile_report(fn, num_warps: int, num_stages: int = 3, maxnreg: int | None = None,
+                   **constexprs) -> tuple[int, int, int, int]:
     """(registers, spill store bytes, spill load bytes, shared bytes) of one kernel for sm_90."""
     signature, constants, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -53,15 +55,18 @@ def compile_report(fn, num_warps: int, num_stages: int = 3, **constexprs) -> tup
             signature[name] = ("i32" if name == "H" else "*fp32" if name in FP32_ARGS
                                else "*i32" if name in INT32_ARGS else "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
-    return sm90_report(fn, signature, constants, attrs, num_warps, num_stages)[:4]
+    return sm90_report(fn, signature, constants, attrs, num_warps, num_stages, maxnreg)[:4]
 
 
 def sm90_report(fn, signature: dict, constants: dict, attrs: dict, num_warps: int,
-                num_stages: int = 3) -> tuple[int, int, int, int, int]:
+                num_stages: int = 3, maxnreg: int | None = None) -> tuple[int, int, int, int, int]:
     """Compile one kernel for sm_90 and read ptxas's report: (registers, spill store bytes, spill load
-    bytes, shared bytes, stack frame bytes)."""
+    bytes, shared bytes, stack frame bytes). maxnreg caps the registers per thread (None: no cap)."""
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
     kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 64),
-                            options=dict(num_warps=num_warps, num_stages=num_stages))
+                            options=options)
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "kernel.ptx"
         ptx.write_text(kernel.asm["ptx"])
@@ -76,8 +81,9 @@ def sm90_report(fn, signature: dict, constants: dict, attrs: dict, num_warps: in
 def tuned_settings(name: str) -> dict:
     prefix = TUNING_PREFIX[name]
     settings = {"num_warps": chunk.TUNING.get(f"{prefix}_warps", 4)}
-    if f"{prefix}_stages" in chunk.TUNING:
-        settings["num_stages"] = chunk.TUNING[f"{prefix}_stages"]
+    for key, option in (("stages", "num_stages"), ("maxnreg", "maxnreg")):
+        if chunk.TUNING.get(f"{prefix}_{key}") is not None:
+            settings[option] = chunk.TUNING[f"{prefix}_{key}"]
     if f"{prefix}_bv" in chunk.TUNING:
         settings["BV"] = chunk.TUNING[f"{prefix}_bv"]
     return settings
@@ -88,6 +94,7 @@ def main() -> None:
     p.add_argument("kernels", nargs="*", help=f"some of {', '.join(TUNING_PREFIX)} (default: all)")
     p.add_argument("--warps", type=int, nargs="+", help="warp counts to try instead of TUNING's")
     p.add_argument("--bv", type=int, help="value block instead of TUNING's (kernels that take BV)")
+    p.add_argument("--maxnreg", type=int, nargs="+", help="register caps per thread to try (a launch option)")
     args = p.parse_args()
     unknown = set(args.kernels) - set(TUNING_PREFIX)
     if unknown:
@@ -98,10 +105,12 @@ def main() -> None:
         if args.bv is not None and "BV" in base:
             base["BV"] = args.bv
         for warps in args.warps or [base["num_warps"]]:
-            settings = {**base, "num_warps": warps}
-            regs, stores, loads, shared = compile_report(getattr(chunk, name), **settings)
-            print(f"{name:12s} {str(settings):40s} {regs:5d} {f'{stores} / {loads}':>14s} {shared / 1024:10.0f}",
-                  flush=True)
+            for cap in args.maxnreg or [base.get("maxnreg")]:
+                settings = {**base, "num_warps": warps, "maxnreg": cap}
+                regs, stores, loads, shared = compile_report(getattr(chunk, name), **settings)
+                shown = {k: v for k, v in settings.items() if v is not None}
+                print(f"{name:12s} {str(shown):52s} {regs:5d} {f'{stores} / {loads}':>14s} {shared / 1024:10.0f}",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -452,3 +452,17 @@ def test_errors(dev):
         chunk_kda(q, k, v, z, b, A_log, dt_bias, initial_state=h0[:, :1])
     with pytest.raises(ValueError, match="cu_seqlens"):
         chunk_kda(q, k, v, z, b, A_log, dt_bias, cu_seqlens=torch.tensor([0, 5, 19], device=dev))
+
+
+def test_launch_options_follow_tuning(monkeypatch):
+    """TUNING's optional per-kernel num_stages / maxnreg reach the launch only when set (benchmarks/kda.py
+    --tuning sweeps them); warps always do."""
+    pytest.importorskip("triton")
+    from k3.ops.kda import triton_chunk as tc
+
+    monkeypatch.setitem(tc.TUNING, "prepare_maxnreg", 128)
+    assert tc._launch_options("prepare") == {"num_warps": tc.TUNING["prepare_warps"], "maxnreg": 128}
+    assert tc._launch_options("state") == {"num_warps": tc.TUNING["state_warps"],
+                                           "num_stages": tc.TUNING["state_stages"]}
+    monkeypatch.setitem(tc.TUNING, "bwd_k_stages", 3)
+    assert tc._launch_options("bwd_k")["num_stages"] == 3 and "maxnreg" not in tc._launch_options("bwd_k")

@@ -44,15 +44,26 @@ from k3.ops.kda.reference import document_offsets
 CHUNK = 64
 SUB = 16
 # Launch configurations for K = V = 128 on an H200 (docs/kda-kernels.md: chosen from the compiler's register
-# and spill report and the measured variants). Benchmarks may override entries.
+# and spill report and the measured variants). Benchmarks may override entries (`benchmarks/kda.py --tuning`).
+# For each chunk kernel "<name>_warps", and optionally "<name>_stages" and "<name>_maxnreg" (a register cap per
+# thread, so that more programs share an SM; None: Triton's default).
 TUNING = {
-    "prepare_warps": 8,
-    "state_bv": 32, "state_warps": 4, "state_stages": 2,
-    "state_bwd_bv": 32, "state_bwd_warps": 8, "state_bwd_stages": 1,
-    "bwd_v_bv": 32, "bwd_v_warps": 8,  # both `_bwd_vu` and `_bwd_vw`
-    "bwd_k_warps": 8,
+    "prepare_warps": 8, "prepare_stages": None, "prepare_maxnreg": None,
+    "state_bv": 32, "state_warps": 4, "state_stages": 2, "state_maxnreg": None,
+    "state_bwd_bv": 32, "state_bwd_warps": 8, "state_bwd_stages": 1, "state_bwd_maxnreg": None,
+    "bwd_v_bv": 32, "bwd_v_warps": 8, "bwd_v_stages": None, "bwd_v_maxnreg": None,  # `_bwd_vu` and `_bwd_vw`
+    "bwd_k_warps": 8, "bwd_k_stages": None, "bwd_k_maxnreg": None,
     "decode_bv": 64, "decode_warps": 4,
 }
+
+
+def _launch_options(kernel: str) -> dict:
+    """num_warps, and num_stages / maxnreg where TUNING sets them, for one chunk kernel's launch."""
+    options = {"num_warps": TUNING[f"{kernel}_warps"]}
+    for key, option in (("stages", "num_stages"), ("maxnreg", "maxnreg")):
+        if TUNING.get(f"{kernel}_{key}") is not None:
+            options[option] = TUNING[f"{kernel}_{key}"]
+    return options
 
 
 # device helpers
@@ -806,7 +817,7 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
         _prepare[(plan.NT, H)](q, k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx,
                                W, U, Qg, Kd, Aqk, gc, Tm, scale, H=H, K=K, V=V, C=CHUNK, BC=SUB, G_MIN=g_min,
                                SCORES_BF16=lo == torch.bfloat16, INTERP=interpreting(),
-                               num_warps=TUNING["prepare_warps"])
+                               **_launch_options("prepare"))
     return W, U, Qg, Kd, Aqk, gc, (Tm if store_t else None)
 
 
@@ -826,7 +837,7 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
                                   hs if hs is not None else dummy, plan.cu, plan.chunk_off,
                                   H=H, K=K, V=V, BV=BV, C=CHUNK, USE_H0=h0 is not None, STORE_HT=want_ht,
                                   STORE_HS=want_hs, WRITE_O=write_o, BF16=state_bf16, INTERP=interpreting(),
-                                  num_warps=TUNING["state_warps"], num_stages=TUNING["state_stages"])
+                                  **_launch_options("state"))
     return o, ht, hs
 
 
@@ -876,7 +887,7 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     _state_bwd[(V // BV, plan.N * H)](Qg, Kd, Aqk, W, gc, do, dht if dht is not None else dh0, du, dse, dh0,
                                       plan.cu, plan.chunk_off, H=H, K=K, V=V, BV=BV, C=CHUNK,
                                       USE_DHT=dht is not None, BF16=False, INTERP=interp,
-                                      num_warps=TUNING["state_bwd_warps"], num_stages=TUNING["state_bwd_stages"])
+                                      **_launch_options("state_bwd"))
     del W, Qg, Kd, Aqk  # (kept ones live on in the autograd context until the backward returns)
     dv = torch.empty_like(v)
     dqh = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
@@ -894,13 +905,13 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         BV = min(V, TUNING["bwd_v_bv"])
         _bwd_vu[(plan.NT, H)](q, k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, hs, dse, do,
                               dkh, dG, daqk, scale, H=H, K=K, V=V, BV=BV, C=CHUNK, G_MIN=g_min, INTERP=interp,
-                              num_warps=TUNING["bwd_v_warps"])
+                              **_launch_options("bwd_v"))
         _bwd_vw[(plan.NT, H)](q, k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, hs, do, du,
                               dv, dqh, dkh, dG, dakk, dbeta, scale, H=H, K=K, V=V, BV=BV, C=CHUNK, G_MIN=g_min,
-                              INTERP=interp, num_warps=TUNING["bwd_v_warps"])
+                              INTERP=interp, **_launch_options("bwd_v"))
         _bwd_k[(plan.NT, H)](q, k, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, dqh, dkh, dG, daqk, dakk,
                              dbeta, dq, dk, dz, db, dA_part, dbias_part, scale, H=H, K=K, C=CHUNK, BC=SUB,
-                             G_MIN=g_min, INTERP=interp, num_warps=TUNING["bwd_k_warps"])
+                             G_MIN=g_min, INTERP=interp, **_launch_options("bwd_k"))
     else:
         dv.zero_()
     dA_log = dA_part.sum(0).to(A_log.dtype)
