@@ -32,12 +32,14 @@ import k3.ops.kda.triton_chunk as chunk  # noqa: E402
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 FP32_ARGS = {"A_log", "dt_bias", "t_in", "t_out", "hs", "dse", "du", "dqh_in", "dkh_in", "dg_in", "daqk_in",
              "dakk_in", "db_in", "dqh_out", "dkh_out", "dg_out", "daqk_out", "dakk_out", "db_out", "dA_part",
-             "dbias_part", "aqk_out", "u_out", "gc_out", "gc", "h0", "ht", "aqk", "u", "dht", "dh0"}
+             "dbias_part", "aqk_out", "u_out", "gc_out", "gc", "h0", "ht", "aqk", "u", "dht", "dh0", "kn_out", "kn_in"}
 INT32_ARGS = {"cu", "chunk_idx", "chunk_off"}
 CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
-                  USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False)
-# kernel -> its TUNING key prefix ("bwd_v" serves both halves of the split value-side backward)
-TUNING_PREFIX = {"_prepare": "prepare", "_state": "state", "_state_bwd": "state_bwd", "_bwd_vu": "bwd_v",
+                  USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64)
+# kernel -> its TUNING key prefix ("bwd_v" serves both halves of the split value-side backward; the three
+# `_prep_*` kernels replace `_prepare` under TUNING["prepare_split"])
+TUNING_PREFIX = {"_prepare": "prepare", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
+                 "_prep_wu": "prep_wu", "_state": "state", "_state_bwd": "state_bwd", "_bwd_vu": "bwd_v",
                  "_bwd_vw": "bwd_v", "_bwd_k": "bwd_k"}
 
 

@@ -466,3 +466,78 @@ def test_launch_options_follow_tuning(monkeypatch):
                                            "num_stages": tc.TUNING["state_stages"]}
     monkeypatch.setitem(tc.TUNING, "bwd_k_stages", 3)
     assert tc._launch_options("bwd_k")["num_stages"] == 3 and "maxnreg" not in tc._launch_options("bwd_k")
+
+
+# the split `_prepare` (TUNING["prepare_split"]: `_prep_intra`, `_prep_solve`, `_prep_wu`; docs/kda-kernels.md §7)
+
+SPLIT_CASES = {
+    # name: (document lengths, H, K, V, input dtype, all_bf16, g_min); V = 128 gives `_prep_wu` two U slices
+    "dense_bf16": ([65, 65], 1, 32, 32, torch.bfloat16, False, -5.0),
+    "varlen_bf16": ([1, 17, 0, 65, 130], 1, 16, 128, torch.bfloat16, False, -5.0),
+    "varlen_all_bf16": ([130, 1, 17], 2, 32, 32, torch.bfloat16, True, -0.1),
+    "dense_fp32": ([70], 2, 32, 32, torch.float32, False, -1.0),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_prepare_split_matches_fused(dev, monkeypatch, case):
+    """The three split kernels write what `_prepare` writes (W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, T), same
+    shapes, dtypes and layouts. The score blocks use the same factorisation and helpers, so the only
+    differences are summation orders: the W and U products over column slices instead of whole 64-row tiles
+    (and, on a GPU, different dot tilings). Tolerances, relative RMSE: 1e-5 for fp32-stored outputs (a few fp32
+    roundings; the interpreter gives 0 for all but W and U, ≤ 3e-8 there); 3e-4 for bf16-stored ones, where an
+    fp32 difference of ~1e-7 flips the rounding of a small fraction of the elements by one bf16 ulp (3.9e-3)."""
+    from k3.ops.kda import triton_chunk as tc
+
+    lengths, H, K, V, dtype, all_bf16, g_min = SPLIT_CASES[case]
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    TT = offsets[-1]
+    q, k, v, z, b, A_log, dt_bias, _ = (x.to(dev) for x in make_raw(1, TT, H, K, V, seed=31, N=1, dtype=dtype,
+                                                                    bias=2.0))
+    q, k, v, z, b = (x[0] for x in (q, k, v, z, b))
+    plan = tc._Plan(tuple(offsets), torch.device(dev))
+    dtypes = tc.inter_dtypes(dtype, all_bf16)
+    runs = {}
+    for split in (False, True):
+        monkeypatch.setitem(tc.TUNING, "prepare_split", split)
+        runs[split] = tc._fwd_prepare(q, k, v, z, b, A_log.to(dev), dt_bias.to(dev), g_min, K ** -0.5, plan, dtypes,
+                                      store_t=True)
+    names = ("W", "U", "Qg", "Kd", "Aqk", "gc", "T")
+    for name, a, r in zip(names, runs[True], runs[False]):
+        assert a.shape == r.shape and a.dtype == r.dtype and a.stride() == r.stride(), name
+        assert torch.isfinite(a).all(), name
+        tol = 1e-5 if a.dtype == torch.float32 else 3e-4
+        assert rel_err(a.cpu(), r.cpu()) <= tol, (case, name, rel_err(a.cpu(), r.cpu()))
+    # T's upper blocks and Aqk's are zeros in both (read back as 64×64 tiles)
+    T = runs[True][6].cpu()
+    for s, e in zip(offsets[:-1], offsets[1:]):
+        for c0 in range(s, e, 64):
+            rows = torch.arange(min(64, e - c0))
+            upper = rows[:, None] < torch.arange(64)[None, :]
+            assert (T[c0: c0 + len(rows)][upper[:, None, :].expand(-1, H, -1)] == 0).all()
+    # without store_t the split path returns None for T, like the fused one
+    monkeypatch.setitem(tc.TUNING, "prepare_split", True)
+    assert tc._fwd_prepare(q, k, v, z, b, A_log.to(dev), dt_bias.to(dev), g_min, K ** -0.5, plan, dtypes)[6] is None
+
+
+@pytest.mark.parametrize("case", ["T65_bf16", "T17_fp32", "varlen"])
+def test_prepare_split_matches_fp64_recurrence(dev, monkeypatch, case):
+    """`chunk_kda` forward and backward with the split `_prepare` (the fused kernel is made unusable) against the
+    fp64 recurrence, at the file's tolerances."""
+    from k3.ops.kda import triton_chunk as tc
+
+    monkeypatch.setitem(tc.TUNING, "prepare_split", True)
+    monkeypatch.setattr(tc, "_prepare", None)  # any launch of the fused kernel would fail
+    if case == "varlen":
+        lengths = [1, 0, 2, 64, 3, 70, 16]
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        inputs = make_raw(1, cu[-1], 2, 16, 32, seed=5, N=len(lengths))
+        check(*run_both(inputs, dev, cu_seqlens=cu), torch.bfloat16, case)
+        return
+    T, dtype = (65, torch.bfloat16) if case == "T65_bf16" else (17, torch.float32)
+    inputs = make_raw(2, T, 2, 32, 32, seed=T, dtype=dtype)
+    check(*run_both(inputs, dev), dtype, case)

@@ -11,7 +11,8 @@ measured variant are in docs/kda-kernels.md. In short:
   is a tensor-core matmul (docs/kda.md §4). (I + Akk)⁻¹ comes from the four 16×16 diagonal inverses
   (A nilpotent: (I − A)(I + A²)(I + A⁴)(I + A⁸), exact fp32) and T_RJ = −T_RR·Σ Akk_RM·T_MJ.
 - Forward: `_prepare` (all chunks in parallel) writes the chunk-local operands W, U, Q⊙Γ, K⊙exp(G_C − G),
-  Aqk, G_C and T; `_state` walks each sequence's chunks in order with the state in registers, split
+  Aqk, G_C and T (or, with TUNING["prepare_split"], `_prep_intra`, `_prep_solve` and `_prep_wu` write the
+  same); `_state` walks each sequence's chunks in order with the state in registers, split
   over value blocks, and writes the output (and, on request, the state at every chunk start).
 - Backward: by default (`save_intermediates`) the forward keeps what `_prepare` wrote (all but U) and the
   chunk-start states, at ~1.7 GiB per layer at the K3 shape (`chunk_kda`'s docstring); with the switch
@@ -49,6 +50,11 @@ SUB = 16
 # thread, so that more programs share an SM; None: Triton's default).
 TUNING = {
     "prepare_warps": 8, "prepare_stages": None, "prepare_maxnreg": None,
+    # the split `_prepare` (docs/kda-kernels.md §7 item 10): off by default until it is timed
+    "prepare_split": False,
+    "prep_intra_warps": 4, "prep_intra_stages": None, "prep_intra_maxnreg": 168,  # 180 uncapped, 0 spills at 168
+    "prep_solve_warps": 4, "prep_solve_stages": None, "prep_solve_maxnreg": None,
+    "prep_wu_warps": 4, "prep_wu_stages": None, "prep_wu_maxnreg": None,
     "state_bv": 32, "state_warps": 4, "state_stages": 2, "state_maxnreg": None,
     "state_bwd_bv": 32, "state_bwd_warps": 8, "state_bwd_stages": 1, "state_bwd_maxnreg": None,
     "bwd_v_bv": 32, "bwd_v_warps": 8, "bwd_v_stages": None, "bwd_v_maxnreg": None,  # `_bwd_vu` and `_bwd_vw`
@@ -337,6 +343,174 @@ def _prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx,
              boundary_check=(0,))
     tl.store(_bp(u_out, bos, L, i_h, row0, 0, H, V, C, V), _cast(U, hi, INTERP), boundary_check=(0,))
     tl.store(gc_out + (i_c * H + i_h).to(tl.int64) * K + tl.arange(0, K), gc)
+
+
+# the split `_prepare` (TUNING["prepare_split"]; docs/kda-kernels.md §7 item 10): three smaller kernels, each at
+# ≤ 168 registers with 4 warps, instead of one 255-register program per (chunk, head)
+
+
+@triton.jit
+def _gate_carry_step(z, A_log, dt_bias, bos, L, row0, i_h, carry, H, K: tl.constexpr, BC: tl.constexpr,
+                     G_MIN: tl.constexpr):
+    """G at the last row of the 16-row block at row0, continuing from `carry` (the gate alone, as in
+    `_block_inputs`)."""
+    valid = row0 + tl.arange(0, BC) < L
+    z_raw = tl.load(_bp(z, bos, L, i_h, row0, 0, H, K, BC, K), boundary_check=(0,), padding_option="zero")
+    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    bias = tl.load(dt_bias + i_h * K + tl.arange(0, K)).to(tl.float32)
+    g = tl.where(valid[:, None], G_MIN * tl.sigmoid(a * (z_raw.to(tl.float32) + bias[None, :])), 0.0)
+    G = carry[None, :] + tl.cumsum(g, 0)
+    return tl.sum(tl.where(tl.arange(0, BC)[:, None] == BC - 1, G, 0.0), 0)
+
+
+@triton.jit
+def _intra_off_step(q, k, z, b, A_log, dt_bias, bos, L, row0, J, i_h, scale, carry, qs, ks, beta, a, r0,
+                    aqk_out, t_out, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr,
+                    SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
+    """Blocks (R, J < R) of Aqk and of Akk (β-scaled, into T's storage), factorised as in `_prepare`
+    (`_off_scores`, every factor ≤ 1); returns G at block J's last row (the next carry)."""
+    _, kJ, _, GJ, _, eJ, _, _, _, _ = _block_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0 + J * BC, i_h, scale,
+                                                    carry, H, K, BC, G_MIN)
+    Akk, Aqk = _off_scores(qs, ks, beta, a, kJ * tl.exp(eJ[None, :] - GJ), eJ, SCORES_BF16, INTERP)
+    _store_block(Aqk, aqk_out, bos, L, i_h, r0, J * BC, H, C, BC, INTERP)
+    _store_block(Akk, t_out, bos, L, i_h, r0, J * BC, H, C, BC, INTERP)
+    return eJ
+
+
+@triton.jit
+def _prep_intra(q, k, z, b, A_log, dt_bias, cu, chunk_idx, qg_out, aqk_out, t_out, kn_out,
+                scale, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+                G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
+    """Split `_prepare`, part 1: one program per (16-row block R, chunk, head).
+
+    Walks the blocks J < R twice (the gate carry, then k̂_J⊙exp(a_R − G_J) for the off-diagonal score blocks;
+    re-reads that hit L1/L2), then writes block R's rows of Q⊙Γ, Aqk (zeros right of the diagonal block) and
+    T's storage: Akk_RJ (β-scaled) left of the diagonal, (I + Akk_RR)⁻¹ on it, zeros right of it; and ‖k‖ for
+    `_prep_wu`. `_prep_solve` then turns T's storage into T.
+    """
+    NB: tl.constexpr = C // BC
+    pid = tl.program_id(0)
+    i_c = pid // NB
+    R = pid % NB
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
+    lo = qg_out.dtype.element_ty
+    carry = tl.zeros([K], dtype=tl.float32)
+    # the interpreter cannot take a program-id-derived scalar as a `range` bound
+    if INTERP:
+        J = 0
+        while J < R:
+            carry = _gate_carry_step(z, A_log, dt_bias, bos, L, row0 + J * BC, i_h, carry, H, K, BC, G_MIN)
+            J += 1
+    else:
+        for J in range(0, R):
+            carry = _gate_carry_step(z, A_log, dt_bias, bos, L, row0 + J * BC, i_h, carry, H, K, BC, G_MIN)
+    r0 = row0 + R * BC
+    qh, kh, beta, G, a, e, q_n, k_n, x, valid = _block_inputs(q, k, z, b, A_log, dt_bias, bos, L, r0, i_h, scale,
+                                                              carry, H, K, BC, G_MIN)
+    tl.store(_bp(qg_out, bos, L, i_h, r0, 0, H, K, BC, K), _cast(qh * tl.exp(G), lo, INTERP), boundary_check=(0,))
+    tl.store(tl.make_block_ptr(kn_out + bos * H + i_h, (L,), (H,), (r0,), (BC,), (0,)), k_n, boundary_check=(0,))
+    rf = tl.exp(G - a[None, :])
+    qs = qh * rf
+    ks = kh * rf
+    Add, Qdd = _diag_scores(qs, ks, kh * tl.exp(a[None, :] - G), beta, BC, SCORES_BF16, INTERP)
+    _store_block(Qdd, aqk_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
+    _store_block(_inv16(Add, BC), t_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
+    # zeros right of the diagonal block (Aqk and T are read back as 64×64 tiles), one masked store each
+    rows = r0 + tl.arange(0, BC)
+    cols = tl.arange(0, C)
+    off = ((bos + rows).to(tl.int64) * H + i_h)[:, None] * C + cols[None, :]
+    upper = (rows < L)[:, None] & (cols >= (R + 1) * BC)[None, :]
+    zeros = tl.zeros([BC, C], dtype=tl.float32)
+    tl.store(aqk_out + off, zeros.to(aqk_out.dtype.element_ty), mask=upper)
+    tl.store(t_out + off, zeros, mask=upper)
+    carry = tl.zeros([K], dtype=tl.float32)
+    if INTERP:
+        J = 0
+        while J < R:
+            carry = _intra_off_step(q, k, z, b, A_log, dt_bias, bos, L, row0, J, i_h, scale, carry, qs, ks, beta, a,
+                                    r0, aqk_out, t_out, H, K, C, BC, G_MIN, SCORES_BF16, INTERP)
+            J += 1
+    else:
+        for J in range(0, R):
+            carry = _intra_off_step(q, k, z, b, A_log, dt_bias, bos, L, row0, J, i_h, scale, carry, qs, ks, beta, a,
+                                    r0, aqk_out, t_out, H, K, C, BC, G_MIN, SCORES_BF16, INTERP)
+
+
+@triton.jit
+def _prep_solve(t_out, cu, chunk_idx, H, C: tl.constexpr, BC: tl.constexpr, INTERP: tl.constexpr):
+    """Split `_prepare`, part 2: one program per (chunk, head) turns T's storage (Akk_RJ below the diagonal,
+    T_RR on it) into T in place: T_RJ = −T_RR·Σ_{J≤M<R} Akk_RM·T_MJ, as in `_prepare`."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
+    T00 = _load_block(t_out, bos, L, i_h, row0, 0, H, C, BC)
+    T11 = _load_block(t_out, bos, L, i_h, row0 + BC, BC, H, C, BC)
+    T22 = _load_block(t_out, bos, L, i_h, row0 + 2 * BC, 2 * BC, H, C, BC)
+    T33 = _load_block(t_out, bos, L, i_h, row0 + 3 * BC, 3 * BC, H, C, BC)
+    A10 = _load_block(t_out, bos, L, i_h, row0 + BC, 0, H, C, BC)
+    A20 = _load_block(t_out, bos, L, i_h, row0 + 2 * BC, 0, H, C, BC)
+    A21 = _load_block(t_out, bos, L, i_h, row0 + 2 * BC, BC, H, C, BC)
+    A30 = _load_block(t_out, bos, L, i_h, row0 + 3 * BC, 0, H, C, BC)
+    A31 = _load_block(t_out, bos, L, i_h, row0 + 3 * BC, BC, H, C, BC)
+    A32 = _load_block(t_out, bos, L, i_h, row0 + 3 * BC, 2 * BC, H, C, BC)
+    T10 = -_mm32(T11, _mm32(A10, T00))
+    T21 = -_mm32(T22, _mm32(A21, T11))
+    T20 = -_mm32(T22, _mm32(A20, T00) + _mm32(A21, T10))
+    T32 = -_mm32(T33, _mm32(A32, T22))
+    T31 = -_mm32(T33, _mm32(A31, T11) + _mm32(A32, T21))
+    T30 = -_mm32(T33, _mm32(A30, T00) + _mm32(A31, T10) + _mm32(A32, T20))
+    # every load above comes before any overwrite, in every thread of the program
+    tl.debug_barrier()
+    _store_block(T10, t_out, bos, L, i_h, row0 + BC, 0, H, C, BC, INTERP)
+    _store_block(T20, t_out, bos, L, i_h, row0 + 2 * BC, 0, H, C, BC, INTERP)
+    _store_block(T21, t_out, bos, L, i_h, row0 + 2 * BC, BC, H, C, BC, INTERP)
+    _store_block(T30, t_out, bos, L, i_h, row0 + 3 * BC, 0, H, C, BC, INTERP)
+    _store_block(T31, t_out, bos, L, i_h, row0 + 3 * BC, BC, H, C, BC, INTERP)
+    _store_block(T32, t_out, bos, L, i_h, row0 + 3 * BC, 2 * BC, H, C, BC, INTERP)
+
+
+@triton.jit
+def _prep_wu(k, v, z, b, A_log, dt_bias, cu, chunk_idx, t_in, kn_in, w_out, u_out, kd_out, gc_out,
+             H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
+             G_MIN: tl.constexpr, INTERP: tl.constexpr):
+    """Split `_prepare`, part 3: one program per (column slice s, chunk, head). Slices s < K/SK: columns
+    [s·SK, +SK) of W = T·diag(β)(K⊙Γ), K⊙exp(G_C − G) and G_C (gate and cumsum are per column; k̂ from the
+    ‖k‖ that `_prep_intra` stored); the others: columns of U = T·diag(β)V."""
+    NS: tl.constexpr = K // SK + V // SV
+    pid = tl.program_id(0)
+    i_c = pid // NS
+    s = pid % NS
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
+    rows = tl.arange(0, C)
+    beta = _load_beta(b, bos, L, row0, i_h, H, C)
+    Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    if s < K // SK:
+        c0 = s * SK
+        valid = row0 + rows < L
+        k_raw = tl.load(_bp(k, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
+        z_raw = tl.load(_bp(z, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
+        k_n = tl.load(tl.make_block_ptr(kn_in + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,)),
+                      boundary_check=(0,), padding_option="zero")
+        kh = k_raw.to(tl.float32) / tl.where(valid, k_n, 1.0)[:, None]
+        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        bias = tl.load(dt_bias + i_h * K + c0 + tl.arange(0, SK)).to(tl.float32)
+        g = tl.where(valid[:, None], G_MIN * tl.sigmoid(a * (z_raw.to(tl.float32) + bias[None, :])), 0.0)
+        G = tl.cumsum(g, 0)
+        gc = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)  # G at the chunk end (padding has g = 0)
+        W = tl.dot(Tm, beta[:, None] * kh * tl.exp(G))
+        tl.store(_bp(w_out, bos, L, i_h, row0, c0, H, K, C, SK), _cast(W, w_out.dtype.element_ty, INTERP),
+                 boundary_check=(0,))
+        tl.store(_bp(kd_out, bos, L, i_h, row0, c0, H, K, C, SK),
+                 _cast(kh * tl.exp(gc[None, :] - G), kd_out.dtype.element_ty, INTERP), boundary_check=(0,))
+        tl.store(gc_out + (i_c * H + i_h).to(tl.int64) * K + c0 + tl.arange(0, SK), gc)
+    else:
+        c0 = (s - K // SK) * SV
+        v_t = tl.load(_bp(v, bos, L, i_h, row0, c0, H, V, C, SV), boundary_check=(0,), padding_option="zero")
+        U = tl.dot(Tm, beta[:, None] * v_t.to(tl.float32))
+        tl.store(_bp(u_out, bos, L, i_h, row0, c0, H, V, C, SV), _cast(U, u_out.dtype.element_ty, INTERP),
+                 boundary_check=(0,))
 
 
 @triton.jit
@@ -803,7 +977,8 @@ def inter_dtypes(dtype: torch.dtype, all_bf16: bool = False) -> tuple[torch.dtyp
 
 
 def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, store_t=False):
-    """Launch `_prepare` on flattened [TT, H, ·] inputs; returns the chunk-local operands."""
+    """Launch `_prepare` (or, with TUNING["prepare_split"], `_prep_intra`, `_prep_solve` and `_prep_wu`: the same
+    outputs) on flattened [TT, H, ·] inputs; returns the chunk-local operands."""
     TT, H, K = q.shape
     V = v.shape[-1]
     lo, hi = dtypes
@@ -813,7 +988,20 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
     Aqk = torch.empty(TT, H, CHUNK, dtype=hi, device=q.device)
     gc = torch.empty(max(plan.NT, 1), H, K, dtype=torch.float32, device=q.device)
     Tm = torch.empty(TT, H, CHUNK, dtype=torch.float32, device=q.device)
-    if plan.NT > 0:
+    if plan.NT > 0 and TUNING["prepare_split"]:
+        interp = interpreting()
+        kn = torch.empty(TT, H, dtype=torch.float32, device=q.device)  # ‖k‖ per row, from part 1 to part 3
+        _prep_intra[(plan.NT * (CHUNK // SUB), H)](q, k, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Qg, Aqk, Tm,
+                                                   kn, scale, H=H, K=K, C=CHUNK, BC=SUB, G_MIN=g_min,
+                                                   SCORES_BF16=lo == torch.bfloat16, INTERP=interp,
+                                                   **_launch_options("prep_intra"))
+        _prep_solve[(plan.NT, H)](Tm, plan.cu, plan.chunk_idx, H=H, C=CHUNK, BC=SUB, INTERP=interp,
+                                  **_launch_options("prep_solve"))
+        SK, SV = min(K, 64), min(V, 64)
+        _prep_wu[(plan.NT * (K // SK + V // SV), H)](k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, kn,
+                                                     W, U, Kd, gc, H=H, K=K, V=V, C=CHUNK, SK=SK, SV=SV,
+                                                     G_MIN=g_min, INTERP=interp, **_launch_options("prep_wu"))
+    elif plan.NT > 0:
         _prepare[(plan.NT, H)](q, k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx,
                                W, U, Qg, Kd, Aqk, gc, Tm, scale, H=H, K=K, V=V, C=CHUNK, BC=SUB, G_MIN=g_min,
                                SCORES_BF16=lo == torch.bfloat16, INTERP=interpreting(),
