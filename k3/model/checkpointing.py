@@ -6,20 +6,15 @@ AttnRes wiring) in non-reentrant `torch.utils.checkpoint`: the forward keeps onl
 (the running partial sum; the sealed blocks are shared) and the backward recomputes the layer. Parameter
 names and the state dict are unchanged. The layer's side outputs (router statistics for Quantile
 Balancing, MLA max logits for QK-Clip) are reported once, by the first run, never by the recomputation.
-The first run tells KDA that its saves are discarded (`k3.model.kda.saves_discarded`), so the Triton
-kernels keep their intermediates for the backward only in the recomputation.
 Calls with a cache (inference) or without gradients run the layer directly. The two-phase AttnRes
 wiring (an inference form) is not checkpointed.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from k3.model.kda import saves_discarded
 from k3.model.model import K3ForCausalLM
 
 
@@ -32,9 +27,7 @@ def _checkpointed(inner):
         def run(sealed, partial):
             infos = [] if router_infos is not None else None
             logits = [] if mla_max_logits is not None else None
-            # the first run's saved tensors are discarded: KDA need not keep its intermediates for a backward
-            with saves_discarded() if first[0] else contextlib.nullcontext():
-                out = inner(sealed, partial, layout, None, infos, logits, read)
+            out = inner(sealed, partial, layout, None, infos, logits, read)
             if first[0]:
                 first[0] = False
                 if infos:

@@ -11,8 +11,6 @@ the implementation with `config.kda_impl`.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 
 import torch
 import torch.nn.functional as F
@@ -25,21 +23,6 @@ from k3.model.sequence import SequenceLayout
 from k3.ops import triton_runs_on
 from k3.ops.kda import naive_chunk_kda, naive_kda_gate, naive_recurrent_kda, torch_chunk_kda
 from k3.ops.short_conv import causal_conv1d, short_conv_silu, short_conv_silu_available
-
-
-# True while activation checkpointing runs a layer's first forward, whose saved tensors it discards (the
-# backward recomputes the layer): keeping the KDA kernels' intermediates there would only cost writes.
-_SAVES_DISCARDED = contextvars.ContextVar("kda_saves_discarded", default=False)
-
-
-@contextlib.contextmanager
-def saves_discarded():
-    """Run a forward whose autograd saves are thrown away (k3.model.checkpointing's first run)."""
-    token = _SAVES_DISCARDED.set(True)
-    try:
-        yield
-    finally:
-        _SAVES_DISCARDED.reset(token)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -159,12 +142,7 @@ class KimiDeltaAttention(nn.Module):
             return o, (state if output_final_state else None)
         return chunk_kda(q, k, v, z, beta_logits, self.A_log, self.dt_bias, gate_lower_bound=self.gate_lower_bound,
                          initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                         cu_seqlens_host=cu_seqlens_host, save_intermediates=self.keeps_intermediates())
-
-    def keeps_intermediates(self) -> bool:
-        """Whether the Triton chunk kernels keep their forward intermediates for the backward
-        (`config.kda_save_intermediates`, except in a checkpointed layer's first, discarded forward)."""
-        return self.save_intermediates and not _SAVES_DISCARDED.get()
+                         cu_seqlens_host=cu_seqlens_host, save_intermediates=self.save_intermediates)
 
     def input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The six projections of x [B, T, D] — q, k, v, output gate (each [B, T, P]), β logits [B, T, H] and

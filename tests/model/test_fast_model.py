@@ -81,26 +81,6 @@ def test_activation_checkpointing_changes_nothing():
     assert cache.lengths == [6]
 
 
-def test_checkpointed_kda_keeps_intermediates_only_in_the_recomputation(monkeypatch):
-    """A checkpointed layer's first forward has its saves discarded: KDA is told not to keep its kernels'
-    intermediates there, and told to keep them in the recomputation that the backward uses."""
-    model = apply_activation_checkpointing(fp64_model(CONFIG))
-    layers = [layer.self_attn for layer in model.model.layers if layer.is_kda]
-    seen = []
-    for attn in layers:
-        original = attn.recurrence
-
-        def spy(*args, attn=attn, original=original):
-            seen.append((attn, attn.keeps_intermediates()))
-            return original(*args)
-
-        monkeypatch.setattr(attn, "recurrence", spy)
-    run(model)
-    assert [keep for _, keep in seen] == [False] * len(layers) + [True] * len(layers)
-    assert [a for a, _ in seen] == layers + layers[::-1]  # backward recomputes the last layer first
-    assert all(attn.keeps_intermediates() for attn in layers)  # outside checkpointing: the config's choice
-
-
 def test_checkpointing_saves_less():
     """With checkpointing only the layer inputs stay saved between forward and backward."""
     def saved_bytes(model):
