@@ -420,7 +420,7 @@ def run_decode(name, B, H, fla, device, quick):
 
 def profile_breakdown(fla, iters=5):
     """CUDA time per kernel for forward and forward+backward at B=1, T=8192, H=96 (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
+    from benchmarks.kernel_profile import print_kernel_times
 
     ins = raw_inputs(1, 8192, 96, seed=4, h0=True)
     live = [x.detach().requires_grad_() for x in ins]
@@ -438,20 +438,7 @@ def profile_breakdown(fla, iters=5):
                 else:
                     o, S = fn(live)
                     torch.autograd.grad((o, S), live, (do, dS))
-            step()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(iters):
-                    step()
-                torch.cuda.synchronize()
-            events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-            events = events or [e for e in prof.key_averages() if e.self_device_time_total > 0]
-            events.sort(key=lambda e: -e.self_device_time_total)
-            total = sum(e.self_device_time_total for e in events) / iters / 1e3
-            print(f"[profile] {name} {mode}: {total:.3f} ms of kernel time per call")
-            for e in events[:12]:
-                ms = e.self_device_time_total / iters / 1e3
-                print(f"[profile]   {ms:8.3f} ms  x{e.count // iters:<3d} {e.key[:90]}")
+            print_kernel_times(f"{name} {mode}", step, iters)
 
 
 def tuning_sweep():

@@ -63,7 +63,7 @@ def gate(device):
 def profile_fused(device, T=8192, C=1024, iters=10):
     """CUDA time per kernel of the fused forward+backward at the small preset's shape, as the model calls it
     (gradient into the column slice only, so no zero-filled gradient of the wide projection is timed)."""
-    from torch.profiler import ProfilerActivity, profile
+    from benchmarks.kernel_profile import print_kernel_times
 
     wide, w, cu = inputs(T, C, device, torch.bfloat16)
     x = wide[..., C:2 * C].detach().requires_grad_()
@@ -73,18 +73,7 @@ def profile_fused(device, T=8192, C=1024, iters=10):
     def step():
         return torch.autograd.grad(short_conv_silu(x, wg, cu), (x, wg), dy)
 
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    events = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
-                    key=lambda e: -e.self_device_time_total)
-    total = sum(e.self_device_time_total for e in events) / iters
-    print(f"[profile] fused fwd+bwd, T={T} C={C}: {total:.1f} µs of kernel time per call")
-    for e in events[:10]:
-        print(f"[profile]   {e.self_device_time_total / iters:8.1f} µs  x{e.count // iters:<3d} {e.key[:90]}")
+    print_kernel_times(f"fused fwd+bwd, T={T} C={C}", step, iters, top=10)
 
 
 def main() -> int:

@@ -83,16 +83,22 @@ if triton is not None:
         tl.store(F + r * stride_f + cols[None, :], f.to(F.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _situ_bwd_kernel(G, U, DF, DG, DU, M, N, stride_g, stride_u, stride_df, stride_dg, stride_du,
-                         beta1, beta2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        r, cols, mask, g, u = _load_tile(G, U, M, N, stride_g, stride_u, BLOCK_M, BLOCK_N)
-        df = tl.load(DF + r * stride_df + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    def _situ_value_and_partials(g, u, beta1, beta2):
+        """f(g, u) and its partials ∂f/∂g, ∂f/∂u (module docstring), in fp32."""
         tg = _tanh(g / beta1)
         sg = tl.sigmoid(g)
         tu = _tanh(u / beta2)
         a = beta1 * tg * sg
-        dg = df * (beta2 * tu) * ((1.0 - tg * tg) * sg + a * (1.0 - sg))
-        du = df * a * (1.0 - tu * tu)
+        return a * (beta2 * tu), (beta2 * tu) * ((1.0 - tg * tg) * sg + a * (1.0 - sg)), a * (1.0 - tu * tu)
+
+    @triton.jit
+    def _situ_bwd_kernel(G, U, DF, DG, DU, M, N, stride_g, stride_u, stride_df, stride_dg, stride_du,
+                         beta1, beta2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        r, cols, mask, g, u = _load_tile(G, U, M, N, stride_g, stride_u, BLOCK_M, BLOCK_N)
+        df = tl.load(DF + r * stride_df + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        _, f_g, f_u = _situ_value_and_partials(g, u, beta1, beta2)
+        dg = df * f_g
+        du = df * f_u
         tl.store(DG + r * stride_dg + cols[None, :], dg.to(DG.dtype.element_ty), mask=mask)
         tl.store(DU + r * stride_du + cols[None, :], du.to(DU.dtype.element_ty), mask=mask)
 
@@ -114,15 +120,11 @@ if triton is not None:
             g = tl.load(G + r * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             u = tl.load(U + r * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             da = tl.load(DA + r * stride_da + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            tg = _tanh(g / beta1)
-            sg = tl.sigmoid(g)
-            tu = _tanh(u / beta2)
-            a = beta1 * tg * sg
-            f = a * (beta2 * tu)
+            f, f_g, f_u = _situ_value_and_partials(g, u, beta1, beta2)
             dp += tl.sum(da * f, 1)
             df = da * p
-            dg = df * (beta2 * tu) * ((1.0 - tg * tg) * sg + a * (1.0 - sg))
-            du = df * a * (1.0 - tu * tu)
+            dg = df * f_g
+            du = df * f_u
             tl.store(DG + r * stride_dg + cols[None, :], dg.to(DG.dtype.element_ty), mask=mask)
             tl.store(DU + r * stride_du + cols[None, :], du.to(DU.dtype.element_ty), mask=mask)
             tl.store(WACT + r * stride_w + cols[None, :], (f * p).to(WACT.dtype.element_ty), mask=mask)

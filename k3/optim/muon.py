@@ -309,13 +309,10 @@ def local_tensor(t: Tensor) -> Tensor:
 
 
 def _stack_as(dtype: torch.dtype, blocks: list[Tensor]) -> Tensor:
-    """torch.cat(blocks).to(dtype), cast while copying: one read of the fp32 blocks and one write in dtype."""
+    """torch.cat(blocks).to(dtype), cast while copying (cat into an output of that dtype): one read of the fp32
+    blocks and one write in dtype."""
     out = torch.empty((sum(b.shape[0] for b in blocks), *blocks[0].shape[1:]), dtype=dtype, device=blocks[0].device)
-    start = 0
-    for b in blocks:
-        out[start:start + b.shape[0]].copy_(b)
-        start += b.shape[0]
-    return out
+    return torch.cat(blocks, out=out)
 
 
 def _batches(items: list[tuple[Tensor, Tensor]]) -> Iterable[list[tuple[Tensor, Tensor]]]:

@@ -132,6 +132,35 @@ def _load_beta(b, bos, L, row0, i_h, H, C: tl.constexpr):
 
 
 @triton.jit
+def _solve_below_diagonal(T00, T11, T22, T33, A10, A20, A21, A30, A31, A32):
+    """The blocks below the diagonal of T = (I + Akk)⁻¹ from its diagonal blocks T_RR and Akk's blocks below
+    the diagonal: T_RJ = −T_RR·Σ_{J≤M<R} Akk_RM·T_MJ (shared by `_prepare` and `_prep_solve`)."""
+    T10 = -_mm32(T11, _mm32(A10, T00))
+    T21 = -_mm32(T22, _mm32(A21, T11))
+    T20 = -_mm32(T22, _mm32(A20, T00) + _mm32(A21, T10))
+    T32 = -_mm32(T33, _mm32(A32, T22))
+    T31 = -_mm32(T33, _mm32(A31, T11) + _mm32(A32, T21))
+    T30 = -_mm32(T33, _mm32(A30, T00) + _mm32(A31, T10) + _mm32(A32, T20))
+    return T10, T20, T21, T30, T31, T32
+
+
+@triton.jit
+def _gate_tile(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K: tl.constexpr, R: tl.constexpr, NC: tl.constexpr,
+               G_MIN: tl.constexpr):
+    """The lower-bounded gate on rows [row0, +R) and columns [c0, +NC) of one head: (g, pre-activation x,
+    valid rows); g = g_min·σ(exp(A)·(z + dt_bias)), zero past the document end. The split `_prepare`'s
+    kernels use it; `_load_chunk_inputs` keeps the same lines inline, in its own order, because the timed
+    kernels built on it allocate registers differently otherwise (offline sm_90: `_bwd_vw` spills 360 →
+    388–424 B, `_prepare` 28 → 20–40 B), and that change would need a timing first."""
+    valid = row0 + tl.arange(0, R) < L
+    z_raw = tl.load(_bp(z, bos, L, i_h, row0, c0, H, K, R, NC), boundary_check=(0,), padding_option="zero")
+    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    bias = tl.load(dt_bias + i_h * K + c0 + tl.arange(0, NC)).to(tl.float32)
+    x = a * (z_raw.to(tl.float32) + bias[None, :])
+    return tl.where(valid[:, None], G_MIN * tl.sigmoid(x), 0.0), x, valid
+
+
+@triton.jit
 def _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
                        H, K: tl.constexpr, C: tl.constexpr, G_MIN: tl.constexpr):
     """Raw rows → (q̂·scale, k̂, β, g, q norm, k norm, gate pre-activation x, valid) for one chunk of one head.
@@ -309,12 +338,7 @@ def _prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx,
     T11 = _inv16(A11, BC)
     T22 = _inv16(A22, BC)
     T33 = _inv16(A33, BC)
-    T10 = -_mm32(T11, _mm32(A10, T00))
-    T21 = -_mm32(T22, _mm32(A21, T11))
-    T20 = -_mm32(T22, _mm32(A20, T00) + _mm32(A21, T10))
-    T32 = -_mm32(T33, _mm32(A32, T22))
-    T31 = -_mm32(T33, _mm32(A31, T11) + _mm32(A32, T21))
-    T30 = -_mm32(T33, _mm32(A30, T00) + _mm32(A31, T10) + _mm32(A32, T20))
+    T10, T20, T21, T30, T31, T32 = _solve_below_diagonal(T00, T11, T22, T33, A10, A20, A21, A30, A31, A32)
     _store_block(T00, t_out, bos, L, i_h, row0, 0, H, C, BC, INTERP)
     _store_block(T10, t_out, bos, L, i_h, row0 + BC, 0, H, C, BC, INTERP)
     _store_block(T11, t_out, bos, L, i_h, row0 + BC, BC, H, C, BC, INTERP)
@@ -354,11 +378,7 @@ def _gate_carry_step(z, A_log, dt_bias, bos, L, row0, i_h, carry, H, K: tl.const
                      G_MIN: tl.constexpr):
     """G at the last row of the 16-row block at row0, continuing from `carry` (the gate alone, as in
     `_block_inputs`)."""
-    valid = row0 + tl.arange(0, BC) < L
-    z_raw = tl.load(_bp(z, bos, L, i_h, row0, 0, H, K, BC, K), boundary_check=(0,), padding_option="zero")
-    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    bias = tl.load(dt_bias + i_h * K + tl.arange(0, K)).to(tl.float32)
-    g = tl.where(valid[:, None], G_MIN * tl.sigmoid(a * (z_raw.to(tl.float32) + bias[None, :])), 0.0)
+    g, _, _ = _gate_tile(z, A_log, dt_bias, bos, L, row0, 0, i_h, H, K, BC, K, G_MIN)
     G = carry[None, :] + tl.cumsum(g, 0)
     return tl.sum(tl.where(tl.arange(0, BC)[:, None] == BC - 1, G, 0.0), 0)
 
@@ -454,12 +474,7 @@ def _prep_solve(t_out, cu, chunk_idx, H, C: tl.constexpr, BC: tl.constexpr, INTE
     A30 = _load_block(t_out, bos, L, i_h, row0 + 3 * BC, 0, H, C, BC)
     A31 = _load_block(t_out, bos, L, i_h, row0 + 3 * BC, BC, H, C, BC)
     A32 = _load_block(t_out, bos, L, i_h, row0 + 3 * BC, 2 * BC, H, C, BC)
-    T10 = -_mm32(T11, _mm32(A10, T00))
-    T21 = -_mm32(T22, _mm32(A21, T11))
-    T20 = -_mm32(T22, _mm32(A20, T00) + _mm32(A21, T10))
-    T32 = -_mm32(T33, _mm32(A32, T22))
-    T31 = -_mm32(T33, _mm32(A31, T11) + _mm32(A32, T21))
-    T30 = -_mm32(T33, _mm32(A30, T00) + _mm32(A31, T10) + _mm32(A32, T20))
+    T10, T20, T21, T30, T31, T32 = _solve_below_diagonal(T00, T11, T22, T33, A10, A20, A21, A30, A31, A32)
     # every load above comes before any overwrite, in every thread of the program
     tl.debug_barrier()
     _store_block(T10, t_out, bos, L, i_h, row0 + BC, 0, H, C, BC, INTERP)
@@ -488,15 +503,11 @@ def _prep_wu(k, v, z, b, A_log, dt_bias, cu, chunk_idx, t_in, kn_in, w_out, u_ou
     Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
     if s < K // SK:
         c0 = s * SK
-        valid = row0 + rows < L
         k_raw = tl.load(_bp(k, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
-        z_raw = tl.load(_bp(z, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
+        g, _, valid = _gate_tile(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K, C, SK, G_MIN)
         k_n = tl.load(tl.make_block_ptr(kn_in + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,)),
                       boundary_check=(0,), padding_option="zero")
         kh = k_raw.to(tl.float32) / tl.where(valid, k_n, 1.0)[:, None]
-        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        bias = tl.load(dt_bias + i_h * K + c0 + tl.arange(0, SK)).to(tl.float32)
-        g = tl.where(valid[:, None], G_MIN * tl.sigmoid(a * (z_raw.to(tl.float32) + bias[None, :])), 0.0)
         G = tl.cumsum(g, 0)
         gc = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)  # G at the chunk end (padding has g = 0)
         W = tl.dot(Tm, beta[:, None] * kh * tl.exp(G))
