@@ -223,13 +223,19 @@ def main() -> int:
     ap.add_argument("--tuning", default="", metavar="JSON",
                     help='launch-config overrides for every k3 case, e.g. \'{"prepare_maxnreg": 128}\' (keys of '
                          'k3.ops.kda.triton_chunk.TUNING)')
+    ap.add_argument("--compare", default="", metavar="JSON",
+                    help='a JSON list of TUNING overrides, e.g. \'[{}, {"bwd_k_maxnreg": 128}]\': each one is gated '
+                         'and timed at B=1 T=8192 H=96 (fwd, fwd+bwd, per kernel) in this process; one table')
     args = ap.parse_args()
-    if args.tuning:
-        overrides = json.loads(args.tuning)
+    compare = json.loads(args.compare) if args.compare else []
+    if not isinstance(compare, list) or not all(isinstance(c, dict) for c in compare):
+        ap.error("--compare takes a JSON list of objects")
+    for overrides in [json.loads(args.tuning) if args.tuning else {}] + compare:
         unknown = set(overrides) - set(triton_chunk.TUNING)
         if unknown:
             ap.error(f"unknown TUNING keys {sorted(unknown)}; known: {', '.join(triton_chunk.TUNING)}")
-        triton_chunk.TUNING.update(overrides)
+    if args.tuning:
+        triton_chunk.TUNING.update(json.loads(args.tuning))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fla_all = load_fla(args.fla_configs) if device == "cuda" else None
     if fla_all is not None and not args.fla_configs:
@@ -282,6 +288,7 @@ def main() -> int:
         profile_breakdown(fla_all if profile_fla else None)
     if args.sweep and device == "cuda":
         tuning_sweep()
+    compared = compare_tunings(compare, device, args.quick) if compare else None
     result = {
         "benchmark": "kda", "command": " ".join([sys.executable, "-m", "benchmarks.kda"] + sys.argv[1:]),
         "git": {"sha": git_sha(), "dirty": None},
@@ -291,7 +298,7 @@ def main() -> int:
                 "FLA_FLASH_KDA": os.environ.get("FLA_FLASH_KDA")},
         "config": {"bandwidth": BANDWIDTH, "peak_flops": PEAK_FLOPS, "quick": args.quick,
                    "fla_configs_per_autotuner": args.fla_configs or "all", "tuning": dict(triton_chunk.TUNING)},
-        "gate": errs, "cases": rows,
+        "gate": errs, "cases": rows, "compare": compared,
     }
     text = json.dumps(result, indent=1)
     if not args.quick:
@@ -439,6 +446,61 @@ def profile_breakdown(fla, iters=5):
                     o, S = fn(live)
                     torch.autograd.grad((o, S), live, (do, dS))
             print_kernel_times(f"{name} {mode}", step, iters)
+
+
+def compare_tunings(configs, device, quick):
+    """Each TUNING override set (on top of the current TUNING) at B=1 T=8192 H=96: the fp64 gate, fwd and
+    fwd+bwd times (`bench`) and fwd+bwd kernel times (profiler); prints one table, returns the rows."""
+    from benchmarks.kernel_profile import kernel_times
+
+    B, T, H = (1, 128, 2) if quick else (1, 8192, 96)
+    base = dict(triton_chunk.TUNING)
+    ins = raw_inputs(B, T, H, seed=4, device=device, h0=True)
+    live = [x.detach().requires_grad_() for x in ins]
+    gen = torch.Generator(device=device).manual_seed(5)
+    do = torch.randn(B, T, H, 128, generator=gen, device=device).bfloat16()
+    dS = torch.randn(B, H, 128, 128, generator=gen, device=device)
+
+    def fwd():
+        with torch.no_grad():
+            ours_fn(live, None)
+
+    def fwd_bwd():
+        o, S = ours_fn(live, None)
+        torch.autograd.grad((o, S), live, (do, dS))
+
+    rows = []
+    try:
+        for cfg in configs:
+            triton_chunk.TUNING.clear()
+            triton_chunk.TUNING.update(base, **cfg)
+            errs, ok = small_gate(device)
+            row = {"tuning": cfg, "gate_ok": ok, "gate": errs}
+            if ok:
+                times = bench({"fwd": fwd, "fwd+bwd": fwd_bwd}, quick)
+                row.update(fwd_ms=times["fwd"]["ms_median"], fwd_bwd_ms=times["fwd+bwd"]["ms_median"])
+                if device == "cuda":
+                    row["kernels_ms"] = {k: ms for k, (ms, _) in kernel_times(fwd_bwd).items()}
+            rows.append(row)
+            print(f"[compare] {json.dumps(cfg)}: " + ("gate FAILED " + str(errs) if not ok else
+                  f"fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwd_bwd_ms']:.3f} ms"), flush=True)
+    finally:
+        triton_chunk.TUNING.clear()
+        triton_chunk.TUNING.update(base)
+    kernels = []
+    for r in rows:
+        kernels += [k for k, ms in r.get("kernels_ms", {}).items() if ms >= 0.05 and k not in kernels]
+    cols = ["tuning", "fwd ms", "fwd+bwd ms"] + [k.split("(")[0][:12] for k in kernels]
+    table = [[json.dumps(r["tuning"]), *(("gate FAIL", "") if not r["gate_ok"] else
+                                         (f"{r['fwd_ms']:.3f}", f"{r['fwd_bwd_ms']:.3f}")),
+              *(f"{r['kernels_ms'][k]:.2f}" if k in r.get("kernels_ms", {}) else "" for k in kernels)]
+             for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in table)) for i, c in enumerate(cols)]
+    print(f"KDA launch configs at B={B} T={T} H={H} (kernel columns: fwd+bwd ms per call)")
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for row in table:
+        print("  ".join(x.ljust(w) for x, w in zip(row, widths)))
+    return rows
 
 
 def tuning_sweep():

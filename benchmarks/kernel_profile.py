@@ -7,9 +7,9 @@ from typing import Callable
 import torch
 
 
-def print_kernel_times(label: str, step: Callable[[], object], iters: int = 5, top: int = 12) -> float:
-    """Run `step` once (warm-up and compilation), then `iters` times under the profiler; print the kernel time
-    per call and its `top` kernels, each with its launches per call. Returns the kernel ms per call."""
+def kernel_times(step: Callable[[], object], iters: int = 5) -> dict[str, tuple[float, int]]:
+    """Run `step` once (warm-up and compilation), then `iters` times under the profiler; returns
+    {kernel name: (ms per call, launches per call)}, largest first."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -21,8 +21,15 @@ def print_kernel_times(label: str, step: Callable[[], object], iters: int = 5, t
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     events = events or [e for e in prof.key_averages() if e.self_device_time_total > 0]
     events.sort(key=lambda e: -e.self_device_time_total)
-    total = sum(e.self_device_time_total for e in events) / iters / 1e3
+    return {e.key: (e.self_device_time_total / iters / 1e3, e.count // iters) for e in events}
+
+
+def print_kernel_times(label: str, step: Callable[[], object], iters: int = 5, top: int = 12) -> float:
+    """`kernel_times`, printed: the kernel time per call and its `top` kernels, each with its launches per
+    call. Returns the kernel ms per call."""
+    times = kernel_times(step, iters)
+    total = sum(ms for ms, _ in times.values())
     print(f"[profile] {label}: {total:.3f} ms of kernel time per call")
-    for e in events[:top]:
-        print(f"[profile]   {e.self_device_time_total / iters / 1e3:8.3f} ms  x{e.count // iters:<3d} {e.key[:90]}")
+    for key, (ms, count) in list(times.items())[:top]:
+        print(f"[profile]   {ms:8.3f} ms  x{count:<3d} {key[:90]}")
     return total

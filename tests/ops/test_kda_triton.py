@@ -484,9 +484,11 @@ def test_prepare_split_matches_fused(dev, monkeypatch, case):
     """The three split kernels write what `_prepare` writes (W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, T), same
     shapes, dtypes and layouts. The score blocks use the same factorisation and helpers, so the only
     differences are summation orders: the W and U products over column slices instead of whole 64-row tiles
-    (and, on a GPU, different dot tilings). Tolerances, relative RMSE: 1e-5 for fp32-stored outputs (a few fp32
-    roundings; the interpreter gives 0 for all but W and U, ≤ 3e-8 there); 3e-4 for bf16-stored ones, where an
-    fp32 difference of ~1e-7 flips the rounding of a small fraction of the elements by one bf16 ulp (3.9e-3)."""
+    (and, on a GPU, different dot tilings and cumsum orders). Tolerances, relative RMSE: for fp32-stored outputs
+    1e-5 in the interpreter (it gives 0 for all but W and U, ≤ 3e-8 there) and 1e-4 on a GPU, where the gate's
+    cumsum runs in another order per 16-row block: G reaches −320 in a chunk, so its fp32 rounding moves
+    exp(±G) by ~320·6e-8 ≈ 2e-5 (H200, run 6: Aqk 1.3e-5); 3e-4 for bf16-stored ones, where an fp32
+    difference of ~1e-7 flips the rounding of a small fraction of the elements by one bf16 ulp (3.9e-3)."""
     from k3.ops.kda import triton_chunk as tc
 
     lengths, H, K, V, dtype, all_bf16, g_min = SPLIT_CASES[case]
@@ -508,7 +510,7 @@ def test_prepare_split_matches_fused(dev, monkeypatch, case):
     for name, a, r in zip(names, runs[True], runs[False]):
         assert a.shape == r.shape and a.dtype == r.dtype and a.stride() == r.stride(), name
         assert torch.isfinite(a).all(), name
-        tol = 1e-5 if a.dtype == torch.float32 else 3e-4
+        tol = (1e-4 if ON_GPU else 1e-5) if a.dtype == torch.float32 else 3e-4
         assert rel_err(a.cpu(), r.cpu()) <= tol, (case, name, rel_err(a.cpu(), r.cpu()))
     # T's upper blocks and Aqk's are zeros in both (read back as 64×64 tiles)
     T = runs[True][6].cpu()
