@@ -32,7 +32,8 @@ import k3.ops.kda.triton_chunk as chunk  # noqa: E402
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 FP32_ARGS = {"A_log", "dt_bias", "t_in", "t_out", "hs", "dse", "du", "dqh_in", "dkh_in", "dg_in", "daqk_in",
              "dakk_in", "db_in", "dqh_out", "dkh_out", "dg_out", "daqk_out", "dakk_out", "db_out", "dA_part",
-             "dbias_part", "aqk_out", "u_out", "gc_out", "gc", "h0", "ht", "aqk", "u", "dht", "dh0", "kn_out", "kn_in"}
+             "dbias_part", "aqk_out", "u_out", "gc_out", "gc", "h0", "ht", "aqk", "u", "dht", "dh0", "kn_out", "kn_in",
+             "dqh", "dkh", "db_part"}
 INT32_ARGS = {"cu", "chunk_idx", "chunk_off"}
 CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
                   USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64)
@@ -40,13 +41,23 @@ CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF
 # `_prep_*` kernels replace `_prepare` under TUNING["prepare_split"])
 TUNING_PREFIX = {"_prepare": "prepare", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
                  "_prep_wu": "prep_wu", "_state": "state", "_state_bwd": "state_bwd", "_bwd_vu": "bwd_v",
-                 "_bwd_vw": "bwd_v", "_bwd_k": "bwd_k"}
+                 "_bwd_vw": "bwd_v", "_bwd_k": "bwd_k", "_bwd_k_split": "bwd_ks", "_bwd_norms": "bwd_norms"}
+# per-kernel constexprs on top of CONSTEXPRS; "_bwd_k_split" is `_bwd_k` under TUNING["bwd_k_split"] (its dβ output
+# is then the fp32 [TT, H, NS] partials)
+_SK = chunk.TUNING["bwd_ks_cols"]
+KERNEL_CONSTEXPRS = {"_bwd_k": dict(SK=128, SPLIT=False), "_bwd_k_split": dict(SK=_SK, SPLIT=True),
+                     "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"])}
+
+
+def kernel_fn(name: str):
+    return chunk._bwd_k if name == "_bwd_k_split" else getattr(chunk, name)
 
 
 def compile_report(fn, num_warps: int, num_stages: int = 3, maxnreg: int | None = None,
                    **constexprs) -> tuple[int, int, int, int]:
     """(registers, spill store bytes, spill load bytes, shared bytes) of one kernel for sm_90."""
     signature, constants, attrs = {}, {}, {}
+    fp32_args = FP32_ARGS | ({"dbl"} if constexprs.get("SPLIT") else set())
     for i, name in enumerate(fn.arg_names):
         if fn.params[i].is_constexpr:
             signature[name] = "constexpr"
@@ -54,7 +65,7 @@ def compile_report(fn, num_warps: int, num_stages: int = 3, maxnreg: int | None 
         elif name == "scale":
             signature[name] = "fp32"
         else:
-            signature[name] = ("i32" if name == "H" else "*fp32" if name in FP32_ARGS
+            signature[name] = ("i32" if name in ("H", "TT") else "*fp32" if name in fp32_args
                                else "*i32" if name in INT32_ARGS else "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
     return sm90_report(fn, signature, constants, attrs, num_warps, num_stages, maxnreg)[:4]
@@ -109,7 +120,8 @@ def main() -> None:
         for warps in args.warps or [base["num_warps"]]:
             for cap in args.maxnreg or [base.get("maxnreg")]:
                 settings = {**base, "num_warps": warps, "maxnreg": cap}
-                regs, stores, loads, shared = compile_report(getattr(chunk, name), **settings)
+                regs, stores, loads, shared = compile_report(kernel_fn(name), **settings,
+                                                             **KERNEL_CONSTEXPRS.get(name, {}))
                 shown = {k: v for k, v in settings.items() if v is not None}
                 print(f"{name:12s} {str(shown):52s} {regs:5d} {f'{stores} / {loads}':>14s} {shared / 1024:10.0f}",
                       flush=True)

@@ -58,7 +58,11 @@ TUNING = {
     "state_bv": 32, "state_warps": 4, "state_stages": 2, "state_maxnreg": None,
     "state_bwd_bv": 32, "state_bwd_warps": 8, "state_bwd_stages": 1, "state_bwd_maxnreg": None,
     "bwd_v_bv": 32, "bwd_v_warps": 8, "bwd_v_stages": None, "bwd_v_maxnreg": None,  # `_bwd_vu` and `_bwd_vw`
-    "bwd_k_warps": 8, "bwd_k_stages": None, "bwd_k_maxnreg": None,
+    # 128 registers: 2 programs per SM despite 1.7 KB of spills, 9.30 → 7.65 ms at the K3 shape (§7 item 11, run 6)
+    "bwd_k_warps": 8, "bwd_k_stages": None, "bwd_k_maxnreg": 128,
+    # the split `_bwd_k` (docs/kda-kernels.md §7 item 11): key slices of bwd_ks_cols columns, then `_bwd_norms`
+    "bwd_k_split": False, "bwd_ks_cols": 32, "bwd_ks_warps": 4, "bwd_ks_stages": None, "bwd_ks_maxnreg": None,
+    "bwd_norms_rows": 16, "bwd_norms_warps": 4, "bwd_norms_stages": None, "bwd_norms_maxnreg": None,
     "decode_bv": 64, "decode_warps": 4,
 }
 
@@ -202,6 +206,35 @@ def _block_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, carry,
     a = tl.sum(tl.where(r[:, None] == 0, G, 0.0), 0)
     e = tl.sum(tl.where(r[:, None] == BC - 1, G, 0.0), 0)
     return qh, kh, beta, G, a, e, q_n, k_n, x, valid
+
+
+@triton.jit
+def _block_inputs_cols(q, k, z, b, A_log, dt_bias, bos, L, row0, c0, i_h, scale, carry,
+                       H, K: tl.constexpr, SK: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr):
+    """`_block_inputs` on the key columns [c0, c0 + SK) (the split `_bwd_k`): q̂, k̂, G, a, e on those columns
+    (`carry` too), β, gate pre-activation and valid mask. The L2 norms still need whole rows: they are taken
+    from a full-width load first."""
+    q_n = _row_norm(q, bos, L, row0, i_h, H, K, BC)
+    k_n = _row_norm(k, bos, L, row0, i_h, H, K, BC)
+    q_s = tl.load(_bp(q, bos, L, i_h, row0, c0, H, K, BC, SK), boundary_check=(0,), padding_option="zero")
+    k_s = tl.load(_bp(k, bos, L, i_h, row0, c0, H, K, BC, SK), boundary_check=(0,), padding_option="zero")
+    qh = q_s.to(tl.float32) / q_n[:, None] * scale
+    kh = k_s.to(tl.float32) / k_n[:, None]
+    beta = _load_beta(b, bos, L, row0, i_h, H, BC)
+    g, x, valid = _gate_tile(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K, BC, SK, G_MIN)
+    G = carry[None, :] + tl.cumsum(g, 0)
+    r = tl.arange(0, BC)
+    a = tl.sum(tl.where(r[:, None] == 0, G, 0.0), 0)
+    e = tl.sum(tl.where(r[:, None] == BC - 1, G, 0.0), 0)
+    return qh, kh, beta, G, a, e, x, valid
+
+
+@triton.jit
+def _row_norm(x, bos, L, row0, i_h, H, K: tl.constexpr, BC: tl.constexpr):
+    """sqrt(‖x_r‖² + 1e-6) for the BC rows at row0 (zero rows past the document end give 1e-3)."""
+    xr = tl.load(_bp(x, bos, L, i_h, row0, 0, H, K, BC, K), boundary_check=(0,), padding_option="zero")
+    xr = xr.to(tl.float32)
+    return tl.sqrt(tl.sum(xr * xr, 1) + 1e-6)
 
 
 @triton.jit
@@ -770,17 +803,23 @@ def _score_bwd_off(daqk, dakk, bos, L, i_h, row0, col0, qs, ks, beta, a, kend_J,
 
 @triton.jit
 def _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk, dakk, db_in, dq, dbl,
-              bos, L, row0, R: tl.constexpr, g_base, i_h, scale, carry, kend0, e0, kend1, e1, kend2, e2,
-              cs0, cs1, cs2, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-              G_MIN: tl.constexpr, INTERP: tl.constexpr):
+              bos, L, row0, c0, s, R: tl.constexpr, g_base, i_h, scale, carry, kend0, e0, kend1, e1, kend2, e2,
+              cs0, cs1, cs2, H, K: tl.constexpr, SK: tl.constexpr, NS: tl.constexpr, C: tl.constexpr,
+              BC: tl.constexpr, G_MIN: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """Sweep 1 of `_bwd_k`, row block R: everything its rows of the score matrices give.
 
     dq̂ and dβ only have row-side terms, so dq and dβ's logit are finished here; the partial dk̂ and dG
     (missing the column side of later row blocks) go back to their scratch rows. Adds block R's column
     side to the cs of earlier blocks; returns (G at the block's end, k̂⊙exp(e_R − G), cs0, cs1, cs2).
+    SPLIT (key columns [c0, c0 + SK), slice s of NS): the norm backward and σ' need whole rows, so dq̂ goes
+    back to its scratch and this slice's part of dβ to db_in's [TT, H, NS] partials (dbl) for `_bwd_norms`.
     """
-    qh, kh, beta, G, a, e, q_n, k_n, x, valid = _block_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0 + R * BC,
-                                                              i_h, scale, carry, H, K, BC, G_MIN)
+    if SPLIT:
+        qh, kh, beta, G, a, e, x, valid = _block_inputs_cols(q, k, z, b, A_log, dt_bias, bos, L, row0 + R * BC, c0,
+                                                             i_h, scale, carry, H, K, SK, BC, G_MIN)
+    else:
+        qh, kh, beta, G, a, e, q_n, k_n, x, valid = _block_inputs(q, k, z, b, A_log, dt_bias, bos, L,
+                                                                  row0 + R * BC, i_h, scale, carry, H, K, BC, G_MIN)
     rf = tl.exp(G - a[None, :])
     ec = tl.exp(a[None, :] - G)
     qs = qh * rf
@@ -802,46 +841,60 @@ def _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk, dakk, db_
         rowq, rowk, cs2 = _score_bwd_off(daqk, dakk, bos, L, i_h, row0 + R * BC, 2 * BC, qs, ks, beta, a, kend2,
                                          e2, rowq, rowk, cs2, H, C, BC)
     r0 = row0 + R * BC
-    ck = tl.arange(0, K)
-    p_dqh = _bp(dqh_in, bos, L, i_h, r0, 0, H, K, BC, K)
-    p_dkh = _bp(dkh_in, bos, L, i_h, r0, 0, H, K, BC, K)
-    p_dg = dg_in + g_base + (R * BC + tl.arange(0, BC))[:, None] * K + ck[None, :]
+    ck = tl.arange(0, SK)
+    p_dqh = _bp(dqh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
+    p_dkh = _bp(dkh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
+    p_dg = dg_in + g_base + (R * BC + tl.arange(0, BC))[:, None] * K + c0 + ck[None, :]
     dqh = tl.load(p_dqh, boundary_check=(0,), padding_option="zero") + rf * rowq
     # rowk was taken with dAkk; Akk = diag(β)·Ã, so Σ_i dAkk·Ã = Σ_k ks⊙rowk, and Ã's own gradient is β·rowk
-    p_db = tl.make_block_ptr(db_in + bos * H + i_h, (L,), (H,), (r0,), (BC,), (0,))
-    dbeta = tl.load(p_db, boundary_check=(0,), padding_option="zero") + tl.sum(ks * rowk, 1)
+    if SPLIT:
+        dbeta = tl.sum(ks * rowk, 1)
+    else:
+        p_db = tl.make_block_ptr(db_in + bos * H + i_h, (L,), (H,), (r0,), (BC,), (0,))
+        dbeta = tl.load(p_db, boundary_check=(0,), padding_option="zero") + tl.sum(ks * rowk, 1)
     rowk = beta[:, None] * rowk
     dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero") + rf * rowk + ec * cs
     dG = tl.load(p_dg) + qs * rowq + ks * rowk - kc * cs
     tl.store(p_dkh, dkh, boundary_check=(0,))
     tl.store(p_dg, dG)
-    # L2 norm: y = x/‖x‖ → dx = (dy − y·⟨y, dy⟩)/‖x‖; q̂ = scale·y
-    yq = qh / scale
-    dyq = dqh * scale
-    dqv = (dyq - yq * tl.sum(yq * dyq, 1)[:, None]) / q_n[:, None]
-    tl.store(_bp(dq, bos, L, i_h, r0, 0, H, K, BC, K), _cast(dqv, dq.dtype.element_ty, INTERP), boundary_check=(0,))
-    p_dbl = tl.make_block_ptr(dbl + bos * H + i_h, (L,), (H,), (r0,), (BC,), (0,))
-    tl.store(p_dbl, _cast(dbeta * beta * (1.0 - beta), dbl.dtype.element_ty, INTERP), boundary_check=(0,))
+    if SPLIT:
+        tl.store(p_dqh, dqh, boundary_check=(0,))
+        p_part = tl.make_block_ptr(dbl + (bos * H + i_h) * NS + s, (L,), (H * NS,), (r0,), (BC,), (0,))
+        tl.store(p_part, dbeta, boundary_check=(0,))
+    else:
+        # L2 norm: y = x/‖x‖ → dx = (dy − y·⟨y, dy⟩)/‖x‖; q̂ = scale·y
+        yq = qh / scale
+        dyq = dqh * scale
+        dqv = (dyq - yq * tl.sum(yq * dyq, 1)[:, None]) / q_n[:, None]
+        tl.store(_bp(dq, bos, L, i_h, r0, 0, H, K, BC, K), _cast(dqv, dq.dtype.element_ty, INTERP),
+                 boundary_check=(0,))
+        p_dbl = tl.make_block_ptr(dbl + bos * H + i_h, (L,), (H,), (r0,), (BC,), (0,))
+        tl.store(p_dbl, _cast(dbeta * beta * (1.0 - beta), dbl.dtype.element_ty, INTERP), boundary_check=(0,))
     return e, kh * tl.exp(e[None, :] - G), cs0, cs1, cs2
 
 
 @triton.jit
-def _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, J: tl.constexpr, g_base, i_h,
+def _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, c0, J: tl.constexpr, g_base, i_h,
               scale, carry, e_J, cs_J, dg_after, dA_sum, dbias_sum,
-              H, K: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr, HAS_CS: tl.constexpr,
-              INTERP: tl.constexpr):
+              H, K: tl.constexpr, SK: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr, HAS_CS: tl.constexpr,
+              SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """Sweep 2 of `_bwd_k`, block J (last block first): the column side of the later row blocks, the reverse
-    cumsum dG → dg (dg_after = Σ dG over the later blocks), and the gate and k-norm chains.
+    cumsum dG → dg (dg_after = Σ dG over the later blocks), and the gate and k-norm chains (SPLIT: the
+    finished dk̂ goes back to its scratch for `_bwd_norms` instead).
 
     Returns dg_after, dA_sum and dbias_sum with this block added."""
-    qh, kh, beta, G, a, e, q_n, k_n, x, valid = _block_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0 + J * BC,
-                                                              i_h, scale, carry, H, K, BC, G_MIN)
+    if SPLIT:
+        qh, kh, beta, G, a, e, x, valid = _block_inputs_cols(q, k, z, b, A_log, dt_bias, bos, L, row0 + J * BC, c0,
+                                                             i_h, scale, carry, H, K, SK, BC, G_MIN)
+    else:
+        qh, kh, beta, G, a, e, q_n, k_n, x, valid = _block_inputs(q, k, z, b, A_log, dt_bias, bos, L,
+                                                                  row0 + J * BC, i_h, scale, carry, H, K, BC, G_MIN)
     r0 = row0 + J * BC
-    ck = tl.arange(0, K)
-    p_dkh = _bp(dkh_in, bos, L, i_h, r0, 0, H, K, BC, K)
+    ck = tl.arange(0, SK)
+    p_dkh = _bp(dkh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
     dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero")
     # padding rows keep their dG: the last row carries G_C's gradient into the chunk (`_bwd_vu`)
-    dG = tl.load(dg_in + g_base + (J * BC + tl.arange(0, BC))[:, None] * K + ck[None, :])
+    dG = tl.load(dg_in + g_base + (J * BC + tl.arange(0, BC))[:, None] * K + c0 + ck[None, :])
     if HAS_CS:
         f = tl.exp(e_J[None, :] - G) * cs_J
         dkh += f
@@ -850,18 +903,24 @@ def _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, J
     sg = tl.sigmoid(x)
     dx = tl.where(valid[:, None], dg * G_MIN * sg * (1.0 - sg), 0.0)
     dzv = dx * tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    tl.store(_bp(dz, bos, L, i_h, r0, 0, H, K, BC, K), _cast(dzv, dz.dtype.element_ty, INTERP), boundary_check=(0,))
-    dkv = (dkh - kh * tl.sum(kh * dkh, 1)[:, None]) / k_n[:, None]
-    tl.store(_bp(dk, bos, L, i_h, r0, 0, H, K, BC, K), _cast(dkv, dk.dtype.element_ty, INTERP), boundary_check=(0,))
+    tl.store(_bp(dz, bos, L, i_h, r0, c0, H, K, BC, SK), _cast(dzv, dz.dtype.element_ty, INTERP),
+             boundary_check=(0,))
+    if SPLIT:
+        tl.store(p_dkh, dkh, boundary_check=(0,))
+    else:
+        dkv = (dkh - kh * tl.sum(kh * dkh, 1)[:, None]) / k_n[:, None]
+        tl.store(_bp(dk, bos, L, i_h, r0, 0, H, K, BC, K), _cast(dkv, dk.dtype.element_ty, INTERP),
+                 boundary_check=(0,))
     return dg_after + tl.sum(dG, 0), dA_sum + tl.sum(tl.sum(dx * x, 1), 0), dbias_sum + tl.sum(dzv, 0)
 
 
 @triton.jit
 def _bwd_k(q, k, z, b, A_log, dt_bias, cu, chunk_idx, dqh_in, dkh_in, dg_in, daqk_in, dakk_in, db_in,
            dq, dk, dz, dbl, dA_part, dbias_part,
-           scale, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-           G_MIN: tl.constexpr, INTERP: tl.constexpr):
-    """One (chunk, head): the score-matrix, cumsum, gate, norm and sigmoid chains back to the raw inputs.
+           scale, H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+           G_MIN: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+    """One (chunk, head), or with SPLIT one (key slice of SK columns, chunk, head): the score-matrix, cumsum,
+    gate, norm and sigmoid chains back to the raw inputs.
 
     The score backward uses `_prepare`'s 16-row blocks and anchors, 2D tiles only. Block (R, J) of
     Aqk = Σ_k q̂[r]k̂[i]·exp(G[r] − G[i]) (and of Ã, Akk = diag(β)·Ã) factorises into a row factor
@@ -872,44 +931,91 @@ def _bwd_k(q, k, z, b, A_log, dt_bias, cu, chunk_idx, dqh_in, dkh_in, dg_in, daq
     earlier blocks' accumulators and writes the partial dk̂, dG back to their scratch. Sweep 2
     (J = 3…0) adds the accumulated column sides, turns dG into dg by a reverse cumsum and finishes dk,
     dz and the per-chunk partial sums of dA_log and dt_bias (reduced by the caller).
+
+    SPLIT: all of that is elementwise in the key column (the score dots contract over rows; gate, cumsum and
+    dz are per column) except the q/k norm backward and dβ, which reduce over K. So each program takes SK
+    columns, and leaves the finished dq̂, dk̂ (fp32 scratch) and its dβ partial (dbl: [TT, H, NS]) to
+    `_bwd_norms`. dA_part is [NT, H, NS].
     """
-    i_c = tl.program_id(0)
+    NS: tl.constexpr = K // SK
+    if SPLIT:
+        pid = tl.program_id(0)
+        i_c = pid // NS
+        s = pid % NS
+    else:
+        i_c = tl.program_id(0)
+        s = 0
+    c0 = s * SK
     i_h = tl.program_id(1)
     bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
     g_base = (i_c * H + i_h).to(tl.int64) * C * K
-    zero = tl.zeros([K], dtype=tl.float32)
-    cs0 = tl.zeros([BC, K], dtype=tl.float32)
-    cs1 = tl.zeros([BC, K], dtype=tl.float32)
-    cs2 = tl.zeros([BC, K], dtype=tl.float32)
+    zero = tl.zeros([SK], dtype=tl.float32)
+    cs0 = tl.zeros([BC, SK], dtype=tl.float32)
+    cs1 = tl.zeros([BC, SK], dtype=tl.float32)
+    cs2 = tl.zeros([BC, SK], dtype=tl.float32)
     # sweep 1; the kend/e arguments of blocks not reached yet are placeholders that the block R skips
     e0, kend0, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
-                                         db_in, dq, dbl, bos, L, row0, 0, g_base, i_h, scale, zero,
-                                         cs0, zero, cs0, zero, cs0, zero, cs0, cs1, cs2, H, K, C, BC, G_MIN, INTERP)
+                                         db_in, dq, dbl, bos, L, row0, c0, s, 0, g_base, i_h, scale, zero,
+                                         cs0, zero, cs0, zero, cs0, zero, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN,
+                                         SPLIT, INTERP)
     e1, kend1, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
-                                         db_in, dq, dbl, bos, L, row0, 1, g_base, i_h, scale, e0,
-                                         kend0, e0, cs0, zero, cs0, zero, cs0, cs1, cs2, H, K, C, BC, G_MIN, INTERP)
+                                         db_in, dq, dbl, bos, L, row0, c0, s, 1, g_base, i_h, scale, e0,
+                                         kend0, e0, cs0, zero, cs0, zero, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN,
+                                         SPLIT, INTERP)
     e2, kend2, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
-                                         db_in, dq, dbl, bos, L, row0, 2, g_base, i_h, scale, e1,
-                                         kend0, e0, kend1, e1, cs0, zero, cs0, cs1, cs2, H, K, C, BC, G_MIN, INTERP)
+                                         db_in, dq, dbl, bos, L, row0, c0, s, 2, g_base, i_h, scale, e1,
+                                         kend0, e0, kend1, e1, cs0, zero, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN,
+                                         SPLIT, INTERP)
     e3, _, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
-                                     db_in, dq, dbl, bos, L, row0, 3, g_base, i_h, scale, e2,
-                                     kend0, e0, kend1, e1, kend2, e2, cs0, cs1, cs2, H, K, C, BC, G_MIN, INTERP)
+                                     db_in, dq, dbl, bos, L, row0, c0, s, 3, g_base, i_h, scale, e2,
+                                     kend0, e0, kend1, e1, kend2, e2, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN,
+                                     SPLIT, INTERP)
     # sweep 2 reads the partial dk̂ and dG that other threads of this program just wrote
     tl.debug_barrier()
-    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, 3,
+    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, c0, 3,
                                             g_base, i_h, scale, e2, e3, cs0, zero, 0.0, zero,
-                                            H, K, BC, G_MIN, False, INTERP)
-    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, 2,
+                                            H, K, SK, BC, G_MIN, False, SPLIT, INTERP)
+    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, c0, 2,
                                             g_base, i_h, scale, e1, e2, cs2, dg_after, dA_sum, dbias_sum,
-                                            H, K, BC, G_MIN, True, INTERP)
-    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, 1,
+                                            H, K, SK, BC, G_MIN, True, SPLIT, INTERP)
+    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, c0, 1,
                                             g_base, i_h, scale, e0, e1, cs1, dg_after, dA_sum, dbias_sum,
-                                            H, K, BC, G_MIN, True, INTERP)
-    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, 0,
+                                            H, K, SK, BC, G_MIN, True, SPLIT, INTERP)
+    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, c0, 0,
                                             g_base, i_h, scale, zero, e0, cs0, dg_after, dA_sum, dbias_sum,
-                                            H, K, BC, G_MIN, True, INTERP)
-    tl.store(dA_part + i_c * H + i_h, dA_sum)
-    tl.store(dbias_part + (i_c * H + i_h).to(tl.int64) * K + tl.arange(0, K), dbias_sum)
+                                            H, K, SK, BC, G_MIN, True, SPLIT, INTERP)
+    tl.store(dA_part + (i_c * H + i_h) * NS + s, dA_sum)
+    tl.store(dbias_part + (i_c * H + i_h).to(tl.int64) * K + c0 + tl.arange(0, SK), dbias_sum)
+
+
+@triton.jit
+def _norm_bwd_rows(x, dxh, dx, off, m, sc, INTERP: tl.constexpr):
+    """dx = (dy − y·⟨y, dy⟩)/‖x‖ on a [BT, K] tile, y = x/‖x‖ and dy = sc·dx̂."""
+    xr = tl.load(x + off, mask=m[:, None], other=0.0).to(tl.float32)
+    n = tl.sqrt(tl.sum(xr * xr, 1) + 1e-6)
+    y = xr / n[:, None]
+    dy = tl.load(dxh + off, mask=m[:, None], other=0.0) * sc
+    tl.store(dx + off, _cast((dy - y * tl.sum(y * dy, 1)[:, None]) / n[:, None], dx.dtype.element_ty, INTERP),
+             mask=m[:, None])
+
+
+@triton.jit
+def _bwd_norms(q, k, b, dqh, dkh, db_in, db_part, dq, dk, dbl, TT, scale,
+               H, K: tl.constexpr, NS: tl.constexpr, BT: tl.constexpr, INTERP: tl.constexpr):
+    """After the split `_bwd_k`, per (BT tokens, head): the L2-norm backward of q and k from the finished
+    dq̂, dk̂ (y = x/‖x‖ → dx = (dy − y·⟨y, dy⟩)/‖x‖; q̂ = scale·y) and dβ's logit (the value side's dβ
+    plus the NS slices' partials, times σ')."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    i_h = tl.program_id(1)
+    m = rows < TT
+    row_off = rows.to(tl.int64) * H + i_h
+    off = row_off[:, None] * K + tl.arange(0, K)[None, :]
+    _norm_bwd_rows(q, dqh, dq, off, m, scale, INTERP)
+    _norm_bwd_rows(k, dkh, dk, off, m, 1.0, INTERP)
+    parts = tl.load(db_part + row_off[:, None] * NS + tl.arange(0, NS)[None, :], mask=m[:, None], other=0.0)
+    dbeta = tl.load(db_in + row_off, mask=m, other=0.0) + tl.sum(parts, 1)
+    beta = tl.sigmoid(tl.load(b + row_off, mask=m, other=0.0).to(tl.float32))
+    tl.store(dbl + row_off, _cast(dbeta * beta * (1.0 - beta), dbl.dtype.element_ty, INTERP), mask=m)
 
 
 # host side
@@ -1097,7 +1203,10 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     dbeta = torch.empty(TT, H, dtype=torch.float32, device=dev)
     dq, dk, dz = torch.empty_like(q), torch.empty_like(k), torch.empty_like(z)
     db = torch.empty_like(b)
-    dA_part = torch.zeros(NT, H, dtype=torch.float32, device=dev)
+    split = TUNING["bwd_k_split"]
+    SK = min(K, TUNING["bwd_ks_cols"]) if split else K
+    NS = K // SK
+    dA_part = torch.zeros(NT, H, NS, dtype=torch.float32, device=dev)
     dbias_part = torch.zeros(NT, H, K, dtype=torch.float32, device=dev)
     if plan.NT > 0:
         # two kernels, each holding half of the value-dim accumulators (docs/kda-kernels.md); S is read twice
@@ -1108,12 +1217,23 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         _bwd_vw[(plan.NT, H)](q, k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, hs, do, du,
                               dv, dqh, dkh, dG, dakk, dbeta, scale, H=H, K=K, V=V, BV=BV, C=CHUNK, G_MIN=g_min,
                               INTERP=interp, **_launch_options("bwd_v"))
-        _bwd_k[(plan.NT, H)](q, k, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, dqh, dkh, dG, daqk, dakk,
-                             dbeta, dq, dk, dz, db, dA_part, dbias_part, scale, H=H, K=K, C=CHUNK, BC=SUB,
-                             G_MIN=g_min, INTERP=interp, **_launch_options("bwd_k"))
+        if split:
+            # key slices (docs/kda-kernels.md §7 item 11); then the row-wise norm and σ' chains
+            db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
+            _bwd_k[(plan.NT * NS, H)](q, k, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, dqh, dkh, dG, daqk,
+                                      dakk, dbeta, dq, dk, dz, db_part, dA_part, dbias_part, scale, H=H, K=K, SK=SK,
+                                      C=CHUNK, BC=SUB, G_MIN=g_min, SPLIT=True, INTERP=interp,
+                                      **_launch_options("bwd_ks"))
+            BT = TUNING["bwd_norms_rows"]
+            _bwd_norms[(triton.cdiv(TT, BT), H)](q, k, b, dqh, dkh, dbeta, db_part, dq, dk, db, TT, scale, H=H, K=K,
+                                                 NS=NS, BT=BT, INTERP=interp, **_launch_options("bwd_norms"))
+        else:
+            _bwd_k[(plan.NT, H)](q, k, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, dqh, dkh, dG, daqk, dakk,
+                                 dbeta, dq, dk, dz, db, dA_part, dbias_part, scale, H=H, K=K, SK=K, C=CHUNK, BC=SUB,
+                                 G_MIN=g_min, SPLIT=False, INTERP=interp, **_launch_options("bwd_k"))
     else:
         dv.zero_()
-    dA_log = dA_part.sum(0).to(A_log.dtype)
+    dA_log = dA_part.sum((0, 2)).to(A_log.dtype)
     ddt_bias = dbias_part.sum(0).reshape(-1).to(dt_bias.dtype)
     return dq, dk, dv, dz, db, dA_log, ddt_bias, dh0
 
