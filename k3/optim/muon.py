@@ -16,6 +16,11 @@ The 0.2·√max(rows, cols) factor gives every block the update RMS of AdamW (Mo
 (oriented) shape are stacked across all parameters and iterated with `torch.bmm`/`torch.baddbmm`.
 
 State is fp32 whatever the parameter dtype (Muon momentum; AdamW moments); `load_state_dict` keeps it fp32.
+
+`impl` picks how the elementwise passes run (docs/optimizer.md, "Fused step"): "reference" is the foreach
+code below; "fused" runs AdamW in torch's fused kernel (`torch._fused_adamw_`, one pass instead of about ten)
+and Muon's momentum and update in two multi-tensor Triton kernels (`fused_muon.py`, bitwise equal to the
+reference on CUDA); "auto" (default) is "fused" on CUDA. Newton–Schulz is the same code in both.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from k3.config import ModelConfig
+from k3.optim.fused_muon import muon_momentum, muon_update, triton
 
 # Keller Jordan's quintic Newton–Schulz coefficients and normaliser eps (the values of torch.optim.Muon).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -155,11 +161,14 @@ class MuonAdamW(torch.optim.Optimizer):
       fast or not at bf16). torch.bfloat16 reproduces the GPU numerics and torch.optim.Muon, and on
       CPUs with AVX512-BF16/AMX it is ~3× faster (docs/optimizer.md, "Cost").
     - Parameters without a gradient are skipped (no decay, no state), as in torch's optimizers.
+    - `impl`: "reference" (foreach ops), "fused" (fused AdamW + Triton Muon kernels), "auto" = fused on CUDA.
+      Not part of the state dict: a checkpoint of either loads into the other.
     """
 
     def __init__(self, named_params: Iterable[tuple[str, Parameter]], config: ModelConfig, lr: float,
                  weight_decay: float = 0.1, momentum: float = 0.95, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, ns_steps: int = 5, ns_dtype: torch.dtype | None = None):
+                 eps: float = 1e-8, ns_steps: int = 5, ns_dtype: torch.dtype | None = None,
+                 impl: Literal["auto", "reference", "fused"] = "auto"):
         if not lr >= 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
         if not weight_decay >= 0:
@@ -170,6 +179,9 @@ class MuonAdamW(torch.optim.Optimizer):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         if not 1 <= ns_steps < 100:
             raise ValueError(f"ns_steps must be in [1, 100), got {ns_steps}")
+        if impl not in ("auto", "reference", "fused"):
+            raise ValueError(f"impl must be 'auto', 'reference' or 'fused', got {impl!r}")
+        self.impl = impl
         muon, adamw = [], []
         self._block_shapes: dict[Tensor, tuple[int, int, int]] = {}
         seen: set[Tensor] = set()
@@ -204,22 +216,34 @@ class MuonAdamW(torch.optim.Optimizer):
                 self._adamw_step(group)
         return loss
 
+    def _fused(self, t: Tensor) -> bool:
+        """Whether this step runs the fused kernels: impl "fused", or "auto" on CUDA (with triton installed)."""
+        return self.impl == "fused" or (self.impl == "auto" and t.is_cuda and triton is not None)
+
     def _muon_step(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-        grads = [local_tensor(p.grad).float() for p in params]
-        bufs = [local_tensor(self._state_tensor(p, "momentum_buffer")) for p in params]
-        torch._foreach_lerp_(bufs, grads, 1 - mu)
-        nesterov = torch._foreach_lerp(grads, bufs, mu)
         ns_dtype = group["ns_dtype"] or (torch.bfloat16 if params[0].device.type == "cuda" else torch.float32)
+        fused = self._fused(params[0])
+        grads = [local_tensor(p.grad) for p in params]
+        bufs = [local_tensor(self._state_tensor(p, "momentum_buffer")) for p in params]
+        if fused:
+            nesterov = muon_momentum(bufs, grads, mu, ns_dtype)  # already in ns_dtype: the stacking only copies
+        else:
+            grads = [g.float() for g in grads]
+            torch._foreach_lerp_(bufs, grads, 1 - mu)
+            nesterov = torch._foreach_lerp(grads, bufs, mu)
         updates = self._orthogonalize(params, nesterov, ns_dtype, group["ns_steps"])
-        for p, o in zip(params, updates):
-            _, rows, cols = self._block_shapes[p]
-            w = local_tensor(p)
+        weights = [local_tensor(p) for p in params]
+        alphas = [-(lr * (RMS_MATCH * math.sqrt(max(self._block_shapes[p][1:])))) for p in params]
+        if fused:
+            muon_update(weights, updates, 1 - lr * wd, alphas)
+            return
+        for w, o, alpha in zip(weights, updates, alphas):
             w.mul_(1 - lr * wd)
-            w.add_(o, alpha=-(lr * (RMS_MATCH * math.sqrt(max(rows, cols)))))  # mixed-dtype add: no cast copy
+            w.add_(o, alpha=alpha)  # mixed-dtype add: no cast copy
 
     def _orthogonalize(self, params: list[Parameter], nesterov: list[Tensor], ns_dtype: torch.dtype,
                        steps: int) -> list[Tensor]:
@@ -260,23 +284,33 @@ class MuonAdamW(torch.optim.Optimizer):
         for p in params:
             if "step" not in self.state[p]:
                 self.state[p]["step"] = torch.tensor(0.0)
-        steps = [self.state[p]["step"] for p in params]
         m = [local_tensor(self._state_tensor(p, "exp_avg")) for p in params]
         v = [local_tensor(self._state_tensor(p, "exp_avg_sq")) for p in params]
-        torch._foreach_add_(steps, 1.0)
         # math in fp32; a low-precision parameter is updated through an fp32 copy
         local = [local_tensor(p) for p in params]
         work = [w if w.dtype == torch.float32 else w.float() for w in local]
-        torch._foreach_mul_(work, 1 - lr * wd)
-        torch._foreach_lerp_(m, grads, 1 - beta1)
-        torch._foreach_mul_(v, beta2)
-        torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
-        bias1 = [1 - beta1 ** s.item() for s in steps]
-        bias2 = [1 - beta2 ** s.item() for s in steps]
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, [math.sqrt(b) for b in bias2])
-        torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(work, m, denom, [-lr / b for b in bias1])
+        if self._fused(params[0]):
+            # one pass over W, G, M, V instead of the chain below; the kernel reads the step counts where
+            # the parameters are (torch.optim.AdamW(fused=True) keeps them there too)
+            for p, w in zip(params, work):
+                self.state[p]["step"] = self.state[p]["step"].to(w.device)
+            steps = [self.state[p]["step"] for p in params]
+            torch._foreach_add_(steps, 1.0)
+            torch._fused_adamw_(work, grads, m, v, [], steps, lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd,
+                                eps=eps, amsgrad=False, maximize=False)
+        else:
+            steps = [self.state[p]["step"] for p in params]
+            torch._foreach_add_(steps, 1.0)
+            torch._foreach_mul_(work, 1 - lr * wd)
+            torch._foreach_lerp_(m, grads, 1 - beta1)
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
+            bias1 = [1 - beta1 ** s.item() for s in steps]
+            bias2 = [1 - beta2 ** s.item() for s in steps]
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_div_(denom, [math.sqrt(b) for b in bias2])
+            torch._foreach_add_(denom, eps)
+            torch._foreach_addcdiv_(work, m, denom, [-lr / b for b in bias1])
         for w_local, w in zip(local, work):
             if w is not w_local:
                 w_local.copy_(w)
