@@ -10,16 +10,19 @@ measured variant are in docs/kda-kernels.md. In short:
   g ≥ −5); across blocks around the earlier block's last row (all factors ≤ 1). So every score block
   is a tensor-core matmul (docs/kda.md §4). (I + Akk)⁻¹ comes from the four 16×16 diagonal inverses
   (A nilpotent: (I − A)(I + A²)(I + A⁴)(I + A⁸), exact fp32) and T_RJ = −T_RR·Σ Akk_RM·T_MJ.
-- Forward: `_prepare` (all chunks in parallel) writes the chunk-local operands W, U, Q⊙Γ, K⊙exp(G_C − G),
-  Aqk, G_C and T (or, with TUNING["prepare_split"], `_prep_intra`, `_prep_solve` and `_prep_wu` write the
-  same); `_state` walks each sequence's chunks in order with the state in registers, split
-  over value blocks, and writes the output (and, on request, the state at every chunk start).
+- Forward: `_prep_intra` (one program per 16-row block), `_prep_solve` and `_prep_wu` (all chunks in parallel)
+  write the chunk-local operands W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C and T (with TUNING["prepare_split"]
+  off, the single `_prepare` writes the same, slower); `_state` walks each sequence's chunks in order with the
+  state in registers, split over value blocks, and writes the output (and, on request, the state at every
+  chunk start).
 - Backward: by default (`save_intermediates`) the forward keeps what `_prepare` wrote (all but U) and the
   chunk-start states, at ~1.7 GiB per layer at the K3 shape (`chunk_kda`'s docstring); with the switch
   off only the raw inputs are saved and `_prepare` and `_state` run again (the latter storing chunk-start
   states). Then `_state_bwd` walks the chunks backwards for the state gradient, `_bwd_vu` and
   `_bwd_vw` gather everything that contracts over the value dim (split in two so that each holds half of
-  the accumulators), and `_bwd_k` finishes the score (in the same 16-row blocks), gate and norm chains.
+  the accumulators), and `_bwd_k` finishes the score (in the same 16-row blocks), gate and norm chains: by
+  default over key slices (TUNING["bwd_k_split"]), leaving the two sums over K (the norm backward, dβ) to
+  the row kernel `_bwd_norms`.
 
 Intermediates are stored in bf16 for bf16 inputs except U and Aqk (fp32); states and accumulators are
 fp32; fp32 operands multiply in tf32, bf16 score blocks in bf16. Everything is indexed by packed document
@@ -50,9 +53,9 @@ SUB = 16
 # thread, so that more programs share an SM; None: Triton's default).
 TUNING = {
     "prepare_warps": 8, "prepare_stages": None, "prepare_maxnreg": None,
-    # the split `_prepare` (docs/kda-kernels.md §7 item 10): off by default until it is timed
-    "prepare_split": False,
-    "prep_intra_warps": 4, "prep_intra_stages": None, "prep_intra_maxnreg": 168,  # 180 uncapped, 0 spills at 168
+    # the split `_prepare` (docs/kda-kernels.md §7 item 10): forward 6.56 → 4.75 ms at the K3 shape (run 7)
+    "prepare_split": True,
+    "prep_intra_warps": 4, "prep_intra_stages": None, "prep_intra_maxnreg": 128,  # 2.57 ms at 168, 2.43 at 128
     "prep_solve_warps": 4, "prep_solve_stages": None, "prep_solve_maxnreg": None,
     "prep_wu_warps": 4, "prep_wu_stages": None, "prep_wu_maxnreg": None,
     "state_bv": 32, "state_warps": 4, "state_stages": 2, "state_maxnreg": None,
@@ -60,8 +63,9 @@ TUNING = {
     "bwd_v_bv": 32, "bwd_v_warps": 8, "bwd_v_stages": None, "bwd_v_maxnreg": None,  # `_bwd_vu` and `_bwd_vw`
     # 128 registers: 2 programs per SM despite 1.7 KB of spills, 9.30 → 7.65 ms at the K3 shape (§7 item 11, run 6)
     "bwd_k_warps": 8, "bwd_k_stages": None, "bwd_k_maxnreg": 128,
-    # the split `_bwd_k` (docs/kda-kernels.md §7 item 11): key slices of bwd_ks_cols columns, then `_bwd_norms`
-    "bwd_k_split": False, "bwd_ks_cols": 32, "bwd_ks_warps": 4, "bwd_ks_stages": None, "bwd_ks_maxnreg": None,
+    # the split `_bwd_k` (docs/kda-kernels.md §7 item 11): key slices of bwd_ks_cols columns, then `_bwd_norms`;
+    # 7.64 ms fused → 4.89 + 0.41 ms at 128 registers (run 7)
+    "bwd_k_split": True, "bwd_ks_cols": 32, "bwd_ks_warps": 4, "bwd_ks_stages": None, "bwd_ks_maxnreg": 128,
     "bwd_norms_rows": 16, "bwd_norms_warps": 4, "bwd_norms_stages": None, "bwd_norms_maxnreg": None,
     "decode_bv": 64, "decode_warps": 4,
 }
