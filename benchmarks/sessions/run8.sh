@@ -13,5 +13,5 @@ step 110 python3 -m pytest -q --tb=line -p no:cacheprovider $T -k "matches_fp64_
 step 110 python3 -m pytest -q --tb=line -p no:cacheprovider tests/gpu/test_kda_triton_gpu.py tests/gpu/test_fast_paths.py -k "kda or tiny_model or chunked or grouped"
 step 150 python3 benchmarks/train_throughput.py --presets small --seq-lens 4096 8192 --tokens 16384 --steps 2 \
     --kda-impl triton --variants fast --time-budget 130 --json "$OUT/throughput.json"
-[ -f benchmarks/optimizer_step.py ] && step 60 python3 benchmarks/optimizer_step.py --preset small
+[ -f benchmarks/optimizer_step.py ] && step 60 python3 -m benchmarks.optimizer_step --out "$OUT"
 } 2>&1 | tee "$OUT/log.txt"
