@@ -16,6 +16,9 @@ CASES = {
     "K16 V32 docs 64,70": (16, 32, [64, 70], None),
     "K64 V64 tiny docs": (64, 64, [1, 0, 2, 64, 3, 1, 70, 16], None),
 }
+# run 9: is it `_bwd_vu`'s software pipeline (one loop trip at V = BV = 32)?
+TUNINGS = {"K16 V32 dense T=130, bwd_v_stages 1": ("K16 V32 dense T=130", {"bwd_v_stages": 1}),
+           "K16 V32 dense T=130, bwd_v_bv 16": ("K16 V32 dense T=130", {"bwd_v_bv": 16})}
 
 
 def one(name):
@@ -24,7 +27,11 @@ def one(name):
     sys.path.insert(0, str(ROOT))
     from tests.ops.test_kda_triton import NAMES, make_raw, rel_err, run_both
 
-    K, V, lengths, T = CASES[name]
+    from k3.ops.kda import triton_chunk as tc
+
+    base, overrides = TUNINGS.get(name, (name, {}))
+    tc.TUNING.update(overrides)
+    K, V, lengths, T = CASES[base]
     cu = None
     if lengths is not None:
         cu = [0]
@@ -41,11 +48,11 @@ def one(name):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        one(sys.argv[1])
+    if len(sys.argv) == 3 and sys.argv[1] == "--one":
+        one(sys.argv[2])
     else:
-        for name in CASES:
-            r = subprocess.run([sys.executable, __file__, name], cwd=ROOT, capture_output=True, text=True,
+        for name in sys.argv[1:] or list(CASES) + list(TUNINGS):
+            r = subprocess.run([sys.executable, __file__, "--one", name], cwd=ROOT, capture_output=True, text=True,
                                env={**os.environ, "CUDA_LAUNCH_BLOCKING": "1"}, timeout=120)
             if r.returncode:
                 kernel = [ln for ln in r.stderr.splitlines() + r.stdout.splitlines() if "triton_chunk.py" in ln]
