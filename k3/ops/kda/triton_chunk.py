@@ -1214,7 +1214,8 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     dbias_part = torch.zeros(NT, H, K, dtype=torch.float32, device=dev)
     if plan.NT > 0:
         # two kernels, each holding half of the value-dim accumulators (docs/kda-kernels.md); S is read twice
-        BV = min(V, TUNING["bwd_v_bv"])
+        # K = 16 with BV = 32 faults (illegal address in `_bwd_vu`) on the H200; BV = 16 runs (runs 8-9)
+        BV = min(V, TUNING["bwd_v_bv"]) if K > 16 else 16
         _bwd_vu[(plan.NT, H)](q, k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, hs, dse, do,
                               dkh, dG, daqk, scale, H=H, K=K, V=V, BV=BV, C=CHUNK, G_MIN=g_min, INTERP=interp,
                               **_launch_options("bwd_v"))
