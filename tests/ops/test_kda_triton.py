@@ -6,8 +6,10 @@ subprocess with TRITON_INTERPRET=1, and the kernel tests skip in the parent proc
 
 Tolerances (relative RMSE vs the fp64 recurrence on the same inputs) are issue #5's for bf16 inputs:
 output and final state 5e-3; dq, dk, dv, dh0, ddt_bias 8e-3; dz, dA_log, dβ 2e-2. fp32 inputs get a
-fifth of those in the interpreter (exact fp32) and two fifths on a GPU, which multiplies fp32 in tf32 (H200,
-run 9: o 1.2e-3, S 1.4e-3 at T = 63 and 65). Layer-level comparisons with the torch path allow 1e-3 in the
+fifth of those in the interpreter (exact fp32), and 1.5× them on a GPU: there fp32 operands are rounded to tf32
+(10-bit mantissa) inside every dot, which bf16 inputs never are (their products are exact), and the reference
+keeps the full fp32 inputs (H200, runs 9-10: o 1.3e-3, S 1.4e-3, dt_bias 3.7e-3, and A_log 2.1e-2, one
+cancelling sum per head, on varlen [1, 0, 17, 70]). Layer-level comparisons with the torch path allow 1e-3 in the
 interpreter and 2e-3 on a GPU (tf32 again: 1.07e-3 and 1.14e-3 in run 9).
 
 Legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences.
@@ -99,7 +101,7 @@ def run_both(inputs, dev, g_min=-5.0, cu_seqlens=None, seed=1):
 
 def check(tri, ref, dtype, what=""):
     (o, S, grads), (ro, rS, rgrads) = tri, ref
-    shrink = 1.0 if dtype == torch.bfloat16 else (0.4 if ON_GPU else 0.2)
+    shrink = 1.0 if dtype == torch.bfloat16 else (1.5 if ON_GPU else 0.2)
     errs = {"o": rel_err(o.cpu(), ro), "S": rel_err(S.cpu(), rS)}
     errs.update({n: rel_err(g.cpu(), r) for n, g, r in zip(NAMES, grads, rgrads)})
     for name, e in errs.items():
