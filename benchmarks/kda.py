@@ -35,6 +35,8 @@ import torch.nn.functional as F  # noqa: E402
 from k3.ops.kda import chunk_kda, fused_recurrent_kda, naive_kda_gate, naive_recurrent_kda  # noqa: E402
 from k3.ops.kda import triton_chunk  # noqa: E402
 
+from benchmarks.provenance import git_sha  # noqa: E402
+
 BANDWIDTH = 4.25e12  # measured device copy bandwidth (performance.md §1)
 PEAK_FLOPS = 807e12
 VARLEN_MIX = [1300, 547, 2048, 963, 271, 3063]
@@ -190,24 +192,6 @@ def graph_time(fn, iters=50):
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
-
-
-def git_sha() -> str:
-    """The checked-out commit, read from .git without running git (dirty state unknown)."""
-    root = Path(__file__).resolve().parents[1] / ".git"
-    try:
-        head = (root / "HEAD").read_text().strip()
-        if not head.startswith("ref:"):
-            return head[:12]
-        ref = head.split(" ", 1)[1]
-        if (root / ref).exists():
-            return (root / ref).read_text().strip()[:12]
-        for line in (root / "packed-refs").read_text().splitlines():
-            if line.endswith(ref):
-                return line.split()[0][:12]
-    except OSError:
-        pass
-    return "unknown"
 
 
 def main() -> int:

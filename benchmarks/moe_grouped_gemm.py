@@ -31,6 +31,8 @@ from k3.model.moe import LatentExperts
 from k3.ops.moe import dispatch_plan, grouped_latent_experts
 from k3.ops.situ import naive_situ_glu
 
+from benchmarks.provenance import git_sha
+
 PEAK_DENSE = 989e12
 ANCHOR = 775e12  # performance.md §1: torch._grouped_mm, 32 experts × 1024 tokens, 7168→2048
 
@@ -55,18 +57,6 @@ def bench(fn, device):
         times.append((time.perf_counter() - t) * 1e3)
     times.sort()
     return times[1], times[2] - times[0]
-
-
-def git_sha() -> str:
-    """The checked-out commit, read from .git (no git process), or "nogit"."""
-    head = Path(__file__).resolve().parents[1] / ".git" / "HEAD"
-    try:
-        ref = head.read_text().strip()
-        if ref.startswith("ref: "):
-            ref = (head.parent / ref[5:]).read_text().strip()
-        return ref[:7]
-    except OSError:
-        return "nogit"
 
 
 def rel(a, b):
@@ -194,7 +184,7 @@ def main():
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for r in [header] + rows:
         print("  ".join(str(v).rjust(wd) for v, wd in zip(r, widths)))
-    sha = git_sha()
+    sha = git_sha(7)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu"}

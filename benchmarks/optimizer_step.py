@@ -46,19 +46,9 @@ from k3.config import get_preset  # noqa: E402
 from k3.model.model import build_model  # noqa: E402
 from k3.optim import MuonAdamW  # noqa: E402
 
+from benchmarks.provenance import git_sha  # noqa: E402
+
 IMPLS = ("reference", "fused")
-
-
-def git_sha() -> str:
-    """The checked-out commit, read from .git (no git process), or "nogit"."""
-    head = Path(__file__).resolve().parents[1] / ".git" / "HEAD"
-    try:
-        ref = head.read_text().strip()
-        if ref.startswith("ref: "):
-            ref = (head.parent / ref[5:]).read_text().strip()
-        return ref[:7]
-    except OSError:
-        return "nogit"
 
 
 class Clock:
@@ -218,7 +208,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if clock.cuda else "cpu"}
-    path = out / f"optimizer_step-{args.preset}-{git_sha()}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    path = out / f"optimizer_step-{args.preset}-{git_sha(7)}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     path.write_text(json.dumps({"benchmark": "optimizer_step", "env": env, "preset": args.preset,
                                 "muon_params": n_muon, "adamw_params": n_adamw, "ns_dtype": str(ns_dtype),
                                 "gate": {"muon_max_rel": muon_rel, "muon_bitwise": muon_bitwise,
