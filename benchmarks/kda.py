@@ -210,6 +210,9 @@ def main() -> int:
     ap.add_argument("--compare", default="", metavar="JSON",
                     help='a JSON list of TUNING overrides, e.g. \'[{}, {"bwd_k_maxnreg": 128}]\': each one is gated '
                          'and timed at B=1 T=8192 H=96 (fwd, fwd+bwd, per kernel) in this process; one table')
+    ap.add_argument("--compare-shapes", default="1,8192,96", metavar="B,T,H[;B,T,H…]",
+                    help="the shapes --compare times, e.g. '1,8192,96;2,8192,8;4,4096,8' (the last two: the small "
+                         "preset's KDA layer at 16K tokens per step, where the state passes have few programs)")
     args = ap.parse_args()
     compare = json.loads(args.compare) if args.compare else []
     if not isinstance(compare, list) or not all(isinstance(c, dict) for c in compare):
@@ -272,7 +275,9 @@ def main() -> int:
         profile_breakdown(fla_all if profile_fla else None)
     if args.sweep and device == "cuda":
         tuning_sweep()
-    compared = compare_tunings(compare, device, args.quick) if compare else None
+    shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.compare_shapes.split(";")]
+    compared = [row for shape in shapes for row in compare_tunings(compare, device, args.quick, shape)] \
+        if compare else None
     result = {
         "benchmark": "kda", "command": " ".join([sys.executable, "-m", "benchmarks.kda"] + sys.argv[1:]),
         "git": {"sha": git_sha(), "dirty": None},
@@ -432,12 +437,12 @@ def profile_breakdown(fla, iters=5):
             print_kernel_times(f"{name} {mode}", step, iters)
 
 
-def compare_tunings(configs, device, quick):
-    """Each TUNING override set (on top of the current TUNING) at B=1 T=8192 H=96: the fp64 gate, fwd and
+def compare_tunings(configs, device, quick, shape=(1, 8192, 96)):
+    """Each TUNING override set (on top of the current TUNING) at shape (B, T, H): the fp64 gate, fwd and
     fwd+bwd times (`bench`) and fwd+bwd kernel times (profiler); prints one table, returns the rows."""
     from benchmarks.kernel_profile import kernel_times
 
-    B, T, H = (1, 128, 2) if quick else (1, 8192, 96)
+    B, T, H = (1, 128, 2) if quick else shape
     base = dict(triton_chunk.TUNING)
     ins = raw_inputs(B, T, H, seed=4, device=device, h0=True)
     live = [x.detach().requires_grad_() for x in ins]
@@ -459,7 +464,7 @@ def compare_tunings(configs, device, quick):
             triton_chunk.TUNING.clear()
             triton_chunk.TUNING.update(base, **cfg)
             errs, ok = small_gate(device)
-            row = {"tuning": cfg, "gate_ok": ok, "gate": errs}
+            row = {"shape": {"B": B, "T": T, "H": H}, "tuning": cfg, "gate_ok": ok, "gate": errs}
             if ok:
                 times = bench({"fwd": fwd, "fwd+bwd": fwd_bwd}, quick)
                 row.update(fwd_ms=times["fwd"]["ms_median"], fwd_bwd_ms=times["fwd+bwd"]["ms_median"])
