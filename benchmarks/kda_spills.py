@@ -9,6 +9,11 @@ speed, not a measurement of it: spills were not the main cost of `_prepare` (doc
     python benchmarks/kda_spills.py                       # every kernel at its TUNING settings
     python benchmarks/kda_spills.py _bwd_k --warps 4 16   # one kernel, several warp counts
     python benchmarks/kda_spills.py _prepare --maxnreg 128 168   # with a register cap (more programs per SM)
+    python benchmarks/kda_spills.py _prep_intra _prep_intra_g --maxnreg 0 128 --sass   # 0: no cap; SASS counts
+
+`--sass` also disassembles the cubin (the bundled `cuobjdump -sass`) and counts instructions (NOPs excluded):
+the whole kernel, its barriers, and each loop body (a backward branch; software pipelining can copy a body
+into a prologue, so a loop's trip count multiplies only the body shown).
 """
 
 from __future__ import annotations
@@ -33,14 +38,16 @@ PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 FP32_ARGS = {"A_log", "dt_bias", "t_in", "t_out", "hs", "dse", "du", "dqh_in", "dkh_in", "dg_in", "daqk_in",
              "dakk_in", "db_in", "dqh_out", "dkh_out", "dg_out", "daqk_out", "dakk_out", "db_out", "dA_part",
              "dbias_part", "aqk_out", "u_out", "gc_out", "gc", "h0", "ht", "aqk", "u", "dht", "dh0", "kn_out", "kn_in",
-             "dqh", "dkh", "db_part"}
+             "dqh", "dkh", "db_part", "g_in", "g_out", "gc_in"}
 INT32_ARGS = {"cu", "chunk_idx", "chunk_off"}
 CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
                   USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64)
 # kernel -> its TUNING key prefix ("bwd_v" serves both halves of the split value-side backward; the three
-# `_prep_*` kernels replace `_prepare` under TUNING["prepare_split"])
+# `_prep_*` kernels replace `_prepare` under TUNING["prepare_split"]; with TUNING["prepare_gate_pass"] `_prep_gate`
+# runs first and `_prep_intra_g` / `_prep_wu_g` take the launch settings of the kernels they replace)
 TUNING_PREFIX = {"_prepare": "prepare", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
-                 "_prep_wu": "prep_wu", "_state": "state", "_state_bwd": "state_bwd", "_bwd_vu": "bwd_v",
+                 "_prep_wu": "prep_wu", "_prep_gate": "prep_gate", "_prep_intra_g": "prep_intra",
+                 "_prep_wu_g": "prep_wu", "_state": "state", "_state_bwd": "state_bwd", "_bwd_vu": "bwd_v",
                  "_bwd_vw": "bwd_v", "_bwd_k": "bwd_k", "_bwd_k_split": "bwd_ks", "_bwd_norms": "bwd_norms"}
 # per-kernel constexprs on top of CONSTEXPRS; "_bwd_k_split" is `_bwd_k` under TUNING["bwd_k_split"] (its dβ output
 # is then the fp32 [TT, H, NS] partials)
@@ -53,9 +60,10 @@ def kernel_fn(name: str):
     return chunk._bwd_k if name == "_bwd_k_split" else getattr(chunk, name)
 
 
-def compile_report(fn, num_warps: int, num_stages: int = 3, maxnreg: int | None = None,
-                   **constexprs) -> tuple[int, int, int, int]:
-    """(registers, spill store bytes, spill load bytes, shared bytes) of one kernel for sm_90."""
+def compile_report(fn, num_warps: int, num_stages: int = 3, maxnreg: int | None = None, sass: bool = False,
+                   **constexprs) -> tuple:
+    """(registers, spill store bytes, spill load bytes, shared bytes) of one kernel for sm_90; with `sass`
+    also its SASS counts (`sass_counts`)."""
     signature, constants, attrs = {}, {}, {}
     fp32_args = FP32_ARGS | ({"dbl"} if constexprs.get("SPLIT") else set())
     for i, name in enumerate(fn.arg_names):
@@ -68,13 +76,15 @@ def compile_report(fn, num_warps: int, num_stages: int = 3, maxnreg: int | None 
             signature[name] = ("i32" if name in ("H", "TT") else "*fp32" if name in fp32_args
                                else "*i32" if name in INT32_ARGS else "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
-    return sm90_report(fn, signature, constants, attrs, num_warps, num_stages, maxnreg)[:4]
+    report = sm90_report(fn, signature, constants, attrs, num_warps, num_stages, maxnreg, sass=sass)
+    return report[:4] + report[5:]
 
 
 def sm90_report(fn, signature: dict, constants: dict, attrs: dict, num_warps: int,
-                num_stages: int = 3, maxnreg: int | None = None) -> tuple[int, int, int, int, int]:
+                num_stages: int = 3, maxnreg: int | None = None, sass: bool = False) -> tuple:
     """Compile one kernel for sm_90 and read ptxas's report: (registers, spill store bytes, spill load
-    bytes, shared bytes, stack frame bytes). maxnreg caps the registers per thread (None: no cap)."""
+    bytes, shared bytes, stack frame bytes), and with `sass` the SASS counts (`sass_counts`) last. maxnreg
+    caps the registers per thread (None: no cap)."""
     options = dict(num_warps=num_warps, num_stages=num_stages)
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
@@ -88,7 +98,28 @@ def sm90_report(fn, signature: dict, constants: dict, attrs: dict, num_warps: in
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     stack, stores, loads = map(int, re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
                                               r"(\d+) bytes spill loads", report).groups())
-    return registers, stores, loads, kernel.metadata.shared, stack
+    result = (registers, stores, loads, kernel.metadata.shared, stack)
+    return result + (sass_counts(kernel.asm["cubin"]),) if sass else result
+
+
+def sass_counts(cubin: bytes) -> dict:
+    """Static SASS instruction counts of a cubin (NOPs excluded): total, barriers (BAR), exp2 (MUFU.EX2) and
+    the instructions of each loop body (from a backward branch's target to the branch)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        text = subprocess.run([str(PTXAS.parent / "cuobjdump"), "-sass", str(path)], capture_output=True, text=True,
+                              check=True).stdout
+    instrs = [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
+    instrs = [(a, op) for a, op in instrs if not op.startswith("NOP")]
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", op) for _, op in instrs]
+    loops = []
+    for (addr, _), op in zip(instrs, ops):
+        target = re.match(r"BRA\S*\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)", op)
+        if target and int(target.group(1), 16) < addr:
+            loops.append(sum(int(target.group(1), 16) <= a <= addr for a, _ in instrs))
+    return {"total": len(instrs), "BAR": sum(op.startswith("BAR") for op in ops),
+            "EX2": sum(op.startswith("MUFU.EX2") for op in ops), "loops": loops}
 
 
 def tuned_settings(name: str) -> dict:
@@ -107,24 +138,26 @@ def main() -> None:
     p.add_argument("kernels", nargs="*", help=f"some of {', '.join(TUNING_PREFIX)} (default: all)")
     p.add_argument("--warps", type=int, nargs="+", help="warp counts to try instead of TUNING's")
     p.add_argument("--bv", type=int, help="value block instead of TUNING's (kernels that take BV)")
-    p.add_argument("--maxnreg", type=int, nargs="+", help="register caps per thread to try (a launch option)")
+    p.add_argument("--maxnreg", type=int, nargs="+", help="register caps per thread to try (a launch option; 0: none)")
+    p.add_argument("--sass", action="store_true", help="also count SASS instructions (cuobjdump)")
     args = p.parse_args()
     unknown = set(args.kernels) - set(TUNING_PREFIX)
     if unknown:
         p.error(f"unknown kernels {sorted(unknown)}; choose from {', '.join(TUNING_PREFIX)}")
-    print(f"{'kernel':12s} {'settings':40s} {'regs':>5s} {'spill st/ld B':>14s} {'shared KB':>10s}")
+    print(f"{'kernel':14s} {'settings':40s} {'regs':>5s} {'spill st/ld B':>14s} {'shared KB':>10s}")
     for name in args.kernels or list(TUNING_PREFIX):
         base = tuned_settings(name)
         if args.bv is not None and "BV" in base:
             base["BV"] = args.bv
         for warps in args.warps or [base["num_warps"]]:
             for cap in args.maxnreg or [base.get("maxnreg")]:
-                settings = {**base, "num_warps": warps, "maxnreg": cap}
-                regs, stores, loads, shared = compile_report(kernel_fn(name), **settings,
-                                                             **KERNEL_CONSTEXPRS.get(name, {}))
+                settings = {**base, "num_warps": warps, "maxnreg": cap or None}
+                regs, stores, loads, shared, *sass = compile_report(kernel_fn(name), **settings, sass=args.sass,
+                                                                    **KERNEL_CONSTEXPRS.get(name, {}))
                 shown = {k: v for k, v in settings.items() if v is not None}
-                print(f"{name:12s} {str(shown):52s} {regs:5d} {f'{stores} / {loads}':>14s} {shared / 1024:10.0f}",
-                      flush=True)
+                print(f"{name:14s} {str(shown):52s} {regs:5d} {f'{stores} / {loads}':>14s} {shared / 1024:10.0f}"
+                      + (f"  SASS {sass[0]['total']} (BAR {sass[0]['BAR']}, EX2 {sass[0]['EX2']}, loop bodies "
+                         f"{sass[0]['loops']})" if sass else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -600,3 +600,82 @@ def test_both_splits_against_fp64_recurrence(dev, monkeypatch):
     monkeypatch.setitem(tc.TUNING, "bwd_ks_cols", 16)
     inputs = make_raw(2, 70, 2, 32, 32, seed=9)
     check(*run_both(inputs, dev), torch.bfloat16, "both splits")
+
+
+# the gate pre-pass (TUNING["prepare_gate_pass"] with prepare_split: `_prep_gate`, then `_prep_intra_g`, `_prep_solve`,
+# `_prep_wu_g`; docs/kda-kernels.md §7 item 12)
+
+# 40: a partial 16-row block whose anchor G is below −88 (exp(−G) overflows fp32; padded rows must not use it)
+GATE_PASS_CASES = {**SPLIT_CASES, "varlen_fp32": ([0, 1, 17, 40, 65, 130], 2, 32, 32, torch.float32, False, -5.0)}
+
+
+@pytest.mark.parametrize("case", list(GATE_PASS_CASES))
+def test_prepare_gate_pass_matches_split(dev, monkeypatch, case):
+    """With the gate pre-pass the split `_prepare` writes the same seven outputs (same shapes, dtypes, layouts).
+    `_prep_gate` sums G as `_prep_intra` does (per 16-row block, continuing from the previous block's last row),
+    so Q⊙Γ, Aqk and T are bit-identical in the interpreter. W, K⊙exp(G_C − G) and G_C used a 64-row cumsum in
+    `_prep_wu`; the association differs, which moves G by a few ulps (|G| ≤ 320). Tolerances, relative RMSE: 1e-5
+    for fp32-stored outputs in the interpreter (measured: G_C 1.4e-7, W 4e-8, K⊙exp(G_C − G) 1.7e-6, where
+    G_C − G is small against G's ulp), 1e-4 on a GPU (as `test_prepare_split_matches_fused`: other cumsum orders
+    move exp(±G) by ~2e-5); 3e-4 for bf16-stored ones, where such differences flip a few roundings by one bf16
+    ulp (measured 2.5e-5)."""
+    from k3.ops.kda import triton_chunk as tc
+
+    lengths, H, K, V, dtype, all_bf16, g_min = GATE_PASS_CASES[case]
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    TT = offsets[-1]
+    q, k, v, z, b, A_log, dt_bias, _ = (x.to(dev) for x in make_raw(1, TT, H, K, V, seed=37, N=1, dtype=dtype,
+                                                                    bias=2.0))
+    q, k, v, z, b = (x[0] for x in (q, k, v, z, b))
+    plan = tc._Plan(tuple(offsets), torch.device(dev))
+    dtypes = tc.inter_dtypes(dtype, all_bf16)
+    monkeypatch.setitem(tc.TUNING, "prepare_split", True)
+    runs = {}
+    for gate_pass in (False, True):
+        monkeypatch.setitem(tc.TUNING, "prepare_gate_pass", gate_pass)
+        runs[gate_pass] = tc._fwd_prepare(q, k, v, z, b, A_log.to(dev), dt_bias.to(dev), g_min, K ** -0.5, plan,
+                                          dtypes, store_t=True)
+    for name, a, r in zip(("W", "U", "Qg", "Kd", "Aqk", "gc", "T"), runs[True], runs[False]):
+        assert a.shape == r.shape and a.dtype == r.dtype and a.stride() == r.stride(), name
+        assert torch.isfinite(a).all(), name
+        if name in ("U", "Qg", "Aqk", "T") and not ON_GPU:
+            assert torch.equal(a, r), (case, name, rel_err(a.cpu(), r.cpu()))
+        tol = (1e-4 if ON_GPU else 1e-5) if a.dtype == torch.float32 else 3e-4
+        assert rel_err(a.cpu(), r.cpu()) <= tol, (case, name, rel_err(a.cpu(), r.cpu()))
+    assert tc._fwd_prepare(q, k, v, z, b, A_log.to(dev), dt_bias.to(dev), g_min, K ** -0.5, plan, dtypes)[6] is None
+
+
+@pytest.mark.parametrize("case", ["T65_bf16", "T17_fp32", "varlen"])
+def test_prepare_gate_pass_matches_fp64_recurrence(dev, monkeypatch, case):
+    """`chunk_kda` forward and backward with the gate pre-pass (`_prep_intra`, `_prep_wu` and the fused `_prepare`
+    made unusable) against the fp64 recurrence at the file's tolerances, and against the split path without the
+    pre-pass: the backward is the same, so only the forward's W, K⊙exp(G_C − G) and G_C differ (see
+    `test_prepare_gate_pass_matches_split`); 1e-5 relative in the interpreter, 1e-3 on a GPU (as
+    `test_bwd_k_split_matches_fused`: single bf16 roundings flip)."""
+    from k3.ops.kda import triton_chunk as tc
+
+    if case == "varlen":
+        lengths = [1, 0, 2, 64, 3, 70, 16]
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        inputs, dtype = make_raw(1, cu[-1], 2, 16, 32, seed=5, N=len(lengths)), torch.bfloat16
+    else:
+        T, dtype = (65, torch.bfloat16) if case == "T65_bf16" else (17, torch.float32)
+        inputs, cu = make_raw(2, T, 2, 32, 32, seed=T, dtype=dtype), None
+    monkeypatch.setitem(tc.TUNING, "prepare_split", True)
+    runs = {}
+    for gate_pass in (False, True):
+        monkeypatch.setitem(tc.TUNING, "prepare_gate_pass", gate_pass)
+        if gate_pass:
+            for name in ("_prepare", "_prep_intra", "_prep_wu"):
+                monkeypatch.setattr(tc, name, None)  # any launch of these would fail
+        runs[gate_pass] = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
+    check(*runs[True], dtype, case)
+    (o, S, grads), _ = runs[True]
+    (ro, rS, rgrads), _ = runs[False]
+    tol = 1e-3 if ON_GPU else 1e-5
+    for name, a, r in zip(("o", "S") + NAMES, [o, S, *grads], [ro, rS, *rgrads]):
+        assert rel_err(a.cpu(), r.cpu()) <= tol, (case, name, rel_err(a.cpu(), r.cpu()))

@@ -57,7 +57,10 @@ TUNING = {
     "prepare_split": True,
     "prep_intra_warps": 4, "prep_intra_stages": None, "prep_intra_maxnreg": 128,  # 2.57 ms at 168, 2.43 at 128
     "prep_solve_warps": 4, "prep_solve_stages": None, "prep_solve_maxnreg": None,
-    "prep_wu_warps": 4, "prep_wu_stages": None, "prep_wu_maxnreg": None,
+    "prep_wu_warps": 4, "prep_wu_stages": None, "prep_wu_maxnreg": 128,  # 0.96 → 0.84 ms, 0 spills (run 7)
+    # with prepare_split: `_prep_gate` first writes the in-chunk cumulative gate (fp32), which `_prep_intra_g` and
+    # `_prep_wu_g` (launched with the prep_intra / prep_wu settings) read instead of recomputing it (§7 item 12)
+    "prepare_gate_pass": False, "prep_gate_warps": 4, "prep_gate_stages": None, "prep_gate_maxnreg": None,
     "state_bv": 32, "state_warps": 4, "state_stages": 2, "state_maxnreg": None,
     "state_bwd_bv": 32, "state_bwd_warps": 8, "state_bwd_stages": 1, "state_bwd_maxnreg": None,
     "bwd_v_bv": 32, "bwd_v_warps": 8, "bwd_v_stages": None, "bwd_v_maxnreg": None,  # `_bwd_vu` and `_bwd_vw`
@@ -553,6 +556,158 @@ def _prep_wu(k, v, z, b, A_log, dt_bias, cu, chunk_idx, t_in, kn_in, w_out, u_ou
         tl.store(_bp(kd_out, bos, L, i_h, row0, c0, H, K, C, SK),
                  _cast(kh * tl.exp(gc[None, :] - G), kd_out.dtype.element_ty, INTERP), boundary_check=(0,))
         tl.store(gc_out + (i_c * H + i_h).to(tl.int64) * K + c0 + tl.arange(0, SK), gc)
+    else:
+        c0 = (s - K // SK) * SV
+        v_t = tl.load(_bp(v, bos, L, i_h, row0, c0, H, V, C, SV), boundary_check=(0,), padding_option="zero")
+        U = tl.dot(Tm, beta[:, None] * v_t.to(tl.float32))
+        tl.store(_bp(u_out, bos, L, i_h, row0, c0, H, V, C, SV), _cast(U, u_out.dtype.element_ty, INTERP),
+                 boundary_check=(0,))
+
+
+# the gate pre-pass (TUNING["prepare_gate_pass"], with prepare_split; docs/kda-kernels.md §7 item 12): `_prep_gate`
+# writes G once, then `_prep_intra_g` and `_prep_wu_g` do what `_prep_intra` and `_prep_wu` do with G read back
+
+
+@triton.jit
+def _prep_gate(k, z, A_log, dt_bias, cu, chunk_idx, g_out, gc_out, kn_out,
+               H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr):
+    """One (chunk, head): the in-chunk cumulative gate G [TT, H, K] fp32, G_C and ‖k‖ per row.
+
+    G is summed as `_prep_intra` sums it (per 16-row block, continuing from the previous block's last row), so
+    `_prep_intra_g` sees the same values. Rows past the document end have g = 0 and are not written; G_C is G at
+    the chunk's last valid row.
+    """
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
+    last = tl.arange(0, BC)[:, None] == BC - 1
+    carry = tl.zeros([K], dtype=tl.float32)
+    for J in tl.static_range(C // BC):
+        r0 = row0 + J * BC
+        g, _, _ = _gate_tile(z, A_log, dt_bias, bos, L, r0, 0, i_h, H, K, BC, K, G_MIN)
+        G = carry[None, :] + tl.cumsum(g, 0)
+        tl.store(_bp(g_out, bos, L, i_h, r0, 0, H, K, BC, K), G, boundary_check=(0,))
+        tl.store(tl.make_block_ptr(kn_out + bos * H + i_h, (L,), (H,), (r0,), (BC,), (0,)),
+                 _row_norm(k, bos, L, r0, i_h, H, K, BC), boundary_check=(0,))
+        carry = tl.sum(tl.where(last, G, 0.0), 0)
+    # G_C from the last tile's last row (a 1D store of `carry` made the compiler compute the gate twice)
+    p_gc = gc_out + (i_c * H + i_h).to(tl.int64) * K + tl.arange(0, K)[None, :] + tl.zeros([BC, 1], dtype=tl.int32)
+    tl.store(p_gc, G, mask=last)
+
+
+@triton.jit
+def _gate_rows(g_in, kn_in, bos, L, row0, i_h, H, K: tl.constexpr, BC: tl.constexpr):
+    """The 16 rows at row0 of G (zeros past the document end), G at their first and last row (zeros past the
+    end) and ‖k‖ (1 past the end: k there is zero, and k̂ must be too)."""
+    r = row0 + tl.arange(0, BC)
+    G = tl.load(_bp(g_in, bos, L, i_h, row0, 0, H, K, BC, K), boundary_check=(0,), padding_option="zero")
+    p_row = g_in + ((bos + row0) * H + i_h) * K + tl.arange(0, K)
+    first = tl.load(p_row, mask=row0 < L, other=0.0)
+    end = tl.load(p_row + (BC - 1) * H * K, mask=row0 + BC - 1 < L, other=0.0)
+    kn = tl.load(tl.make_block_ptr(kn_in + bos * H + i_h, (L,), (H,), (row0,), (BC,), (0,)), boundary_check=(0,),
+                 padding_option="zero")
+    return G, first, end, tl.where(r < L, kn, 1.0)
+
+
+@triton.jit
+def _intra_off_step_g(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, aqk_out, t_out,
+                      H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCORES_BF16: tl.constexpr,
+                      INTERP: tl.constexpr):
+    """`_intra_off_step` with block J's G, e_J and ‖k‖ read back (same factorisation, every factor ≤ 1)."""
+    rJ = row0 + J * BC
+    GJ, _, eJ, knJ = _gate_rows(g_in, kn_in, bos, L, rJ, i_h, H, K, BC)
+    k_raw = tl.load(_bp(k, bos, L, i_h, rJ, 0, H, K, BC, K), boundary_check=(0,), padding_option="zero")
+    kJ = k_raw.to(tl.float32) / knJ[:, None]
+    Akk, Aqk = _off_scores(qs, ks, beta, a, kJ * tl.exp(eJ[None, :] - GJ), eJ, SCORES_BF16, INTERP)
+    _store_block(Aqk, aqk_out, bos, L, i_h, r0, J * BC, H, C, BC, INTERP)
+    _store_block(Akk, t_out, bos, L, i_h, r0, J * BC, H, C, BC, INTERP)
+
+
+@triton.jit
+def _prep_intra_g(q, k, b, g_in, kn_in, cu, chunk_idx, qg_out, aqk_out, t_out,
+                  scale, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+                  SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
+    """`_prep_intra` on `_prep_gate`'s G and ‖k‖: no gate, no carry walk, one walk over the blocks J < R (G_J,
+    e_J, k_J). Writes the same rows of Q⊙Γ, Aqk and T's storage; ‖k‖ is already stored."""
+    NB: tl.constexpr = C // BC
+    pid = tl.program_id(0)
+    i_c = pid // NB
+    R = pid % NB
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
+    lo = qg_out.dtype.element_ty
+    r0 = row0 + R * BC
+    # a block past the document end writes nothing (and its anchor, read as 0, would overflow exp(a − e_J))
+    if r0 >= L:
+        return
+    G, a, _, k_n = _gate_rows(g_in, kn_in, bos, L, r0, i_h, H, K, BC)
+    valid = r0 + tl.arange(0, BC) < L
+    # rows past the document end (q̂ = k̂ = 0): G = a keeps exp(±(G − a)) at 1; the zeros read there would give
+    # exp(−a), up to e^320 = inf, and inf·0 = NaN in the score dots
+    G = tl.where(valid[:, None], G, a[None, :])
+    q_raw = tl.load(_bp(q, bos, L, i_h, r0, 0, H, K, BC, K), boundary_check=(0,), padding_option="zero")
+    k_raw = tl.load(_bp(k, bos, L, i_h, r0, 0, H, K, BC, K), boundary_check=(0,), padding_option="zero")
+    q_raw = q_raw.to(tl.float32)
+    q_n = tl.sqrt(tl.sum(q_raw * q_raw, 1) + 1e-6)
+    qh = q_raw / q_n[:, None] * scale
+    kh = k_raw.to(tl.float32) / k_n[:, None]
+    beta = _load_beta(b, bos, L, r0, i_h, H, BC)
+    tl.store(_bp(qg_out, bos, L, i_h, r0, 0, H, K, BC, K), _cast(qh * tl.exp(G), lo, INTERP), boundary_check=(0,))
+    rf = tl.exp(G - a[None, :])
+    qs = qh * rf
+    ks = kh * rf
+    Add, Qdd = _diag_scores(qs, ks, kh * tl.exp(a[None, :] - G), beta, BC, SCORES_BF16, INTERP)
+    _store_block(Qdd, aqk_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
+    _store_block(_inv16(Add, BC), t_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
+    # zeros right of the diagonal block (Aqk and T are read back as 64×64 tiles), one masked store each
+    rows = r0 + tl.arange(0, BC)
+    cols = tl.arange(0, C)
+    off = ((bos + rows).to(tl.int64) * H + i_h)[:, None] * C + cols[None, :]
+    upper = (rows < L)[:, None] & (cols >= (R + 1) * BC)[None, :]
+    zeros = tl.zeros([BC, C], dtype=tl.float32)
+    tl.store(aqk_out + off, zeros.to(aqk_out.dtype.element_ty), mask=upper)
+    tl.store(t_out + off, zeros, mask=upper)
+    if INTERP:
+        J = 0
+        while J < R:
+            _intra_off_step_g(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, aqk_out, t_out,
+                              H, K, C, BC, SCORES_BF16, INTERP)
+            J += 1
+    else:
+        for J in range(0, R):
+            _intra_off_step_g(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, aqk_out, t_out,
+                              H, K, C, BC, SCORES_BF16, INTERP)
+
+
+@triton.jit
+def _prep_wu_g(k, v, b, g_in, gc_in, cu, chunk_idx, t_in, kn_in, w_out, u_out, kd_out,
+               H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
+               INTERP: tl.constexpr):
+    """`_prep_wu` on `_prep_gate`'s G, G_C and ‖k‖: the W and K⊙exp(G_C − G) slices read G instead of
+    recomputing the gate and its cumsum; G_C is already stored."""
+    NS: tl.constexpr = K // SK + V // SV
+    pid = tl.program_id(0)
+    i_c = pid // NS
+    s = pid % NS
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
+    beta = _load_beta(b, bos, L, row0, i_h, H, C)
+    Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    if s < K // SK:
+        c0 = s * SK
+        valid = row0 + tl.arange(0, C) < L
+        k_raw = tl.load(_bp(k, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
+        k_n = tl.load(tl.make_block_ptr(kn_in + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,)),
+                      boundary_check=(0,), padding_option="zero")
+        kh = k_raw.to(tl.float32) / tl.where(valid, k_n, 1.0)[:, None]
+        # zeros past the document end: exp(0) = 1 meets k̂ = β = 0 there
+        G = tl.load(_bp(g_in, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
+        gc = tl.load(gc_in + (i_c * H + i_h).to(tl.int64) * K + c0 + tl.arange(0, SK))
+        W = tl.dot(Tm, beta[:, None] * kh * tl.exp(G))
+        tl.store(_bp(w_out, bos, L, i_h, row0, c0, H, K, C, SK), _cast(W, w_out.dtype.element_ty, INTERP),
+                 boundary_check=(0,))
+        tl.store(_bp(kd_out, bos, L, i_h, row0, c0, H, K, C, SK),
+                 _cast(kh * tl.exp(gc[None, :] - G), kd_out.dtype.element_ty, INTERP), boundary_check=(0,))
     else:
         c0 = (s - K // SK) * SV
         v_t = tl.load(_bp(v, bos, L, i_h, row0, c0, H, V, C, SV), boundary_check=(0,), padding_option="zero")
@@ -1098,7 +1253,8 @@ def inter_dtypes(dtype: torch.dtype, all_bf16: bool = False) -> tuple[torch.dtyp
 
 
 def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, store_t=False):
-    """Launch `_prepare` (or, with TUNING["prepare_split"], `_prep_intra`, `_prep_solve` and `_prep_wu`: the same
+    """Launch `_prepare` (or, with TUNING["prepare_split"], `_prep_intra`, `_prep_solve` and `_prep_wu`; with
+    TUNING["prepare_gate_pass"] too, `_prep_gate`, `_prep_intra_g`, `_prep_solve` and `_prep_wu_g`: the same
     outputs) on flattened [TT, H, ·] inputs; returns the chunk-local operands."""
     TT, H, K = q.shape
     V = v.shape[-1]
@@ -1109,7 +1265,24 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
     Aqk = torch.empty(TT, H, CHUNK, dtype=hi, device=q.device)
     gc = torch.empty(max(plan.NT, 1), H, K, dtype=torch.float32, device=q.device)
     Tm = torch.empty(TT, H, CHUNK, dtype=torch.float32, device=q.device)
-    if plan.NT > 0 and TUNING["prepare_split"]:
+    if plan.NT > 0 and TUNING["prepare_split"] and TUNING["prepare_gate_pass"]:
+        interp = interpreting()
+        kn = torch.empty(TT, H, dtype=torch.float32, device=q.device)
+        # the in-chunk cumulative gate: 4·TT·H·K bytes (384 MiB at the K3 shape), freed before `_state`
+        G = torch.empty(TT, H, K, dtype=torch.float32, device=q.device)
+        _prep_gate[(plan.NT, H)](k, z, A_log, dt_bias, plan.cu, plan.chunk_idx, G, gc, kn, H=H, K=K, C=CHUNK, BC=SUB,
+                                 G_MIN=g_min, **_launch_options("prep_gate"))
+        _prep_intra_g[(plan.NT * (CHUNK // SUB), H)](q, k, b, G, kn, plan.cu, plan.chunk_idx, Qg, Aqk, Tm, scale,
+                                                     H=H, K=K, C=CHUNK, BC=SUB, SCORES_BF16=lo == torch.bfloat16,
+                                                     INTERP=interp, **_launch_options("prep_intra"))
+        _prep_solve[(plan.NT, H)](Tm, plan.cu, plan.chunk_idx, H=H, C=CHUNK, BC=SUB, INTERP=interp,
+                                  **_launch_options("prep_solve"))
+        SK, SV = min(K, 64), min(V, 64)
+        _prep_wu_g[(plan.NT * (K // SK + V // SV), H)](k, v, b, G, gc, plan.cu, plan.chunk_idx, Tm, kn, W, U, Kd,
+                                                       H=H, K=K, V=V, C=CHUNK, SK=SK, SV=SV, INTERP=interp,
+                                                       **_launch_options("prep_wu"))
+        del G
+    elif plan.NT > 0 and TUNING["prepare_split"]:
         interp = interpreting()
         kn = torch.empty(TT, H, dtype=torch.float32, device=q.device)  # ‖k‖ per row, from part 1 to part 3
         _prep_intra[(plan.NT * (CHUNK // SUB), H)](q, k, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Qg, Aqk, Tm,
