@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# Issue 5 on one H200, under ten minutes: the KDA kernel variants of docs/kda-kernels.md §7 items 9-10 and §8
-# step 0, each timed with the per-kernel profile against the default launch configs. Logs to $OUT/log.txt.
-#     OUT=/tmp/out bash benchmarks/kda_session.sh
+# Issue 5 on one H200, under ten minutes: the untimed KDA variants (docs/kda-kernels.md §7 item 12, §8 status)
+# side by side in one process, at the K3 shape and at the small preset's KDA layer, then the issue's table with
+# fla. Logs to $OUT/log.txt, JSON to $OUT. Pass the commit in (the GPU machine's .git copy can be stale):
+#     K3_GIT_SHA=$(git rev-parse HEAD) OUT=/tmp/out bash benchmarks/kda_session.sh
 set -u
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 step() { local limit=$1; shift; echo "=== [$(date +%T)] $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
-kda() { step 70 python3 -m benchmarks.kda --fla-configs 1 --fla-cases none --profile \
-    --cases "fwd B=1 T=8192 H=96,fwd+bwd B=1 T=8192 H=96" "$@"; }
 {
-# the split _prepare's kernels compiled for real (the interpreter runs a while-loop form of one of its loops)
-step 120 python3 -m pytest -q -p no:cacheprovider tests/ops/test_kda_triton.py -k "prepare_split or saved_intermediates"
-kda                                                        # the defaults
-kda --tuning '{"prepare_split": true}'                     # three-kernel _prepare
-kda --tuning '{"prepare_split": true, "prep_intra_maxnreg": null}'
-kda --tuning '{"prepare_maxnreg": 128, "bwd_k_maxnreg": 128}'   # more programs per SM, some spills
-kda --tuning '{"state_maxnreg": 168, "state_bwd_maxnreg": 168}'
+step 90 python3 -m pytest -q --tb=line -p no:cacheprovider tests/ops/test_kda_triton.py -k "gate_pass"
+step 240 python3 -m benchmarks.kda --fla-configs 1 --fla-cases none --cases none --out "$OUT/compare.json" \
+    --compare-shapes "1,8192,96;2,8192,8;4,4096,8" --compare '[
+ {},
+ {"prepare_gate_pass": true},
+ {"prepare_gate_pass": true, "prep_gate_warps": 1},
+ {"prepare_gate_pass": true, "prep_intra_maxnreg": null},
+ {"state_bv": 16, "state_bwd_bv": 16},
+ {"state_bv": 16, "state_bwd_bv": 16, "state_bwd_warps": 4}
+]'
+# the issue's table, fla side by side (one config per fla autotuner: a full autotune takes minutes per shape)
+step 220 python3 -m benchmarks.kda --fla-configs 1 --out "$OUT/kda.json" \
+    --fla-cases "fwd B=1 T=8192 H=96,fwd+bwd B=1 T=8192 H=96,decode B=64 T=1 H=96"
 } 2>&1 | tee "$OUT/log.txt"
