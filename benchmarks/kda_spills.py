@@ -10,6 +10,7 @@ speed, not a measurement of it: spills were not the main cost of `_prepare` (doc
     python benchmarks/kda_spills.py _bwd_k --warps 4 16   # one kernel, several warp counts
     python benchmarks/kda_spills.py _prepare --maxnreg 128 168   # with a register cap (more programs per SM)
     python benchmarks/kda_spills.py _prep_intra _prep_intra_g --maxnreg 0 128 --sass   # 0: no cap; SASS counts
+    python benchmarks/kda_spills.py _bwd_vk _bwd_vv --warps 4 8 --maxnreg 0 168 128 --stages 1 3 --sass
 
 `--sass` also disassembles the cubin (the bundled `cuobjdump -sass`) and counts instructions (NOPs excluded):
 the whole kernel, its barriers, and each loop body (a backward branch; software pipelining can copy a body
@@ -19,6 +20,7 @@ into a prologue, so a loop's trip count multiplies only the body shown).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -38,26 +40,31 @@ PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 FP32_ARGS = {"A_log", "dt_bias", "t_in", "t_out", "hs", "dse", "du", "dqh_in", "dkh_in", "dg_in", "daqk_in",
              "dakk_in", "db_in", "dqh_out", "dkh_out", "dg_out", "daqk_out", "dakk_out", "db_out", "dA_part",
              "dbias_part", "aqk_out", "u_out", "gc_out", "gc", "h0", "ht", "aqk", "u", "dht", "dh0", "kn_out", "kn_in",
-             "dqh", "dkh", "db_part", "g_in", "g_out", "gc_in"}
+             "dqh", "dkh", "db_part", "g_in", "g_out", "gc_in", "ut", "dtk_out", "dbk_out", "dtk_in", "dbk_in"}
 INT32_ARGS = {"cu", "chunk_idx", "chunk_off"}
 CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
-                  USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64)
+                  USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64,
+                  STORE_UT=False)
 # kernel -> its TUNING key prefix ("bwd_v" serves both halves of the split value-side backward; the three
 # `_prep_*` kernels replace `_prepare` under TUNING["prepare_split"]; with TUNING["prepare_gate_pass"] `_prep_gate`
 # runs first and `_prep_intra_g` / `_prep_wu_g` take the launch settings of the kernels they replace)
 TUNING_PREFIX = {"_prepare": "prepare", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
                  "_prep_wu": "prep_wu", "_prep_gate": "prep_gate", "_prep_intra_g": "prep_intra",
                  "_prep_wu_g": "prep_wu", "_state": "state", "_state_bwd": "state_bwd", "_bwd_vu": "bwd_v",
-                 "_bwd_vw": "bwd_v", "_bwd_k": "bwd_k", "_bwd_k_split": "bwd_ks", "_bwd_norms": "bwd_norms"}
+                 "_bwd_vw": "bwd_v", "_bwd_k": "bwd_k", "_bwd_k_split": "bwd_ks", "_bwd_norms": "bwd_norms",
+                 "_state_ut": "state", "_bwd_vk": "bwd_vk", "_bwd_vv": "bwd_vv"}
 # per-kernel constexprs on top of CONSTEXPRS; "_bwd_k_split" is `_bwd_k` under TUNING["bwd_k_split"] (its dβ output
-# is then the fp32 [TT, H, NS] partials)
+# is then the fp32 [TT, H, NS] partials); "_state_ut" is the recompute `_state` that also stores Ũ
+# (TUNING["bwd_v_split"]; the forward's adds WRITE_O); `_bwd_vk` / `_bwd_vv`: the split value side's two kernels
 _SK = chunk.TUNING["bwd_ks_cols"]
+_SKV = chunk.TUNING["bwd_vk_cols"]
 KERNEL_CONSTEXPRS = {"_bwd_k": dict(SK=128, SPLIT=False), "_bwd_k_split": dict(SK=_SK, SPLIT=True),
-                     "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"])}
+                     "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
+                     "_state_ut": dict(STORE_UT=True), "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV)}
 
 
 def kernel_fn(name: str):
-    return chunk._bwd_k if name == "_bwd_k_split" else getattr(chunk, name)
+    return {"_bwd_k_split": chunk._bwd_k, "_state_ut": chunk._state}.get(name) or getattr(chunk, name)
 
 
 def compile_report(fn, num_warps: int, num_stages: int = 3, maxnreg: int | None = None, sass: bool = False,
@@ -139,6 +146,7 @@ def main() -> None:
     p.add_argument("--warps", type=int, nargs="+", help="warp counts to try instead of TUNING's")
     p.add_argument("--bv", type=int, help="value block instead of TUNING's (kernels that take BV)")
     p.add_argument("--maxnreg", type=int, nargs="+", help="register caps per thread to try (a launch option; 0: none)")
+    p.add_argument("--stages", type=int, nargs="+", help="num_stages to try instead of TUNING's (Triton's default 3)")
     p.add_argument("--sass", action="store_true", help="also count SASS instructions (cuobjdump)")
     args = p.parse_args()
     unknown = set(args.kernels) - set(TUNING_PREFIX)
@@ -149,15 +157,18 @@ def main() -> None:
         base = tuned_settings(name)
         if args.bv is not None and "BV" in base:
             base["BV"] = args.bv
-        for warps in args.warps or [base["num_warps"]]:
-            for cap in args.maxnreg or [base.get("maxnreg")]:
-                settings = {**base, "num_warps": warps, "maxnreg": cap or None}
-                regs, stores, loads, shared, *sass = compile_report(kernel_fn(name), **settings, sass=args.sass,
-                                                                    **KERNEL_CONSTEXPRS.get(name, {}))
-                shown = {k: v for k, v in settings.items() if v is not None}
-                print(f"{name:14s} {str(shown):52s} {regs:5d} {f'{stores} / {loads}':>14s} {shared / 1024:10.0f}"
-                      + (f"  SASS {sass[0]['total']} (BAR {sass[0]['BAR']}, EX2 {sass[0]['EX2']}, loop bodies "
-                         f"{sass[0]['loops']})" if sass else ""), flush=True)
+        for warps, stages, cap in itertools.product(args.warps or [base["num_warps"]],
+                                                    args.stages or [base.get("num_stages")],
+                                                    args.maxnreg or [base.get("maxnreg")]):
+            settings = {**base, "num_warps": warps, "maxnreg": cap or None}
+            if stages is not None:
+                settings["num_stages"] = stages
+            regs, stores, loads, shared, *sass = compile_report(kernel_fn(name), **settings, sass=args.sass,
+                                                                **KERNEL_CONSTEXPRS.get(name, {}))
+            shown = {k: v for k, v in settings.items() if v is not None}
+            print(f"{name:14s} {str(shown):52s} {regs:5d} {f'{stores} / {loads}':>14s} {shared / 1024:10.0f}"
+                  + (f"  SASS {sass[0]['total']} (BAR {sass[0]['BAR']}, EX2 {sass[0]['EX2']}, loop bodies "
+                     f"{sass[0]['loops']})" if sass else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -679,3 +679,101 @@ def test_prepare_gate_pass_matches_fp64_recurrence(dev, monkeypatch, case):
     tol = 1e-3 if ON_GPU else 1e-5
     for name, a, r in zip(("o", "S") + NAMES, [o, S, *grads], [ro, rS, *rgrads]):
         assert rel_err(a.cpu(), r.cpu()) <= tol, (case, name, rel_err(a.cpu(), r.cpu()))
+
+
+# the value-side backward over key slices (TUNING["bwd_v_split"]: `_bwd_vk`, `_bwd_vv` from the forward's Ũ;
+# docs/kda-kernels.md §7 item 13)
+
+BWD_V_SPLIT_CASES = {
+    # name: (document lengths or None for a dense [2, 70] batch, H, K, V, input dtype, slice width, extra chunk_kda
+    # arguments, TUNING overrides)
+    "dense_fp32_2slices": (None, 2, 32, 32, torch.float32, 16, {}, {}),
+    "dense_bf16_2slices": (None, 2, 32, 32, torch.bfloat16, 16, {}, {}),
+    "varlen_fp32": ([0, 1, 17, 65, 130], 1, 32, 64, torch.float32, 16, {}, {}),
+    "varlen_bf16_K16_V128": ([1, 17, 0, 65, 130], 1, 16, 128, torch.bfloat16, 32, {}, {}),
+    "varlen_all_bf16_1slice": ([130, 1, 17, 0, 65], 2, 32, 32, torch.bfloat16, 32, {"all_bf16": True}, {}),
+    "recompute_fp32": (None, 2, 32, 32, torch.float32, 16, {"save_intermediates": False}, {}),
+    "recompute_varlen_bf16_fused_bwd_k": ([0, 1, 17, 65, 130], 1, 32, 32, torch.bfloat16, 16,
+                                          {"save_intermediates": False}, {"bwd_k_split": False}),
+}
+
+
+@pytest.mark.parametrize("case", list(BWD_V_SPLIT_CASES))
+def test_bwd_v_split_matches_default(dev, monkeypatch, case):
+    """Every gradient of `chunk_kda` with the split value side (`_bwd_vu` and `_bwd_vw` made unusable) against the
+    default path, and against the fp64 recurrence at the file's tolerances (initial state and dht included).
+
+    Outputs are bit-identical (the forward only stores Ũ besides). The slices do the per-column arithmetic of
+    `_bwd_vu` / `_bwd_vw`; the sums over K (dT, dβ) are taken per slice and added in `_bwd_vv`. The one real
+    difference is Ũ: the default recomputes it in `_bwd_vu` from an fp32 W = T·diag(β)(K⊙Γ), the split path
+    reads the forward's Ũ = U − W·S, made with the stored W (bf16 for bf16 inputs), the Ũ the output was
+    computed from. Tolerance, relative RMSE: fp32 inputs 1e-5 in the interpreter (measured ≤ 1.1e-6, dA_log, one
+    cancelling sum per head; the rest ≤ 4.2e-7) and 1e-3 on a GPU (as the file's other split tests: other dot
+    tilings, tf32); bf16 inputs 5e-3, where dAqk and dKd move with W's bf16 rounding (measured ≤ 1.5e-3, dq and dk;
+    dv, dβ and dh0 do not depend on Ũ and match), 1e-2 with all_bf16, where Ũ is stored in bf16 as U is (measured
+    dk 3.7e-3; against fp64 dk 3.8e-3 instead of 2.2e-3, within the 8e-3 of `check`)."""
+    import functools
+
+    import k3.ops.kda
+    from k3.ops.kda import triton_chunk as tc
+
+    lengths, H, K, V, dtype, cols, kw, tuning = BWD_V_SPLIT_CASES[case]
+    if lengths is None:
+        inputs, cu = make_raw(2, 70, H, K, V, seed=41, dtype=dtype), None
+    else:
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        inputs = make_raw(1, cu[-1], H, K, V, seed=41, N=len(lengths), dtype=dtype)
+    monkeypatch.setattr(k3.ops.kda, "chunk_kda", functools.partial(tc.chunk_kda, **kw))
+    monkeypatch.setitem(tc.TUNING, "bwd_vk_cols", cols)
+    for key, value in tuning.items():
+        monkeypatch.setitem(tc.TUNING, key, value)
+    runs = {}
+    for split in (False, True):
+        monkeypatch.setitem(tc.TUNING, "bwd_v_split", split)
+        if split:
+            for name in ("_bwd_vu", "_bwd_vw"):
+                monkeypatch.setattr(tc, name, None)  # any launch of these would fail
+        runs[split] = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
+    (o, S, grads), _ = runs[True]
+    (ro, rS, rgrads), _ = runs[False]
+    assert torch.equal(o, ro) and torch.equal(S, rS)
+    tol = (1e-3 if ON_GPU else 1e-5) if dtype == torch.float32 else (1e-2 if kw.get("all_bf16") else 5e-3)
+    for name, a, r in zip(NAMES, grads, rgrads):
+        assert torch.isfinite(a).all(), name
+        assert rel_err(a.cpu(), r.cpu()) <= tol, (case, name, rel_err(a.cpu(), r.cpu()))
+    check(*runs[True], dtype, case)
+
+
+@pytest.mark.parametrize("case", ["fp32", "varlen_bf16"])
+def test_bwd_v_split_kept_matches_recompute_bitwise(dev, monkeypatch, case):
+    """With the split value side the forward keeps Ũ (an eighth kept tensor, from the `_state` launch that writes
+    o) and the recompute path makes it in the backward's `_state`: same kernels on the same inputs, so the
+    gradients are bit-identical either way. The default path neither stores nor keeps it."""
+    from k3.ops.kda import triton_chunk as tc
+
+    calls = []
+    state = tc._fwd_state
+    monkeypatch.setattr(tc, "_fwd_state", lambda *a, **k: calls.append(k) or state(*a, **k))
+    monkeypatch.setitem(tc.TUNING, "bwd_vk_cols", 16)
+    kw = {}
+    if case == "varlen_bf16":
+        cu = [0, 5, 70, 70, 150]
+        inputs = make_raw(1, cu[-1], 2, 32, 32, seed=42, N=len(cu) - 1)
+        kw = dict(cu_seqlens=torch.tensor(cu, device=dev))
+    else:
+        inputs = make_raw(2, 70, 2, 32, 32, seed=43, dtype=torch.float32)
+    monkeypatch.setitem(tc.TUNING, "bwd_v_split", True)
+    runs = {}
+    for save in (False, True):
+        calls.clear()
+        runs[save] = _fwd_bwd(inputs, dev, save_intermediates=save, **kw)
+        # kept: the forward's `_state` stores Ũ; recomputed: the backward's does
+        assert [k.get("want_ut", False) for k in calls] == ([True] if save else [False, True]), (save, calls)
+    for a, b in zip(runs[True], runs[False]):
+        assert a is not None and torch.equal(a, b)
+    monkeypatch.setitem(tc.TUNING, "bwd_v_split", False)
+    calls.clear()
+    _fwd_bwd(inputs, dev, **kw)
+    assert len(calls) == 1 and not calls[0]["want_ut"]

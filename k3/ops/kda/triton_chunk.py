@@ -22,7 +22,8 @@ measured variant are in docs/kda-kernels.md. In short:
   `_bwd_vw` gather everything that contracts over the value dim (split in two so that each holds half of
   the accumulators), and `_bwd_k` finishes the score (in the same 16-row blocks), gate and norm chains: by
   default over key slices (TUNING["bwd_k_split"]), leaving the two sums over K (the norm backward, dβ) to
-  the row kernel `_bwd_norms`.
+  the row kernel `_bwd_norms`. With TUNING["bwd_v_split"] (untimed) the forward also keeps Ũ = U − W·S and
+  the value side runs over key slices instead (`_bwd_vk`), leaving its sums over K (dT, dβ) to `_bwd_vv`.
 
 Intermediates are stored in bf16 for bf16 inputs except U and Aqk (fp32); states and accumulators are
 fp32; fp32 operands multiply in tf32, bf16 score blocks in bf16. Everything is indexed by packed document
@@ -64,6 +65,11 @@ TUNING = {
     "state_bv": 32, "state_warps": 4, "state_stages": 2, "state_maxnreg": None,
     "state_bwd_bv": 32, "state_bwd_warps": 8, "state_bwd_stages": 1, "state_bwd_maxnreg": None,
     "bwd_v_bv": 32, "bwd_v_warps": 8, "bwd_v_stages": None, "bwd_v_maxnreg": None,  # `_bwd_vu` and `_bwd_vw`
+    # the value-side backward over key slices from the forward's Ũ (docs/kda-kernels.md §7 item 13; off until
+    # timed): `_bwd_vk` per (key slice of bwd_vk_cols, chunk, head), then `_bwd_vv` per (chunk, head); offline
+    # sm_90, 1 stage (less shared memory, fewer instructions): `_bwd_vk` 251 registers, `_bwd_vv` 0 spills at 128
+    "bwd_v_split": False, "bwd_vk_cols": 32, "bwd_vk_bv": 32, "bwd_vk_warps": 4, "bwd_vk_stages": 1,
+    "bwd_vk_maxnreg": None, "bwd_vv_bv": 32, "bwd_vv_warps": 8, "bwd_vv_stages": 1, "bwd_vv_maxnreg": 128,
     # 128 registers: 2 programs per SM despite 1.7 KB of spills, 9.30 → 7.65 ms at the K3 shape (§7 item 11, run 6)
     "bwd_k_warps": 8, "bwd_k_stages": None, "bwd_k_maxnreg": 128,
     # the split `_bwd_k` (docs/kda-kernels.md §7 item 11): key slices of bwd_ks_cols columns, then `_bwd_norms`;
@@ -717,16 +723,21 @@ def _prep_wu_g(k, v, b, g_in, gc_in, cu, chunk_idx, t_in, kn_in, w_out, u_out, k
 
 
 @triton.jit
-def _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, bos, L, c0, i_h, i_v, off_s,
+def _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, ut, bos, L, c0, i_h, i_v, off_s,
                 H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                STORE_HS: tl.constexpr, WRITE_O: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr):
-    """Chunk j of one sequence in `_state`; returns the state after it."""
+                STORE_HS: tl.constexpr, WRITE_O: tl.constexpr, STORE_UT: tl.constexpr, BF16: tl.constexpr,
+                INTERP: tl.constexpr):
+    """Chunk j of one sequence in `_state`; returns the state after it. STORE_UT: also store Ũ (for
+    TUNING["bwd_v_split"]; a separate specialisation, so the default one compiles as before)."""
     row0 = j * C
     W = tl.load(_bp(w, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     Kd = tl.load(_bp(kd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     U = tl.load(_bp(u, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
     g_end = tl.load(gc + ((c0 + j) * H + i_h) * K + tl.arange(0, K))
     Ut = U.to(tl.float32) - _mm(W, S, BF16, INTERP)
+    if STORE_UT:
+        tl.store(_bp(ut, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(Ut, ut.dtype.element_ty, INTERP),
+                 boundary_check=(0,))
     if WRITE_O:
         Qg = tl.load(_bp(qg, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
         Aq = tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
@@ -742,14 +753,14 @@ def _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, bos, L, c0, i_h, i_v, off_s,
 
 
 @triton.jit
-def _state(w, u, qg, kd, aqk, gc, h0, o, ht, hs, cu, chunk_off,
+def _state(w, u, qg, kd, aqk, gc, h0, o, ht, hs, ut, cu, chunk_off,
            H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
            USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_HS: tl.constexpr, WRITE_O: tl.constexpr,
-           BF16: tl.constexpr, INTERP: tl.constexpr):
+           STORE_UT: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr):
     """One (value block, sequence, head): the chunk-to-chunk state hand-off, in order, state in registers.
 
     Per chunk: Ũ = U − W·S; O = (Q⊙Γ)·S + Aqk·Ũ; S ← Diag(exp(G_C))·S + (K⊙exp(G_C − G))ᵀ·Ũ.
-    hs (optional) receives S at every chunk start, ht the final state.
+    hs (optional) receives S at every chunk start, ht the final state, ut (with STORE_UT) Ũ.
     """
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -763,13 +774,13 @@ def _state(w, u, qg, kd, aqk, gc, h0, o, ht, hs, cu, chunk_off,
     if INTERP:
         j = 0
         while j < n_chunks:
-            S = _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, bos, L, c0, i_h, i_v, off_s, H, K, V, BV, C,
-                            STORE_HS, WRITE_O, BF16, INTERP)
+            S = _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, ut, bos, L, c0, i_h, i_v, off_s, H, K, V, BV, C,
+                            STORE_HS, WRITE_O, STORE_UT, BF16, INTERP)
             j += 1
     else:
         for j in range(n_chunks):
-            S = _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, bos, L, c0, i_h, i_v, off_s, H, K, V, BV, C,
-                            STORE_HS, WRITE_O, BF16, INTERP)
+            S = _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, ut, bos, L, c0, i_h, i_v, off_s, H, K, V, BV, C,
+                            STORE_HS, WRITE_O, STORE_UT, BF16, INTERP)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + off_s, S)
 
@@ -932,6 +943,119 @@ def _bwd_vw(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, t_in, hs, do, du,
     tl.store(_bp(dqh_out, bos, L, i_h, row0, 0, H, K, C, K), dqh, boundary_check=(0,))
     tl.store(p_dkh, dkh, boundary_check=(0,))
     tl.store(p_dg, dG)
+    tl.store(_bp(dakk_out, bos, L, i_h, row0, 0, H, C, C, C), tl.where(rows[:, None] > rows[None, :], dAkk, 0.0),
+             boundary_check=(0,))
+    tl.store(tl.make_block_ptr(db_out + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,)), dbeta, boundary_check=(0,))
+
+
+@triton.jit
+def _bwd_vk(q, k, z, b, A_log, dt_bias, cu, chunk_idx, t_in, hs, dse, do, du, ut,
+            dqh_out, dkh_out, dg_out, dtk_out, dbk_out,
+            scale, H, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+            G_MIN: tl.constexpr, INTERP: tl.constexpr):
+    """TUNING["bwd_v_split"], part 1: one (key slice of SK columns, chunk, head), the value-dim gradients that
+    are elementwise in the key column, from the forward's Ũ (no W, no W·S).
+
+    Looping over value blocks, on the slice's rows of S and dS_end: dQg = dO·Sᵀ, dW = −dŨ·Sᵀ, dKd = Ũ·dS_endᵀ
+    and dΓ_C = Σ_v S ⊙ dS_end. Then what `_bwd_vu` and `_bwd_vw` do per key column: the finished value-side
+    dq̂ = dQg⊙Γ, dk̂ = dKd⊙exp(G_C − G) + β·(Tᵀ·dW)⊙Γ and dG (with G_C's gradient on the last row) into the
+    scratch `_bwd_k` reads. The two terms that sum over K leave as this slice's partials, for `_bwd_vv`:
+    dT_k = dW·(β·K⊙Γ)ᵀ (dtk_out [NT, H, NS, C, C]) and dβ_k = Σ_k (Tᵀ·dW)⊙K⊙Γ (dbk_out [NT, H, NS, C]).
+    """
+    NS: tl.constexpr = K // SK
+    pid = tl.program_id(0)
+    i_c = pid // NS
+    s = pid % NS
+    c0 = s * SK
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
+    rows = tl.arange(0, C)
+    cs = tl.arange(0, SK)
+    s_base = (i_c * H + i_h).to(tl.int64) * K * V
+    dQg = tl.zeros([C, SK], dtype=tl.float32)
+    dW = tl.zeros([C, SK], dtype=tl.float32)
+    dKd = tl.zeros([C, SK], dtype=tl.float32)
+    dgc = tl.zeros([SK], dtype=tl.float32)
+    for i_v in range(0, V // BV):
+        off_s = (c0 + cs)[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
+        S = tl.load(hs + s_base + off_s)
+        dSe = tl.load(dse + s_base + off_s)
+        dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+        dU = tl.load(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+        Ut = tl.load(_bp(ut, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+        dQg += tl.dot(dO.to(tl.float32), tl.trans(S))
+        dW -= tl.dot(dU, tl.trans(S))
+        dKd += tl.dot(Ut.to(tl.float32), tl.trans(dSe))
+        dgc += tl.sum(S * dSe, 1)
+    # the slice's inputs, after the loop (the norms need whole rows)
+    q_n = _row_norm(q, bos, L, row0, i_h, H, K, C)
+    k_n = _row_norm(k, bos, L, row0, i_h, H, K, C)
+    q_s = tl.load(_bp(q, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
+    k_s = tl.load(_bp(k, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
+    qh = q_s.to(tl.float32) / q_n[:, None] * scale
+    kh = k_s.to(tl.float32) / k_n[:, None]
+    beta = _load_beta(b, bos, L, row0, i_h, H, C)
+    g, x, valid = _gate_tile(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K, C, SK, G_MIN)
+    G = tl.cumsum(g, 0)
+    gam = tl.exp(G)
+    gc = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)
+    Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    Kg = kh * gam
+    dXk = tl.dot(tl.trans(Tm), dW)
+    p_part = ((i_c * H + i_h) * NS + s).to(tl.int64)
+    tl.store(dbk_out + p_part * C + rows, tl.sum(dXk * Kg, 1))
+    tl.store(dtk_out + p_part * C * C + rows[:, None] * C + rows[None, :], tl.dot(dW, tl.trans(beta[:, None] * Kg)))
+    dKg = beta[:, None] * dXk * gam
+    dqh = dQg * gam
+    dKd = dKd * tl.exp(gc[None, :] - G)
+    dG = -kh * dKd
+    # G_C feeds Γ_C and every exp(G_C − G_i): its gradient lands on the last row, spread back by the cumsum.
+    dG_end = tl.exp(gc) * dgc + tl.sum(kh * dKd, 0)
+    dG = tl.where(rows[:, None] == C - 1, dG + dG_end[None, :], dG) + qh * dqh + kh * dKg
+    tl.store(_bp(dqh_out, bos, L, i_h, row0, c0, H, K, C, SK), dqh, boundary_check=(0,))
+    tl.store(_bp(dkh_out, bos, L, i_h, row0, c0, H, K, C, SK), dKd + dKg, boundary_check=(0,))
+    tl.store(dg_out + (i_c * H + i_h).to(tl.int64) * C * K + rows[:, None] * K + (c0 + cs)[None, :], dG)
+
+
+@triton.jit
+def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dtk_in, dbk_in,
+            dv, daqk_out, dakk_out, db_out,
+            H, V: tl.constexpr, NS: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, INTERP: tl.constexpr):
+    """TUNING["bwd_v_split"], part 2: one (chunk, head), the value-dim gradients that sum over K.
+
+    Looping over value blocks: dAqk = dO·Ũᵀ and, through U = T·diag(β)·V, dv = β·Tᵀ·dŨ, dT_v = dŨ·(β·V)ᵀ and
+    dβ_v = Σ_v (Tᵀ·dŨ)⊙V. Adds `_bwd_vk`'s NS partials of dT and dβ (in slice order: deterministic), then
+    dAkk = −Tᵀ·dT·Tᵀ. Writes dAqk, dAkk, dv and dβ as `_bwd_vu` / `_bwd_vw` do.
+    """
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
+    rows = tl.arange(0, C)
+    beta = _load_beta(b, bos, L, row0, i_h, H, C)
+    Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    TmT = tl.trans(Tm)
+    dAqk = tl.zeros([C, C], dtype=tl.float32)
+    dT = tl.zeros([C, C], dtype=tl.float32)
+    dbeta = tl.zeros([C], dtype=tl.float32)
+    for i_v in range(0, V // BV):
+        dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+        dU = tl.load(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+        Ut = tl.load(_bp(ut, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+        vb = tl.load(_bp(v, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+        vb = vb.to(tl.float32)
+        dAqk += tl.dot(dO.to(tl.float32), tl.trans(Ut.to(tl.float32)))
+        dXv = tl.dot(TmT, dU)
+        tl.store(_bp(dv, bos, L, i_h, row0, i_v * BV, H, V, C, BV),
+                 _cast(beta[:, None] * dXv, dv.dtype.element_ty, INTERP), boundary_check=(0,))
+        dbeta += tl.sum(dXv * vb, 1)
+        dT += tl.dot(dU, tl.trans(beta[:, None] * vb))
+    p_part = ((i_c * H + i_h) * NS).to(tl.int64)
+    for s in range(NS):
+        dT += tl.load(dtk_in + (p_part + s) * C * C + rows[:, None] * C + rows[None, :])
+        dbeta += tl.load(dbk_in + (p_part + s) * C + rows)
+    dAkk = -tl.dot(tl.dot(TmT, dT), TmT)
+    tl.store(_bp(daqk_out, bos, L, i_h, row0, 0, H, C, C, C), tl.where(rows[:, None] >= rows[None, :], dAqk, 0.0),
+             boundary_check=(0,))
     tl.store(_bp(dakk_out, bos, L, i_h, row0, 0, H, C, C, C), tl.where(rows[:, None] > rows[None, :], dAkk, 0.0),
              boundary_check=(0,))
     tl.store(tl.make_block_ptr(db_out + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,)), dbeta, boundary_check=(0,))
@@ -1304,8 +1428,9 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
 
 
 def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht=False, want_hs=False,
-               state_bf16=False):
-    """Launch `_state`; returns (o [TT, H, V] or None, final state [N, H, K, V] or None, chunk-start states or None)."""
+               state_bf16=False, want_ut=False):
+    """Launch `_state`; returns (o [TT, H, V] or None, final state [N, H, K, V] or None, chunk-start states or None,
+    Ũ = U − W·S [TT, H, V] in U's dtype if want_ut else None)."""
     TT, H, K = W.shape
     V = U.shape[-1]
     BV = min(V, TUNING["state_bv"])
@@ -1313,14 +1438,16 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
     o = torch.empty(TT, H, V, dtype=out_dtype, device=dev) if write_o else None
     ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
     hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=torch.float32, device=dev) if want_hs else None
+    ut = torch.empty_like(U) if want_ut else None
     dummy = gc
     _state[(V // BV, plan.N * H)](W, U, Qg, Kd, Aqk, gc, h0 if h0 is not None else dummy,
                                   o if o is not None else dummy, ht if ht is not None else dummy,
-                                  hs if hs is not None else dummy, plan.cu, plan.chunk_off,
+                                  hs if hs is not None else dummy, ut if ut is not None else dummy,
+                                  plan.cu, plan.chunk_off,
                                   H=H, K=K, V=V, BV=BV, C=CHUNK, USE_H0=h0 is not None, STORE_HT=want_ht,
-                                  STORE_HS=want_hs, WRITE_O=write_o, BF16=state_bf16, INTERP=interpreting(),
-                                  **_launch_options("state"))
-    return o, ht, hs
+                                  STORE_HS=want_hs, WRITE_O=write_o, STORE_UT=want_ut, BF16=state_bf16,
+                                  INTERP=interpreting(), **_launch_options("state"))
+    return o, ht, hs, ut
 
 
 def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes, state_bf16,
@@ -1330,21 +1457,25 @@ def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs
     keep: also return what the backward would recompute, (W, Qg, Kd, Aqk, gc, T, hs), for `_bwd(inter=…)`;
     else kept is None. The states come from the same `_state` launch as o, with the same `state_bf16`: storing
     them does not change the arithmetic (and `_bwd` recomputes them with `state_bf16` as well), so the
-    gradients are bit-identical either way.
+    gradients are bit-identical either way. With TUNING["bwd_v_split"] Ũ = U − W·S comes last (U's dtype; the
+    split value-side backward reads it instead of recomputing W·S).
     """
     W, U, Qg, Kd, Aqk, gc, Tm = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
                                              store_t=keep)
-    o, ht, hs = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, want_ht=want_ht, want_hs=want_hs or keep,
-                           state_bf16=state_bf16)
-    kept = (W, Qg, Kd, Aqk, gc, Tm, hs) if keep else None  # U is not needed by the backward
+    want_ut = keep and TUNING["bwd_v_split"]
+    o, ht, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, want_ht=want_ht, want_hs=want_hs or keep,
+                               state_bf16=state_bf16, want_ut=want_ut)
+    # U is not needed by the backward
+    kept = ((W, Qg, Kd, Aqk, gc, Tm, hs) + ((ut,) if want_ut else ())) if keep else None
     return o, ht, (hs if want_hs else None), kept
 
 
 def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes, state_bf16, inter=None):
     """All gradients from the raw inputs and dO (and dht): recompute, two state passes, two chunk passes.
 
-    inter: the forward's (W, Qg, Kd, Aqk, gc, T, hs) (`_fwd(keep=True)`); then nothing is recomputed and h0
-    is not used. Without it `_prepare` and `_state` run again here.
+    inter: the forward's (W, Qg, Kd, Aqk, gc, T, hs[, Ũ]) (`_fwd(keep=True)`); then nothing is recomputed and h0
+    is not used. Without it `_prepare` and `_state` run again here. The value side runs split over key slices
+    (`_bwd_vk`, `_bwd_vv`) when Ũ is there: kept by the forward, or recomputed under TUNING["bwd_v_split"].
     The backward state pass always multiplies in tf32: its bf16 build computed wrong gradients on the
     H200 (docs/kda-kernels.md, run 1), so state_bf16 only changes the forward and the recomputed states.
     """
@@ -1354,11 +1485,14 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     if inter is None:
         W, U, Qg, Kd, Aqk, gc, Tm = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
                                                  store_t=True)
-        _, _, hs = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, write_o=False, want_hs=True,
-                              state_bf16=state_bf16)
+        split_v = TUNING["bwd_v_split"]
+        _, _, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, write_o=False, want_hs=True,
+                                  state_bf16=state_bf16, want_ut=split_v)
         del U
     else:
-        W, Qg, Kd, Aqk, gc, Tm, hs = inter
+        W, Qg, Kd, Aqk, gc, Tm, hs = inter[:7]
+        split_v = len(inter) == 8
+        ut = inter[7] if split_v else None
         del inter
     BV = min(V, TUNING["state_bwd_bv"])
     NT = max(plan.NT, 1)
@@ -1386,15 +1520,32 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     dA_part = torch.zeros(NT, H, NS, dtype=torch.float32, device=dev)
     dbias_part = torch.zeros(NT, H, K, dtype=torch.float32, device=dev)
     if plan.NT > 0:
-        # two kernels, each holding half of the value-dim accumulators (docs/kda-kernels.md); S is read twice
-        # K = 16 with BV = 32 faults (illegal address in `_bwd_vu`) on the H200; BV = 16 runs (runs 8-9)
-        BV = min(V, TUNING["bwd_v_bv"]) if K > 16 else 16
-        _bwd_vu[(plan.NT, H)](q, k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, hs, dse, do,
-                              dkh, dG, daqk, scale, H=H, K=K, V=V, BV=BV, C=CHUNK, G_MIN=g_min, INTERP=interp,
-                              **_launch_options("bwd_v"))
-        _bwd_vw[(plan.NT, H)](q, k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, hs, do, du,
-                              dv, dqh, dkh, dG, dakk, dbeta, scale, H=H, K=K, V=V, BV=BV, C=CHUNK, G_MIN=g_min,
-                              INTERP=interp, **_launch_options("bwd_v"))
+        if split_v:
+            # key slices from the forward's Ũ (§7 item 13); dT and dβ leave each slice as partials for `_bwd_vv`
+            SKV = min(K, TUNING["bwd_vk_cols"])
+            NSV = K // SKV
+            dtk = torch.empty(plan.NT, H, NSV, CHUNK, CHUNK, dtype=torch.float32, device=dev)
+            dbk = torch.empty(plan.NT, H, NSV, CHUNK, dtype=torch.float32, device=dev)
+            _bwd_vk[(plan.NT * NSV, H)](q, k, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du,
+                                        ut, dqh, dkh, dG, dtk, dbk, scale, H=H, K=K, V=V, SK=SKV,
+                                        BV=min(V, TUNING["bwd_vk_bv"]) if K > 16 else 16,  # as below
+                                        C=CHUNK, G_MIN=g_min, INTERP=interp,
+                                        **_launch_options("bwd_vk"))
+            _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, dtk, dbk, dv, daqk, dakk, dbeta,
+                                  H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, INTERP=interp,
+                                  **_launch_options("bwd_vv"))
+            del dtk, dbk
+        else:
+            # two kernels, each holding half of the value-dim accumulators (docs/kda-kernels.md); S is read twice
+            # K = 16 with BV = 32 faults (illegal address in `_bwd_vu`) on the H200; BV = 16 runs (runs 8-9)
+            BV = min(V, TUNING["bwd_v_bv"]) if K > 16 else 16
+            _bwd_vu[(plan.NT, H)](q, k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, hs, dse, do,
+                                  dkh, dG, daqk, scale, H=H, K=K, V=V, BV=BV, C=CHUNK, G_MIN=g_min, INTERP=interp,
+                                  **_launch_options("bwd_v"))
+            _bwd_vw[(plan.NT, H)](q, k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, hs, do, du,
+                                  dv, dqh, dkh, dG, dakk, dbeta, scale, H=H, K=K, V=V, BV=BV, C=CHUNK, G_MIN=g_min,
+                                  INTERP=interp, **_launch_options("bwd_v"))
+        del ut
         if split:
             # key slices (docs/kda-kernels.md §7 item 11); then the row-wise norm and σ' chains
             db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
@@ -1491,6 +1642,7 @@ def chunk_kda(
       T = (I + Akk)⁻¹          [TT, H, 64]       fp32
       G_C                      [NT, H, K]        fp32
       chunk-start states       [NT, H, K, V]     fp32 (shared with the returned ones if return_chunk_states)
+      Ũ = U − W·S              [TT, H, V]        only with TUNING["bwd_v_split"]; U's dtype (fp32 unless all_bf16)
     At the K3 shape (T = 8192, H = 96, K = V = 128, bf16, no all_bf16) that is 576 + 192 + 192 + 6 + 768 MiB
     ≈ 1.69 GiB per layer (the states are the largest part: 4·K·V/64 = 1 KiB per token and head), in exchange
     for ~6.5 ms of the ~32 ms forward + backward (docs/kda-kernels.md §7 item 9). initial_state is then not
