@@ -471,8 +471,10 @@ def compare_tunings(configs, device, quick, shape=(1, 8192, 96)):
                 if device == "cuda":
                     row["kernels_ms"] = {k: ms for k, (ms, _) in kernel_times(fwd_bwd).items()}
             rows.append(row)
-            print(f"[compare] {json.dumps(cfg)}: " + ("gate FAILED " + str(errs) if not ok else
-                  f"fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwd_bwd_ms']:.3f} ms"), flush=True)
+            # per config as it finishes, kernels included: a run cut short by its time limit keeps them
+            top = ", ".join(f"{k.split('(')[0][:14]} {ms:.2f}" for k, ms in list(row.get("kernels_ms", {}).items())[:8])
+            print(f"[compare] B={B} T={T} H={H} {json.dumps(cfg)}: " + ("gate FAILED " + str(errs) if not ok else
+                  f"fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwd_bwd_ms']:.3f} ms; {top}"), flush=True)
     finally:
         triton_chunk.TUNING.clear()
         triton_chunk.TUNING.update(base)
