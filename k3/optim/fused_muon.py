@@ -50,12 +50,17 @@ if triton is not None:
         return tl.where(tl.abs(w) < 0.5, tl.fma(d, w, a), tl.fma(-d, 1.0 - w, b))
 
     @triton.jit
-    def _muon_momentum_kernel(PTRS, NUMEL, TILE_T, TILE_C, T, w_m, w_n, G_TY: tl.constexpr, N_TY: tl.constexpr,
-                              BLOCK: tl.constexpr):
+    def _tile(NUMEL, TILE_T, TILE_C, BLOCK: tl.constexpr):
+        """This program's tile of the work list: (tensor index t, element offsets in it, in-bounds mask)."""
         tile = tl.program_id(0)
         t = tl.load(TILE_T + tile)
         offs = tl.load(TILE_C + tile).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < tl.load(NUMEL + t)
+        return t, offs, offs < tl.load(NUMEL + t)
+
+    @triton.jit
+    def _muon_momentum_kernel(PTRS, NUMEL, TILE_T, TILE_C, T, w_m, w_n, G_TY: tl.constexpr, N_TY: tl.constexpr,
+                              BLOCK: tl.constexpr):
+        t, offs, mask = _tile(NUMEL, TILE_T, TILE_C, BLOCK)
         g_ptr = tl.load(PTRS + t).to(tl.pointer_type(G_TY))
         m_ptr = tl.load(PTRS + T + t).to(tl.pointer_type(tl.float32))
         n_ptr = tl.load(PTRS + 2 * T + t).to(tl.pointer_type(N_TY))
@@ -67,10 +72,7 @@ if triton is not None:
     @triton.jit
     def _muon_update_kernel(PTRS, ALPHA, NUMEL, TILE_T, TILE_C, T, decay, W_TY: tl.constexpr, O_TY: tl.constexpr,
                             BLOCK: tl.constexpr):
-        tile = tl.program_id(0)
-        t = tl.load(TILE_T + tile)
-        offs = tl.load(TILE_C + tile).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < tl.load(NUMEL + t)
+        t, offs, mask = _tile(NUMEL, TILE_T, TILE_C, BLOCK)
         w_ptr = tl.load(PTRS + t).to(tl.pointer_type(W_TY))
         o_ptr = tl.load(PTRS + T + t).to(tl.pointer_type(O_TY))
         # mul_ stores W·(1 − ηλ) in W's dtype before add_ reads it back

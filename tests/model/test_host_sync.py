@@ -14,8 +14,6 @@ The fused Triton kernels run through the interpreter, so the test re-runs itself
 """
 
 import os
-import subprocess
-import sys
 import traceback
 from pathlib import Path
 
@@ -28,10 +26,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from k3.config import get_preset
 from k3.model.checkpointing import apply_activation_checkpointing
 from k3.model.model import build_model
+from tests.interpreter import INTERPRETING, run_module_in_interpreter
 
 ROOT = Path(__file__).resolve().parents[2]
 K3 = str(ROOT / "k3") + os.sep
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 SYNCING_METHODS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
                    torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu}
@@ -104,10 +102,7 @@ def _gpu_config():
 @pytest.mark.skipif(torch.cuda.is_available() or INTERPRETING, reason="runs directly in this process")
 def test_in_triton_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
+    run_module_in_interpreter(__file__)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the interpreter subprocess (test_in_triton_interpreter)")

@@ -15,19 +15,15 @@ interpreter and 2e-3 on a GPU (tf32 again: 1.07e-3 and 1.14e-3 in run 9).
 Legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from k3.ops.kda import naive_kda_gate, naive_recurrent_kda
+from tests.interpreter import INTERPRETING, run_module_in_interpreter
 
 ON_GPU = torch.cuda.is_available()
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 F64 = torch.float64
 LAYER_TOL = 2e-3 if ON_GPU else 1e-3  # the KDA layer against its torch path (fp32 activations; tf32 on a GPU)
 NAMES = ("q", "k", "v", "z", "b", "A_log", "dt_bias", "h0")
@@ -38,11 +34,7 @@ TOL = {"o": 5e-3, "S": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "h0": 8e-3, "dt_bi
 @pytest.mark.skipif(ON_GPU or INTERPRETING, reason="kernels run directly in this process")
 def test_in_triton_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parents[2]
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(Path(__file__))],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
+    run_module_in_interpreter(__file__)
 
 
 @pytest.fixture
@@ -485,6 +477,36 @@ SPLIT_CASES = {
 }
 
 
+PREPARED = ("W", "U", "Qg", "Kd", "Aqk", "gc", "T")  # `_fwd_prepare`'s outputs, in order
+
+
+def _prepare_both_ways(spec, dev, monkeypatch, seed, switch, **tuning):
+    """`_fwd_prepare` (store_t) on the inputs of a SPLIT_CASES-style spec with TUNING[switch] off and on (after
+    the `tuning` entries): ({False: outputs, True: outputs}, document offsets, H, a call without store_t)."""
+    from k3.ops.kda import triton_chunk as tc
+
+    lengths, H, K, V, dtype, all_bf16, g_min = spec
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    q, k, v, z, b, A_log, dt_bias, _ = (x.to(dev) for x in make_raw(1, offsets[-1], H, K, V, seed=seed, N=1,
+                                                                    dtype=dtype, bias=2.0))
+    q, k, v, z, b = (x[0] for x in (q, k, v, z, b))
+    plan = tc._Plan(tuple(offsets), torch.device(dev))
+    dtypes = tc.inter_dtypes(dtype, all_bf16)
+
+    def prepare(**kw):
+        return tc._fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, K ** -0.5, plan, dtypes, **kw)
+
+    for key, value in tuning.items():
+        monkeypatch.setitem(tc.TUNING, key, value)
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setitem(tc.TUNING, switch, on)
+        runs[on] = prepare(store_t=True)
+    return runs, offsets, H, prepare
+
+
 @pytest.mark.parametrize("case", list(SPLIT_CASES))
 def test_prepare_split_matches_fused(dev, monkeypatch, case):
     """The three split kernels write what `_prepare` writes (W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, T), same
@@ -495,25 +517,8 @@ def test_prepare_split_matches_fused(dev, monkeypatch, case):
     cumsum runs in another order per 16-row block: G reaches −320 in a chunk, so its fp32 rounding moves
     exp(±G) by ~320·6e-8 ≈ 2e-5 (H200, run 6: Aqk 1.3e-5); 3e-4 for bf16-stored ones, where an fp32
     difference of ~1e-7 flips the rounding of a small fraction of the elements by one bf16 ulp (3.9e-3)."""
-    from k3.ops.kda import triton_chunk as tc
-
-    lengths, H, K, V, dtype, all_bf16, g_min = SPLIT_CASES[case]
-    offsets = [0]
-    for n in lengths:
-        offsets.append(offsets[-1] + n)
-    TT = offsets[-1]
-    q, k, v, z, b, A_log, dt_bias, _ = (x.to(dev) for x in make_raw(1, TT, H, K, V, seed=31, N=1, dtype=dtype,
-                                                                    bias=2.0))
-    q, k, v, z, b = (x[0] for x in (q, k, v, z, b))
-    plan = tc._Plan(tuple(offsets), torch.device(dev))
-    dtypes = tc.inter_dtypes(dtype, all_bf16)
-    runs = {}
-    for split in (False, True):
-        monkeypatch.setitem(tc.TUNING, "prepare_split", split)
-        runs[split] = tc._fwd_prepare(q, k, v, z, b, A_log.to(dev), dt_bias.to(dev), g_min, K ** -0.5, plan, dtypes,
-                                      store_t=True)
-    names = ("W", "U", "Qg", "Kd", "Aqk", "gc", "T")
-    for name, a, r in zip(names, runs[True], runs[False]):
+    runs, offsets, H, prepare = _prepare_both_ways(SPLIT_CASES[case], dev, monkeypatch, 31, "prepare_split")
+    for name, a, r in zip(PREPARED, runs[True], runs[False]):
         assert a.shape == r.shape and a.dtype == r.dtype and a.stride() == r.stride(), name
         assert torch.isfinite(a).all(), name
         tol = (1e-4 if ON_GPU else 1e-5) if a.dtype == torch.float32 else 3e-4
@@ -526,8 +531,7 @@ def test_prepare_split_matches_fused(dev, monkeypatch, case):
             upper = rows[:, None] < torch.arange(64)[None, :]
             assert (T[c0: c0 + len(rows)][upper[:, None, :].expand(-1, H, -1)] == 0).all()
     # without store_t the split path returns None for T, like the fused one
-    monkeypatch.setitem(tc.TUNING, "prepare_split", True)
-    assert tc._fwd_prepare(q, k, v, z, b, A_log.to(dev), dt_bias.to(dev), g_min, K ** -0.5, plan, dtypes)[6] is None
+    assert prepare()[6] is None
 
 
 @pytest.mark.parametrize("case", ["T65_bf16", "T17_fp32", "varlen"])
@@ -619,32 +623,16 @@ def test_prepare_gate_pass_matches_split(dev, monkeypatch, case):
     G_C − G is small against G's ulp), 1e-4 on a GPU (as `test_prepare_split_matches_fused`: other cumsum orders
     move exp(±G) by ~2e-5); 3e-4 for bf16-stored ones, where such differences flip a few roundings by one bf16
     ulp (measured 2.5e-5)."""
-    from k3.ops.kda import triton_chunk as tc
-
-    lengths, H, K, V, dtype, all_bf16, g_min = GATE_PASS_CASES[case]
-    offsets = [0]
-    for n in lengths:
-        offsets.append(offsets[-1] + n)
-    TT = offsets[-1]
-    q, k, v, z, b, A_log, dt_bias, _ = (x.to(dev) for x in make_raw(1, TT, H, K, V, seed=37, N=1, dtype=dtype,
-                                                                    bias=2.0))
-    q, k, v, z, b = (x[0] for x in (q, k, v, z, b))
-    plan = tc._Plan(tuple(offsets), torch.device(dev))
-    dtypes = tc.inter_dtypes(dtype, all_bf16)
-    monkeypatch.setitem(tc.TUNING, "prepare_split", True)
-    runs = {}
-    for gate_pass in (False, True):
-        monkeypatch.setitem(tc.TUNING, "prepare_gate_pass", gate_pass)
-        runs[gate_pass] = tc._fwd_prepare(q, k, v, z, b, A_log.to(dev), dt_bias.to(dev), g_min, K ** -0.5, plan,
-                                          dtypes, store_t=True)
-    for name, a, r in zip(("W", "U", "Qg", "Kd", "Aqk", "gc", "T"), runs[True], runs[False]):
+    runs, _, _, prepare = _prepare_both_ways(GATE_PASS_CASES[case], dev, monkeypatch, 37, "prepare_gate_pass",
+                                             prepare_split=True)
+    for name, a, r in zip(PREPARED, runs[True], runs[False]):
         assert a.shape == r.shape and a.dtype == r.dtype and a.stride() == r.stride(), name
         assert torch.isfinite(a).all(), name
         if name in ("U", "Qg", "Aqk", "T") and not ON_GPU:
             assert torch.equal(a, r), (case, name, rel_err(a.cpu(), r.cpu()))
         tol = (1e-4 if ON_GPU else 1e-5) if a.dtype == torch.float32 else 3e-4
         assert rel_err(a.cpu(), r.cpu()) <= tol, (case, name, rel_err(a.cpu(), r.cpu()))
-    assert tc._fwd_prepare(q, k, v, z, b, A_log.to(dev), dt_bias.to(dev), g_min, K ** -0.5, plan, dtypes)[6] is None
+    assert prepare()[6] is None
 
 
 @pytest.mark.parametrize("case", ["T65_bf16", "T17_fp32", "varlen"])

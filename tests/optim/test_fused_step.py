@@ -11,10 +11,6 @@
 
 import copy
 import io
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +18,9 @@ import torch
 from k3.config import get_preset
 from k3.model.model import build_model
 from k3.optim import MuonAdamW, param_rule
+from tests.interpreter import INTERPRETING, run_module_in_interpreter
 
 ON_GPU = torch.cuda.is_available()
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CONFIG = get_preset("debug")
 BF16_ULP = 2.0 ** -7  # relative spacing of bf16 values, at most
 
@@ -99,11 +95,7 @@ def test_impl_is_validated_and_not_saved():
 @pytest.mark.skipif(ON_GPU or INTERPRETING, reason="kernels run directly in this process")
 def test_in_triton_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parents[2]
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(Path(__file__))],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
+    run_module_in_interpreter(__file__)
 
 
 SIZES = [(3, 5), (4100,), (2, 70, 33), (0, 8), (8193,)]  # odd, > BLOCK, 3-D, empty, 2·BLOCK + 1

@@ -444,6 +444,32 @@ def _intra_off_step(q, k, z, b, A_log, dt_bias, bos, L, row0, J, i_h, scale, car
 
 
 @triton.jit
+def _intra_row_block(qh, kh, beta, G, a, bos, L, i_h, r0, R, qg_out, aqk_out, t_out,
+                     H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCORES_BF16: tl.constexpr,
+                     INTERP: tl.constexpr):
+    """Row block R's own part of the split `_prepare` (`_prep_intra`, `_prep_intra_g`): its rows of Q⊙Γ, its
+    diagonal blocks of Aqk and of T's storage ((I + Akk_RR)⁻¹), zeros right of them; returns the anchored
+    qs = q̂⊙exp(G − a), ks = k̂⊙exp(G − a) for the off-diagonal blocks."""
+    tl.store(_bp(qg_out, bos, L, i_h, r0, 0, H, K, BC, K), _cast(qh * tl.exp(G), qg_out.dtype.element_ty, INTERP),
+             boundary_check=(0,))
+    rf = tl.exp(G - a[None, :])
+    qs = qh * rf
+    ks = kh * rf
+    Add, Qdd = _diag_scores(qs, ks, kh * tl.exp(a[None, :] - G), beta, BC, SCORES_BF16, INTERP)
+    _store_block(Qdd, aqk_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
+    _store_block(_inv16(Add, BC), t_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
+    # zeros right of the diagonal block (Aqk and T are read back as 64×64 tiles), one masked store each
+    rows = r0 + tl.arange(0, BC)
+    cols = tl.arange(0, C)
+    off = ((bos + rows).to(tl.int64) * H + i_h)[:, None] * C + cols[None, :]
+    upper = (rows < L)[:, None] & (cols >= (R + 1) * BC)[None, :]
+    zeros = tl.zeros([BC, C], dtype=tl.float32)
+    tl.store(aqk_out + off, zeros.to(aqk_out.dtype.element_ty), mask=upper)
+    tl.store(t_out + off, zeros, mask=upper)
+    return qs, ks
+
+
+@triton.jit
 def _prep_intra(q, k, z, b, A_log, dt_bias, cu, chunk_idx, qg_out, aqk_out, t_out, kn_out,
                 scale, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                 G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
@@ -460,7 +486,6 @@ def _prep_intra(q, k, z, b, A_log, dt_bias, cu, chunk_idx, qg_out, aqk_out, t_ou
     R = pid % NB
     i_h = tl.program_id(1)
     bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
-    lo = qg_out.dtype.element_ty
     carry = tl.zeros([K], dtype=tl.float32)
     # the interpreter cannot take a program-id-derived scalar as a `range` bound
     if INTERP:
@@ -474,22 +499,9 @@ def _prep_intra(q, k, z, b, A_log, dt_bias, cu, chunk_idx, qg_out, aqk_out, t_ou
     r0 = row0 + R * BC
     qh, kh, beta, G, a, e, q_n, k_n, x, valid = _block_inputs(q, k, z, b, A_log, dt_bias, bos, L, r0, i_h, scale,
                                                               carry, H, K, BC, G_MIN)
-    tl.store(_bp(qg_out, bos, L, i_h, r0, 0, H, K, BC, K), _cast(qh * tl.exp(G), lo, INTERP), boundary_check=(0,))
     tl.store(tl.make_block_ptr(kn_out + bos * H + i_h, (L,), (H,), (r0,), (BC,), (0,)), k_n, boundary_check=(0,))
-    rf = tl.exp(G - a[None, :])
-    qs = qh * rf
-    ks = kh * rf
-    Add, Qdd = _diag_scores(qs, ks, kh * tl.exp(a[None, :] - G), beta, BC, SCORES_BF16, INTERP)
-    _store_block(Qdd, aqk_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
-    _store_block(_inv16(Add, BC), t_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
-    # zeros right of the diagonal block (Aqk and T are read back as 64×64 tiles), one masked store each
-    rows = r0 + tl.arange(0, BC)
-    cols = tl.arange(0, C)
-    off = ((bos + rows).to(tl.int64) * H + i_h)[:, None] * C + cols[None, :]
-    upper = (rows < L)[:, None] & (cols >= (R + 1) * BC)[None, :]
-    zeros = tl.zeros([BC, C], dtype=tl.float32)
-    tl.store(aqk_out + off, zeros.to(aqk_out.dtype.element_ty), mask=upper)
-    tl.store(t_out + off, zeros, mask=upper)
+    qs, ks = _intra_row_block(qh, kh, beta, G, a, bos, L, i_h, r0, R, qg_out, aqk_out, t_out, H, K, C, BC,
+                              SCORES_BF16, INTERP)
     carry = tl.zeros([K], dtype=tl.float32)
     if INTERP:
         J = 0
@@ -641,7 +653,6 @@ def _prep_intra_g(q, k, b, g_in, kn_in, cu, chunk_idx, qg_out, aqk_out, t_out,
     R = pid % NB
     i_h = tl.program_id(1)
     bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
-    lo = qg_out.dtype.element_ty
     r0 = row0 + R * BC
     # a block past the document end writes nothing (and its anchor, read as 0, would overflow exp(a − e_J))
     if r0 >= L:
@@ -658,21 +669,8 @@ def _prep_intra_g(q, k, b, g_in, kn_in, cu, chunk_idx, qg_out, aqk_out, t_out,
     qh = q_raw / q_n[:, None] * scale
     kh = k_raw.to(tl.float32) / k_n[:, None]
     beta = _load_beta(b, bos, L, r0, i_h, H, BC)
-    tl.store(_bp(qg_out, bos, L, i_h, r0, 0, H, K, BC, K), _cast(qh * tl.exp(G), lo, INTERP), boundary_check=(0,))
-    rf = tl.exp(G - a[None, :])
-    qs = qh * rf
-    ks = kh * rf
-    Add, Qdd = _diag_scores(qs, ks, kh * tl.exp(a[None, :] - G), beta, BC, SCORES_BF16, INTERP)
-    _store_block(Qdd, aqk_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
-    _store_block(_inv16(Add, BC), t_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
-    # zeros right of the diagonal block (Aqk and T are read back as 64×64 tiles), one masked store each
-    rows = r0 + tl.arange(0, BC)
-    cols = tl.arange(0, C)
-    off = ((bos + rows).to(tl.int64) * H + i_h)[:, None] * C + cols[None, :]
-    upper = (rows < L)[:, None] & (cols >= (R + 1) * BC)[None, :]
-    zeros = tl.zeros([BC, C], dtype=tl.float32)
-    tl.store(aqk_out + off, zeros.to(aqk_out.dtype.element_ty), mask=upper)
-    tl.store(t_out + off, zeros, mask=upper)
+    qs, ks = _intra_row_block(qh, kh, beta, G, a, bos, L, i_h, r0, R, qg_out, aqk_out, t_out, H, K, C, BC,
+                              SCORES_BF16, INTERP)
     if INTERP:
         J = 0
         while J < R:
@@ -987,18 +985,11 @@ def _bwd_vk(q, k, z, b, A_log, dt_bias, cu, chunk_idx, t_in, hs, dse, do, du, ut
         dW -= tl.dot(dU, tl.trans(S))
         dKd += tl.dot(Ut.to(tl.float32), tl.trans(dSe))
         dgc += tl.sum(S * dSe, 1)
-    # the slice's inputs, after the loop (the norms need whole rows)
-    q_n = _row_norm(q, bos, L, row0, i_h, H, K, C)
-    k_n = _row_norm(k, bos, L, row0, i_h, H, K, C)
-    q_s = tl.load(_bp(q, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
-    k_s = tl.load(_bp(k, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
-    qh = q_s.to(tl.float32) / q_n[:, None] * scale
-    kh = k_s.to(tl.float32) / k_n[:, None]
-    beta = _load_beta(b, bos, L, row0, i_h, H, C)
-    g, x, valid = _gate_tile(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K, C, SK, G_MIN)
-    G = tl.cumsum(g, 0)
+    # the slice's inputs, after the loop (the norms need whole rows); one 64-row block from a zero carry: its end
+    # is G_C
+    qh, kh, beta, G, _, gc, _, _ = _block_inputs_cols(q, k, z, b, A_log, dt_bias, bos, L, row0, c0, i_h, scale,
+                                                      tl.zeros([SK], dtype=tl.float32), H, K, SK, C, G_MIN)
     gam = tl.exp(G)
-    gc = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)
     Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
     Kg = kh * gam
     dXk = tl.dot(tl.trans(Tm), dW)
