@@ -154,15 +154,18 @@ class DistributedMuonAdamW(MuonAdamW):
             raise RuntimeError("P2P Muon: some sharded Muon parameters have no gradient on this step")
         rows_of = {i: n.reshape(-1, n.shape[-1]) for i, (_, n) in sharded.items()}  # local row space
 
+        # rows travel in the Newton–Schulz dtype: the owner casts them to it on stacking anyway, and NS returns
+        # it, so bf16 on the wire halves the bytes and changes no bit of the update
+        wire = ns_dtype
         send = torch.cat([rows_of[i][a:b].reshape(-1) for items in self._send for i, a, b, _ in items]
-                         or [torch.zeros(0, device=params[0].device)]).float()
+                         or [torch.zeros(0, device=params[0].device)]).to(wire)
         recv = send.new_empty(sum(self._recv_splits))
         dist.all_to_all_single(recv, send, self._recv_splits, self._send_splits, group=self.group)
-        self.bytes_sent += 4 * (sum(self._send_splits) - self._send_splits[self.rank])
+        self.bytes_sent += send.element_size() * (sum(self._send_splits) - self._send_splits[self.rank])
 
         # assemble owned units, NS per shape, cut the results back into the same slices
         # units that never leave this rank skip the exchange (no copies through a self all-to-all)
-        owned: dict[int, Tensor] = {u: rows_of[i][a:b].float() for u, i, a, b in self._local}
+        owned: dict[int, Tensor] = {u: rows_of[i][a:b] for u, i, a, b in self._local}
         pos = 0
         pieces = []
         for items in self._recv:
@@ -175,8 +178,8 @@ class DistributedMuonAdamW(MuonAdamW):
         ortho = self._ns_units(owned, ns_dtype, steps)
         back = torch.cat([ortho[u][off:off + n].reshape(-1) for u, off, n in pieces] or [recv.new_zeros(0)])
         returned = send.new_empty(sum(self._send_splits))
-        dist.all_to_all_single(returned, back.float(), self._send_splits, self._recv_splits, group=self.group)
-        self.bytes_sent += 4 * (sum(self._recv_splits) - self._recv_splits[self.rank])
+        dist.all_to_all_single(returned, back.to(wire), self._send_splits, self._recv_splits, group=self.group)
+        self.bytes_sent += returned.element_size() * (sum(self._recv_splits) - self._recv_splits[self.rank])
 
         out_rows = {i: torch.empty_like(r, dtype=torch.float32) for i, r in rows_of.items()}
         pos = 0

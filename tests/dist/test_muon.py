@@ -19,11 +19,11 @@ def _grads(model, step):
     return {n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
 
 
-def _worker(rank, world):
+def _worker(rank, world, ns_dtype=torch.float32):
     model = build_model(get_preset("debug"), seed=0)
     mesh = init_device_mesh("cpu", (world,))
     params = {n: torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for n, p in model.named_parameters()}
-    opt = DistributedMuonAdamW(params.items(), model.config, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
+    opt = DistributedMuonAdamW(params.items(), model.config, lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype)
     for step in range(STEPS):
         for n, g in _grads(model, step).items():
             params[n].grad = distribute_tensor(g, mesh, [Shard(0)])
@@ -45,6 +45,27 @@ def test_p2p_muon_matches_single_process(world):
         for r in results:
             torch.testing.assert_close(r["params"][name], p.detach(), rtol=2e-5, atol=2e-6, msg=name)
     assert sum(r["bytes"] for r in results) > 0  # whole matrices split across ranks had to move
+
+
+def _bf16_worker(rank, world):
+    return _worker(rank, world, ns_dtype=torch.bfloat16)
+
+
+def test_bf16_newton_schulz_sends_bf16_rows():
+    """With bf16 Newton–Schulz the rows travel as bf16: half the bytes of the fp32 run, and the same update as
+    one process (the owner would have cast them on stacking anyway)."""
+    fp32 = run_workers(_worker, 2)
+    bf16 = run_workers(_bf16_worker, 2)
+    assert [r["bytes"] for r in bf16] == [b // 2 for b in (r["bytes"] for r in fp32)]
+    model = build_model(get_preset("debug"), seed=0)
+    opt = MuonAdamW(model.named_parameters(), model.config, lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16)
+    for step in range(STEPS):
+        for n, g in _grads(model, step).items():
+            dict(model.named_parameters())[n].grad = g
+        opt.step()
+    for name, p in model.named_parameters():
+        for r in bf16:
+            torch.testing.assert_close(r["params"][name], p.detach(), rtol=0, atol=0, msg=name)
 
 
 def test_row_ranges_follow_torch_chunk():
