@@ -82,6 +82,8 @@ class TrainConfig:
     qk_clip_tau: float = 100.0
     # Newton–Schulz precision: bf16 as in the K3 report (also ~3× faster than fp32 on CPUs with AVX512-BF16)
     muon_ns_dtype: str = "bfloat16"
+    # the optimizer step: "auto" = fused kernels on CUDA (docs/optimizer.md, "Fused step"), "reference" = foreach
+    optimizer_impl: str = "auto"
     qb_bins: int = 1000
     # evaluation, checkpoints, logging
     eval_every: int = 50
@@ -123,6 +125,8 @@ class TrainConfig:
             raise ValueError(f"context_parallel must be >= 1, got {self.context_parallel}")
         if self.muon_ns_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"muon_ns_dtype must be bfloat16 or float32, got {self.muon_ns_dtype!r}")
+        if self.optimizer_impl not in ("auto", "reference", "fused"):
+            raise ValueError(f"optimizer_impl must be auto, reference or fused, got {self.optimizer_impl!r}")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -141,7 +145,7 @@ class TrainConfig:
 # Settings that may differ between a run and its resumption (they do not change what is computed).
 RESUMABLE_OVERRIDES = {"max_steps", "max_tokens", "time_budget_min", "eval_every", "checkpoint_every",
                        "keep_checkpoints", "log_every", "device", "max_bad_steps", "context_parallel",
-                       "expert_parallel", "moonep", "activation_checkpointing"}
+                       "expert_parallel", "moonep", "activation_checkpointing", "optimizer_impl"}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -402,7 +406,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, progress: bool = Tr
             apply_activation_checkpointing(model)
     optimizer_class = DistributedMuonAdamW if parallel is not None else MuonAdamW
     optimizer = optimizer_class(model.named_parameters(), model_config, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                ns_dtype=getattr(torch, cfg.muon_ns_dtype))
+                                ns_dtype=getattr(torch, cfg.muon_ns_dtype), impl=cfg.optimizer_impl)
 
     metrics_log = MetricsLog(out / "metrics.jsonl") if is_main else _NoLog()
     ckpt_root = out / "checkpoints"

@@ -165,6 +165,8 @@ def test_bad_input_is_refused_with_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="fewer than one batch"):
         train(small_config(tmp_path / "s", tokens_per_step=2**20, stages=[ContextStage(1024, 1.0)]),
               log=log, progress=False)
+    with pytest.raises(ValueError, match="optimizer_impl"):
+        train(small_config(tmp_path / "o", optimizer_impl="foreach"), log=log, progress=False)
     # an output folder that holds something else, or another run
     other = tmp_path / "other"
     other.mkdir()
