@@ -42,7 +42,7 @@ PEAK_FLOPS = 807e12
 VARLEN_MIX = [1300, 547, 2048, 963, 271, 3063]
 # the faster, less accurate storage variants (docs/kda-kernels.md), timed with --variants
 VARIANTS = {"k3 state-bf16": {"state_bf16": True}, "k3 all-bf16": {"all_bf16": True, "state_bf16": True},
-            "k3 recompute": {"save_intermediates": False}}  # the backward recomputes _prepare and _state
+            "k3 recompute": {"save_intermediates": False}}  # the backward recomputes the prepare and _state
 TOL = {"o": 5e-3, "S": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "h0": 8e-3, "dt_bias": 8e-3,
        "z": 2e-2, "A_log": 2e-2, "b": 2e-2}
 
@@ -205,10 +205,10 @@ def main() -> int:
     ap.add_argument("--fla-configs", type=int, default=0, help="keep this many configs per fla autotuner (0: all)")
     ap.add_argument("--fla-cases", default="", help="comma-separated case names: run fla only on these cases")
     ap.add_argument("--tuning", default="", metavar="JSON",
-                    help='launch-config overrides for every k3 case, e.g. \'{"prepare_maxnreg": 128}\' (keys of '
+                    help='launch-config overrides for every k3 case, e.g. \'{"prep_intra_maxnreg": 168}\' (keys of '
                          'k3.ops.kda.triton_chunk.TUNING)')
     ap.add_argument("--compare", default="", metavar="JSON",
-                    help='a JSON list of TUNING overrides, e.g. \'[{}, {"bwd_k_maxnreg": 128}]\': each one is gated '
+                    help='a JSON list of TUNING overrides, e.g. \'[{}, {"bwd_k_maxnreg": 168}]\': each one is gated '
                          'and timed at B=1 T=8192 H=96 (fwd, fwd+bwd, per kernel) in this process; one table')
     ap.add_argument("--compare-shapes", default="1,8192,96", metavar="B,T,H[;B,T,H…]",
                     help="the shapes --compare times, e.g. '1,8192,96;2,8192,8;4,4096,8' (the last two: the small "
@@ -519,7 +519,7 @@ def tuning_sweep():
     def report(stage, cfg, ms):
         print(f"[sweep] {stage:10s} {str(cfg):60s} {ms:8.3f} ms")
 
-    for cfg in ({}, {"prepare_warps": 4}, {"prepare_warps": 16}):
+    for cfg in ({}, {"prep_gate_warps": 1}, {"prep_intra_warps": 8}, {"prep_wu_warps": 8}):
         tc.TUNING.update(base, **cfg)
         report("prepare", cfg, t(lambda: tc._fwd_prepare(*args, plan, dtypes)))
     tc.TUNING.update(base)
@@ -530,7 +530,7 @@ def tuning_sweep():
             tc.TUNING.update(base, **cfg)
             report("state", dict(cfg, bf16=bf),
                    t(lambda: tc._fwd_state(*ops, h0, plan, torch.bfloat16, want_ht=True, state_bf16=bf)))
-    for cfg in ({}, {"bwd_v_warps": 4}, {"bwd_v_bv": 64}, {"bwd_k_warps": 4}, {"bwd_k_warps": 16},
+    for cfg in ({}, {"bwd_vk_warps": 8}, {"bwd_vv_bv": 64}, {"bwd_k_warps": 8}, {"bwd_k_cols": 64},
                 {"state_bwd_bv": 64}, {"state_bwd_warps": 4, "state_bwd_stages": 2}):
         tc.TUNING.update(base, **cfg)
         report("backward", cfg, t(lambda: tc._bwd(*args, h0, plan, do, None, dtypes, False)))

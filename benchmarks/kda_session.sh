@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 5 on one H200, under ten minutes: the untimed KDA variants (docs/kda-kernels.md §7 item 12, §8 status)
-# side by side in one process, at the K3 shape and at the small preset's KDA layer, then the issue's table with
+# Issue 5 on one H200, under ten minutes: the KDA kernels' tests on the GPU, launch configs side by side in one
+# process at the K3 shape and at the small preset's KDA layer (docs/kda-kernels.md §8), then the issue's table with
 # fla. Logs to $OUT/log.txt, JSON to $OUT. Pass the commit in (the GPU machine's .git copy can be stale):
 #     K3_GIT_SHA=$(git rev-parse HEAD) OUT=/tmp/out bash benchmarks/kda_session.sh
 set -u
@@ -8,17 +8,15 @@ OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 step() { local limit=$1; shift; echo "=== [$(date +%T)] $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
 {
-step 100 python3 -m pytest -q --tb=line -p no:cacheprovider tests/ops/test_kda_triton.py -k "gate_pass or bwd_v_split"
-# the K3 shape: every variant (~10 s each); then the small preset's KDA layer, where the state passes have few programs
+step 100 python3 -m pytest -q --tb=line -p no:cacheprovider tests/ops/test_kda_triton.py -k "prepare_matches or key_slices"
+# the K3 shape: each config ~10 s; then the small preset's KDA layer, where the state passes have few programs
 step 170 python3 -m benchmarks.kda --fla-configs 1 --fla-cases none --cases none --out "$OUT/compare.json" --compare '[
  {},
- {"prepare_gate_pass": true},
- {"prepare_gate_pass": true, "prep_gate_warps": 1},
- {"prepare_gate_pass": true, "prep_intra_maxnreg": null},
- {"bwd_v_split": true},
- {"bwd_v_split": true, "bwd_vk_maxnreg": 168},
- {"bwd_v_split": true, "bwd_vk_maxnreg": 128},
- {"bwd_v_split": true, "bwd_vk_warps": 8, "bwd_vk_maxnreg": 128},
+ {"prep_gate_warps": 1},
+ {"prep_intra_maxnreg": null},
+ {"bwd_vk_maxnreg": null},
+ {"bwd_vk_warps": 8, "bwd_vk_maxnreg": 128},
+ {"bwd_k_cols": 64, "bwd_k_warps": 8},
  {"state_bv": 16, "state_bwd_bv": 16}
 ]'
 step 100 python3 -m benchmarks.kda --fla-configs 1 --fla-cases none --cases none --out "$OUT/compare_small.json" \

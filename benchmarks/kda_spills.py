@@ -4,12 +4,13 @@ No GPU needed: each kernel of `k3/ops/kda/triton_chunk.py` is compiled by `trito
 GPUTarget("cuda", 90, 64) with the launch settings of `TUNING` (or the ones given), bf16 inputs,
 K = V = 128, C = 64, divisibility 16 on pointers and H like the real JIT; the PTX then goes through the
 ptxas bundled with Triton (`-v -arch=sm_90a`), whose report gives registers and spills. A proxy for
-speed, not a measurement of it: spills were not the main cost of `_prepare` (docs/kda-kernels.md §7).
+speed, not a measurement of it: spills were not the main cost of the old fused prepare kernel
+(docs/kda-kernels.md §7).
 
     python benchmarks/kda_spills.py                       # every kernel at its TUNING settings
-    python benchmarks/kda_spills.py _bwd_k --warps 4 16   # one kernel, several warp counts
-    python benchmarks/kda_spills.py _prepare --maxnreg 128 168   # with a register cap (more programs per SM)
-    python benchmarks/kda_spills.py _prep_intra _prep_intra_g --maxnreg 0 128 --sass   # 0: no cap; SASS counts
+    python benchmarks/kda_spills.py _bwd_k --warps 4 8    # one kernel, several warp counts
+    python benchmarks/kda_spills.py _prep_intra --maxnreg 128 168   # with a register cap (more programs per SM)
+    python benchmarks/kda_spills.py _prep_intra _prep_wu --maxnreg 0 128 --sass   # 0: no cap; SASS counts
     python benchmarks/kda_spills.py _bwd_vk _bwd_vv --warps 4 8 --maxnreg 0 168 128 --stages 1 3 --sass
 
 `--sass` also disassembles the cubin (the bundled `cuobjdump -sass`) and counts instructions (NOPs excluded):
@@ -45,26 +46,21 @@ INT32_ARGS = {"cu", "chunk_idx", "chunk_off"}
 CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
                   USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64,
                   STORE_UT=False)
-# kernel -> its TUNING key prefix ("bwd_v" serves both halves of the split value-side backward; the three
-# `_prep_*` kernels replace `_prepare` under TUNING["prepare_split"]; with TUNING["prepare_gate_pass"] `_prep_gate`
-# runs first and `_prep_intra_g` / `_prep_wu_g` take the launch settings of the kernels they replace)
-TUNING_PREFIX = {"_prepare": "prepare", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
-                 "_prep_wu": "prep_wu", "_prep_gate": "prep_gate", "_prep_intra_g": "prep_intra",
-                 "_prep_wu_g": "prep_wu", "_state": "state", "_state_bwd": "state_bwd", "_bwd_vu": "bwd_v",
-                 "_bwd_vw": "bwd_v", "_bwd_k": "bwd_k", "_bwd_k_split": "bwd_ks", "_bwd_norms": "bwd_norms",
-                 "_state_ut": "state", "_bwd_vk": "bwd_vk", "_bwd_vv": "bwd_vv"}
-# per-kernel constexprs on top of CONSTEXPRS; "_bwd_k_split" is `_bwd_k` under TUNING["bwd_k_split"] (its dβ output
-# is then the fp32 [TT, H, NS] partials); "_state_ut" is the recompute `_state` that also stores Ũ
-# (TUNING["bwd_v_split"]; the forward's adds WRITE_O); `_bwd_vk` / `_bwd_vv`: the split value side's two kernels
-_SK = chunk.TUNING["bwd_ks_cols"]
+# kernel -> its TUNING key prefix, in launch order; "_state_ut" is `_state` when it also stores Ũ (the backward's
+# recompute launch; the training forward's adds WRITE_O), launched with the state_ut settings and state_bv
+TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
+                 "_prep_wu": "prep_wu", "_state": "state", "_state_ut": "state_ut", "_state_bwd": "state_bwd",
+                 "_bwd_vk": "bwd_vk", "_bwd_vv": "bwd_vv", "_bwd_k": "bwd_k", "_bwd_norms": "bwd_norms"}
+BV_PREFIX = {"state_ut": "state"}  # launches whose value block comes from another kernel's TUNING key
+# per-kernel constexprs on top of CONSTEXPRS
+_SK = chunk.TUNING["bwd_k_cols"]
 _SKV = chunk.TUNING["bwd_vk_cols"]
-KERNEL_CONSTEXPRS = {"_bwd_k": dict(SK=128, SPLIT=False), "_bwd_k_split": dict(SK=_SK, SPLIT=True),
-                     "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
+KERNEL_CONSTEXPRS = {"_bwd_k": dict(SK=_SK), "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
                      "_state_ut": dict(STORE_UT=True), "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV)}
 
 
 def kernel_fn(name: str):
-    return {"_bwd_k_split": chunk._bwd_k, "_state_ut": chunk._state}.get(name) or getattr(chunk, name)
+    return {"_state_ut": chunk._state}.get(name) or getattr(chunk, name)
 
 
 def compile_report(fn, num_warps: int, num_stages: int = 3, maxnreg: int | None = None, sass: bool = False,
@@ -72,7 +68,6 @@ def compile_report(fn, num_warps: int, num_stages: int = 3, maxnreg: int | None 
     """(registers, spill store bytes, spill load bytes, shared bytes) of one kernel for sm_90; with `sass`
     also its SASS counts (`sass_counts`)."""
     signature, constants, attrs = {}, {}, {}
-    fp32_args = FP32_ARGS | ({"dbl"} if constexprs.get("SPLIT") else set())
     for i, name in enumerate(fn.arg_names):
         if fn.params[i].is_constexpr:
             signature[name] = "constexpr"
@@ -80,7 +75,7 @@ def compile_report(fn, num_warps: int, num_stages: int = 3, maxnreg: int | None 
         elif name == "scale":
             signature[name] = "fp32"
         else:
-            signature[name] = ("i32" if name in ("H", "TT") else "*fp32" if name in fp32_args
+            signature[name] = ("i32" if name in ("H", "TT") else "*fp32" if name in FP32_ARGS
                                else "*i32" if name in INT32_ARGS else "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
     report = sm90_report(fn, signature, constants, attrs, num_warps, num_stages, maxnreg, sass=sass)
@@ -135,8 +130,9 @@ def tuned_settings(name: str) -> dict:
     for key, option in (("stages", "num_stages"), ("maxnreg", "maxnreg")):
         if chunk.TUNING.get(f"{prefix}_{key}") is not None:
             settings[option] = chunk.TUNING[f"{prefix}_{key}"]
-    if f"{prefix}_bv" in chunk.TUNING:
-        settings["BV"] = chunk.TUNING[f"{prefix}_bv"]
+    bv_key = f"{BV_PREFIX.get(prefix, prefix)}_bv"
+    if bv_key in chunk.TUNING:
+        settings["BV"] = chunk.TUNING[bv_key]
     return settings
 
 

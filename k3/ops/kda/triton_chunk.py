@@ -10,25 +10,24 @@ measured variant are in docs/kda-kernels.md. In short:
   g ≥ −5); across blocks around the earlier block's last row (all factors ≤ 1). So every score block
   is a tensor-core matmul (docs/kda.md §4). (I + Akk)⁻¹ comes from the four 16×16 diagonal inverses
   (A nilpotent: (I − A)(I + A²)(I + A⁴)(I + A⁸), exact fp32) and T_RJ = −T_RR·Σ Akk_RM·T_MJ.
-- Forward: `_prep_intra` (one program per 16-row block), `_prep_solve` and `_prep_wu` (all chunks in parallel)
-  write the chunk-local operands W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C and T (with TUNING["prepare_split"]
-  off, the single `_prepare` writes the same, slower); `_state` walks each sequence's chunks in order with the
-  state in registers, split over value blocks, and writes the output (and, on request, the state at every
-  chunk start).
-- Backward: by default (`save_intermediates`) the forward keeps what `_prepare` wrote (all but U) and the
-  chunk-start states, at ~1.7 GiB per layer at the K3 shape (`chunk_kda`'s docstring); with the switch
-  off only the raw inputs are saved and `_prepare` and `_state` run again (the latter storing chunk-start
-  states). Then `_state_bwd` walks the chunks backwards for the state gradient, `_bwd_vu` and
-  `_bwd_vw` gather everything that contracts over the value dim (split in two so that each holds half of
-  the accumulators), and `_bwd_k` finishes the score (in the same 16-row blocks), gate and norm chains: by
-  default over key slices (TUNING["bwd_k_split"]), leaving the two sums over K (the norm backward, dβ) to
-  the row kernel `_bwd_norms`. With TUNING["bwd_v_split"] (untimed) the forward also keeps Ũ = U − W·S and
-  the value side runs over key slices instead (`_bwd_vk`), leaving its sums over K (dT, dβ) to `_bwd_vv`.
+- Forward: `_prep_gate` writes the in-chunk cumulative gate G (fp32), G_C and ‖k‖; `_prep_intra` (one program per
+  16-row block) the Q⊙Γ rows, Aqk and T's storage (the diagonal inverses, Akk below them); `_prep_solve` turns
+  that into T in place; `_prep_wu` (column slices) writes W, U and K⊙exp(G_C − G). All run over every chunk in
+  parallel. `_state` then walks each sequence's chunks in order with the state in registers, split over value
+  blocks, and writes the output (and, on request, the state at every chunk start and Ũ = U − W·S).
+- Backward: by default (`save_intermediates`) the forward keeps W, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, T, the
+  chunk-start states and Ũ, at ~2.1 GiB per layer at the K3 shape (`chunk_kda`'s docstring); with the switch
+  off only the raw inputs are saved and the prepare kernels and `_state` run again. Then `_state_bwd` walks the
+  chunks backwards for the state gradient; `_bwd_vk` (per key slice) and `_bwd_vv` (per chunk: the sums over
+  K, dT and dβ) gather everything that contracts over the value dim; `_bwd_k` (per key slice) finishes the
+  score (in the same 16-row blocks), cumsum and gate chains; `_bwd_norms` (per row) the two sums over K that
+  remain, the q/k norm backward and dβ's σ'.
 
-Intermediates are stored in bf16 for bf16 inputs except U and Aqk (fp32); states and accumulators are
-fp32; fp32 operands multiply in tf32, bf16 score blocks in bf16. Everything is indexed by packed document
-offsets (`cu_seqlens`, fla's convention); a dense batch is B equal-length documents. On CPU the same
-kernels run in the Triton interpreter (`TRITON_INTERPRET=1`, set before triton is imported).
+Intermediates are stored in bf16 for bf16 inputs except U, Ũ and Aqk (fp32 unless all_bf16) and G and T
+(fp32); states and accumulators are fp32; fp32 operands multiply in tf32, bf16 score blocks in bf16.
+Everything is indexed by packed document offsets (`cu_seqlens`, fla's convention); a dense batch is B
+equal-length documents. On CPU the same kernels run in the Triton interpreter (`TRITON_INTERPRET=1`, set
+before triton is imported).
 
 Legend: B batch, T tokens, TT = B·T, H heads, K key dim, V value dim, N sequences, NT chunks, C chunk size,
 BC sub-block (16 rows), NB = C/BC sub-blocks, BV value block.
@@ -53,28 +52,26 @@ SUB = 16
 # For each chunk kernel "<name>_warps", and optionally "<name>_stages" and "<name>_maxnreg" (a register cap per
 # thread, so that more programs share an SM; None: Triton's default).
 TUNING = {
-    "prepare_warps": 8, "prepare_stages": None, "prepare_maxnreg": None,
-    # the split `_prepare` (docs/kda-kernels.md §7 item 10): forward 6.56 → 4.75 ms at the K3 shape (run 7)
-    "prepare_split": True,
-    "prep_intra_warps": 4, "prep_intra_stages": None, "prep_intra_maxnreg": 128,  # 2.57 ms at 168, 2.43 at 128
+    # the prepare (docs/kda-kernels.md §7 items 10 and 12): `_prep_gate`, `_prep_intra`, `_prep_solve`, `_prep_wu`;
+    # forward 4.64 → 3.31 ms at the K3 shape with the gate pre-pass (session 8, run 1)
+    "prep_gate_warps": 4, "prep_gate_stages": None, "prep_gate_maxnreg": None,
+    "prep_intra_warps": 4, "prep_intra_stages": None, "prep_intra_maxnreg": 128,  # 2.57 ms at 168, 2.43 at 128 (run 7)
     "prep_solve_warps": 4, "prep_solve_stages": None, "prep_solve_maxnreg": None,
     "prep_wu_warps": 4, "prep_wu_stages": None, "prep_wu_maxnreg": 128,  # 0.96 → 0.84 ms, 0 spills (run 7)
-    # with prepare_split: `_prep_gate` first writes the in-chunk cumulative gate (fp32), which `_prep_intra_g` and
-    # `_prep_wu_g` (launched with the prep_intra / prep_wu settings) read instead of recomputing it (§7 item 12)
-    "prepare_gate_pass": False, "prep_gate_warps": 4, "prep_gate_stages": None, "prep_gate_maxnreg": None,
     "state_bv": 32, "state_warps": 4, "state_stages": 2, "state_maxnreg": None,
+    # `_state` when it also stores Ũ (the training forward, the backward's recompute): at 4 warps 1.07 ms, at 8
+    # 0.65 ms (B=2 T=8192 H=8, session 8 run 2); without Ũ 8 warps is slower (fwd 0.84 → 0.97 ms)
+    "state_ut_warps": 8, "state_ut_stages": 2, "state_ut_maxnreg": None,
     "state_bwd_bv": 32, "state_bwd_warps": 8, "state_bwd_stages": 1, "state_bwd_maxnreg": None,
-    "bwd_v_bv": 32, "bwd_v_warps": 8, "bwd_v_stages": None, "bwd_v_maxnreg": None,  # `_bwd_vu` and `_bwd_vw`
-    # the value-side backward over key slices from the forward's Ũ (docs/kda-kernels.md §7 item 13; off until
-    # timed): `_bwd_vk` per (key slice of bwd_vk_cols, chunk, head), then `_bwd_vv` per (chunk, head); offline
-    # sm_90, 1 stage (less shared memory, fewer instructions): `_bwd_vk` 251 registers, `_bwd_vv` 0 spills at 128
-    "bwd_v_split": False, "bwd_vk_cols": 32, "bwd_vk_bv": 32, "bwd_vk_warps": 4, "bwd_vk_stages": 1,
-    "bwd_vk_maxnreg": None, "bwd_vv_bv": 32, "bwd_vv_warps": 8, "bwd_vv_stages": 1, "bwd_vv_maxnreg": 128,
-    # 128 registers: 2 programs per SM despite 1.7 KB of spills, 9.30 → 7.65 ms at the K3 shape (§7 item 11, run 6)
-    "bwd_k_warps": 8, "bwd_k_stages": None, "bwd_k_maxnreg": 128,
-    # the split `_bwd_k` (docs/kda-kernels.md §7 item 11): key slices of bwd_ks_cols columns, then `_bwd_norms`;
-    # 7.64 ms fused → 4.89 + 0.41 ms at 128 registers (run 7)
-    "bwd_k_split": True, "bwd_ks_cols": 32, "bwd_ks_warps": 4, "bwd_ks_stages": None, "bwd_ks_maxnreg": 128,
+    # the value-side backward over key slices from the forward's Ũ (docs/kda-kernels.md §7 item 13): `_bwd_vk` per
+    # (key slice of bwd_vk_cols, chunk, head), then `_bwd_vv` per (chunk, head); fwd+bwd 19.95 → 18.53 ms at the K3
+    # shape with bwd_vk_maxnreg 168 (session 8, run 1). Offline sm_90, 1 stage (less shared memory, fewer
+    # instructions): `_bwd_vk` 251 registers uncapped, `_bwd_vv` 0 spills at 128
+    "bwd_vk_cols": 32, "bwd_vk_bv": 32, "bwd_vk_warps": 4, "bwd_vk_stages": 1, "bwd_vk_maxnreg": 168,
+    "bwd_vv_bv": 32, "bwd_vv_warps": 8, "bwd_vv_stages": 1, "bwd_vv_maxnreg": 128,
+    # `_bwd_k` over key slices of bwd_k_cols columns, then `_bwd_norms` (docs/kda-kernels.md §7 item 11): 7.64 ms
+    # for the whole-row kernel → 4.89 + 0.41 ms at 128 registers (run 7)
+    "bwd_k_cols": 32, "bwd_k_warps": 4, "bwd_k_stages": None, "bwd_k_maxnreg": 128,
     "bwd_norms_rows": 16, "bwd_norms_warps": 4, "bwd_norms_stages": None, "bwd_norms_maxnreg": None,
     "decode_bv": 64, "decode_warps": 4,
 }
@@ -151,7 +148,7 @@ def _load_beta(b, bos, L, row0, i_h, H, C: tl.constexpr):
 @triton.jit
 def _solve_below_diagonal(T00, T11, T22, T33, A10, A20, A21, A30, A31, A32):
     """The blocks below the diagonal of T = (I + Akk)⁻¹ from its diagonal blocks T_RR and Akk's blocks below
-    the diagonal: T_RJ = −T_RR·Σ_{J≤M<R} Akk_RM·T_MJ (shared by `_prepare` and `_prep_solve`)."""
+    the diagonal: T_RJ = −T_RR·Σ_{J≤M<R} Akk_RM·T_MJ (`_prep_solve`)."""
     T10 = -_mm32(T11, _mm32(A10, T00))
     T21 = -_mm32(T22, _mm32(A21, T11))
     T20 = -_mm32(T22, _mm32(A20, T00) + _mm32(A21, T10))
@@ -165,10 +162,7 @@ def _solve_below_diagonal(T00, T11, T22, T33, A10, A20, A21, A30, A31, A32):
 def _gate_tile(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K: tl.constexpr, R: tl.constexpr, NC: tl.constexpr,
                G_MIN: tl.constexpr):
     """The lower-bounded gate on rows [row0, +R) and columns [c0, +NC) of one head: (g, pre-activation x,
-    valid rows); g = g_min·σ(exp(A)·(z + dt_bias)), zero past the document end. The split `_prepare`'s
-    kernels use it; `_load_chunk_inputs` keeps the same lines inline, in its own order, because the timed
-    kernels built on it allocate registers differently otherwise (offline sm_90: `_bwd_vw` spills 360 →
-    388–424 B, `_prepare` 28 → 20–40 B), and that change would need a timing first."""
+    valid rows); g = g_min·σ(exp(A)·(z + dt_bias)), zero past the document end."""
     valid = row0 + tl.arange(0, R) < L
     z_raw = tl.load(_bp(z, bos, L, i_h, row0, c0, H, K, R, NC), boundary_check=(0,), padding_option="zero")
     a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
@@ -177,69 +171,7 @@ def _gate_tile(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K: tl.constexpr, R: 
     return tl.where(valid[:, None], G_MIN * tl.sigmoid(x), 0.0), x, valid
 
 
-@triton.jit
-def _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
-                       H, K: tl.constexpr, C: tl.constexpr, G_MIN: tl.constexpr):
-    """Raw rows → (q̂·scale, k̂, β, g, q norm, k norm, gate pre-activation x, valid) for one chunk of one head.
-
-    Rows past the document end come back as zeros (β = 0, g = 0): they neither decay nor write.
-    """
-    ck = tl.arange(0, K)
-    valid = row0 + tl.arange(0, C) < L
-    m = valid[:, None]
-    q_raw = tl.load(_bp(q, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
-    k_raw = tl.load(_bp(k, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
-    z_raw = tl.load(_bp(z, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
-    q_raw = q_raw.to(tl.float32)
-    k_raw = k_raw.to(tl.float32)
-    q_n = tl.sqrt(tl.sum(q_raw * q_raw, 1) + 1e-6)
-    k_n = tl.sqrt(tl.sum(k_raw * k_raw, 1) + 1e-6)
-    qh = q_raw / q_n[:, None] * scale
-    kh = k_raw / k_n[:, None]
-    beta = _load_beta(b, bos, L, row0, i_h, H, C)
-    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    bias = tl.load(dt_bias + i_h * K + ck).to(tl.float32)
-    x = a * (z_raw.to(tl.float32) + bias[None, :])
-    g = tl.where(m, G_MIN * tl.sigmoid(x), 0.0)
-    return qh, kh, beta, g, q_n, k_n, x, valid
-
-
 # forward kernels
-
-
-@triton.jit
-def _block_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, carry,
-                  H, K: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr):
-    """One 16-row block: q̂, k̂, β, the cumulative gate G (continuing from `carry`), the block's anchor a
-    (G at its first row) and end e (G at its last row), and the norms, gate pre-activation and valid mask."""
-    qh, kh, beta, g, q_n, k_n, x, valid = _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
-                                                              H, K, BC, G_MIN)
-    G = carry[None, :] + tl.cumsum(g, 0)
-    r = tl.arange(0, BC)
-    a = tl.sum(tl.where(r[:, None] == 0, G, 0.0), 0)
-    e = tl.sum(tl.where(r[:, None] == BC - 1, G, 0.0), 0)
-    return qh, kh, beta, G, a, e, q_n, k_n, x, valid
-
-
-@triton.jit
-def _block_inputs_cols(q, k, z, b, A_log, dt_bias, bos, L, row0, c0, i_h, scale, carry,
-                       H, K: tl.constexpr, SK: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr):
-    """`_block_inputs` on the key columns [c0, c0 + SK) (the split `_bwd_k`): q̂, k̂, G, a, e on those columns
-    (`carry` too), β, gate pre-activation and valid mask. The L2 norms still need whole rows: they are taken
-    from a full-width load first."""
-    q_n = _row_norm(q, bos, L, row0, i_h, H, K, BC)
-    k_n = _row_norm(k, bos, L, row0, i_h, H, K, BC)
-    q_s = tl.load(_bp(q, bos, L, i_h, row0, c0, H, K, BC, SK), boundary_check=(0,), padding_option="zero")
-    k_s = tl.load(_bp(k, bos, L, i_h, row0, c0, H, K, BC, SK), boundary_check=(0,), padding_option="zero")
-    qh = q_s.to(tl.float32) / q_n[:, None] * scale
-    kh = k_s.to(tl.float32) / k_n[:, None]
-    beta = _load_beta(b, bos, L, row0, i_h, H, BC)
-    g, x, valid = _gate_tile(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K, BC, SK, G_MIN)
-    G = carry[None, :] + tl.cumsum(g, 0)
-    r = tl.arange(0, BC)
-    a = tl.sum(tl.where(r[:, None] == 0, G, 0.0), 0)
-    e = tl.sum(tl.where(r[:, None] == BC - 1, G, 0.0), 0)
-    return qh, kh, beta, G, a, e, x, valid
 
 
 @triton.jit
@@ -248,19 +180,6 @@ def _row_norm(x, bos, L, row0, i_h, H, K: tl.constexpr, BC: tl.constexpr):
     xr = tl.load(_bp(x, bos, L, i_h, row0, 0, H, K, BC, K), boundary_check=(0,), padding_option="zero")
     xr = xr.to(tl.float32)
     return tl.sqrt(tl.sum(xr * xr, 1) + 1e-6)
-
-
-@triton.jit
-def _sub_block(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, carry,
-               H, K: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr):
-    """`_block_inputs` plus the anchored operands qs = q̂⊙exp(G − a), ks = k̂⊙exp(G − a) (≤ 1),
-    kc = k̂⊙exp(a − G) (≤ e^75) and kend = k̂⊙exp(e − G) (≤ 1)."""
-    qh, kh, beta, G, a, e, q_n, k_n, x, valid = _block_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
-                                                              carry, H, K, BC, G_MIN)
-    rf = tl.exp(G - a[None, :])
-    kc = kh * tl.exp(a[None, :] - G)
-    kend = kh * tl.exp(e[None, :] - G)
-    return qh, qh * rf, kh * rf, kc, kend, beta, G, a, e
 
 
 @triton.jit
@@ -307,283 +226,8 @@ def _store_block(x, ptr, bos, L, i_h, row0, col0, H, W: tl.constexpr, BC: tl.con
              boundary_check=(0,))
 
 
-@triton.jit
-def _prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx,
-             w_out, u_out, qg_out, kd_out, aqk_out, gc_out, t_out,
-             scale, H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-             G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
-    """One (chunk, head): raw inputs → W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C and T = (I + Akk)⁻¹.
-
-    Pass 1 walks the four 16-row blocks: gate, norms, anchored score blocks (docs/kda.md §4), Q⊙Γ and
-    Aqk are stored; the 16×16 blocks of T come from the diagonal inverses and
-    T_RJ = −T_RR·Σ_{J≤M<R} Akk_RM·T_MJ and go to `t_out`. Pass 2 reloads the chunk and T as 64-row tiles
-    for W = T·diag(β)(K⊙Γ) and U = T·diag(β)V.
-    """
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
-    lo = w_out.dtype.element_ty
-    hi = aqk_out.dtype.element_ty
-    zero = tl.zeros([K], dtype=tl.float32)
-    # pass 1: block by block (the static shape of the chunk: C = 4·BC), each block's tiles used at once so
-    # that only the kend_J of earlier blocks stay live
-    qh, qs, ks, kc, kend0, b0, G, a, e0 = _sub_block(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
-                                                     zero, H, K, BC, G_MIN)
-    tl.store(_bp(qg_out, bos, L, i_h, row0, 0, H, K, BC, K), _cast(qh * tl.exp(G), lo, INTERP), boundary_check=(0,))
-    A00, Q00 = _diag_scores(qs, ks, kc, b0, BC, SCORES_BF16, INTERP)
-    _store_block(Q00, aqk_out, bos, L, i_h, row0, 0, H, C, BC, INTERP)
-
-    qh, qs, ks, kc, kend1, b1, G, a, e1 = _sub_block(q, k, z, b, A_log, dt_bias, bos, L, row0 + BC, i_h, scale,
-                                                     e0, H, K, BC, G_MIN)
-    tl.store(_bp(qg_out, bos, L, i_h, row0 + BC, 0, H, K, BC, K), _cast(qh * tl.exp(G), lo, INTERP),
-             boundary_check=(0,))
-    A11, Q11 = _diag_scores(qs, ks, kc, b1, BC, SCORES_BF16, INTERP)
-    A10, Q10 = _off_scores(qs, ks, b1, a, kend0, e0, SCORES_BF16, INTERP)
-    _store_block(Q10, aqk_out, bos, L, i_h, row0 + BC, 0, H, C, BC, INTERP)
-    _store_block(Q11, aqk_out, bos, L, i_h, row0 + BC, BC, H, C, BC, INTERP)
-
-    qh, qs, ks, kc, kend2, b2, G, a, e2 = _sub_block(q, k, z, b, A_log, dt_bias, bos, L, row0 + 2 * BC, i_h,
-                                                     scale, e1, H, K, BC, G_MIN)
-    tl.store(_bp(qg_out, bos, L, i_h, row0 + 2 * BC, 0, H, K, BC, K), _cast(qh * tl.exp(G), lo, INTERP),
-             boundary_check=(0,))
-    A22, Q22 = _diag_scores(qs, ks, kc, b2, BC, SCORES_BF16, INTERP)
-    A20, Q20 = _off_scores(qs, ks, b2, a, kend0, e0, SCORES_BF16, INTERP)
-    A21, Q21 = _off_scores(qs, ks, b2, a, kend1, e1, SCORES_BF16, INTERP)
-    _store_block(Q20, aqk_out, bos, L, i_h, row0 + 2 * BC, 0, H, C, BC, INTERP)
-    _store_block(Q21, aqk_out, bos, L, i_h, row0 + 2 * BC, BC, H, C, BC, INTERP)
-    _store_block(Q22, aqk_out, bos, L, i_h, row0 + 2 * BC, 2 * BC, H, C, BC, INTERP)
-
-    qh, qs, ks, kc, kend3, b3, G, a, e3 = _sub_block(q, k, z, b, A_log, dt_bias, bos, L, row0 + 3 * BC, i_h,
-                                                     scale, e2, H, K, BC, G_MIN)
-    tl.store(_bp(qg_out, bos, L, i_h, row0 + 3 * BC, 0, H, K, BC, K), _cast(qh * tl.exp(G), lo, INTERP),
-             boundary_check=(0,))
-    A33, Q33 = _diag_scores(qs, ks, kc, b3, BC, SCORES_BF16, INTERP)
-    A30, Q30 = _off_scores(qs, ks, b3, a, kend0, e0, SCORES_BF16, INTERP)
-    A31, Q31 = _off_scores(qs, ks, b3, a, kend1, e1, SCORES_BF16, INTERP)
-    A32, Q32 = _off_scores(qs, ks, b3, a, kend2, e2, SCORES_BF16, INTERP)
-    _store_block(Q30, aqk_out, bos, L, i_h, row0 + 3 * BC, 0, H, C, BC, INTERP)
-    _store_block(Q31, aqk_out, bos, L, i_h, row0 + 3 * BC, BC, H, C, BC, INTERP)
-    _store_block(Q32, aqk_out, bos, L, i_h, row0 + 3 * BC, 2 * BC, H, C, BC, INTERP)
-    _store_block(Q33, aqk_out, bos, L, i_h, row0 + 3 * BC, 3 * BC, H, C, BC, INTERP)
-    # Aqk and T are read back as 64×64 tiles: their six upper blocks are zero
-    z16 = tl.zeros([BC, BC], dtype=tl.float32)
-    _store_block(z16, aqk_out, bos, L, i_h, row0, BC, H, C, BC, INTERP)
-    _store_block(z16, aqk_out, bos, L, i_h, row0, 2 * BC, H, C, BC, INTERP)
-    _store_block(z16, aqk_out, bos, L, i_h, row0, 3 * BC, H, C, BC, INTERP)
-    _store_block(z16, aqk_out, bos, L, i_h, row0 + BC, 2 * BC, H, C, BC, INTERP)
-    _store_block(z16, aqk_out, bos, L, i_h, row0 + BC, 3 * BC, H, C, BC, INTERP)
-    _store_block(z16, aqk_out, bos, L, i_h, row0 + 2 * BC, 3 * BC, H, C, BC, INTERP)
-    _store_block(z16, t_out, bos, L, i_h, row0, BC, H, C, BC, INTERP)
-    _store_block(z16, t_out, bos, L, i_h, row0, 2 * BC, H, C, BC, INTERP)
-    _store_block(z16, t_out, bos, L, i_h, row0, 3 * BC, H, C, BC, INTERP)
-    _store_block(z16, t_out, bos, L, i_h, row0 + BC, 2 * BC, H, C, BC, INTERP)
-    _store_block(z16, t_out, bos, L, i_h, row0 + BC, 3 * BC, H, C, BC, INTERP)
-    _store_block(z16, t_out, bos, L, i_h, row0 + 2 * BC, 3 * BC, H, C, BC, INTERP)
-    # T = (I + Akk)⁻¹ block by block
-    T00 = _inv16(A00, BC)
-    T11 = _inv16(A11, BC)
-    T22 = _inv16(A22, BC)
-    T33 = _inv16(A33, BC)
-    T10, T20, T21, T30, T31, T32 = _solve_below_diagonal(T00, T11, T22, T33, A10, A20, A21, A30, A31, A32)
-    _store_block(T00, t_out, bos, L, i_h, row0, 0, H, C, BC, INTERP)
-    _store_block(T10, t_out, bos, L, i_h, row0 + BC, 0, H, C, BC, INTERP)
-    _store_block(T11, t_out, bos, L, i_h, row0 + BC, BC, H, C, BC, INTERP)
-    _store_block(T20, t_out, bos, L, i_h, row0 + 2 * BC, 0, H, C, BC, INTERP)
-    _store_block(T21, t_out, bos, L, i_h, row0 + 2 * BC, BC, H, C, BC, INTERP)
-    _store_block(T22, t_out, bos, L, i_h, row0 + 2 * BC, 2 * BC, H, C, BC, INTERP)
-    _store_block(T30, t_out, bos, L, i_h, row0 + 3 * BC, 0, H, C, BC, INTERP)
-    _store_block(T31, t_out, bos, L, i_h, row0 + 3 * BC, BC, H, C, BC, INTERP)
-    _store_block(T32, t_out, bos, L, i_h, row0 + 3 * BC, 2 * BC, H, C, BC, INTERP)
-    _store_block(T33, t_out, bos, L, i_h, row0 + 3 * BC, 3 * BC, H, C, BC, INTERP)
-    # the 64-row reload below reads what other threads of this program just wrote
-    tl.debug_barrier()
-    # pass 2: whole-chunk tiles
-    rows = tl.arange(0, C)
-    qh, kh, beta, g, q_n, k_n, x, valid = _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
-                                                              H, K, C, G_MIN)
-    Tm = tl.load(_bp(t_out, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
-    G = tl.cumsum(g, 0)
-    gam = tl.exp(G)
-    gc = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)  # G at the chunk end (padding has g = 0)
-    v_t = tl.load(_bp(v, bos, L, i_h, row0, 0, H, V, C, V), boundary_check=(0,), padding_option="zero")
-    W = tl.dot(Tm, beta[:, None] * kh * gam)
-    U = tl.dot(Tm, beta[:, None] * v_t.to(tl.float32))
-    tl.store(_bp(w_out, bos, L, i_h, row0, 0, H, K, C, K), _cast(W, lo, INTERP), boundary_check=(0,))
-    tl.store(_bp(kd_out, bos, L, i_h, row0, 0, H, K, C, K), _cast(kh * tl.exp(gc[None, :] - G), lo, INTERP),
-             boundary_check=(0,))
-    tl.store(_bp(u_out, bos, L, i_h, row0, 0, H, V, C, V), _cast(U, hi, INTERP), boundary_check=(0,))
-    tl.store(gc_out + (i_c * H + i_h).to(tl.int64) * K + tl.arange(0, K), gc)
-
-
-# the split `_prepare` (TUNING["prepare_split"]; docs/kda-kernels.md §7 item 10): three smaller kernels, each at
-# ≤ 168 registers with 4 warps, instead of one 255-register program per (chunk, head)
-
-
-@triton.jit
-def _gate_carry_step(z, A_log, dt_bias, bos, L, row0, i_h, carry, H, K: tl.constexpr, BC: tl.constexpr,
-                     G_MIN: tl.constexpr):
-    """G at the last row of the 16-row block at row0, continuing from `carry` (the gate alone, as in
-    `_block_inputs`)."""
-    g, _, _ = _gate_tile(z, A_log, dt_bias, bos, L, row0, 0, i_h, H, K, BC, K, G_MIN)
-    G = carry[None, :] + tl.cumsum(g, 0)
-    return tl.sum(tl.where(tl.arange(0, BC)[:, None] == BC - 1, G, 0.0), 0)
-
-
-@triton.jit
-def _intra_off_step(q, k, z, b, A_log, dt_bias, bos, L, row0, J, i_h, scale, carry, qs, ks, beta, a, r0,
-                    aqk_out, t_out, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr,
-                    SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
-    """Blocks (R, J < R) of Aqk and of Akk (β-scaled, into T's storage), factorised as in `_prepare`
-    (`_off_scores`, every factor ≤ 1); returns G at block J's last row (the next carry)."""
-    _, kJ, _, GJ, _, eJ, _, _, _, _ = _block_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0 + J * BC, i_h, scale,
-                                                    carry, H, K, BC, G_MIN)
-    Akk, Aqk = _off_scores(qs, ks, beta, a, kJ * tl.exp(eJ[None, :] - GJ), eJ, SCORES_BF16, INTERP)
-    _store_block(Aqk, aqk_out, bos, L, i_h, r0, J * BC, H, C, BC, INTERP)
-    _store_block(Akk, t_out, bos, L, i_h, r0, J * BC, H, C, BC, INTERP)
-    return eJ
-
-
-@triton.jit
-def _intra_row_block(qh, kh, beta, G, a, bos, L, i_h, r0, R, qg_out, aqk_out, t_out,
-                     H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCORES_BF16: tl.constexpr,
-                     INTERP: tl.constexpr):
-    """Row block R's own part of the split `_prepare` (`_prep_intra`, `_prep_intra_g`): its rows of Q⊙Γ, its
-    diagonal blocks of Aqk and of T's storage ((I + Akk_RR)⁻¹), zeros right of them; returns the anchored
-    qs = q̂⊙exp(G − a), ks = k̂⊙exp(G − a) for the off-diagonal blocks."""
-    tl.store(_bp(qg_out, bos, L, i_h, r0, 0, H, K, BC, K), _cast(qh * tl.exp(G), qg_out.dtype.element_ty, INTERP),
-             boundary_check=(0,))
-    rf = tl.exp(G - a[None, :])
-    qs = qh * rf
-    ks = kh * rf
-    Add, Qdd = _diag_scores(qs, ks, kh * tl.exp(a[None, :] - G), beta, BC, SCORES_BF16, INTERP)
-    _store_block(Qdd, aqk_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
-    _store_block(_inv16(Add, BC), t_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
-    # zeros right of the diagonal block (Aqk and T are read back as 64×64 tiles), one masked store each
-    rows = r0 + tl.arange(0, BC)
-    cols = tl.arange(0, C)
-    off = ((bos + rows).to(tl.int64) * H + i_h)[:, None] * C + cols[None, :]
-    upper = (rows < L)[:, None] & (cols >= (R + 1) * BC)[None, :]
-    zeros = tl.zeros([BC, C], dtype=tl.float32)
-    tl.store(aqk_out + off, zeros.to(aqk_out.dtype.element_ty), mask=upper)
-    tl.store(t_out + off, zeros, mask=upper)
-    return qs, ks
-
-
-@triton.jit
-def _prep_intra(q, k, z, b, A_log, dt_bias, cu, chunk_idx, qg_out, aqk_out, t_out, kn_out,
-                scale, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
-    """Split `_prepare`, part 1: one program per (16-row block R, chunk, head).
-
-    Walks the blocks J < R twice (the gate carry, then k̂_J⊙exp(a_R − G_J) for the off-diagonal score blocks;
-    re-reads that hit L1/L2), then writes block R's rows of Q⊙Γ, Aqk (zeros right of the diagonal block) and
-    T's storage: Akk_RJ (β-scaled) left of the diagonal, (I + Akk_RR)⁻¹ on it, zeros right of it; and ‖k‖ for
-    `_prep_wu`. `_prep_solve` then turns T's storage into T.
-    """
-    NB: tl.constexpr = C // BC
-    pid = tl.program_id(0)
-    i_c = pid // NB
-    R = pid % NB
-    i_h = tl.program_id(1)
-    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
-    carry = tl.zeros([K], dtype=tl.float32)
-    # the interpreter cannot take a program-id-derived scalar as a `range` bound
-    if INTERP:
-        J = 0
-        while J < R:
-            carry = _gate_carry_step(z, A_log, dt_bias, bos, L, row0 + J * BC, i_h, carry, H, K, BC, G_MIN)
-            J += 1
-    else:
-        for J in range(0, R):
-            carry = _gate_carry_step(z, A_log, dt_bias, bos, L, row0 + J * BC, i_h, carry, H, K, BC, G_MIN)
-    r0 = row0 + R * BC
-    qh, kh, beta, G, a, e, q_n, k_n, x, valid = _block_inputs(q, k, z, b, A_log, dt_bias, bos, L, r0, i_h, scale,
-                                                              carry, H, K, BC, G_MIN)
-    tl.store(tl.make_block_ptr(kn_out + bos * H + i_h, (L,), (H,), (r0,), (BC,), (0,)), k_n, boundary_check=(0,))
-    qs, ks = _intra_row_block(qh, kh, beta, G, a, bos, L, i_h, r0, R, qg_out, aqk_out, t_out, H, K, C, BC,
-                              SCORES_BF16, INTERP)
-    carry = tl.zeros([K], dtype=tl.float32)
-    if INTERP:
-        J = 0
-        while J < R:
-            carry = _intra_off_step(q, k, z, b, A_log, dt_bias, bos, L, row0, J, i_h, scale, carry, qs, ks, beta, a,
-                                    r0, aqk_out, t_out, H, K, C, BC, G_MIN, SCORES_BF16, INTERP)
-            J += 1
-    else:
-        for J in range(0, R):
-            carry = _intra_off_step(q, k, z, b, A_log, dt_bias, bos, L, row0, J, i_h, scale, carry, qs, ks, beta, a,
-                                    r0, aqk_out, t_out, H, K, C, BC, G_MIN, SCORES_BF16, INTERP)
-
-
-@triton.jit
-def _prep_solve(t_out, cu, chunk_idx, H, C: tl.constexpr, BC: tl.constexpr, INTERP: tl.constexpr):
-    """Split `_prepare`, part 2: one program per (chunk, head) turns T's storage (Akk_RJ below the diagonal,
-    T_RR on it) into T in place: T_RJ = −T_RR·Σ_{J≤M<R} Akk_RM·T_MJ, as in `_prepare`."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
-    T00 = _load_block(t_out, bos, L, i_h, row0, 0, H, C, BC)
-    T11 = _load_block(t_out, bos, L, i_h, row0 + BC, BC, H, C, BC)
-    T22 = _load_block(t_out, bos, L, i_h, row0 + 2 * BC, 2 * BC, H, C, BC)
-    T33 = _load_block(t_out, bos, L, i_h, row0 + 3 * BC, 3 * BC, H, C, BC)
-    A10 = _load_block(t_out, bos, L, i_h, row0 + BC, 0, H, C, BC)
-    A20 = _load_block(t_out, bos, L, i_h, row0 + 2 * BC, 0, H, C, BC)
-    A21 = _load_block(t_out, bos, L, i_h, row0 + 2 * BC, BC, H, C, BC)
-    A30 = _load_block(t_out, bos, L, i_h, row0 + 3 * BC, 0, H, C, BC)
-    A31 = _load_block(t_out, bos, L, i_h, row0 + 3 * BC, BC, H, C, BC)
-    A32 = _load_block(t_out, bos, L, i_h, row0 + 3 * BC, 2 * BC, H, C, BC)
-    T10, T20, T21, T30, T31, T32 = _solve_below_diagonal(T00, T11, T22, T33, A10, A20, A21, A30, A31, A32)
-    # every load above comes before any overwrite, in every thread of the program
-    tl.debug_barrier()
-    _store_block(T10, t_out, bos, L, i_h, row0 + BC, 0, H, C, BC, INTERP)
-    _store_block(T20, t_out, bos, L, i_h, row0 + 2 * BC, 0, H, C, BC, INTERP)
-    _store_block(T21, t_out, bos, L, i_h, row0 + 2 * BC, BC, H, C, BC, INTERP)
-    _store_block(T30, t_out, bos, L, i_h, row0 + 3 * BC, 0, H, C, BC, INTERP)
-    _store_block(T31, t_out, bos, L, i_h, row0 + 3 * BC, BC, H, C, BC, INTERP)
-    _store_block(T32, t_out, bos, L, i_h, row0 + 3 * BC, 2 * BC, H, C, BC, INTERP)
-
-
-@triton.jit
-def _prep_wu(k, v, z, b, A_log, dt_bias, cu, chunk_idx, t_in, kn_in, w_out, u_out, kd_out, gc_out,
-             H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
-             G_MIN: tl.constexpr, INTERP: tl.constexpr):
-    """Split `_prepare`, part 3: one program per (column slice s, chunk, head). Slices s < K/SK: columns
-    [s·SK, +SK) of W = T·diag(β)(K⊙Γ), K⊙exp(G_C − G) and G_C (gate and cumsum are per column; k̂ from the
-    ‖k‖ that `_prep_intra` stored); the others: columns of U = T·diag(β)V."""
-    NS: tl.constexpr = K // SK + V // SV
-    pid = tl.program_id(0)
-    i_c = pid // NS
-    s = pid % NS
-    i_h = tl.program_id(1)
-    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
-    rows = tl.arange(0, C)
-    beta = _load_beta(b, bos, L, row0, i_h, H, C)
-    Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
-    if s < K // SK:
-        c0 = s * SK
-        k_raw = tl.load(_bp(k, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
-        g, _, valid = _gate_tile(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K, C, SK, G_MIN)
-        k_n = tl.load(tl.make_block_ptr(kn_in + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,)),
-                      boundary_check=(0,), padding_option="zero")
-        kh = k_raw.to(tl.float32) / tl.where(valid, k_n, 1.0)[:, None]
-        G = tl.cumsum(g, 0)
-        gc = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)  # G at the chunk end (padding has g = 0)
-        W = tl.dot(Tm, beta[:, None] * kh * tl.exp(G))
-        tl.store(_bp(w_out, bos, L, i_h, row0, c0, H, K, C, SK), _cast(W, w_out.dtype.element_ty, INTERP),
-                 boundary_check=(0,))
-        tl.store(_bp(kd_out, bos, L, i_h, row0, c0, H, K, C, SK),
-                 _cast(kh * tl.exp(gc[None, :] - G), kd_out.dtype.element_ty, INTERP), boundary_check=(0,))
-        tl.store(gc_out + (i_c * H + i_h).to(tl.int64) * K + c0 + tl.arange(0, SK), gc)
-    else:
-        c0 = (s - K // SK) * SV
-        v_t = tl.load(_bp(v, bos, L, i_h, row0, c0, H, V, C, SV), boundary_check=(0,), padding_option="zero")
-        U = tl.dot(Tm, beta[:, None] * v_t.to(tl.float32))
-        tl.store(_bp(u_out, bos, L, i_h, row0, c0, H, V, C, SV), _cast(U, u_out.dtype.element_ty, INTERP),
-                 boundary_check=(0,))
-
-
-# the gate pre-pass (TUNING["prepare_gate_pass"], with prepare_split; docs/kda-kernels.md §7 item 12): `_prep_gate`
-# writes G once, then `_prep_intra_g` and `_prep_wu_g` do what `_prep_intra` and `_prep_wu` do with G read back
+# the prepare: `_prep_gate` (G, G_C, ‖k‖), `_prep_intra` (Q⊙Γ, Aqk, T's diagonal blocks and Akk below them),
+# `_prep_solve` (T in place), `_prep_wu` (W, U, K⊙exp(G_C − G)); docs/kda-kernels.md §7 items 10 and 12
 
 
 @triton.jit
@@ -591,9 +235,8 @@ def _prep_gate(k, z, A_log, dt_bias, cu, chunk_idx, g_out, gc_out, kn_out,
                H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr):
     """One (chunk, head): the in-chunk cumulative gate G [TT, H, K] fp32, G_C and ‖k‖ per row.
 
-    G is summed as `_prep_intra` sums it (per 16-row block, continuing from the previous block's last row), so
-    `_prep_intra_g` sees the same values. Rows past the document end have g = 0 and are not written; G_C is G at
-    the chunk's last valid row.
+    G is summed per 16-row block, continuing from the previous block's last row. Rows past the document end
+    have g = 0 and are not written; G_C is G at the chunk's last valid row.
     """
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -614,6 +257,32 @@ def _prep_gate(k, z, A_log, dt_bias, cu, chunk_idx, g_out, gc_out, kn_out,
 
 
 @triton.jit
+def _intra_row_block(qh, kh, beta, G, a, bos, L, i_h, r0, R, qg_out, aqk_out, t_out,
+                     H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCORES_BF16: tl.constexpr,
+                     INTERP: tl.constexpr):
+    """Row block R's own part of `_prep_intra`: its rows of Q⊙Γ, its diagonal blocks of Aqk and of T's storage
+    ((I + Akk_RR)⁻¹), zeros right of them; returns the anchored qs = q̂⊙exp(G − a), ks = k̂⊙exp(G − a) for the
+    off-diagonal blocks."""
+    tl.store(_bp(qg_out, bos, L, i_h, r0, 0, H, K, BC, K), _cast(qh * tl.exp(G), qg_out.dtype.element_ty, INTERP),
+             boundary_check=(0,))
+    rf = tl.exp(G - a[None, :])
+    qs = qh * rf
+    ks = kh * rf
+    Add, Qdd = _diag_scores(qs, ks, kh * tl.exp(a[None, :] - G), beta, BC, SCORES_BF16, INTERP)
+    _store_block(Qdd, aqk_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
+    _store_block(_inv16(Add, BC), t_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
+    # zeros right of the diagonal block (Aqk and T are read back as 64×64 tiles), one masked store each
+    rows = r0 + tl.arange(0, BC)
+    cols = tl.arange(0, C)
+    off = ((bos + rows).to(tl.int64) * H + i_h)[:, None] * C + cols[None, :]
+    upper = (rows < L)[:, None] & (cols >= (R + 1) * BC)[None, :]
+    zeros = tl.zeros([BC, C], dtype=tl.float32)
+    tl.store(aqk_out + off, zeros.to(aqk_out.dtype.element_ty), mask=upper)
+    tl.store(t_out + off, zeros, mask=upper)
+    return qs, ks
+
+
+@triton.jit
 def _gate_rows(g_in, kn_in, bos, L, row0, i_h, H, K: tl.constexpr, BC: tl.constexpr):
     """The 16 rows at row0 of G (zeros past the document end), G at their first and last row (zeros past the
     end) and ‖k‖ (1 past the end: k there is zero, and k̂ must be too)."""
@@ -628,10 +297,11 @@ def _gate_rows(g_in, kn_in, bos, L, row0, i_h, H, K: tl.constexpr, BC: tl.conste
 
 
 @triton.jit
-def _intra_off_step_g(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, aqk_out, t_out,
-                      H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCORES_BF16: tl.constexpr,
-                      INTERP: tl.constexpr):
-    """`_intra_off_step` with block J's G, e_J and ‖k‖ read back (same factorisation, every factor ≤ 1)."""
+def _intra_off_step(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, aqk_out, t_out,
+                    H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCORES_BF16: tl.constexpr,
+                    INTERP: tl.constexpr):
+    """Blocks (R, J < R) of Aqk and of Akk (β-scaled, into T's storage) from block J's G, e_J and ‖k‖ as
+    `_prep_gate` stored them, factorised by `_off_scores` (every factor ≤ 1)."""
     rJ = row0 + J * BC
     GJ, _, eJ, knJ = _gate_rows(g_in, kn_in, bos, L, rJ, i_h, H, K, BC)
     k_raw = tl.load(_bp(k, bos, L, i_h, rJ, 0, H, K, BC, K), boundary_check=(0,), padding_option="zero")
@@ -642,11 +312,13 @@ def _intra_off_step_g(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0,
 
 
 @triton.jit
-def _prep_intra_g(q, k, b, g_in, kn_in, cu, chunk_idx, qg_out, aqk_out, t_out,
-                  scale, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                  SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
-    """`_prep_intra` on `_prep_gate`'s G and ‖k‖: no gate, no carry walk, one walk over the blocks J < R (G_J,
-    e_J, k_J). Writes the same rows of Q⊙Γ, Aqk and T's storage; ‖k‖ is already stored."""
+def _prep_intra(q, k, b, g_in, kn_in, cu, chunk_idx, qg_out, aqk_out, t_out,
+                scale, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+                SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
+    """One (16-row block R, chunk, head), on `_prep_gate`'s G and ‖k‖: block R's rows of Q⊙Γ, of Aqk (zeros
+    right of the diagonal block) and of T's storage: Akk_RJ (β-scaled) left of the diagonal, (I + Akk_RR)⁻¹ on
+    it, zeros right of it. The off-diagonal blocks take one walk over the blocks J < R (G_J, e_J, k̂_J; re-reads
+    that hit L1/L2). `_prep_solve` then turns T's storage into T."""
     NB: tl.constexpr = C // BC
     pid = tl.program_id(0)
     i_c = pid // NB
@@ -674,21 +346,49 @@ def _prep_intra_g(q, k, b, g_in, kn_in, cu, chunk_idx, qg_out, aqk_out, t_out,
     if INTERP:
         J = 0
         while J < R:
-            _intra_off_step_g(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, aqk_out, t_out,
-                              H, K, C, BC, SCORES_BF16, INTERP)
+            _intra_off_step(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, aqk_out, t_out,
+                            H, K, C, BC, SCORES_BF16, INTERP)
             J += 1
     else:
         for J in range(0, R):
-            _intra_off_step_g(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, aqk_out, t_out,
-                              H, K, C, BC, SCORES_BF16, INTERP)
+            _intra_off_step(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, aqk_out, t_out,
+                            H, K, C, BC, SCORES_BF16, INTERP)
 
 
 @triton.jit
-def _prep_wu_g(k, v, b, g_in, gc_in, cu, chunk_idx, t_in, kn_in, w_out, u_out, kd_out,
-               H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
-               INTERP: tl.constexpr):
-    """`_prep_wu` on `_prep_gate`'s G, G_C and ‖k‖: the W and K⊙exp(G_C − G) slices read G instead of
-    recomputing the gate and its cumsum; G_C is already stored."""
+def _prep_solve(t_out, cu, chunk_idx, H, C: tl.constexpr, BC: tl.constexpr, INTERP: tl.constexpr):
+    """One (chunk, head): T's storage (Akk_RJ below the diagonal, T_RR on it, from `_prep_intra`) into T in
+    place: T_RJ = −T_RR·Σ_{J≤M<R} Akk_RM·T_MJ."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
+    T00 = _load_block(t_out, bos, L, i_h, row0, 0, H, C, BC)
+    T11 = _load_block(t_out, bos, L, i_h, row0 + BC, BC, H, C, BC)
+    T22 = _load_block(t_out, bos, L, i_h, row0 + 2 * BC, 2 * BC, H, C, BC)
+    T33 = _load_block(t_out, bos, L, i_h, row0 + 3 * BC, 3 * BC, H, C, BC)
+    A10 = _load_block(t_out, bos, L, i_h, row0 + BC, 0, H, C, BC)
+    A20 = _load_block(t_out, bos, L, i_h, row0 + 2 * BC, 0, H, C, BC)
+    A21 = _load_block(t_out, bos, L, i_h, row0 + 2 * BC, BC, H, C, BC)
+    A30 = _load_block(t_out, bos, L, i_h, row0 + 3 * BC, 0, H, C, BC)
+    A31 = _load_block(t_out, bos, L, i_h, row0 + 3 * BC, BC, H, C, BC)
+    A32 = _load_block(t_out, bos, L, i_h, row0 + 3 * BC, 2 * BC, H, C, BC)
+    T10, T20, T21, T30, T31, T32 = _solve_below_diagonal(T00, T11, T22, T33, A10, A20, A21, A30, A31, A32)
+    # every load above comes before any overwrite, in every thread of the program
+    tl.debug_barrier()
+    _store_block(T10, t_out, bos, L, i_h, row0 + BC, 0, H, C, BC, INTERP)
+    _store_block(T20, t_out, bos, L, i_h, row0 + 2 * BC, 0, H, C, BC, INTERP)
+    _store_block(T21, t_out, bos, L, i_h, row0 + 2 * BC, BC, H, C, BC, INTERP)
+    _store_block(T30, t_out, bos, L, i_h, row0 + 3 * BC, 0, H, C, BC, INTERP)
+    _store_block(T31, t_out, bos, L, i_h, row0 + 3 * BC, BC, H, C, BC, INTERP)
+    _store_block(T32, t_out, bos, L, i_h, row0 + 3 * BC, 2 * BC, H, C, BC, INTERP)
+
+
+@triton.jit
+def _prep_wu(k, v, b, g_in, gc_in, cu, chunk_idx, t_in, kn_in, w_out, u_out, kd_out,
+             H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
+             INTERP: tl.constexpr):
+    """One (column slice s, chunk, head), on T and `_prep_gate`'s G, G_C and ‖k‖. Slices s < K/SK: columns
+    [s·SK, +SK) of W = T·diag(β)(K⊙Γ) and K⊙exp(G_C − G); the others: columns of U = T·diag(β)V."""
     NS: tl.constexpr = K // SK + V // SV
     pid = tl.program_id(0)
     i_c = pid // NS
@@ -725,8 +425,8 @@ def _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, ut, bos, L, c0, i_h, i_v, of
                 H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                 STORE_HS: tl.constexpr, WRITE_O: tl.constexpr, STORE_UT: tl.constexpr, BF16: tl.constexpr,
                 INTERP: tl.constexpr):
-    """Chunk j of one sequence in `_state`; returns the state after it. STORE_UT: also store Ũ (for
-    TUNING["bwd_v_split"]; a separate specialisation, so the default one compiles as before)."""
+    """Chunk j of one sequence in `_state`; returns the state after it. STORE_UT: also store Ũ (for the
+    backward's `_bwd_vk` / `_bwd_vv`; a separate specialisation, so the inference forward compiles without it)."""
     row0 = j * C
     W = tl.load(_bp(w, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     Kd = tl.load(_bp(kd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
@@ -787,6 +487,28 @@ def _state(w, u, qg, kd, aqk, gc, h0, o, ht, hs, ut, cu, chunk_off,
 
 
 @triton.jit
+def _block_inputs_cols(q, k, z, b, A_log, dt_bias, bos, L, row0, c0, i_h, scale, carry,
+                       H, K: tl.constexpr, SK: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr):
+    """One 16-row block (or, with BC = C, a whole chunk) on the key columns [c0, c0 + SK) (`_bwd_vk`, `_bwd_k`):
+    q̂, k̂, the cumulative gate G (continuing from `carry`), its anchor a (G at the first row) and end e (G at the
+    last row) on those columns, β, gate pre-activation and valid mask. The L2 norms need whole rows: they are
+    taken from a full-width load first."""
+    q_n = _row_norm(q, bos, L, row0, i_h, H, K, BC)
+    k_n = _row_norm(k, bos, L, row0, i_h, H, K, BC)
+    q_s = tl.load(_bp(q, bos, L, i_h, row0, c0, H, K, BC, SK), boundary_check=(0,), padding_option="zero")
+    k_s = tl.load(_bp(k, bos, L, i_h, row0, c0, H, K, BC, SK), boundary_check=(0,), padding_option="zero")
+    qh = q_s.to(tl.float32) / q_n[:, None] * scale
+    kh = k_s.to(tl.float32) / k_n[:, None]
+    beta = _load_beta(b, bos, L, row0, i_h, H, BC)
+    g, x, valid = _gate_tile(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K, BC, SK, G_MIN)
+    G = carry[None, :] + tl.cumsum(g, 0)
+    r = tl.arange(0, BC)
+    a = tl.sum(tl.where(r[:, None] == 0, G, 0.0), 0)
+    e = tl.sum(tl.where(r[:, None] == BC - 1, G, 0.0), 0)
+    return qh, kh, beta, G, a, e, x, valid
+
+
+@triton.jit
 def _state_bwd_step(dS, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v, off_s,
                     H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                     BF16: tl.constexpr, INTERP: tl.constexpr):
@@ -835,129 +557,17 @@ def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
 
 
 @triton.jit
-def _bwd_vu(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, t_in, hs, dse, do,
-            dkh_out, dg_out, daqk_out,
-            scale, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-            G_MIN: tl.constexpr, INTERP: tl.constexpr):
-    """One (chunk, head), first half of the value-dim gradients: the terms through Ũ = T·diag(β)·V − W·S.
-
-    With S the chunk-start state and dS_end the chunk-end gradient, looping over value blocks:
-    dAqk = dO·Ũᵀ, dKd = Ũ·dS_endᵀ and dΓ_C = Σ_v S ⊙ dS_end. Writes dAqk, and starts the fp32 partials
-    dk̂ = dKd⊙exp(G_C − G) and dG (the −k̂⊙dk̂ part, and G_C's gradient on the last row) that `_bwd_vw`
-    completes for `_bwd_k`.
-    """
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
-    rows = tl.arange(0, C)
-    qh, kh, beta, g, q_n, k_n, x, valid = _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
-                                                              H, K, C, G_MIN)
-    G = tl.cumsum(g, 0)
-    Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
-    W = tl.dot(Tm, beta[:, None] * kh * tl.exp(G))
-    ck = tl.arange(0, K)
-    s_base = (i_c * H + i_h).to(tl.int64) * K * V
-    dKd = tl.zeros([C, K], dtype=tl.float32)
-    dAqk = tl.zeros([C, C], dtype=tl.float32)
-    dgc = tl.zeros([K], dtype=tl.float32)
-    for i_v in range(0, V // BV):
-        off_s = ck[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
-        S = tl.load(hs + s_base + off_s)
-        dSe = tl.load(dse + s_base + off_s)
-        dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-        vb = tl.load(_bp(v, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-        Ut = tl.dot(Tm, beta[:, None] * vb.to(tl.float32)) - tl.dot(W, S)
-        dAqk += tl.dot(dO.to(tl.float32), tl.trans(Ut))
-        dKd += tl.dot(Ut, tl.trans(dSe))
-        dgc += tl.sum(S * dSe, 1)
-    tl.store(_bp(daqk_out, bos, L, i_h, row0, 0, H, C, C, C), tl.where(rows[:, None] >= rows[None, :], dAqk, 0.0),
-             boundary_check=(0,))
-    # reloaded rather than kept live through the loop (the store above keeps the compiler from merging the loads)
-    qh, kh, beta, g, q_n, k_n, x, valid = _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
-                                                              H, K, C, G_MIN)
-    G = tl.cumsum(g, 0)
-    gc = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)
-    dKd = dKd * tl.exp(gc[None, :] - G)
-    dG = -kh * dKd
-    # G_C feeds Γ_C and every exp(G_C − G_i): its gradient lands on the last row, spread back by the cumsum.
-    dG_end = tl.exp(gc) * dgc + tl.sum(kh * dKd, 0)
-    dG = tl.where(rows[:, None] == C - 1, dG + dG_end[None, :], dG)
-    tl.store(_bp(dkh_out, bos, L, i_h, row0, 0, H, K, C, K), dKd, boundary_check=(0,))
-    tl.store(dg_out + (i_c * H + i_h).to(tl.int64) * C * K + rows[:, None] * K + ck[None, :], dG)
-
-
-@triton.jit
-def _bwd_vw(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, t_in, hs, do, du,
-            dv, dqh_out, dkh_out, dg_out, dakk_out, db_out,
-            scale, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-            G_MIN: tl.constexpr, INTERP: tl.constexpr):
-    """One (chunk, head), second half of the value-dim gradients: the terms through S and dŨ.
-
-    Looping over value blocks: dQg = dO·Sᵀ, dW = −dŨ·Sᵀ, and through U = T·diag(β)·V: dv = β·Tᵀ·dŨ,
-    dT and part of dβ. Then through W = T·diag(β)·(K⊙Γ) the rest of dT and dβ, dAkk = −Tᵀ·dT·Tᵀ, and
-    the gate terms that do not involve the score matrices, added to `_bwd_vu`'s partial dk̂ and dG.
-    """
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
-    rows = tl.arange(0, C)
-    beta = _load_beta(b, bos, L, row0, i_h, H, C)
-    Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
-    TmT = tl.trans(Tm)
-    ck = tl.arange(0, K)
-    s_base = (i_c * H + i_h).to(tl.int64) * K * V
-    dQg = tl.zeros([C, K], dtype=tl.float32)
-    dW = tl.zeros([C, K], dtype=tl.float32)
-    dT = tl.zeros([C, C], dtype=tl.float32)
-    dbeta = tl.zeros([C], dtype=tl.float32)
-    for i_v in range(0, V // BV):
-        off_s = ck[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
-        S = tl.load(hs + s_base + off_s)
-        dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-        dU = tl.load(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-        vb = tl.load(_bp(v, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-        vb = vb.to(tl.float32)
-        dQg += tl.dot(dO.to(tl.float32), tl.trans(S))
-        dW -= tl.dot(dU, tl.trans(S))
-        dXv = tl.dot(TmT, dU)
-        tl.store(_bp(dv, bos, L, i_h, row0, i_v * BV, H, V, C, BV),
-                 _cast(beta[:, None] * dXv, dv.dtype.element_ty, INTERP), boundary_check=(0,))
-        dbeta += tl.sum(dXv * vb, 1)
-        dT += tl.dot(dU, tl.trans(beta[:, None] * vb))
-    qh, kh, beta, g, q_n, k_n, x, valid = _load_chunk_inputs(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
-                                                              H, K, C, G_MIN)
-    gam = tl.exp(tl.cumsum(g, 0))
-    Kg = kh * gam
-    dXk = tl.dot(TmT, dW)
-    dbeta += tl.sum(dXk * Kg, 1)
-    dT += tl.dot(dW, tl.trans(beta[:, None] * Kg))
-    dAkk = -tl.dot(tl.dot(TmT, dT), TmT)
-    dKg = beta[:, None] * dXk * gam
-    dqh = dQg * gam
-    p_dkh = _bp(dkh_out, bos, L, i_h, row0, 0, H, K, C, K)
-    p_dg = dg_out + (i_c * H + i_h).to(tl.int64) * C * K + rows[:, None] * K + ck[None, :]
-    dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero") + dKg
-    dG = tl.load(p_dg) + qh * dqh + kh * dKg
-    tl.store(_bp(dqh_out, bos, L, i_h, row0, 0, H, K, C, K), dqh, boundary_check=(0,))
-    tl.store(p_dkh, dkh, boundary_check=(0,))
-    tl.store(p_dg, dG)
-    tl.store(_bp(dakk_out, bos, L, i_h, row0, 0, H, C, C, C), tl.where(rows[:, None] > rows[None, :], dAkk, 0.0),
-             boundary_check=(0,))
-    tl.store(tl.make_block_ptr(db_out + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,)), dbeta, boundary_check=(0,))
-
-
-@triton.jit
 def _bwd_vk(q, k, z, b, A_log, dt_bias, cu, chunk_idx, t_in, hs, dse, do, du, ut,
             dqh_out, dkh_out, dg_out, dtk_out, dbk_out,
             scale, H, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
             G_MIN: tl.constexpr, INTERP: tl.constexpr):
-    """TUNING["bwd_v_split"], part 1: one (key slice of SK columns, chunk, head), the value-dim gradients that
-    are elementwise in the key column, from the forward's Ũ (no W, no W·S).
+    """Value side, part 1: one (key slice of SK columns, chunk, head), the value-dim gradients that are
+    elementwise in the key column, from the forward's Ũ = U − W·S (no W, no W·S).
 
     Looping over value blocks, on the slice's rows of S and dS_end: dQg = dO·Sᵀ, dW = −dŨ·Sᵀ, dKd = Ũ·dS_endᵀ
-    and dΓ_C = Σ_v S ⊙ dS_end. Then what `_bwd_vu` and `_bwd_vw` do per key column: the finished value-side
-    dq̂ = dQg⊙Γ, dk̂ = dKd⊙exp(G_C − G) + β·(Tᵀ·dW)⊙Γ and dG (with G_C's gradient on the last row) into the
-    scratch `_bwd_k` reads. The two terms that sum over K leave as this slice's partials, for `_bwd_vv`:
+    and dΓ_C = Σ_v S ⊙ dS_end. Then, per key column, the finished value-side dq̂ = dQg⊙Γ,
+    dk̂ = dKd⊙exp(G_C − G) + β·(Tᵀ·dW)⊙Γ and dG (with G_C's gradient on the last row) into the fp32 scratch
+    `_bwd_k` reads. The two terms that sum over K leave as this slice's partials, for `_bwd_vv`:
     dT_k = dW·(β·K⊙Γ)ᵀ (dtk_out [NT, H, NS, C, C]) and dβ_k = Σ_k (Tᵀ·dW)⊙K⊙Γ (dbk_out [NT, H, NS, C]).
     """
     NS: tl.constexpr = K // SK
@@ -1012,11 +622,12 @@ def _bwd_vk(q, k, z, b, A_log, dt_bias, cu, chunk_idx, t_in, hs, dse, do, du, ut
 def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dtk_in, dbk_in,
             dv, daqk_out, dakk_out, db_out,
             H, V: tl.constexpr, NS: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, INTERP: tl.constexpr):
-    """TUNING["bwd_v_split"], part 2: one (chunk, head), the value-dim gradients that sum over K.
+    """Value side, part 2: one (chunk, head), the value-dim gradients that sum over K.
 
     Looping over value blocks: dAqk = dO·Ũᵀ and, through U = T·diag(β)·V, dv = β·Tᵀ·dŨ, dT_v = dŨ·(β·V)ᵀ and
     dβ_v = Σ_v (Tᵀ·dŨ)⊙V. Adds `_bwd_vk`'s NS partials of dT and dβ (in slice order: deterministic), then
-    dAkk = −Tᵀ·dT·Tᵀ. Writes dAqk, dAkk, dv and dβ as `_bwd_vu` / `_bwd_vw` do.
+    dAkk = −Tᵀ·dT·Tᵀ. Writes dv, and dAqk, dAkk (masked to their lower triangles) and dβ for `_bwd_k` /
+    `_bwd_norms`.
     """
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -1076,24 +687,21 @@ def _score_bwd_off(daqk, dakk, bos, L, i_h, row0, col0, qs, ks, beta, a, kend_J,
 
 
 @triton.jit
-def _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk, dakk, db_in, dq, dbl,
+def _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk, dakk, db_part,
               bos, L, row0, c0, s, R: tl.constexpr, g_base, i_h, scale, carry, kend0, e0, kend1, e1, kend2, e2,
               cs0, cs1, cs2, H, K: tl.constexpr, SK: tl.constexpr, NS: tl.constexpr, C: tl.constexpr,
-              BC: tl.constexpr, G_MIN: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
-    """Sweep 1 of `_bwd_k`, row block R: everything its rows of the score matrices give.
+              BC: tl.constexpr, G_MIN: tl.constexpr):
+    """Sweep 1 of `_bwd_k`, row block R on key columns [c0, c0 + SK) (slice s of NS): everything its rows of
+    the score matrices give.
 
-    dq̂ and dβ only have row-side terms, so dq and dβ's logit are finished here; the partial dk̂ and dG
-    (missing the column side of later row blocks) go back to their scratch rows. Adds block R's column
-    side to the cs of earlier blocks; returns (G at the block's end, k̂⊙exp(e_R − G), cs0, cs1, cs2).
-    SPLIT (key columns [c0, c0 + SK), slice s of NS): the norm backward and σ' need whole rows, so dq̂ goes
-    back to its scratch and this slice's part of dβ to db_in's [TT, H, NS] partials (dbl) for `_bwd_norms`.
+    dq̂ and dβ only have row-side terms, so dq̂ is finished here and goes back to its scratch, and this slice's
+    part of dβ to the [TT, H, NS] partials (db_part); `_bwd_norms` finishes both (the norm backward and σ' need
+    whole rows). The partial dk̂ and dG (missing the column side of later row blocks) go back to their scratch
+    rows. Adds block R's column side to the cs of earlier blocks; returns (G at the block's end,
+    k̂⊙exp(e_R − G), cs0, cs1, cs2).
     """
-    if SPLIT:
-        qh, kh, beta, G, a, e, x, valid = _block_inputs_cols(q, k, z, b, A_log, dt_bias, bos, L, row0 + R * BC, c0,
-                                                             i_h, scale, carry, H, K, SK, BC, G_MIN)
-    else:
-        qh, kh, beta, G, a, e, q_n, k_n, x, valid = _block_inputs(q, k, z, b, A_log, dt_bias, bos, L,
-                                                                  row0 + R * BC, i_h, scale, carry, H, K, BC, G_MIN)
+    qh, kh, beta, G, a, e, x, valid = _block_inputs_cols(q, k, z, b, A_log, dt_bias, bos, L, row0 + R * BC, c0,
+                                                         i_h, scale, carry, H, K, SK, BC, G_MIN)
     rf = tl.exp(G - a[None, :])
     ec = tl.exp(a[None, :] - G)
     qs = qh * rf
@@ -1121,53 +729,35 @@ def _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk, dakk, db_
     p_dg = dg_in + g_base + (R * BC + tl.arange(0, BC))[:, None] * K + c0 + ck[None, :]
     dqh = tl.load(p_dqh, boundary_check=(0,), padding_option="zero") + rf * rowq
     # rowk was taken with dAkk; Akk = diag(β)·Ã, so Σ_i dAkk·Ã = Σ_k ks⊙rowk, and Ã's own gradient is β·rowk
-    if SPLIT:
-        dbeta = tl.sum(ks * rowk, 1)
-    else:
-        p_db = tl.make_block_ptr(db_in + bos * H + i_h, (L,), (H,), (r0,), (BC,), (0,))
-        dbeta = tl.load(p_db, boundary_check=(0,), padding_option="zero") + tl.sum(ks * rowk, 1)
+    dbeta = tl.sum(ks * rowk, 1)
     rowk = beta[:, None] * rowk
     dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero") + rf * rowk + ec * cs
     dG = tl.load(p_dg) + qs * rowq + ks * rowk - kc * cs
     tl.store(p_dkh, dkh, boundary_check=(0,))
     tl.store(p_dg, dG)
-    if SPLIT:
-        tl.store(p_dqh, dqh, boundary_check=(0,))
-        p_part = tl.make_block_ptr(dbl + (bos * H + i_h) * NS + s, (L,), (H * NS,), (r0,), (BC,), (0,))
-        tl.store(p_part, dbeta, boundary_check=(0,))
-    else:
-        # L2 norm: y = x/‖x‖ → dx = (dy − y·⟨y, dy⟩)/‖x‖; q̂ = scale·y
-        yq = qh / scale
-        dyq = dqh * scale
-        dqv = (dyq - yq * tl.sum(yq * dyq, 1)[:, None]) / q_n[:, None]
-        tl.store(_bp(dq, bos, L, i_h, r0, 0, H, K, BC, K), _cast(dqv, dq.dtype.element_ty, INTERP),
-                 boundary_check=(0,))
-        p_dbl = tl.make_block_ptr(dbl + bos * H + i_h, (L,), (H,), (r0,), (BC,), (0,))
-        tl.store(p_dbl, _cast(dbeta * beta * (1.0 - beta), dbl.dtype.element_ty, INTERP), boundary_check=(0,))
+    tl.store(p_dqh, dqh, boundary_check=(0,))
+    p_part = tl.make_block_ptr(db_part + (bos * H + i_h) * NS + s, (L,), (H * NS,), (r0,), (BC,), (0,))
+    tl.store(p_part, dbeta, boundary_check=(0,))
     return e, kh * tl.exp(e[None, :] - G), cs0, cs1, cs2
 
 
 @triton.jit
-def _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, c0, J: tl.constexpr, g_base, i_h,
+def _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dz, bos, L, row0, c0, J: tl.constexpr, g_base, i_h,
               scale, carry, e_J, cs_J, dg_after, dA_sum, dbias_sum,
               H, K: tl.constexpr, SK: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr, HAS_CS: tl.constexpr,
-              SPLIT: tl.constexpr, INTERP: tl.constexpr):
-    """Sweep 2 of `_bwd_k`, block J (last block first): the column side of the later row blocks, the reverse
-    cumsum dG → dg (dg_after = Σ dG over the later blocks), and the gate and k-norm chains (SPLIT: the
-    finished dk̂ goes back to its scratch for `_bwd_norms` instead).
+              INTERP: tl.constexpr):
+    """Sweep 2 of `_bwd_k`, block J (last block first) on key columns [c0, c0 + SK): the column side of the
+    later row blocks, the reverse cumsum dG → dg (dg_after = Σ dG over the later blocks) and the gate chain;
+    the finished dk̂ goes back to its scratch for `_bwd_norms`.
 
     Returns dg_after, dA_sum and dbias_sum with this block added."""
-    if SPLIT:
-        qh, kh, beta, G, a, e, x, valid = _block_inputs_cols(q, k, z, b, A_log, dt_bias, bos, L, row0 + J * BC, c0,
-                                                             i_h, scale, carry, H, K, SK, BC, G_MIN)
-    else:
-        qh, kh, beta, G, a, e, q_n, k_n, x, valid = _block_inputs(q, k, z, b, A_log, dt_bias, bos, L,
-                                                                  row0 + J * BC, i_h, scale, carry, H, K, BC, G_MIN)
+    qh, kh, beta, G, a, e, x, valid = _block_inputs_cols(q, k, z, b, A_log, dt_bias, bos, L, row0 + J * BC, c0,
+                                                         i_h, scale, carry, H, K, SK, BC, G_MIN)
     r0 = row0 + J * BC
     ck = tl.arange(0, SK)
     p_dkh = _bp(dkh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
     dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero")
-    # padding rows keep their dG: the last row carries G_C's gradient into the chunk (`_bwd_vu`)
+    # padding rows keep their dG: the last row carries G_C's gradient into the chunk (`_bwd_vk`)
     dG = tl.load(dg_in + g_base + (J * BC + tl.arange(0, BC))[:, None] * K + c0 + ck[None, :])
     if HAS_CS:
         f = tl.exp(e_J[None, :] - G) * cs_J
@@ -1179,46 +769,36 @@ def _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, c
     dzv = dx * tl.exp(tl.load(A_log + i_h).to(tl.float32))
     tl.store(_bp(dz, bos, L, i_h, r0, c0, H, K, BC, SK), _cast(dzv, dz.dtype.element_ty, INTERP),
              boundary_check=(0,))
-    if SPLIT:
-        tl.store(p_dkh, dkh, boundary_check=(0,))
-    else:
-        dkv = (dkh - kh * tl.sum(kh * dkh, 1)[:, None]) / k_n[:, None]
-        tl.store(_bp(dk, bos, L, i_h, r0, 0, H, K, BC, K), _cast(dkv, dk.dtype.element_ty, INTERP),
-                 boundary_check=(0,))
+    tl.store(p_dkh, dkh, boundary_check=(0,))
     return dg_after + tl.sum(dG, 0), dA_sum + tl.sum(tl.sum(dx * x, 1), 0), dbias_sum + tl.sum(dzv, 0)
 
 
 @triton.jit
-def _bwd_k(q, k, z, b, A_log, dt_bias, cu, chunk_idx, dqh_in, dkh_in, dg_in, daqk_in, dakk_in, db_in,
-           dq, dk, dz, dbl, dA_part, dbias_part,
+def _bwd_k(q, k, z, b, A_log, dt_bias, cu, chunk_idx, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
+           dz, db_part, dA_part, dbias_part,
            scale, H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-           G_MIN: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
-    """One (chunk, head), or with SPLIT one (key slice of SK columns, chunk, head): the score-matrix, cumsum,
-    gate, norm and sigmoid chains back to the raw inputs.
+           G_MIN: tl.constexpr, INTERP: tl.constexpr):
+    """One (key slice of SK columns, chunk, head): the score-matrix, cumsum and gate chains back to the raw
+    inputs, on top of the value side's dq̂, dk̂, dG (fp32 scratch) and dAqk, dAkk.
 
-    The score backward uses `_prepare`'s 16-row blocks and anchors, 2D tiles only. Block (R, J) of
+    The score backward uses the prepare's 16-row blocks and anchors, 2D tiles only. Block (R, J) of
     Aqk = Σ_k q̂[r]k̂[i]·exp(G[r] − G[i]) (and of Ã, Akk = diag(β)·Ã) factorises into a row factor
     exp(G[r] − a_R) and a column factor (exp(a_R − G[i]) on the diagonal, exp(a_R − e_J)·exp(e_J − G[i])
-    below it), so dq̂, dk̂ and dG come out of 16×16 by 16×K matmuls: row side Σ_i dA[r, i]·col[i], column
+    below it), so dq̂, dk̂ and dG come out of 16×16 by 16×SK matmuls: row side Σ_i dA[r, i]·col[i], column
     side Σ_r dA[r, i]·row[r]; the gate gets +x⊙dx on the row factor's side and −x⊙dx on the column's.
-    Sweep 1 (R = 0…3) does each row block's row side, finishes dq and dβ, adds its column side to the
-    earlier blocks' accumulators and writes the partial dk̂, dG back to their scratch. Sweep 2
-    (J = 3…0) adds the accumulated column sides, turns dG into dg by a reverse cumsum and finishes dk,
-    dz and the per-chunk partial sums of dA_log and dt_bias (reduced by the caller).
+    Sweep 1 (R = 0…3) does each row block's row side, finishes dq̂ and its part of dβ, adds its column side to
+    the earlier blocks' accumulators and writes the partial dk̂, dG back to their scratch. Sweep 2 (J = 3…0)
+    adds the accumulated column sides, turns dG into dg by a reverse cumsum and finishes dk̂, dz and the
+    per-chunk partial sums of dA_log and dt_bias (reduced by the caller).
 
-    SPLIT: all of that is elementwise in the key column (the score dots contract over rows; gate, cumsum and
-    dz are per column) except the q/k norm backward and dβ, which reduce over K. So each program takes SK
-    columns, and leaves the finished dq̂, dk̂ (fp32 scratch) and its dβ partial (dbl: [TT, H, NS]) to
-    `_bwd_norms`. dA_part is [NT, H, NS].
+    All of that is elementwise in the key column (the score dots contract over rows; gate, cumsum and dz are
+    per column) except the q/k norm backward and dβ, which reduce over K: each program leaves the finished
+    dq̂, dk̂ (scratch) and its dβ partial (db_part: [TT, H, NS]) to `_bwd_norms`. dA_part is [NT, H, NS].
     """
     NS: tl.constexpr = K // SK
-    if SPLIT:
-        pid = tl.program_id(0)
-        i_c = pid // NS
-        s = pid % NS
-    else:
-        i_c = tl.program_id(0)
-        s = 0
+    pid = tl.program_id(0)
+    i_c = pid // NS
+    s = pid % NS
     c0 = s * SK
     i_h = tl.program_id(1)
     bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
@@ -1229,35 +809,31 @@ def _bwd_k(q, k, z, b, A_log, dt_bias, cu, chunk_idx, dqh_in, dkh_in, dg_in, daq
     cs2 = tl.zeros([BC, SK], dtype=tl.float32)
     # sweep 1; the kend/e arguments of blocks not reached yet are placeholders that the block R skips
     e0, kend0, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
-                                         db_in, dq, dbl, bos, L, row0, c0, s, 0, g_base, i_h, scale, zero,
-                                         cs0, zero, cs0, zero, cs0, zero, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN,
-                                         SPLIT, INTERP)
+                                         db_part, bos, L, row0, c0, s, 0, g_base, i_h, scale, zero,
+                                         cs0, zero, cs0, zero, cs0, zero, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN)
     e1, kend1, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
-                                         db_in, dq, dbl, bos, L, row0, c0, s, 1, g_base, i_h, scale, e0,
-                                         kend0, e0, cs0, zero, cs0, zero, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN,
-                                         SPLIT, INTERP)
+                                         db_part, bos, L, row0, c0, s, 1, g_base, i_h, scale, e0,
+                                         kend0, e0, cs0, zero, cs0, zero, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN)
     e2, kend2, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
-                                         db_in, dq, dbl, bos, L, row0, c0, s, 2, g_base, i_h, scale, e1,
-                                         kend0, e0, kend1, e1, cs0, zero, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN,
-                                         SPLIT, INTERP)
+                                         db_part, bos, L, row0, c0, s, 2, g_base, i_h, scale, e1,
+                                         kend0, e0, kend1, e1, cs0, zero, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN)
     e3, _, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
-                                     db_in, dq, dbl, bos, L, row0, c0, s, 3, g_base, i_h, scale, e2,
-                                     kend0, e0, kend1, e1, kend2, e2, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN,
-                                     SPLIT, INTERP)
+                                     db_part, bos, L, row0, c0, s, 3, g_base, i_h, scale, e2,
+                                     kend0, e0, kend1, e1, kend2, e2, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN)
     # sweep 2 reads the partial dk̂ and dG that other threads of this program just wrote
     tl.debug_barrier()
-    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, c0, 3,
+    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dz, bos, L, row0, c0, 3,
                                             g_base, i_h, scale, e2, e3, cs0, zero, 0.0, zero,
-                                            H, K, SK, BC, G_MIN, False, SPLIT, INTERP)
-    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, c0, 2,
+                                            H, K, SK, BC, G_MIN, False, INTERP)
+    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dz, bos, L, row0, c0, 2,
                                             g_base, i_h, scale, e1, e2, cs2, dg_after, dA_sum, dbias_sum,
-                                            H, K, SK, BC, G_MIN, True, SPLIT, INTERP)
-    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, c0, 1,
+                                            H, K, SK, BC, G_MIN, True, INTERP)
+    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dz, bos, L, row0, c0, 1,
                                             g_base, i_h, scale, e0, e1, cs1, dg_after, dA_sum, dbias_sum,
-                                            H, K, SK, BC, G_MIN, True, SPLIT, INTERP)
-    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dk, dz, bos, L, row0, c0, 0,
+                                            H, K, SK, BC, G_MIN, True, INTERP)
+    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dz, bos, L, row0, c0, 0,
                                             g_base, i_h, scale, zero, e0, cs0, dg_after, dA_sum, dbias_sum,
-                                            H, K, SK, BC, G_MIN, True, SPLIT, INTERP)
+                                            H, K, SK, BC, G_MIN, True, INTERP)
     tl.store(dA_part + (i_c * H + i_h) * NS + s, dA_sum)
     tl.store(dbias_part + (i_c * H + i_h).to(tl.int64) * K + c0 + tl.arange(0, SK), dbias_sum)
 
@@ -1276,7 +852,7 @@ def _norm_bwd_rows(x, dxh, dx, off, m, sc, INTERP: tl.constexpr):
 @triton.jit
 def _bwd_norms(q, k, b, dqh, dkh, db_in, db_part, dq, dk, dbl, TT, scale,
                H, K: tl.constexpr, NS: tl.constexpr, BT: tl.constexpr, INTERP: tl.constexpr):
-    """After the split `_bwd_k`, per (BT tokens, head): the L2-norm backward of q and k from the finished
+    """After `_bwd_k`, per (BT tokens, head): the L2-norm backward of q and k from the finished
     dq̂, dk̂ (y = x/‖x‖ → dx = (dy − y·⟨y, dy⟩)/‖x‖; q̂ = scale·y) and dβ's logit (the value side's dβ
     plus the NS slices' partials, times σ')."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -1368,9 +944,8 @@ def inter_dtypes(dtype: torch.dtype, all_bf16: bool = False) -> tuple[torch.dtyp
 
 
 def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, store_t=False):
-    """Launch `_prepare` (or, with TUNING["prepare_split"], `_prep_intra`, `_prep_solve` and `_prep_wu`; with
-    TUNING["prepare_gate_pass"] too, `_prep_gate`, `_prep_intra_g`, `_prep_solve` and `_prep_wu_g`: the same
-    outputs) on flattened [TT, H, ·] inputs; returns the chunk-local operands."""
+    """Launch `_prep_gate`, `_prep_intra`, `_prep_solve` and `_prep_wu` on flattened [TT, H, ·] inputs; returns the
+    chunk-local operands (W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, and T if store_t else None)."""
     TT, H, K = q.shape
     V = v.shape[-1]
     lo, hi = dtypes
@@ -1380,41 +955,23 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
     Aqk = torch.empty(TT, H, CHUNK, dtype=hi, device=q.device)
     gc = torch.empty(max(plan.NT, 1), H, K, dtype=torch.float32, device=q.device)
     Tm = torch.empty(TT, H, CHUNK, dtype=torch.float32, device=q.device)
-    if plan.NT > 0 and TUNING["prepare_split"] and TUNING["prepare_gate_pass"]:
+    if plan.NT > 0:
         interp = interpreting()
-        kn = torch.empty(TT, H, dtype=torch.float32, device=q.device)
+        kn = torch.empty(TT, H, dtype=torch.float32, device=q.device)  # ‖k‖ per row
         # the in-chunk cumulative gate: 4·TT·H·K bytes (384 MiB at the K3 shape), freed before `_state`
         G = torch.empty(TT, H, K, dtype=torch.float32, device=q.device)
         _prep_gate[(plan.NT, H)](k, z, A_log, dt_bias, plan.cu, plan.chunk_idx, G, gc, kn, H=H, K=K, C=CHUNK, BC=SUB,
                                  G_MIN=g_min, **_launch_options("prep_gate"))
-        _prep_intra_g[(plan.NT * (CHUNK // SUB), H)](q, k, b, G, kn, plan.cu, plan.chunk_idx, Qg, Aqk, Tm, scale,
+        _prep_intra[(plan.NT * (CHUNK // SUB), H)](q, k, b, G, kn, plan.cu, plan.chunk_idx, Qg, Aqk, Tm, scale,
                                                      H=H, K=K, C=CHUNK, BC=SUB, SCORES_BF16=lo == torch.bfloat16,
                                                      INTERP=interp, **_launch_options("prep_intra"))
         _prep_solve[(plan.NT, H)](Tm, plan.cu, plan.chunk_idx, H=H, C=CHUNK, BC=SUB, INTERP=interp,
                                   **_launch_options("prep_solve"))
         SK, SV = min(K, 64), min(V, 64)
-        _prep_wu_g[(plan.NT * (K // SK + V // SV), H)](k, v, b, G, gc, plan.cu, plan.chunk_idx, Tm, kn, W, U, Kd,
+        _prep_wu[(plan.NT * (K // SK + V // SV), H)](k, v, b, G, gc, plan.cu, plan.chunk_idx, Tm, kn, W, U, Kd,
                                                        H=H, K=K, V=V, C=CHUNK, SK=SK, SV=SV, INTERP=interp,
                                                        **_launch_options("prep_wu"))
         del G
-    elif plan.NT > 0 and TUNING["prepare_split"]:
-        interp = interpreting()
-        kn = torch.empty(TT, H, dtype=torch.float32, device=q.device)  # ‖k‖ per row, from part 1 to part 3
-        _prep_intra[(plan.NT * (CHUNK // SUB), H)](q, k, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Qg, Aqk, Tm,
-                                                   kn, scale, H=H, K=K, C=CHUNK, BC=SUB, G_MIN=g_min,
-                                                   SCORES_BF16=lo == torch.bfloat16, INTERP=interp,
-                                                   **_launch_options("prep_intra"))
-        _prep_solve[(plan.NT, H)](Tm, plan.cu, plan.chunk_idx, H=H, C=CHUNK, BC=SUB, INTERP=interp,
-                                  **_launch_options("prep_solve"))
-        SK, SV = min(K, 64), min(V, 64)
-        _prep_wu[(plan.NT * (K // SK + V // SV), H)](k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, kn,
-                                                     W, U, Kd, gc, H=H, K=K, V=V, C=CHUNK, SK=SK, SV=SV,
-                                                     G_MIN=g_min, INTERP=interp, **_launch_options("prep_wu"))
-    elif plan.NT > 0:
-        _prepare[(plan.NT, H)](q, k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx,
-                               W, U, Qg, Kd, Aqk, gc, Tm, scale, H=H, K=K, V=V, C=CHUNK, BC=SUB, G_MIN=g_min,
-                               SCORES_BF16=lo == torch.bfloat16, INTERP=interpreting(),
-                               **_launch_options("prepare"))
     return W, U, Qg, Kd, Aqk, gc, (Tm if store_t else None)
 
 
@@ -1437,7 +994,7 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
                                   plan.cu, plan.chunk_off,
                                   H=H, K=K, V=V, BV=BV, C=CHUNK, USE_H0=h0 is not None, STORE_HT=want_ht,
                                   STORE_HS=want_hs, WRITE_O=write_o, STORE_UT=want_ut, BF16=state_bf16,
-                                  INTERP=interpreting(), **_launch_options("state"))
+                                  INTERP=interpreting(), **_launch_options("state_ut" if want_ut else "state"))
     return o, ht, hs, ut
 
 
@@ -1445,28 +1002,28 @@ def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs
          keep=False):
     """The forward: (o, final state or None, chunk-start states if want_hs else None, kept).
 
-    keep: also return what the backward would recompute, (W, Qg, Kd, Aqk, gc, T, hs), for `_bwd(inter=…)`;
-    else kept is None. The states come from the same `_state` launch as o, with the same `state_bf16`: storing
-    them does not change the arithmetic (and `_bwd` recomputes them with `state_bf16` as well), so the
-    gradients are bit-identical either way. With TUNING["bwd_v_split"] Ũ = U − W·S comes last (U's dtype; the
-    split value-side backward reads it instead of recomputing W·S).
+    keep: also return what the backward would recompute, (W, Qg, Kd, Aqk, gc, T, hs, Ũ), for `_bwd(inter=…)`;
+    else kept is None. The states and Ũ = U − W·S (U's dtype; the value-side backward reads it instead of
+    recomputing W·S) come from the same `_state` launch as o, with the same `state_bf16`: storing them does not
+    change the arithmetic (and `_bwd` recomputes them with `state_bf16` as well), so the gradients are
+    bit-identical either way.
     """
     W, U, Qg, Kd, Aqk, gc, Tm = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
                                              store_t=keep)
-    want_ut = keep and TUNING["bwd_v_split"]
     o, ht, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, want_ht=want_ht, want_hs=want_hs or keep,
-                               state_bf16=state_bf16, want_ut=want_ut)
+                               state_bf16=state_bf16, want_ut=keep)
     # U is not needed by the backward
-    kept = ((W, Qg, Kd, Aqk, gc, Tm, hs) + ((ut,) if want_ut else ())) if keep else None
+    kept = (W, Qg, Kd, Aqk, gc, Tm, hs, ut) if keep else None
     return o, ht, (hs if want_hs else None), kept
 
 
 def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes, state_bf16, inter=None):
-    """All gradients from the raw inputs and dO (and dht): recompute, two state passes, two chunk passes.
+    """All gradients from the raw inputs and dO (and dht): recompute if needed, the state pass, the chunk passes.
 
-    inter: the forward's (W, Qg, Kd, Aqk, gc, T, hs[, Ũ]) (`_fwd(keep=True)`); then nothing is recomputed and h0
-    is not used. Without it `_prepare` and `_state` run again here. The value side runs split over key slices
-    (`_bwd_vk`, `_bwd_vv`) when Ũ is there: kept by the forward, or recomputed under TUNING["bwd_v_split"].
+    inter: the forward's (W, Qg, Kd, Aqk, gc, T, hs, Ũ) (`_fwd(keep=True)`); then nothing is recomputed and h0
+    is not used. Without it the prepare kernels and `_state` (storing the chunk-start states and Ũ) run again
+    here. Then `_state_bwd`, the value side over key slices (`_bwd_vk`, `_bwd_vv`), the score, gate and cumsum
+    chains over key slices (`_bwd_k`) and the row-wise norm and σ' chains (`_bwd_norms`).
     The backward state pass always multiplies in tf32: its bf16 build computed wrong gradients on the
     H200 (docs/kda-kernels.md, run 1), so state_bf16 only changes the forward and the recomputed states.
     """
@@ -1476,14 +1033,11 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     if inter is None:
         W, U, Qg, Kd, Aqk, gc, Tm = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
                                                  store_t=True)
-        split_v = TUNING["bwd_v_split"]
         _, _, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, write_o=False, want_hs=True,
-                                  state_bf16=state_bf16, want_ut=split_v)
+                                  state_bf16=state_bf16, want_ut=True)
         del U
     else:
-        W, Qg, Kd, Aqk, gc, Tm, hs = inter[:7]
-        split_v = len(inter) == 8
-        ut = inter[7] if split_v else None
+        W, Qg, Kd, Aqk, gc, Tm, hs, ut = inter
         del inter
     BV = min(V, TUNING["state_bwd_bv"])
     NT = max(plan.NT, 1)
@@ -1505,52 +1059,36 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     dbeta = torch.empty(TT, H, dtype=torch.float32, device=dev)
     dq, dk, dz = torch.empty_like(q), torch.empty_like(k), torch.empty_like(z)
     db = torch.empty_like(b)
-    split = TUNING["bwd_k_split"]
-    SK = min(K, TUNING["bwd_ks_cols"]) if split else K
+    SK = min(K, TUNING["bwd_k_cols"])
     NS = K // SK
     dA_part = torch.zeros(NT, H, NS, dtype=torch.float32, device=dev)
     dbias_part = torch.zeros(NT, H, K, dtype=torch.float32, device=dev)
     if plan.NT > 0:
-        if split_v:
-            # key slices from the forward's Ũ (§7 item 13); dT and dβ leave each slice as partials for `_bwd_vv`
-            SKV = min(K, TUNING["bwd_vk_cols"])
-            NSV = K // SKV
-            dtk = torch.empty(plan.NT, H, NSV, CHUNK, CHUNK, dtype=torch.float32, device=dev)
-            dbk = torch.empty(plan.NT, H, NSV, CHUNK, dtype=torch.float32, device=dev)
-            _bwd_vk[(plan.NT * NSV, H)](q, k, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du,
-                                        ut, dqh, dkh, dG, dtk, dbk, scale, H=H, K=K, V=V, SK=SKV,
-                                        BV=min(V, TUNING["bwd_vk_bv"]) if K > 16 else 16,  # as below
-                                        C=CHUNK, G_MIN=g_min, INTERP=interp,
-                                        **_launch_options("bwd_vk"))
-            _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, dtk, dbk, dv, daqk, dakk, dbeta,
-                                  H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, INTERP=interp,
-                                  **_launch_options("bwd_vv"))
-            del dtk, dbk
-        else:
-            # two kernels, each holding half of the value-dim accumulators (docs/kda-kernels.md); S is read twice
-            # K = 16 with BV = 32 faults (illegal address in `_bwd_vu`) on the H200; BV = 16 runs (runs 8-9)
-            BV = min(V, TUNING["bwd_v_bv"]) if K > 16 else 16
-            _bwd_vu[(plan.NT, H)](q, k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, hs, dse, do,
-                                  dkh, dG, daqk, scale, H=H, K=K, V=V, BV=BV, C=CHUNK, G_MIN=g_min, INTERP=interp,
-                                  **_launch_options("bwd_v"))
-            _bwd_vw[(plan.NT, H)](q, k, v, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, hs, do, du,
-                                  dv, dqh, dkh, dG, dakk, dbeta, scale, H=H, K=K, V=V, BV=BV, C=CHUNK, G_MIN=g_min,
-                                  INTERP=interp, **_launch_options("bwd_v"))
-        del ut
-        if split:
-            # key slices (docs/kda-kernels.md §7 item 11); then the row-wise norm and σ' chains
-            db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
-            _bwd_k[(plan.NT * NS, H)](q, k, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, dqh, dkh, dG, daqk,
-                                      dakk, dbeta, dq, dk, dz, db_part, dA_part, dbias_part, scale, H=H, K=K, SK=SK,
-                                      C=CHUNK, BC=SUB, G_MIN=g_min, SPLIT=True, INTERP=interp,
-                                      **_launch_options("bwd_ks"))
-            BT = TUNING["bwd_norms_rows"]
-            _bwd_norms[(triton.cdiv(TT, BT), H)](q, k, b, dqh, dkh, dbeta, db_part, dq, dk, db, TT, scale, H=H, K=K,
-                                                 NS=NS, BT=BT, INTERP=interp, **_launch_options("bwd_norms"))
-        else:
-            _bwd_k[(plan.NT, H)](q, k, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, dqh, dkh, dG, daqk, dakk,
-                                 dbeta, dq, dk, dz, db, dA_part, dbias_part, scale, H=H, K=K, SK=K, C=CHUNK, BC=SUB,
-                                 G_MIN=g_min, SPLIT=False, INTERP=interp, **_launch_options("bwd_k"))
+        # the value side over key slices from Ũ (docs/kda-kernels.md §7 item 13); dT and dβ leave each slice as
+        # partials for `_bwd_vv`
+        SKV = min(K, TUNING["bwd_vk_cols"])
+        NSV = K // SKV
+        dtk = torch.empty(plan.NT, H, NSV, CHUNK, CHUNK, dtype=torch.float32, device=dev)
+        dbk = torch.empty(plan.NT, H, NSV, CHUNK, dtype=torch.float32, device=dev)
+        # K = 16 with BV = 32 faulted (illegal address, in the value-side kernel of the time) on the H200; BV = 16
+        # runs (docs/kda-kernels.md, runs 8-9)
+        _bwd_vk[(plan.NT * NSV, H)](q, k, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du,
+                                    ut, dqh, dkh, dG, dtk, dbk, scale, H=H, K=K, V=V, SK=SKV,
+                                    BV=min(V, TUNING["bwd_vk_bv"]) if K > 16 else 16,
+                                    C=CHUNK, G_MIN=g_min, INTERP=interp,
+                                    **_launch_options("bwd_vk"))
+        _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, dtk, dbk, dv, daqk, dakk, dbeta,
+                              H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, INTERP=interp,
+                              **_launch_options("bwd_vv"))
+        del dtk, dbk, ut
+        # key slices (docs/kda-kernels.md §7 item 11); then the row-wise norm and σ' chains
+        db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
+        _bwd_k[(plan.NT * NS, H)](q, k, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, dqh, dkh, dG, daqk, dakk,
+                                  dz, db_part, dA_part, dbias_part, scale, H=H, K=K, SK=SK, C=CHUNK, BC=SUB,
+                                  G_MIN=g_min, INTERP=interp, **_launch_options("bwd_k"))
+        BT = TUNING["bwd_norms_rows"]
+        _bwd_norms[(triton.cdiv(TT, BT), H)](q, k, b, dqh, dkh, dbeta, db_part, dq, dk, db, TT, scale, H=H, K=K,
+                                             NS=NS, BT=BT, INTERP=interp, **_launch_options("bwd_norms"))
     else:
         dv.zero_()
     dA_log = dA_part.sum((0, 2)).to(A_log.dtype)
@@ -1559,8 +1097,8 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
 
 
 class ChunkKDAFunction(torch.autograd.Function):
-    """Autograd wrapper. With `keep` it saves the raw inputs and the forward's chunk operands and chunk-start
-    states (`_fwd(keep=True)`; not h0), and the backward recomputes nothing; without, only the raw inputs and
+    """Autograd wrapper. With `keep` it saves the raw inputs and the forward's chunk operands, chunk-start
+    states and Ũ (`_fwd(keep=True)`; not h0), and the backward recomputes nothing; without, only the raw inputs and
     h0, and the backward recomputes them. Everything goes through `save_for_backward`, so saved-tensor hooks
     (non-reentrant activation checkpointing, offloading) and the in-place checks cover it."""
 
@@ -1626,20 +1164,20 @@ def chunk_kda(
     save_intermediates (the model's `kda_save_intermediates`) trades memory for
     backward time. Only when a backward can follow (grad mode on and some input requires grad; never for
     inference or prefill) the forward keeps, until the backward has run, what the backward would otherwise
-    recompute with `_prepare` and `_state` (same kernels, same inputs: bit-identical gradients). Per call,
-    with TT = B·T tokens and NT chunks (NT = ⌈T/64⌉·B dense; per document with cu_seqlens):
+    recompute with the prepare kernels and `_state` (same kernels, same inputs: bit-identical gradients).
+    Per call, with TT = B·T tokens and NT chunks (NT = ⌈T/64⌉·B dense; per document with cu_seqlens):
       W, Q⊙Γ, K⊙exp(G_C − G)   3 × [TT, H, K]    bf16 (fp32 for fp32 inputs)
       Aqk                      [TT, H, 64]       fp32 (bf16 with all_bf16)
       T = (I + Akk)⁻¹          [TT, H, 64]       fp32
       G_C                      [NT, H, K]        fp32
       chunk-start states       [NT, H, K, V]     fp32 (shared with the returned ones if return_chunk_states)
-      Ũ = U − W·S              [TT, H, V]        only with TUNING["bwd_v_split"]; U's dtype (fp32 unless all_bf16)
-    At the K3 shape (T = 8192, H = 96, K = V = 128, bf16, no all_bf16) that is 576 + 192 + 192 + 6 + 768 MiB
-    ≈ 1.69 GiB per layer (the states are the largest part: 4·K·V/64 = 1 KiB per token and head), in exchange
-    for ~6.5 ms of the ~32 ms forward + backward (docs/kda-kernels.md §7 item 9). initial_state is then not
-    saved. The kept W, Q⊙Γ, K⊙exp(G_C − G) and Aqk are released when the backward returns (autograd
-    frees saved tensors only then), not after the state pass as the recomputed ones are. With
-    return_chunk_states the returned states are the saved ones: modifying them in place before the
+      Ũ = U − W·S              [TT, H, V]        U's dtype (fp32 unless all_bf16)
+    At the K3 shape (T = 8192, H = 96, K = V = 128, bf16, no all_bf16) that is 576 + 192 + 192 + 6 + 768 + 384
+    MiB ≈ 2.07 GiB per layer (the states are the largest part: 4·K·V/64 = 1 KiB per token and head), in
+    exchange for the recompute: ~6.5 ms of the then ~32 ms forward + backward (docs/kda-kernels.md §7 item 9).
+    initial_state is then not saved. The kept W, Q⊙Γ, K⊙exp(G_C − G), Aqk and Ũ are released when the
+    backward returns (autograd frees saved tensors only then), not after the state pass as the recomputed ones
+    are. With return_chunk_states the returned states are the saved ones: modifying them in place before the
     backward makes autograd raise instead of computing wrong gradients.
     """
     if q.dim() != 4:
