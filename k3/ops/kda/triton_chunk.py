@@ -54,7 +54,7 @@ SUB = 16
 TUNING = {
     # the prepare (docs/kda-kernels.md §7 items 10 and 12): `_prep_gate`, `_prep_intra`, `_prep_solve`, `_prep_wu`;
     # forward 4.64 → 3.31 ms at the K3 shape with the gate pre-pass (session 8, run 1)
-    "prep_gate_warps": 4, "prep_gate_stages": None, "prep_gate_maxnreg": None,
+    "prep_gate_warps": 1, "prep_gate_stages": None, "prep_gate_maxnreg": None,  # 0.28 ms at 4 warps, 0.25 at 1 (run 3)
     "prep_intra_warps": 4, "prep_intra_stages": None, "prep_intra_maxnreg": 128,  # 2.57 ms at 168, 2.43 at 128 (run 7)
     "prep_solve_warps": 4, "prep_solve_stages": None, "prep_solve_maxnreg": None,
     "prep_wu_warps": 4, "prep_wu_stages": None, "prep_wu_maxnreg": 128,  # 0.96 → 0.84 ms, 0 spills (run 7)
