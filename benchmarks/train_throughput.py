@@ -307,17 +307,34 @@ def main():
     if args.ckpt:
         plan = [(p, t, r, v if v.endswith("-ckpt") else v + "-ckpt") for p, t, r, v in plan]
     results = []
+    curves = None
+
+    def save():
+        # after every case too, so a run stopped by a time limit keeps what it measured (session 8, run 4)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({"benchmark": "train_throughput", "peak_tflop_s": peak / 1e12,
+                                                   "env": {"torch": torch.__version__,
+                                                           "gpu": torch.cuda.get_device_name() if cuda else "cpu"},
+                                                   "results": results, "loss_curves": curves}, indent=1))
+
+    print(f"[{time.perf_counter() - started:6.0f}s] measured GEMM peak {peak / 1e12:.1f} TFLOP/s; "
+          f"{len(plan)} cases", flush=True)
     for preset, seq_len, rows, variant in plan:
         if args.time_budget and time.perf_counter() - started > args.time_budget:
             results.append({"preset": preset, "seq_len": seq_len, "rows": rows, "variant": variant,
                             "error": "skipped (time budget)"})
             continue
+        print(f"[{time.perf_counter() - started:6.0f}s] {preset} T={seq_len} {variant}: {rows} rows × "
+              f"{args.micro_batches} micro-batches, 1 + {steps} steps ...", flush=True)
         r = run_variant(variant, preset, seq_len, rows, steps, base, device, peak, args.micro_batches)
         results.append(r)
-        status = r.get("error") or "{:.3f} s/step, {:.1f} TFLOP/s".format(r["step_s"], r["tflop_s"])
+        status = r.get("error") or ("{:.3f} s/step (samples {}; first step {:.1f} s), {:.1f} TFLOP/s, MFU {:.1%}"
+                                    .format(r["step_s"], ", ".join(f"{t:.3f}" for t in r["step_samples_s"]),
+                                            r["first_step_s"], r["tflop_s"], r["mfu_measured"]))
         print(f"[{time.perf_counter() - started:6.0f}s] {preset} T={seq_len} {variant}: {status}", flush=True)
+        save()
 
-    curves = None
     if args.loss_steps:
         if args.time_budget and time.perf_counter() - started > args.time_budget:
             curves = {"error": "skipped (time budget)"}
@@ -369,12 +386,7 @@ def main():
             console.print(f"loss curves over {curves['steps']} steps: max |fast − reference| = "
                           f"{curves['max_abs_diff']:.4f} nats ({curves['max_rel_diff']:.2%}); final "
                           f"{curves['fast'][-1]:.4f} vs {curves['reference'][-1]:.4f}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"benchmark": "train_throughput", "peak_tflop_s": peak / 1e12,
-                                               "env": {"torch": torch.__version__,
-                                                       "gpu": torch.cuda.get_device_name() if cuda else "cpu"},
-                                               "results": results, "loss_curves": curves}, indent=1))
+    save()
 
 
 if __name__ == "__main__":
