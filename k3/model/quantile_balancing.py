@@ -201,9 +201,18 @@ def imbalance_metrics(loads: Tensor) -> dict[str, float]:
     """Load imbalance of loads [E]: max/mean and MaxVio = (max − mean)/mean."""
     if loads.dim() != 1 or loads.numel() == 0:
         raise ValueError(f"loads must be a non-empty [E] tensor, got shape {tuple(loads.shape)}")
+    per_layer = layer_imbalance_metrics(loads[None])
+    return {name: values[0] for name, values in per_layer.items()}
+
+
+def layer_imbalance_metrics(loads: Tensor) -> dict[str, list[float]]:
+    """`imbalance_metrics` for every row of loads [L, E], read back to the host once (one wait for the GPU per
+    training step, not two per MoE layer)."""
+    if loads.dim() != 2 or loads.numel() == 0:
+        raise ValueError(f"loads must be a non-empty [L, E] tensor, got shape {tuple(loads.shape)}")
     loads = loads.double()
-    mean = float(loads.mean())
-    if mean <= 0:
+    means, maxes = torch.stack([loads.mean(dim=1), loads.amax(dim=1)]).tolist()
+    if any(mean <= 0 for mean in means):
         raise ValueError("loads are all zero")
-    max_over_mean = float(loads.max()) / mean
-    return {"max_over_mean": max_over_mean, "max_vio": max_over_mean - 1.0}
+    ratios = [mx / mean for mx, mean in zip(maxes, means)]
+    return {"max_over_mean": ratios, "max_vio": [r - 1.0 for r in ratios]}

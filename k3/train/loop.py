@@ -36,7 +36,7 @@ from k3.dist.runtime import ParallelRuntime
 from k3.model.checkpointing import apply_activation_checkpointing
 from k3.model.model import K3ForCausalLM, build_model
 from k3.model.moe import StableLatentMoE
-from k3.model.quantile_balancing import QuantileHistogram, expert_loads, imbalance_metrics
+from k3.model.quantile_balancing import QuantileHistogram, expert_loads, layer_imbalance_metrics
 from k3.optim import MuonAdamW, cosine_schedule, qk_clip_
 from k3.train.checkpoint import (CheckpointError, commit_checkpoint, latest_checkpoint, load_checkpoint,
                                  new_checkpoint_dir, save_checkpoint, step_dir_name, verify_checkpoint,
@@ -187,7 +187,7 @@ def prepare_data(cfg: TrainConfig, vocab_size: int, out: Path, log) -> tuple[Tok
         fingerprint = documents_fingerprint(split_docs) + tokenizer.fingerprint()
         meta_path = directory / "meta.json"
         if not (meta_path.exists() and json.loads(meta_path.read_text()).get("run_fingerprint") == fingerprint):
-            corpus = prepare_corpus(split_docs, tokenizer, directory)
+            prepare_corpus(split_docs, tokenizer, directory)
             meta = json.loads(meta_path.read_text())
             meta["run_fingerprint"] = fingerprint
             meta_path.write_text(json.dumps(meta))
@@ -274,9 +274,11 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
     with torch.no_grad():
         for moe, hist in zip(moes, histograms):
             moe.gate.e_score_correction_bias.copy_(hist.bias(moe.top_k))
-    stats = [imbalance_metrics(layer_loads) for layer_loads in loads]
-    metrics["moe_max_over_mean"] = [s["max_over_mean"] for s in stats]
-    metrics["moe_max_vio"] = [s["max_vio"] for s in stats]
+    if loads:
+        stats = layer_imbalance_metrics(torch.stack(loads))
+        metrics["moe_max_over_mean"], metrics["moe_max_vio"] = stats["max_over_mean"], stats["max_vio"]
+    else:
+        metrics["moe_max_over_mean"], metrics["moe_max_vio"] = [], []
     if parallel is not None:
         metrics.update(parallel.ep_stats())
     return metrics
