@@ -33,13 +33,16 @@ def qk_clip_(model: K3ForCausalLM, max_logits: torch.Tensor, tau: float = 100.0)
     if not tau > 0:
         raise ValueError(f"tau must be > 0, got {tau}")
     S = max_logits.detach().to(torch.float64)
-    if torch.isnan(S).any() or (S == float("inf")).any():
-        raise ValueError("max_logits holds NaN or +inf: skip this step instead of clipping")
     clip = S > tau  # [n_mla, H]
     gamma = torch.where(clip, tau / S, torch.ones_like(S))  # [n_mla, H]
-    clipped_layers = clip.any(dim=1).tolist()
+    # everything the host needs in one read (one wait for the GPU): validity, clipped heads per layer, the max
+    read = torch.cat([(torch.isnan(S).any() | (S == float("inf")).any()).double()[None],
+                      clip.sum(dim=1).double(), S.max()[None]]).tolist()
+    invalid, clipped_per_layer, max_logit = read[0], read[1:-1], read[-1]
+    if invalid:
+        raise ValueError("max_logits holds NaN or +inf: skip this step instead of clipping")
     for j, layer_idx in enumerate(mla_ids):
-        if not clipped_layers[j]:
+        if not clipped_per_layer[j]:
             continue
         attn = model.model.layers[layer_idx].self_attn
         g = gamma[j][:, None]  # [H, 1]; heads not clipped have γ = 1: multiplying by 1.0 is exact
@@ -50,7 +53,7 @@ def qk_clip_(model: K3ForCausalLM, max_logits: torch.Tensor, tau: float = 100.0)
             rows = _local_rows(weight)
             local = weight.to_local() if hasattr(weight, "to_local") else weight  # a shard when distributed
             local.mul_(scale[rows].to(device=local.device, dtype=local.dtype)[:, None])
-    return {"clipped_heads": int(clip.sum()), "max_logit": float(S.max())}
+    return {"clipped_heads": int(sum(clipped_per_layer)), "max_logit": max_logit}
 
 
 def _local_rows(weight: torch.Tensor) -> slice:

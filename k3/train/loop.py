@@ -270,7 +270,7 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
     if max_logits is not None and cfg.qk_clip_tau > 0:
         clip = qk_clip_(model, max_logits, cfg.qk_clip_tau)
         metrics["qk_clip_heads"] = int(clip.get("clipped_heads", 0))
-        metrics["mla_max_logit"] = float(max_logits.max())
+        metrics["mla_max_logit"] = clip["max_logit"]  # float64 of the same max: the value is exact
     with torch.no_grad():
         for moe, hist in zip(moes, histograms):
             moe.gate.e_score_correction_bias.copy_(hist.bias(moe.top_k))
