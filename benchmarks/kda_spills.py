@@ -47,11 +47,11 @@ CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF
                   USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64,
                   STORE_UT=False)
 # kernel -> its TUNING key prefix, in launch order; "_state_ut" is `_state` when it also stores Ũ (the backward's
-# recompute launch; the training forward's adds WRITE_O), launched with the state_ut settings and state_bv
+# recompute launch; the training forward's adds WRITE_O), launched with the state_ut settings
 TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
                  "_prep_wu": "prep_wu", "_state": "state", "_state_ut": "state_ut", "_state_bwd": "state_bwd",
                  "_bwd_vk": "bwd_vk", "_bwd_vv": "bwd_vv", "_bwd_k": "bwd_k", "_bwd_norms": "bwd_norms"}
-BV_PREFIX = {"state_ut": "state"}  # launches whose value block comes from another kernel's TUNING key
+BV_PREFIX: dict[str, str] = {}  # launches whose value block comes from another kernel's TUNING key
 # per-kernel constexprs on top of CONSTEXPRS
 _SK = chunk.TUNING["bwd_k_cols"]
 _SKV = chunk.TUNING["bwd_vk_cols"]

@@ -258,6 +258,37 @@ def test_saved_intermediates_match_recompute_bitwise(dev, monkeypatch, case):
     assert sum(name == "prepare" for name, _ in calls) == 1
 
 
+@pytest.mark.parametrize("key", ["state_bv", "state_ut_bv", "state_bwd_bv"])
+def test_state_value_blocks_do_not_change_results(dev, monkeypatch, key):
+    """The state passes' value block (a launch setting, swept by benchmarks) splits independent value columns:
+    64 against the default 32 gives the same results up to the matmul's summation order (BLAS blocking in the
+    interpreter, tile shapes on a GPU). state_bv is the inference forward's launch, state_ut_bv the training
+    forward's (it also stores Ũ), state_bwd_bv the backward state pass."""
+    from k3.ops.kda import chunk_kda
+    from k3.ops.kda import triton_chunk as tc
+
+    inputs = make_raw(1, 80, 2, 32, 64, seed=31, dtype=torch.float32)
+
+    def run():
+        if key == "state_bv":
+            with torch.no_grad():
+                x = [t.to(dev) for t in inputs]
+                return list(chunk_kda(*x[:7], initial_state=x[7], output_final_state=True)[:2])
+        return _fwd_bwd(inputs, dev)
+
+    base = run()
+    monkeypatch.setitem(tc.TUNING, key, 64)
+    launched = []
+    state = tc._state
+    monkeypatch.setattr(tc, "_state", type("Spy", (), {"__getitem__": lambda self, grid: launched.append(grid)
+                                                       or state[grid]})())
+    wide = run()
+    if key != "state_bwd_bv":
+        assert launched and launched[0][0] == 1, launched  # the first `_state` launch took V // 64 value blocks
+    for a, b in zip(base, wide):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_saved_intermediates_only_when_a_backward_follows(dev, monkeypatch):
     """No grad mode or no input that requires grad: nothing extra is computed or kept."""
     from k3.ops.kda import chunk_kda

@@ -61,7 +61,7 @@ TUNING = {
     "state_bv": 32, "state_warps": 4, "state_stages": 2, "state_maxnreg": None,
     # `_state` when it also stores Ũ (the training forward, the backward's recompute): at 4 warps 1.07 ms, at 8
     # 0.65 ms (B=2 T=8192 H=8, session 8 run 2); without Ũ 8 warps is slower (fwd 0.84 → 0.97 ms)
-    "state_ut_warps": 8, "state_ut_stages": 2, "state_ut_maxnreg": None,
+    "state_ut_bv": 32, "state_ut_warps": 8, "state_ut_stages": 2, "state_ut_maxnreg": None,
     "state_bwd_bv": 32, "state_bwd_warps": 8, "state_bwd_stages": 1, "state_bwd_maxnreg": None,
     # the value-side backward over key slices from the forward's Ũ (docs/kda-kernels.md §7 item 13): `_bwd_vk` per
     # (key slice of bwd_vk_cols, chunk, head), then `_bwd_vv` per (chunk, head); fwd+bwd 19.95 → 18.53 ms at the K3
@@ -981,7 +981,7 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
     Ũ = U − W·S [TT, H, V] in U's dtype if want_ut else None)."""
     TT, H, K = W.shape
     V = U.shape[-1]
-    BV = min(V, TUNING["state_bv"])
+    BV = min(V, TUNING["state_ut_bv" if want_ut else "state_bv"])
     dev = W.device
     o = torch.empty(TT, H, V, dtype=out_dtype, device=dev) if write_o else None
     ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
