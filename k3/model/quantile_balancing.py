@@ -173,7 +173,7 @@ class QuantileHistogram:
         """
         return (self.counts,)
 
-    def bias(self, top_k: int, center: bool = True) -> Tensor:
+    def bias(self, top_k: int, center: bool = True, num_tokens: int | None = None) -> Tensor:
         """New bias [E] fp32 from the (all-reduced) counts: the k/E-quantile of r per expert (App. D, step 4).
 
         q = m·k/E; ℓ_j is the first bin whose cumulative count reaches ⌈q⌉, c_j the count before it,
@@ -181,7 +181,9 @@ class QuantileHistogram:
         used as is: the fractional part interpolates inside the bin.
         """
         _check_top_k(top_k, self.num_experts)
-        m = self.num_tokens
+        # num_tokens: `num_tokens` already read back by the caller (train_step reads it with its other numbers,
+        # so that the bias update after the optimizer step does not wait for the GPU)
+        m = self.num_tokens if num_tokens is None else int(num_tokens)
         if m == 0:
             raise ValueError("QuantileHistogram.bias needs at least one counted token")
         q = m * top_k / self.num_experts
@@ -206,12 +208,22 @@ def imbalance_metrics(loads: Tensor) -> dict[str, float]:
 
 
 def layer_imbalance_metrics(loads: Tensor) -> dict[str, list[float]]:
-    """`imbalance_metrics` for every row of loads [L, E], read back to the host once (one wait for the GPU per
-    training step, not two per MoE layer)."""
+    """`imbalance_metrics` for every row of loads [L, E], read back to the host once."""
+    means, maxes = layer_load_stats(loads).tolist()
+    return imbalance_from_stats(means, maxes)
+
+
+def layer_load_stats(loads: Tensor) -> Tensor:
+    """[2, L] float64 on loads' device: each layer's mean and max load, for `imbalance_from_stats` (a training
+    step reads them back together with its other numbers: one wait for the GPU per step)."""
     if loads.dim() != 2 or loads.numel() == 0:
         raise ValueError(f"loads must be a non-empty [L, E] tensor, got shape {tuple(loads.shape)}")
     loads = loads.double()
-    means, maxes = torch.stack([loads.mean(dim=1), loads.amax(dim=1)]).tolist()
+    return torch.stack([loads.mean(dim=1), loads.amax(dim=1)])
+
+
+def imbalance_from_stats(means: list[float], maxes: list[float]) -> dict[str, list[float]]:
+    """max/mean and MaxVio = (max − mean)/mean per layer, from `layer_load_stats` read back."""
     if any(mean <= 0 for mean in means):
         raise ValueError("loads are all zero")
     ratios = [mx / mean for mx, mean in zip(maxes, means)]

@@ -9,7 +9,7 @@ from k3.optim.muon import (
     newton_schulz,
     param_rule,
 )
-from k3.optim.qk_clip import qk_clip_
+from k3.optim.qk_clip import qk_clip_, qk_clip_stats
 from k3.optim.schedule import cosine_schedule, lr_multiplier, warmup_steps
 
 __all__ = [
@@ -23,5 +23,6 @@ __all__ = [
     "newton_schulz",
     "param_rule",
     "qk_clip_",
+    "qk_clip_stats",
     "warmup_steps",
 ]

@@ -19,8 +19,20 @@ from k3.model.model import K3ForCausalLM
 
 
 @torch.no_grad()
-def qk_clip_(model: K3ForCausalLM, max_logits: torch.Tensor, tau: float = 100.0) -> dict:
-    """Rescale offending MLA heads in place. max_logits [n_mla, H] (MLA layers in layer order), any float dtype.
+def qk_clip_stats(max_logits: torch.Tensor, tau: float) -> torch.Tensor:
+    """What `qk_clip_` needs on the host, as one float64 vector on max_logits' device: [NaN-or-+inf flag,
+    clipped heads per MLA layer…, largest S_h]. A training step reads it back with its loss before the optimizer
+    step, so that nothing after the update waits for the GPU."""
+    S = max_logits.detach().to(torch.float64)
+    invalid = (torch.isnan(S).any() | (S == float("inf")).any()).double()
+    return torch.cat([invalid[None], (S > tau).sum(dim=1).double(), S.max()[None]])
+
+
+@torch.no_grad()
+def qk_clip_(model: K3ForCausalLM, max_logits: torch.Tensor, tau: float = 100.0,
+             stats: list[float] | None = None) -> dict:
+    """Rescale offending MLA heads in place. max_logits [n_mla, H] (MLA layers in layer order), any float dtype;
+    stats: `qk_clip_stats(max_logits, tau)` already read back (else read here, one wait for the GPU).
 
     Returns {"clipped_heads": how many heads were rescaled, "max_logit": the largest S_h before clipping}.
     """
@@ -32,15 +44,15 @@ def qk_clip_(model: K3ForCausalLM, max_logits: torch.Tensor, tau: float = 100.0)
                          f"got {tuple(max_logits.shape)}")
     if not tau > 0:
         raise ValueError(f"tau must be > 0, got {tau}")
-    S = max_logits.detach().to(torch.float64)
-    clip = S > tau  # [n_mla, H]
-    gamma = torch.where(clip, tau / S, torch.ones_like(S))  # [n_mla, H]
-    # everything the host needs in one read (one wait for the GPU): validity, clipped heads per layer, the max
-    read = torch.cat([(torch.isnan(S).any() | (S == float("inf")).any()).double()[None],
-                      clip.sum(dim=1).double(), S.max()[None]]).tolist()
-    invalid, clipped_per_layer, max_logit = read[0], read[1:-1], read[-1]
+    if stats is None:
+        stats = qk_clip_stats(max_logits, tau).tolist()
+    if len(stats) != len(mla_ids) + 2:
+        raise ValueError(f"stats must hold {len(mla_ids) + 2} numbers (qk_clip_stats), got {len(stats)}")
+    invalid, clipped_per_layer, max_logit = stats[0], stats[1:-1], stats[-1]
     if invalid:
         raise ValueError("max_logits holds NaN or +inf: skip this step instead of clipping")
+    S = max_logits.detach().to(torch.float64)
+    gamma = torch.where(S > tau, tau / S, torch.ones_like(S))  # [n_mla, H]
     for j, layer_idx in enumerate(mla_ids):
         if not clipped_per_layer[j]:
             continue

@@ -36,8 +36,8 @@ from k3.dist.runtime import ParallelRuntime
 from k3.model.checkpointing import apply_activation_checkpointing
 from k3.model.model import K3ForCausalLM, build_model
 from k3.model.moe import StableLatentMoE
-from k3.model.quantile_balancing import QuantileHistogram, expert_loads, layer_imbalance_metrics
-from k3.optim import MuonAdamW, cosine_schedule, qk_clip_
+from k3.model.quantile_balancing import QuantileHistogram, expert_loads, imbalance_from_stats, layer_load_stats
+from k3.optim import MuonAdamW, cosine_schedule, qk_clip_, qk_clip_stats
 from k3.train.checkpoint import (CheckpointError, commit_checkpoint, latest_checkpoint, load_checkpoint,
                                  new_checkpoint_dir, save_checkpoint, step_dir_name, verify_checkpoint,
                                  write_train_state)
@@ -250,11 +250,24 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
         if max_logits is not None:
             parallel.max_(max_logits)
         grad_norm = parallel.clip_grad_norm_(cfg.grad_clip)
-        loss_sum = float(loss_sum)
+        head = [loss_sum.reshape(1)]
     else:
-        # the loss and the gradient norm in one read back: the host waits for the GPU once, not per micro-batch
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        loss_sum, grad_norm = torch.stack([loss_sum, norm.to(loss_sum.device, torch.float64)]).tolist()
+        head = [loss_sum.reshape(1), norm.to(loss_sum.device, torch.float64).reshape(1)]
+    # Everything the host needs from this step (loss, gradient norm, expert loads, QK-Clip's numbers) in one read
+    # before the update: the host waits for the GPU once per step, and nothing after the optimizer step waits, so
+    # the next step's launches overlap the optimizer's kernels.
+    clipping = max_logits is not None and cfg.qk_clip_tau > 0
+    n_moe = len(moes)
+    tail = ([layer_load_stats(torch.stack(loads)).reshape(-1),  # [2·n_moe]: mean and max load per layer
+             torch.stack([hist.counts[0].sum() for hist in histograms]).double()]  # [n_moe]: QB's token counts
+            if moes else []) + ([qk_clip_stats(max_logits, cfg.qk_clip_tau)] if clipping else [])
+    read = torch.cat([t.to(loss_sum.device) for t in head + tail]).tolist()
+    if parallel is None:
+        grad_norm = read.pop(1)
+    loss_sum = read.pop(0)
+    load_means, load_maxes, qb_tokens = read[:n_moe], read[n_moe:2 * n_moe], read[2 * n_moe:3 * n_moe]
+    clip_stats = read[3 * n_moe:]
     loss_value = loss_sum / total_tokens
     lr = optimizer.param_groups[0]["lr"]
     metrics: dict[str, Any] = {"loss": loss_value, "grad_norm": grad_norm, "lr": lr, "tokens": total_tokens}
@@ -267,18 +280,15 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    if max_logits is not None and cfg.qk_clip_tau > 0:
-        clip = qk_clip_(model, max_logits, cfg.qk_clip_tau)
-        metrics["qk_clip_heads"] = int(clip.get("clipped_heads", 0))
-        metrics["mla_max_logit"] = clip["max_logit"]  # float64 of the same max: the value is exact
+    if clipping:
+        clip = qk_clip_(model, max_logits, cfg.qk_clip_tau, stats=clip_stats)
+        metrics["qk_clip_heads"] = clip["clipped_heads"]
+        metrics["mla_max_logit"] = clip["max_logit"]
     with torch.no_grad():
-        for moe, hist in zip(moes, histograms):
-            moe.gate.e_score_correction_bias.copy_(hist.bias(moe.top_k))
-    if loads:
-        stats = layer_imbalance_metrics(torch.stack(loads))
-        metrics["moe_max_over_mean"], metrics["moe_max_vio"] = stats["max_over_mean"], stats["max_vio"]
-    else:
-        metrics["moe_max_over_mean"], metrics["moe_max_vio"] = [], []
+        for moe, hist, m in zip(moes, histograms, qb_tokens):
+            moe.gate.e_score_correction_bias.copy_(hist.bias(moe.top_k, num_tokens=round(m)))
+    imbalance = imbalance_from_stats(load_means, load_maxes)
+    metrics["moe_max_over_mean"], metrics["moe_max_vio"] = imbalance["max_over_mean"], imbalance["max_vio"]
     if parallel is not None:
         metrics.update(parallel.ep_stats())
     return metrics

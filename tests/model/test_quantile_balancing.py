@@ -74,6 +74,8 @@ def test_histogram_matches_exact(m, bias_scale):
     assert (hist_bias - exact_bias).abs().max() <= w + 1e-6
     # centring subtracts two means that differ by at most w
     assert (hist.bias(top_k) - qb_exact(scores, cutoff, top_k)).abs().max() <= 2 * w + 1e-6
+    # the token count read back by the caller (train_step) gives the same bias, bit for bit
+    assert torch.equal(hist.bias(top_k, num_tokens=hist.num_tokens), hist.bias(top_k))
 
 
 def test_sharding_invariance():

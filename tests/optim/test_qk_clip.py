@@ -5,13 +5,15 @@ shared k_pe rows are bitwise unchanged; a huge masked logit never counts as a he
 Legend: B batch, T tokens, H heads, N nope dim, R rope dim, Vd value dim, C kv_lora_rank.
 """
 
+import copy
+
 import pytest
 import torch
 
 from k3.config import get_preset
 from k3.model.model import build_model
 from k3.model.sequence import SequenceLayout
-from k3.optim import qk_clip_
+from k3.optim import qk_clip_, qk_clip_stats
 
 CONFIG = get_preset("debug")
 H, N, R, VD, C = (CONFIG.num_attention_heads, CONFIG.qk_nope_head_dim, CONFIG.qk_rope_head_dim,
@@ -44,8 +46,12 @@ def test_clip_brings_the_offending_head_to_tau_and_touches_nothing_else():
     assert others.max() < tau  # exactly one offending head
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
 
+    twin = copy.deepcopy(model)  # the same clip from stats read back beforehand (as train_step does)
     out = qk_clip_(model, S, tau)
     assert out == {"clipped_heads": 1, "max_logit": pytest.approx(S.max().item())}
+    assert qk_clip_(twin, S, tau, stats=qk_clip_stats(S, tau).tolist()) == out
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), name
     after = max_logits(model, ids)
     assert after[0, HEAD] <= tau * (1 + 1e-6)
     assert after[0, HEAD] >= tau * (1 - 1e-5)  # scaled to τ, not below: every logit of the head × γ

@@ -199,3 +199,34 @@ def test_cli_train_and_generate(tmp_path):
     bad = subprocess.run(cmd + ["--preset", "nonsense", "--out", str(tmp_path / "other")], cwd=REPO,
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "unknown preset" in bad.stderr
+
+
+def test_train_step_reads_the_device_once_and_not_after_the_update(monkeypatch):
+    """train_step reads its numbers back (loss, gradient norm, expert loads, QB token counts, QK-Clip's) before
+    the optimizer step; after the update nothing waits for the device, so on a GPU the next step's launches
+    overlap the optimizer's kernels. Reads are caught through the Tensor methods that copy a value to the host
+    (the CPU reference paths of the forward read too; on a GPU the fast paths do not: tests/model/test_host_sync.py)."""
+    from k3.config import get_preset
+    from k3.model.model import build_model
+    from k3.optim import MuonAdamW, cosine_schedule
+    from k3.train.data import Batch
+    from k3.train.loop import train_step
+
+    model = build_model(get_preset("debug"), seed=0)
+    optimizer = MuonAdamW(model.named_parameters(), model.config, lr=0.01, ns_dtype=torch.float32)
+    phase, reads = ["before"], []
+    optimizer.register_step_post_hook(lambda *_: phase.append("after"))
+    scheduler = cosine_schedule(optimizer, 10)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=g)
+    batch = Batch(ids, torch.roll(ids, -1, dims=1), torch.tensor([0, 20, 64, 128]), 128)
+    cfg = TrainConfig(preset="debug", qk_clip_tau=1e-3)  # QK-Clip rescales heads at init's small logits
+    for name in ("tolist", "item", "__float__", "__int__", "__bool__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k:
+                            (reads.append((phase[-1], _n)), _o(self, *a, **k))[1])
+    metrics = train_step(model, optimizer, scheduler, [batch], cfg, torch.device("cpu"))
+    monkeypatch.undo()
+    assert phase[-1] == "after" and metrics["qk_clip_heads"] > 0, metrics
+    assert [r for r in reads if r[0] == "after"] == [], reads
+    assert len(metrics["moe_max_over_mean"]) == len(metrics["moe_max_vio"]) > 0
