@@ -220,6 +220,10 @@ class K3ForCausalLM(nn.Module):
         - Incremental: pass a `K3Cache` (from `new_cache(B)`); it is updated in place and returned.
         - Ragged incremental (the inference engine's): a cache of N sequences with any lengths and
           input_ids [1, T] holding N packed documents (`cu_seqlens` [N+1]); document n continues sequence n.
+
+        input_ids and labels may be on the host while the model is on a GPU: they are checked there and copied
+        from pinned memory without the host waiting for the GPU (checking device ids reads them back, which
+        waits for every kernel queued before, e.g. the previous step's optimizer).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -235,6 +239,10 @@ class K3ForCausalLM(nn.Module):
         if labels is not None:  # the labels' range in the same read back (the loss kernels index by label)
             ranges += torch.aminmax(torch.where(labels == self.config.ignore_index, 0, labels))
         ranges = torch.stack([r.long() for r in ranges]).tolist()  # one read back, not two or four
+        device = self.model.embed_tokens.weight.device
+        if input_ids.device.type == "cpu" and device.type == "cuda":
+            input_ids = input_ids.pin_memory().to(device, non_blocking=True)
+            labels = labels.pin_memory().to(device, non_blocking=True) if labels is not None else None
         lo, hi = ranges[:2]
         V = self.config.vocab_size
         if lo < 0 or hi >= V:

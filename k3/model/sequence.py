@@ -49,7 +49,11 @@ class SequenceLayout:
         # read on the host once, before any copy to the device (a device tensor is read back: the one sync
         # of a packed forward); everything is checked on the host
         offsets = tuple(given.tolist())
-        cu = given.to(device)
+        device = torch.device(device)
+        if device.type == "cuda" and given.device.type == "cpu":  # pinned: a pageable copy waits for the GPU
+            cu = given.pin_memory().to(device, non_blocking=True)
+        else:
+            cu = given.to(device)
         total = batch_size * seq_len
         if offsets[0] != 0 or offsets[-1] != total:
             raise ValueError(f"cu_seqlens must start at 0 and end at B*T = {total}, got {offsets[0]} … {offsets[-1]}")

@@ -223,8 +223,7 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
     for batch in batches:
         if parallel is not None:  # cut on the host, move only this rank's piece
             input_ids, labels, cu_seqlens = parallel.shard(batch.input_ids, batch.labels, batch.cu_seqlens)
-        else:
-            batch = batch.to(device)
+        else:  # host tensors: the model checks them there and copies them without waiting for the GPU
             input_ids, labels, cu_seqlens = batch.input_ids, batch.labels, batch.cu_seqlens
         with autocast_context(device):
             out = model(input_ids, cu_seqlens=cu_seqlens, return_router_infos=True, return_mla_max_logits=True,

@@ -353,3 +353,30 @@ def test_short_conv_silu_full_shape(lengths):
         unfused.backward(dy.to(dtype))
         base = [rel(unfused, ref), rel(xu.grad, xr.grad), rel(wu.grad, wr.grad)]
         assert all(e <= 1.05 * b for e, b in zip(errs, base)), (errs, base)
+
+
+def test_host_token_ids_and_a_train_step_without_host_waits_after_the_update():
+    """Token ids and labels given on the host are checked there and copied without waiting for the GPU; the
+    forward gives the same loss as with device ids; and a train_step makes no host wait after optimizer.step()
+    (torch's sync debug mode set to "error" from the update on)."""
+    from k3.optim import MuonAdamW, cosine_schedule
+    from k3.train.data import Batch
+    from k3.train.loop import TrainConfig, train_step
+
+    model = build_model(get_preset("debug"), seed=0, device="cuda")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 128), generator=g)
+    labels, cu = ids.roll(-1, 1), torch.tensor([0, 50, 128, 256])
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        host = model(ids, cu_seqlens=cu, labels=labels).loss
+        device = model(ids.cuda(), cu_seqlens=cu.cuda(), labels=labels.cuda()).loss
+    assert torch.equal(host, device)
+    optimizer = MuonAdamW(model.named_parameters(), model.config, lr=1e-3)
+    optimizer.register_step_post_hook(lambda *_: torch.cuda.set_sync_debug_mode("error"))
+    scheduler = cosine_schedule(optimizer, 10)
+    try:
+        metrics = train_step(model, optimizer, scheduler, [Batch(ids, labels, cu, 256)],
+                             TrainConfig(preset="debug", qk_clip_tau=1e-3), torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert metrics["qk_clip_heads"] > 0 and len(metrics["moe_max_over_mean"]) > 0
