@@ -253,9 +253,9 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
     else:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         head = [loss_sum.reshape(1), norm.to(loss_sum.device, torch.float64).reshape(1)]
-    # Everything the host needs from this step (loss, gradient norm, expert loads, QK-Clip's numbers) in one read
-    # before the update: the host waits for the GPU once per step, and nothing after the optimizer step waits, so
-    # the next step's launches overlap the optimizer's kernels.
+    # Everything the host needs from this step (loss, gradient norm, expert loads, QB token counts, QK-Clip's
+    # numbers) in one read before the update: the host waits for the GPU once per step, and nothing after the
+    # optimizer step waits, so the next step's launches can overlap the optimizer's kernels.
     clipping = max_logits is not None and cfg.qk_clip_tau > 0
     n_moe = len(moes)
     tail = ([layer_load_stats(torch.stack(loads)).reshape(-1),  # [2·n_moe]: mean and max load per layer
