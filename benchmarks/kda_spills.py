@@ -51,7 +51,6 @@ CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF
 TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
                  "_prep_wu": "prep_wu", "_state": "state", "_state_ut": "state_ut", "_state_bwd": "state_bwd",
                  "_bwd_vk": "bwd_vk", "_bwd_vv": "bwd_vv", "_bwd_k": "bwd_k", "_bwd_norms": "bwd_norms"}
-BV_PREFIX: dict[str, str] = {}  # launches whose value block comes from another kernel's TUNING key
 # per-kernel constexprs on top of CONSTEXPRS
 _SK = chunk.TUNING["bwd_k_cols"]
 _SKV = chunk.TUNING["bwd_vk_cols"]
@@ -130,7 +129,7 @@ def tuned_settings(name: str) -> dict:
     for key, option in (("stages", "num_stages"), ("maxnreg", "maxnreg")):
         if chunk.TUNING.get(f"{prefix}_{key}") is not None:
             settings[option] = chunk.TUNING[f"{prefix}_{key}"]
-    bv_key = f"{BV_PREFIX.get(prefix, prefix)}_bv"
+    bv_key = f"{prefix}_bv"
     if bv_key in chunk.TUNING:
         settings["BV"] = chunk.TUNING[bv_key]
     return settings
