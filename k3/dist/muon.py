@@ -156,9 +156,8 @@ class DistributedMuonAdamW(MuonAdamW):
 
         # rows travel in the Newton–Schulz dtype: the owner casts them to it on stacking anyway, and NS returns
         # it, so bf16 on the wire halves the bytes and changes no bit of the update
-        wire = ns_dtype
         send = torch.cat([rows_of[i][a:b].reshape(-1) for items in self._send for i, a, b, _ in items]
-                         or [torch.zeros(0, device=params[0].device)]).to(wire)
+                         or [torch.zeros(0, device=params[0].device)]).to(ns_dtype)
         recv = send.new_empty(sum(self._recv_splits))
         dist.all_to_all_single(recv, send, self._recv_splits, self._send_splits, group=self.group)
         self.bytes_sent += send.element_size() * (sum(self._send_splits) - self._send_splits[self.rank])
@@ -178,7 +177,7 @@ class DistributedMuonAdamW(MuonAdamW):
         ortho = self._ns_units(owned, ns_dtype, steps)
         back = torch.cat([ortho[u][off:off + n].reshape(-1) for u, off, n in pieces] or [recv.new_zeros(0)])
         returned = send.new_empty(sum(self._send_splits))
-        dist.all_to_all_single(returned, back.to(wire), self._send_splits, self._recv_splits, group=self.group)
+        dist.all_to_all_single(returned, back.to(ns_dtype), self._send_splits, self._recv_splits, group=self.group)
         self.bytes_sent += returned.element_size() * (sum(self._recv_splits) - self._recv_splits[self.rank])
 
         out_rows = {i: torch.empty_like(r, dtype=torch.float32) for i, r in rows_of.items()}

@@ -28,7 +28,7 @@ from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 from k3.model.moe import LatentExperts, RouterInfo, SiTUMLP, StableLatentMoE
 from k3.model.norm import RMSNorm
-from k3.model.sequence import SequenceLayout
+from k3.model.sequence import SequenceLayout, to_device_without_waiting
 from k3.ops.cross_entropy import linear_cross_entropy
 
 
@@ -239,10 +239,6 @@ class K3ForCausalLM(nn.Module):
         if labels is not None:  # the labels' range in the same read back (the loss kernels index by label)
             ranges += torch.aminmax(torch.where(labels == self.config.ignore_index, 0, labels))
         ranges = torch.stack([r.long() for r in ranges]).tolist()  # one read back, not two or four
-        device = self.model.embed_tokens.weight.device
-        if input_ids.device.type == "cpu" and device.type == "cuda":
-            input_ids = input_ids.pin_memory().to(device, non_blocking=True)
-            labels = labels.pin_memory().to(device, non_blocking=True) if labels is not None else None
         lo, hi = ranges[:2]
         V = self.config.vocab_size
         if lo < 0 or hi >= V:
@@ -250,7 +246,10 @@ class K3ForCausalLM(nn.Module):
         if labels is not None and (ranges[2] < 0 or ranges[3] >= V):
             raise ValueError(f"labels must be in [0, {V}) or ignore_index ({self.config.ignore_index}), got range "
                              f"[{ranges[2]}, {ranges[3]}]")
-        layout = SequenceLayout.build(B, T, cu_seqlens, input_ids.device)
+        device = self.model.embed_tokens.weight.device  # host ids and labels: checked above, copied now
+        input_ids = to_device_without_waiting(input_ids, device)
+        labels = to_device_without_waiting(labels, device) if labels is not None else None
+        layout = SequenceLayout.build(B, T, cu_seqlens, device)
         if cache is not None and cu_seqlens is not None:
             if B != 1:
                 raise ValueError("with a cache, packed documents must come as one row (input_ids [1, T])")

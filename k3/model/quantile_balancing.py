@@ -181,8 +181,8 @@ class QuantileHistogram:
         used as is: the fractional part interpolates inside the bin.
         """
         _check_top_k(top_k, self.num_experts)
-        # num_tokens: `num_tokens` already read back by the caller (train_step reads it with its other numbers,
-        # so that the bias update after the optimizer step does not wait for the GPU)
+        # num_tokens: the count already read back by the caller (train_step reads it with its other numbers, so
+        # that the bias update after the optimizer step does not wait for the GPU)
         m = self.num_tokens if num_tokens is None else int(num_tokens)
         if m == 0:
             raise ValueError("QuantileHistogram.bias needs at least one counted token")
@@ -203,14 +203,8 @@ def imbalance_metrics(loads: Tensor) -> dict[str, float]:
     """Load imbalance of loads [E]: max/mean and MaxVio = (max − mean)/mean."""
     if loads.dim() != 1 or loads.numel() == 0:
         raise ValueError(f"loads must be a non-empty [E] tensor, got shape {tuple(loads.shape)}")
-    per_layer = layer_imbalance_metrics(loads[None])
+    per_layer = imbalance_from_stats(*layer_load_stats(loads[None]).tolist())
     return {name: values[0] for name, values in per_layer.items()}
-
-
-def layer_imbalance_metrics(loads: Tensor) -> dict[str, list[float]]:
-    """`imbalance_metrics` for every row of loads [L, E], read back to the host once."""
-    means, maxes = layer_load_stats(loads).tolist()
-    return imbalance_from_stats(means, maxes)
 
 
 def layer_load_stats(loads: Tensor) -> Tensor:

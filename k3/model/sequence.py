@@ -49,11 +49,7 @@ class SequenceLayout:
         # read on the host once, before any copy to the device (a device tensor is read back: the one sync
         # of a packed forward); everything is checked on the host
         offsets = tuple(given.tolist())
-        device = torch.device(device)
-        if device.type == "cuda" and given.device.type == "cpu":  # pinned: a pageable copy waits for the GPU
-            cu = given.pin_memory().to(device, non_blocking=True)
-        else:
-            cu = given.to(device)
+        cu = to_device_without_waiting(given, device)
         total = batch_size * seq_len
         if offsets[0] != 0 or offsets[-1] != total:
             raise ValueError(f"cu_seqlens must start at 0 and end at B*T = {total}, got {offsets[0]} … {offsets[-1]}")
@@ -65,3 +61,12 @@ class SequenceLayout:
         lengths = cu[1:] - cu[:-1]
         segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths, output_size=total)
         return cls(batch_size, seq_len, cu.to(torch.int32), segment.view(batch_size, seq_len), offsets=offsets)
+
+
+def to_device_without_waiting(t: torch.Tensor, device) -> torch.Tensor:
+    """t on `device`. A host tensor goes to CUDA from pinned memory, non-blocking: a copy from pageable memory
+    first waits for every kernel queued before it (e.g. the previous training step's optimizer)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

@@ -32,15 +32,21 @@ def _worker(rank, world, ns_dtype=torch.float32):
             "load": opt.ns_load}
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_p2p_muon_matches_single_process(world):
-    results = run_workers(_worker, world)
+def _single_process(ns_dtype):
+    """The model after STEPS steps of single-process MuonAdamW on the same gradients."""
     model = build_model(get_preset("debug"), seed=0)
-    opt = MuonAdamW(model.named_parameters(), model.config, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
+    opt = MuonAdamW(model.named_parameters(), model.config, lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype)
     for step in range(STEPS):
         for n, g in _grads(model, step).items():
             dict(model.named_parameters())[n].grad = g
         opt.step()
+    return model
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_p2p_muon_matches_single_process(world):
+    results = run_workers(_worker, world)
+    model = _single_process(torch.float32)
     for name, p in model.named_parameters():
         for r in results:
             torch.testing.assert_close(r["params"][name], p.detach(), rtol=2e-5, atol=2e-6, msg=name)
@@ -57,12 +63,7 @@ def test_bf16_newton_schulz_sends_bf16_rows():
     fp32 = run_workers(_worker, 2)
     bf16 = run_workers(_bf16_worker, 2)
     assert [r["bytes"] for r in bf16] == [b // 2 for b in (r["bytes"] for r in fp32)]
-    model = build_model(get_preset("debug"), seed=0)
-    opt = MuonAdamW(model.named_parameters(), model.config, lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16)
-    for step in range(STEPS):
-        for n, g in _grads(model, step).items():
-            dict(model.named_parameters())[n].grad = g
-        opt.step()
+    model = _single_process(torch.bfloat16)
     for name, p in model.named_parameters():
         for r in bf16:
             torch.testing.assert_close(r["params"][name], p.detach(), rtol=0, atol=0, msg=name)

@@ -9,8 +9,9 @@ import torch
 from k3.model.quantile_balancing import (
     QuantileHistogram,
     expert_loads,
+    imbalance_from_stats,
     imbalance_metrics,
-    layer_imbalance_metrics,
+    layer_load_stats,
     qb_exact,
     required_bias,
     route_topk_with_cutoff,
@@ -170,13 +171,13 @@ def test_imbalance_metrics():
     metrics = imbalance_metrics(torch.tensor([4, 3, 1, 0]))
     assert metrics == {"max_over_mean": 2.0, "max_vio": 1.0}
     loads = torch.randint(0, 50, (5, 16))
-    per_layer = layer_imbalance_metrics(loads)
+    per_layer = imbalance_from_stats(*layer_load_stats(loads).tolist())
     for i, row in enumerate(loads.tolist()):  # each layer's numbers, exactly
         ratio = max(row) / (sum(row) / len(row))
         assert per_layer["max_over_mean"][i] == pytest.approx(ratio, rel=1e-15)
         assert per_layer["max_vio"][i] == pytest.approx(ratio - 1.0, rel=1e-15, abs=1e-15)
     with pytest.raises(ValueError, match="all zero"):
-        layer_imbalance_metrics(torch.tensor([[1, 2], [0, 0]]))
+        imbalance_from_stats(*layer_load_stats(torch.tensor([[1, 2], [0, 0]])).tolist())
 
 
 def test_bad_input_raises():
