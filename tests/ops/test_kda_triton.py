@@ -289,6 +289,29 @@ def test_state_value_blocks_do_not_change_results(dev, monkeypatch, key):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_state_split_products(dev, monkeypatch, dtype):
+    """The state passes with split-bf16 products (`state_split`, `state_bwd_split`: each fp32 operand as bf16
+    hi + lo, about 16 mantissa bits) pass the fp64 tolerances, and in the interpreter (where the default dots are
+    exact fp32) stay within 5e-5 of the default path on fp32 inputs, yet differ from it: the split path ran
+    (bf16 results: 5e-4, the odd one-ulp flip of a bf16 rounding, 3.9e-3 each)."""
+    from k3.ops.kda import triton_chunk as tc
+
+    inputs = make_raw(1, 150, 2, 32, 64, seed=41, N=3, dtype=dtype)
+    cu = [0, 40, 41, 150]
+    base, ref = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)  # fresh leaves per run (CPU .to)
+    monkeypatch.setitem(tc.TUNING, "state_split", True)
+    monkeypatch.setitem(tc.TUNING, "state_bwd_split", True)
+    split, ref = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
+    check(split, ref, dtype, "split")
+    pairs = [(split[0], base[0]), (split[1], base[1])] + list(zip(split[2], base[2]))
+    if not ON_GPU:
+        diffs = [rel_err(a, b) for a, b in pairs]
+        assert max(diffs) <= (5e-5 if dtype == torch.float32 else 5e-4), diffs
+        if dtype == torch.float32:
+            assert any(not torch.equal(a, b) for a, b in pairs)
+
+
 def test_saved_intermediates_only_when_a_backward_follows(dev, monkeypatch):
     """No grad mode or no input that requires grad: nothing extra is computed or kept."""
     from k3.ops.kda import chunk_kda

@@ -63,6 +63,9 @@ TUNING = {
     # 0.65 ms (B=2 T=8192 H=8, session 8 run 2); without Ũ 8 warps is slower (fwd 0.84 → 0.97 ms)
     "state_ut_bv": 32, "state_ut_warps": 8, "state_ut_stages": 2, "state_ut_maxnreg": None,
     "state_bwd_bv": 32, "state_bwd_warps": 8, "state_bwd_stages": 1, "state_bwd_maxnreg": None,
+    # the state passes' products in split bf16 (`_mm_split`: more accurate than tf32, and without tf32's conversion of
+    # the bf16 tiles): forward (unless state_bf16) and backward
+    "state_split": False, "state_bwd_split": False,
     # the value-side backward over key slices from the forward's Ũ (docs/kda-kernels.md §7 item 13): `_bwd_vk` per
     # (key slice of bwd_vk_cols, chunk, head), then `_bwd_vv` per (chunk, head); fwd+bwd 19.95 → 18.53 ms at the K3
     # shape with bwd_vk_maxnreg 168 (session 8, run 1). Offline sm_90, 1 stage (less shared memory, fewer
@@ -110,6 +113,47 @@ def _mm(a, b, BF16: tl.constexpr, INTERP: tl.constexpr):
             return tl.dot(_cast(a, tl.bfloat16, INTERP).to(tl.float32), _cast(b, tl.bfloat16, INTERP).to(tl.float32))
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     return tl.dot(a.to(tl.float32), b.to(tl.float32))
+
+
+@triton.jit
+def _dot16(a, b, INTERP: tl.constexpr):
+    """a @ b of two bf16 operands, fp32 accumulation (the interpreter has no bf16 dot: exact in fp32 there)."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _split(x, INTERP: tl.constexpr):
+    """x = hi + lo to about 16 mantissa bits, both bf16 (hi = x rounded to nearest)."""
+    hi = _cast(x, tl.bfloat16, INTERP)
+    return hi, _cast(x.to(tl.float32) - hi.to(tl.float32), tl.bfloat16, INTERP)
+
+
+@triton.jit
+def _mm_split(a, b, INTERP: tl.constexpr):
+    """a @ b on bf16 tensor cores to about 16 mantissa bits (the state passes): an fp32 operand goes in as
+    bf16 hi + lo, and the products hi·hi + hi·lo + lo·hi are summed in fp32; a bf16 operand is exact as it is.
+    More accurate than tf32 (10 bits), and the bf16 tiles reach the tensor cores as loaded, where tf32 first
+    converts them to fp32 in shared memory (Nsight Compute, session 9: most of `_state`'s instructions)."""
+    if a.dtype.is_bf16():
+        if b.dtype.is_bf16():
+            return _dot16(a, b, INTERP)
+        b_hi, b_lo = _split(b, INTERP)
+        return _dot16(a, b_hi, INTERP) + _dot16(a, b_lo, INTERP)
+    a_hi, a_lo = _split(a, INTERP)
+    if b.dtype.is_bf16():
+        return _dot16(a_hi, b, INTERP) + _dot16(a_lo, b, INTERP)
+    b_hi, b_lo = _split(b, INTERP)
+    return _dot16(a_hi, b_hi, INTERP) + (_dot16(a_hi, b_lo, INTERP) + _dot16(a_lo, b_hi, INTERP))
+
+
+@triton.jit
+def _state_mm(a, b, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+    """The state passes' products: `_mm_split` with SPLIT, else `_mm` (tf32, or plain bf16 with BF16)."""
+    if SPLIT:
+        return _mm_split(a, b, INTERP)
+    return _mm(a, b, BF16, INTERP)
 
 
 @triton.jit
@@ -424,7 +468,7 @@ def _prep_wu(k, v, b, g_in, gc_in, cu, chunk_idx, t_in, kn_in, w_out, u_out, kd_
 def _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, ut, bos, L, c0, i_h, i_v, off_s,
                 H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                 STORE_HS: tl.constexpr, WRITE_O: tl.constexpr, STORE_UT: tl.constexpr, BF16: tl.constexpr,
-                INTERP: tl.constexpr):
+                SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """Chunk j of one sequence in `_state`; returns the state after it. STORE_UT: also store Ũ (for the
     backward's `_bwd_vk` / `_bwd_vv`; a separate specialisation, so the inference forward compiles without it)."""
     row0 = j * C
@@ -432,14 +476,14 @@ def _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, ut, bos, L, c0, i_h, i_v, of
     Kd = tl.load(_bp(kd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     U = tl.load(_bp(u, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
     g_end = tl.load(gc + ((c0 + j) * H + i_h) * K + tl.arange(0, K))
-    Ut = U.to(tl.float32) - _mm(W, S, BF16, INTERP)
+    Ut = U.to(tl.float32) - _state_mm(W, S, BF16, SPLIT, INTERP)
     if STORE_UT:
         tl.store(_bp(ut, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(Ut, ut.dtype.element_ty, INTERP),
                  boundary_check=(0,))
     if WRITE_O:
         Qg = tl.load(_bp(qg, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
         Aq = tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
-        out = _mm(Qg, S, BF16, INTERP) + _mm(Aq, Ut, BF16, INTERP)
+        out = _state_mm(Qg, S, BF16, SPLIT, INTERP) + _state_mm(Aq, Ut, BF16, SPLIT, INTERP)
         tl.store(_bp(o, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(out, o.dtype.element_ty, INTERP),
                  boundary_check=(0,))
     if STORE_HS:
@@ -447,14 +491,14 @@ def _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, ut, bos, L, c0, i_h, i_v, of
         # the forward that also writes o spilled 796 B (offline sm_90 report; here 156 B)
         tl.store(tl.make_block_ptr(hs + ((c0 + j) * H + i_h).to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV),
                                    (K, BV), (1, 0)), S)
-    return tl.exp(g_end)[:, None] * S + _mm(tl.trans(Kd), Ut, BF16, INTERP)
+    return tl.exp(g_end)[:, None] * S + _state_mm(tl.trans(Kd), Ut, BF16, SPLIT, INTERP)
 
 
 @triton.jit
 def _state(w, u, qg, kd, aqk, gc, h0, o, ht, hs, ut, cu, chunk_off,
            H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
            USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_HS: tl.constexpr, WRITE_O: tl.constexpr,
-           STORE_UT: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr):
+           STORE_UT: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """One (value block, sequence, head): the chunk-to-chunk state hand-off, in order, state in registers.
 
     Per chunk: Ũ = U − W·S; O = (Q⊙Γ)·S + Aqk·Ũ; S ← Diag(exp(G_C))·S + (K⊙exp(G_C − G))ᵀ·Ũ.
@@ -473,12 +517,12 @@ def _state(w, u, qg, kd, aqk, gc, h0, o, ht, hs, ut, cu, chunk_off,
         j = 0
         while j < n_chunks:
             S = _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, ut, bos, L, c0, i_h, i_v, off_s, H, K, V, BV, C,
-                            STORE_HS, WRITE_O, STORE_UT, BF16, INTERP)
+                            STORE_HS, WRITE_O, STORE_UT, BF16, SPLIT, INTERP)
             j += 1
     else:
         for j in range(n_chunks):
             S = _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, ut, bos, L, c0, i_h, i_v, off_s, H, K, V, BV, C,
-                            STORE_HS, WRITE_O, STORE_UT, BF16, INTERP)
+                            STORE_HS, WRITE_O, STORE_UT, BF16, SPLIT, INTERP)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + off_s, S)
 
@@ -511,7 +555,7 @@ def _block_inputs_cols(q, k, z, b, A_log, dt_bias, bos, L, row0, c0, i_h, scale,
 @triton.jit
 def _state_bwd_step(dS, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v, off_s,
                     H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                    BF16: tl.constexpr, INTERP: tl.constexpr):
+                    BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """Chunk j, walking backwards: dŨ = Aqkᵀ·dO + Kd·dS_end; dS_start = Qgᵀ·dO + Diag(Γ_C)·dS_end − Wᵀ·dŨ."""
     row0 = j * C
     Aq = tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
@@ -521,16 +565,16 @@ def _state_bwd_step(dS, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v
     dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
     g_end = tl.load(gc + ((c0 + j) * H + i_h) * K + tl.arange(0, K))
     tl.store(dse + ((c0 + j) * H + i_h) * K * V + off_s, dS)
-    dUt = _mm(tl.trans(Aq), dO, BF16, INTERP) + _mm(Kd, dS, BF16, INTERP)
+    dUt = _state_mm(tl.trans(Aq), dO, BF16, SPLIT, INTERP) + _state_mm(Kd, dS, BF16, SPLIT, INTERP)
     tl.store(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), dUt, boundary_check=(0,))
-    return (_mm(tl.trans(Qg), dO, BF16, INTERP) + tl.exp(g_end)[:, None] * dS
-            - _mm(tl.trans(W), dUt, BF16, INTERP))
+    return (_state_mm(tl.trans(Qg), dO, BF16, SPLIT, INTERP) + tl.exp(g_end)[:, None] * dS
+            - _state_mm(tl.trans(W), dUt, BF16, SPLIT, INTERP))
 
 
 @triton.jit
 def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
                H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-               USE_DHT: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr):
+               USE_DHT: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """One (value block, sequence, head): the state gradient, last chunk first.
 
     Writes dŨ [TT, H, V], the state gradient at every chunk end (dse) and at the start (dh0).
@@ -547,12 +591,12 @@ def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
         j = n_chunks - 1
         while j >= 0:
             dS = _state_bwd_step(dS, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v, off_s,
-                                 H, K, V, BV, C, BF16, INTERP)
+                                 H, K, V, BV, C, BF16, SPLIT, INTERP)
             j -= 1
     else:
         for jj in range(n_chunks):
             dS = _state_bwd_step(dS, n_chunks - 1 - jj, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v,
-                                 off_s, H, K, V, BV, C, BF16, INTERP)
+                                 off_s, H, K, V, BV, C, BF16, SPLIT, INTERP)
     tl.store(dh0 + i_nh.to(tl.int64) * K * V + off_s, dS)
 
 
@@ -994,6 +1038,7 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
                                   plan.cu, plan.chunk_off,
                                   H=H, K=K, V=V, BV=BV, C=CHUNK, USE_H0=h0 is not None, STORE_HT=want_ht,
                                   STORE_HS=want_hs, WRITE_O=write_o, STORE_UT=want_ut, BF16=state_bf16,
+                                  SPLIT=TUNING["state_split"] and not state_bf16,
                                   INTERP=interpreting(), **_launch_options("state_ut" if want_ut else "state"))
     return o, ht, hs, ut
 
@@ -1047,8 +1092,8 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     interp = interpreting()
     _state_bwd[(V // BV, plan.N * H)](Qg, Kd, Aqk, W, gc, do, dht if dht is not None else dh0, du, dse, dh0,
                                       plan.cu, plan.chunk_off, H=H, K=K, V=V, BV=BV, C=CHUNK,
-                                      USE_DHT=dht is not None, BF16=False, INTERP=interp,
-                                      **_launch_options("state_bwd"))
+                                      USE_DHT=dht is not None, BF16=False, SPLIT=TUNING["state_bwd_split"],
+                                      INTERP=interp, **_launch_options("state_bwd"))
     del W, Qg, Kd, Aqk  # (kept ones live on in the autograd context until the backward returns)
     dv = torch.empty_like(v)
     dqh = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
