@@ -82,9 +82,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if want_dh:
                 dh[start:start + chunk_rows] = grad @ w
             if want_dw:
-                # summed across chunks in fp32 by one mixed-dtype add (no fp32 copy of the [V, D] product);
-                # each chunk's product itself is rounded to the GEMM dtype, as the reference's single one is
-                dw += grad.T @ h
+                _accumulate_product(dw, grad.T, h)
             del grad
         ctx.save_for_backward(dh, dw)
         ctx.hidden_dtype, ctx.weight_dtype = hidden.dtype, weight.dtype
@@ -98,6 +96,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h = None if dh is None else (dh.to(grad_loss.dtype) * grad_loss).to(ctx.hidden_dtype)
         grad_w = None if dw is None else (dw * grad_loss.to(dw.dtype)).to(ctx.weight_dtype)
         return grad_h, grad_w, None, None, None, None, None, None
+
+
+def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, acc in fp32 and a, b in a 16-bit GEMM dtype, summed across the chunks. On CUDA the sum
+    happens in cuBLAS's epilogue (beta = 1, fp32 output): one pass over acc, where a 16-bit product and then
+    an fp32 read-modify-write took 9.7 ms of a 469 ms small-preset step at 32K tokens (session 9, 20 chunks
+    of [163840, 768]); each chunk's product then also skips the rounding to 16 bits. Elsewhere (CPU has no
+    mixed-dtype GEMM) the product is rounded to the GEMM dtype and added, as before."""
+    if acc.is_cuda and acc.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += a @ b
 
 
 def _loss_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, want_grad: bool,

@@ -322,6 +322,28 @@ def test_chunked_cross_entropy_small_vocab_shape(rows_kernel):
     assert peaks["chunked"] < 0.5 * peaks["reference"], peaks
 
 
+def test_cross_entropy_weight_gradient_summed_in_the_gemm():
+    """`_accumulate_product` on CUDA sums the chunks' weight-gradient products in cuBLAS's fp32 epilogue, in place:
+    against fp64 it is at least as accurate as rounding each chunk's product to bf16 and adding it (the CPU
+    path), and it writes into the accumulator it was given."""
+    from k3.ops.cross_entropy import _accumulate_product
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    chunks = [(torch.randn(512, 1024, device="cuda", generator=g).bfloat16(),
+               torch.randn(1024, 768, device="cuda", generator=g).bfloat16()) for _ in range(6)]
+    exact = sum(a.double() @ b.double() for a, b in chunks)
+    fused = torch.zeros(512, 768, device="cuda")
+    pointer = fused.data_ptr()
+    for a, b in chunks:
+        _accumulate_product(fused, a, b)
+    rounded = torch.zeros_like(fused)
+    for a, b in chunks:
+        rounded += a @ b
+    assert fused.data_ptr() == pointer and fused.dtype == torch.float32
+    assert rel(fused, exact) <= rel(rounded, exact) and rel(fused, exact) <= 1e-6, (rel(fused, exact),
+                                                                                   rel(rounded, exact))
+
+
 # no documents; the benchmark's documents; documents starting on and one token past the backward's 64-token
 # tile edges (1280, 1281, 1344)
 @pytest.mark.parametrize("lengths", [None, [1300, 547, 2048, 963, 271, 3063], [1280, 1, 63, 2047, 4801]])
