@@ -129,9 +129,10 @@ def _flex(q, k, v, scale, offset, q_doc, kv_doc, want_max):
     fn = _flex_fn(q.device)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, *, D]
     if want_max and q.is_cuda and AuxRequest is not None:
-        o, aux = fn(qt, kt, vt, block_mask=block_mask, scale=scale, return_aux=AuxRequest(max_scores=True))
+        o, aux = fn(qt, kt, vt, block_mask=block_mask, scale=scale, kernel_options=FLEX_KERNEL_OPTIONS,
+                    return_aux=AuxRequest(max_scores=True))
         return o.transpose(1, 2), aux.max_scores.detach().float().amax(dim=(0, 2))
-    o = fn(qt, kt, vt, block_mask=block_mask, scale=scale)
+    o = fn(qt, kt, vt, block_mask=block_mask, scale=scale, kernel_options=FLEX_KERNEL_OPTIONS)
     ml = max_logits_chunked(q, k, scale, offset, q_doc, kv_doc) if want_max else None
     return o.transpose(1, 2), ml
 
@@ -168,6 +169,10 @@ def _flash(q, k, v, scale, offset, q_doc, kv_doc, want_max):
     ml = max_logits_chunked(q, k, scale, offset, q_doc, kv_doc) if want_max else None
     return o, ml
 
+
+# flex_attention's launch options (block sizes, warps, stages; None: flex's own choice), for every call;
+# benchmarks/flex_options.py times candidates at the small preset's MLA shape
+FLEX_KERNEL_OPTIONS: dict | None = None
 
 # Set when flex_attention failed on this machine (e.g. its kernels do not compile for these head dims);
 # later calls then use SDPA. Benchmarks print it: a fallback must never pass silently.
