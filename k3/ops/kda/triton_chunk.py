@@ -41,6 +41,7 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from k3.ops import interpreting, triton_runs_on
 from k3.ops.kda.reference import document_offsets
@@ -63,9 +64,10 @@ TUNING = {
     # 0.65 ms (B=2 T=8192 H=8, session 8 run 2); without Ũ 8 warps is slower (fwd 0.84 → 0.97 ms)
     "state_ut_bv": 32, "state_ut_warps": 8, "state_ut_stages": 2, "state_ut_maxnreg": None,
     "state_bwd_bv": 32, "state_bwd_warps": 8, "state_bwd_stages": 1, "state_bwd_maxnreg": None,
-    # the state passes' products in split bf16 (`_mm_split`: more accurate than tf32, and without tf32's conversion of
-    # the bf16 tiles): forward (unless state_bf16) and backward
-    "state_split": False, "state_bwd_split": False,
+    # `_state`'s products in split bf16 (`_mm_split`: more accurate than tf32, and without tf32's conversion of the
+    # bf16 tiles), per launch (unless state_bf16). Not in `_state_bwd`: bf16 dots there faulted on the H200 (session
+    # 9 run 3, as the plain bf16 ones did in session 4, docs/kda-kernels.md §7 item 5)
+    "state_split": False, "state_ut_split": False,
     # the value-side backward over key slices from the forward's Ũ (docs/kda-kernels.md §7 item 13): `_bwd_vk` per
     # (key slice of bwd_vk_cols, chunk, head), then `_bwd_vv` per (chunk, head); fwd+bwd 19.95 → 18.53 ms at the K3
     # shape with bwd_vk_maxnreg 168 (session 8, run 1). Offline sm_90, 1 stage (less shared memory, fewer
@@ -77,6 +79,17 @@ TUNING = {
     "bwd_k_cols": 32, "bwd_k_warps": 4, "bwd_k_stages": None, "bwd_k_maxnreg": 128,
     "bwd_norms_rows": 16, "bwd_norms_warps": 4, "bwd_norms_stages": None, "bwd_norms_maxnreg": None,
     "decode_bv": 64, "decode_warps": 4,
+    # code variants from the session-9 Nsight Compute analysis, off until timed on the H200 (docs/kda-kernels.md):
+    # kept_norms: ‖q‖, ‖k‖ kept from the prepare as [TT, H] fp32 (the forward keeps them with the other
+    # intermediates, +8 bytes per token and head) for `_bwd_vk`, `_bwd_k`, `_bwd_norms` instead of full-row reloads;
+    # `_bwd_vk` then also loads its gate inputs before the value loop and takes Tᵀ·dW right after it
+    "kept_norms": False,
+    # `_bwd_vv`: `_bwd_vk`'s dT / dβ partials summed in a pipelined loop before the value loop (one load round)
+    "bwd_vv_prefetch": False,
+    # `_prep_intra`: one anchor (the row block's first row) for the blocks left of the diagonal
+    "prep_intra_one_anchor": False,
+    # flush-to-zero exp (`libdevice.fast_expf`) in `_prep_intra`, `_bwd_vk` and `_bwd_k`; tl.exp in the interpreter
+    "fast_exp": False,
 }
 
 
@@ -90,6 +103,16 @@ def _launch_options(kernel: str) -> dict:
 
 
 # device helpers
+
+
+@triton.jit
+def _exp(x, FAST: tl.constexpr):
+    """exp(x); FAST: ex2.approx.ftz (`libdevice.fast_expf`), which skips tl.exp's denormal range scaling (three
+    instructions per exp). The arguments here are anchored (≤ 0, or a factor within e^±75), so a result that
+    flushes to zero is negligible next to the ones that do not."""
+    if FAST:
+        return libdevice.fast_expf(x)
+    return tl.exp(x)
 
 
 @triton.jit
@@ -150,7 +173,7 @@ def _mm_split(a, b, INTERP: tl.constexpr):
 
 @triton.jit
 def _state_mm(a, b, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
-    """The state passes' products: `_mm_split` with SPLIT, else `_mm` (tf32, or plain bf16 with BF16)."""
+    """`_state`'s products: `_mm_split` with SPLIT, else `_mm` (tf32, or plain bf16 with BF16)."""
     if SPLIT:
         return _mm_split(a, b, INTERP)
     return _mm(a, b, BF16, INTERP)
@@ -241,9 +264,9 @@ def _diag_scores(qs, ks, kc, beta, BC: tl.constexpr, BF16: tl.constexpr, INTERP:
 
 
 @triton.jit
-def _off_scores(qs, ks, beta, a, kend_J, e_J, BF16: tl.constexpr, INTERP: tl.constexpr):
+def _off_scores(qs, ks, beta, a, kend_J, e_J, BF16: tl.constexpr, FAST_EXP: tl.constexpr, INTERP: tl.constexpr):
     """Blocks (R, J < R): exp(G[r] − G[i]) = exp(G[r] − a_R)·exp(a_R − e_J)·exp(e_J − G[i]), every factor ≤ 1."""
-    d = tl.exp(a - e_J)[None, :]
+    d = _exp(a - e_J, FAST_EXP)[None, :]
     kT = tl.trans(kend_J)
     return beta[:, None] * _mm(ks * d, kT, BF16, INTERP), _mm(qs * d, kT, BF16, INTERP)
 
@@ -303,16 +326,16 @@ def _prep_gate(k, z, A_log, dt_bias, cu, chunk_idx, g_out, gc_out, kn_out,
 @triton.jit
 def _intra_row_block(qh, kh, beta, G, a, bos, L, i_h, r0, R, qg_out, aqk_out, t_out,
                      H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCORES_BF16: tl.constexpr,
-                     INTERP: tl.constexpr):
+                     FAST_EXP: tl.constexpr, INTERP: tl.constexpr):
     """Row block R's own part of `_prep_intra`: its rows of Q⊙Γ, its diagonal blocks of Aqk and of T's storage
     ((I + Akk_RR)⁻¹), zeros right of them; returns the anchored qs = q̂⊙exp(G − a), ks = k̂⊙exp(G − a) for the
     off-diagonal blocks."""
-    tl.store(_bp(qg_out, bos, L, i_h, r0, 0, H, K, BC, K), _cast(qh * tl.exp(G), qg_out.dtype.element_ty, INTERP),
-             boundary_check=(0,))
-    rf = tl.exp(G - a[None, :])
+    tl.store(_bp(qg_out, bos, L, i_h, r0, 0, H, K, BC, K),
+             _cast(qh * _exp(G, FAST_EXP), qg_out.dtype.element_ty, INTERP), boundary_check=(0,))
+    rf = _exp(G - a[None, :], FAST_EXP)
     qs = qh * rf
     ks = kh * rf
-    Add, Qdd = _diag_scores(qs, ks, kh * tl.exp(a[None, :] - G), beta, BC, SCORES_BF16, INTERP)
+    Add, Qdd = _diag_scores(qs, ks, kh * _exp(a[None, :] - G, FAST_EXP), beta, BC, SCORES_BF16, INTERP)
     _store_block(Qdd, aqk_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
     _store_block(_inv16(Add, BC), t_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
     # zeros right of the diagonal block (Aqk and T are read back as 64×64 tiles), one masked store each
@@ -343,26 +366,37 @@ def _gate_rows(g_in, kn_in, bos, L, row0, i_h, H, K: tl.constexpr, BC: tl.conste
 @triton.jit
 def _intra_off_step(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, aqk_out, t_out,
                     H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCORES_BF16: tl.constexpr,
-                    INTERP: tl.constexpr):
+                    ONE_ANCHOR: tl.constexpr, FAST_EXP: tl.constexpr, INTERP: tl.constexpr):
     """Blocks (R, J < R) of Aqk and of Akk (β-scaled, into T's storage) from block J's G, e_J and ‖k‖ as
-    `_prep_gate` stored them, factorised by `_off_scores` (every factor ≤ 1)."""
+    `_prep_gate` stored them, factorised by `_off_scores` (every factor ≤ 1). ONE_ANCHOR: two factors,
+    exp(G[r] − G[i]) = exp(G[r] − a_R)·exp(a_R − G[i]), both ≤ 1 (G does not increase and i < r0), so the row
+    operands qs, ks are the same for every J (with bf16 scores `_prep_intra` rounds them once); a factor that
+    underflows to 0 (a_R − G[i] down to −5·48) bounds a true product that is below fp32's range anyway."""
     rJ = row0 + J * BC
     GJ, _, eJ, knJ = _gate_rows(g_in, kn_in, bos, L, rJ, i_h, H, K, BC)
     k_raw = tl.load(_bp(k, bos, L, i_h, rJ, 0, H, K, BC, K), boundary_check=(0,), padding_option="zero")
     kJ = k_raw.to(tl.float32) / knJ[:, None]
-    Akk, Aqk = _off_scores(qs, ks, beta, a, kJ * tl.exp(eJ[None, :] - GJ), eJ, SCORES_BF16, INTERP)
+    if ONE_ANCHOR:
+        kT = tl.trans(kJ * _exp(a[None, :] - GJ, FAST_EXP))
+        Akk = beta[:, None] * _mm(ks, kT, SCORES_BF16, INTERP)
+        Aqk = _mm(qs, kT, SCORES_BF16, INTERP)
+    else:
+        Akk, Aqk = _off_scores(qs, ks, beta, a, kJ * _exp(eJ[None, :] - GJ, FAST_EXP), eJ, SCORES_BF16, FAST_EXP,
+                               INTERP)
     _store_block(Aqk, aqk_out, bos, L, i_h, r0, J * BC, H, C, BC, INTERP)
     _store_block(Akk, t_out, bos, L, i_h, r0, J * BC, H, C, BC, INTERP)
 
 
 @triton.jit
-def _prep_intra(q, k, b, g_in, kn_in, cu, chunk_idx, qg_out, aqk_out, t_out,
+def _prep_intra(q, k, b, g_in, kn_in, cu, chunk_idx, qg_out, aqk_out, t_out, qn_out,
                 scale, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
+                SCORES_BF16: tl.constexpr, STORE_QN: tl.constexpr, ONE_ANCHOR: tl.constexpr,
+                FAST_EXP: tl.constexpr, INTERP: tl.constexpr):
     """One (16-row block R, chunk, head), on `_prep_gate`'s G and ‖k‖: block R's rows of Q⊙Γ, of Aqk (zeros
     right of the diagonal block) and of T's storage: Akk_RJ (β-scaled) left of the diagonal, (I + Akk_RR)⁻¹ on
     it, zeros right of it. The off-diagonal blocks take one walk over the blocks J < R (G_J, e_J, k̂_J; re-reads
-    that hit L1/L2). `_prep_solve` then turns T's storage into T."""
+    that hit L1/L2). `_prep_solve` then turns T's storage into T. STORE_QN: also ‖q‖ into qn_out [TT, H]
+    (`kept_norms`); ONE_ANCHOR, FAST_EXP: `_intra_off_step`, `_exp`."""
     NB: tl.constexpr = C // BC
     pid = tl.program_id(0)
     i_c = pid // NB
@@ -382,21 +416,27 @@ def _prep_intra(q, k, b, g_in, kn_in, cu, chunk_idx, qg_out, aqk_out, t_out,
     k_raw = tl.load(_bp(k, bos, L, i_h, r0, 0, H, K, BC, K), boundary_check=(0,), padding_option="zero")
     q_raw = q_raw.to(tl.float32)
     q_n = tl.sqrt(tl.sum(q_raw * q_raw, 1) + 1e-6)
+    if STORE_QN:
+        tl.store(tl.make_block_ptr(qn_out + bos * H + i_h, (L,), (H,), (r0,), (BC,), (0,)), q_n, boundary_check=(0,))
     qh = q_raw / q_n[:, None] * scale
     kh = k_raw.to(tl.float32) / k_n[:, None]
     beta = _load_beta(b, bos, L, r0, i_h, H, BC)
     qs, ks = _intra_row_block(qh, kh, beta, G, a, bos, L, i_h, r0, R, qg_out, aqk_out, t_out, H, K, C, BC,
-                              SCORES_BF16, INTERP)
+                              SCORES_BF16, FAST_EXP, INTERP)
+    if ONE_ANCHOR and SCORES_BF16:
+        # the row operands of every off-diagonal block, rounded once (`_mm` leaves bf16 operands as they are)
+        qs = _cast(qs, tl.bfloat16, INTERP)
+        ks = _cast(ks, tl.bfloat16, INTERP)
     if INTERP:
         J = 0
         while J < R:
             _intra_off_step(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, aqk_out, t_out,
-                            H, K, C, BC, SCORES_BF16, INTERP)
+                            H, K, C, BC, SCORES_BF16, ONE_ANCHOR, FAST_EXP, INTERP)
             J += 1
     else:
         for J in range(0, R):
             _intra_off_step(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, aqk_out, t_out,
-                            H, K, C, BC, SCORES_BF16, INTERP)
+                            H, K, C, BC, SCORES_BF16, ONE_ANCHOR, FAST_EXP, INTERP)
 
 
 @triton.jit
@@ -531,14 +571,27 @@ def _state(w, u, qg, kd, aqk, gc, h0, o, ht, hs, ut, cu, chunk_off,
 
 
 @triton.jit
-def _block_inputs_cols(q, k, z, b, A_log, dt_bias, bos, L, row0, c0, i_h, scale, carry,
-                       H, K: tl.constexpr, SK: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr):
+def _load_norm(n_in, bos, L, row0, i_h, H, BC: tl.constexpr):
+    """The prepare's kept row norms (`kept_norms`, [TT, H] fp32) of the BC rows at row0; 1 past the document end."""
+    n = tl.load(tl.make_block_ptr(n_in + bos * H + i_h, (L,), (H,), (row0,), (BC,), (0,)), boundary_check=(0,),
+                padding_option="zero")
+    return tl.where(row0 + tl.arange(0, BC) < L, n, 1.0)
+
+
+@triton.jit
+def _block_inputs_cols(q, k, z, b, A_log, dt_bias, qn_in, kn_in, bos, L, row0, c0, i_h, scale, carry,
+                       H, K: tl.constexpr, SK: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr,
+                       KEPT_NORMS: tl.constexpr):
     """One 16-row block (or, with BC = C, a whole chunk) on the key columns [c0, c0 + SK) (`_bwd_vk`, `_bwd_k`):
     q̂, k̂, the cumulative gate G (continuing from `carry`), its anchor a (G at the first row) and end e (G at the
     last row) on those columns, β, gate pre-activation and valid mask. The L2 norms need whole rows: they are
-    taken from a full-width load first."""
-    q_n = _row_norm(q, bos, L, row0, i_h, H, K, BC)
-    k_n = _row_norm(k, bos, L, row0, i_h, H, K, BC)
+    taken from a full-width load first, or with KEPT_NORMS read from the prepare's [TT, H] vectors."""
+    if KEPT_NORMS:
+        q_n = _load_norm(qn_in, bos, L, row0, i_h, H, BC)
+        k_n = _load_norm(kn_in, bos, L, row0, i_h, H, BC)
+    else:
+        q_n = _row_norm(q, bos, L, row0, i_h, H, K, BC)
+        k_n = _row_norm(k, bos, L, row0, i_h, H, K, BC)
     q_s = tl.load(_bp(q, bos, L, i_h, row0, c0, H, K, BC, SK), boundary_check=(0,), padding_option="zero")
     k_s = tl.load(_bp(k, bos, L, i_h, row0, c0, H, K, BC, SK), boundary_check=(0,), padding_option="zero")
     qh = q_s.to(tl.float32) / q_n[:, None] * scale
@@ -555,7 +608,7 @@ def _block_inputs_cols(q, k, z, b, A_log, dt_bias, bos, L, row0, c0, i_h, scale,
 @triton.jit
 def _state_bwd_step(dS, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v, off_s,
                     H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                    BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+                    BF16: tl.constexpr, INTERP: tl.constexpr):
     """Chunk j, walking backwards: dŨ = Aqkᵀ·dO + Kd·dS_end; dS_start = Qgᵀ·dO + Diag(Γ_C)·dS_end − Wᵀ·dŨ."""
     row0 = j * C
     Aq = tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
@@ -565,16 +618,16 @@ def _state_bwd_step(dS, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v
     dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
     g_end = tl.load(gc + ((c0 + j) * H + i_h) * K + tl.arange(0, K))
     tl.store(dse + ((c0 + j) * H + i_h) * K * V + off_s, dS)
-    dUt = _state_mm(tl.trans(Aq), dO, BF16, SPLIT, INTERP) + _state_mm(Kd, dS, BF16, SPLIT, INTERP)
+    dUt = _mm(tl.trans(Aq), dO, BF16, INTERP) + _mm(Kd, dS, BF16, INTERP)
     tl.store(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), dUt, boundary_check=(0,))
-    return (_state_mm(tl.trans(Qg), dO, BF16, SPLIT, INTERP) + tl.exp(g_end)[:, None] * dS
-            - _state_mm(tl.trans(W), dUt, BF16, SPLIT, INTERP))
+    return (_mm(tl.trans(Qg), dO, BF16, INTERP) + tl.exp(g_end)[:, None] * dS
+            - _mm(tl.trans(W), dUt, BF16, INTERP))
 
 
 @triton.jit
 def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
                H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-               USE_DHT: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+               USE_DHT: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr):
     """One (value block, sequence, head): the state gradient, last chunk first.
 
     Writes dŨ [TT, H, V], the state gradient at every chunk end (dse) and at the start (dh0).
@@ -591,20 +644,20 @@ def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
         j = n_chunks - 1
         while j >= 0:
             dS = _state_bwd_step(dS, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v, off_s,
-                                 H, K, V, BV, C, BF16, SPLIT, INTERP)
+                                 H, K, V, BV, C, BF16, INTERP)
             j -= 1
     else:
         for jj in range(n_chunks):
             dS = _state_bwd_step(dS, n_chunks - 1 - jj, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v,
-                                 off_s, H, K, V, BV, C, BF16, SPLIT, INTERP)
+                                 off_s, H, K, V, BV, C, BF16, INTERP)
     tl.store(dh0 + i_nh.to(tl.int64) * K * V + off_s, dS)
 
 
 @triton.jit
-def _bwd_vk(q, k, z, b, A_log, dt_bias, cu, chunk_idx, t_in, hs, dse, do, du, ut,
+def _bwd_vk(q, k, z, b, A_log, dt_bias, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do, du, ut,
             dqh_out, dkh_out, dg_out, dtk_out, dbk_out,
             scale, H, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-            G_MIN: tl.constexpr, INTERP: tl.constexpr):
+            G_MIN: tl.constexpr, KEPT_NORMS: tl.constexpr, FAST_EXP: tl.constexpr, INTERP: tl.constexpr):
     """Value side, part 1: one (key slice of SK columns, chunk, head), the value-dim gradients that are
     elementwise in the key column, from the forward's Ũ = U − W·S (no W, no W·S).
 
@@ -613,6 +666,9 @@ def _bwd_vk(q, k, z, b, A_log, dt_bias, cu, chunk_idx, t_in, hs, dse, do, du, ut
     dk̂ = dKd⊙exp(G_C − G) + β·(Tᵀ·dW)⊙Γ and dG (with G_C's gradient on the last row) into the fp32 scratch
     `_bwd_k` reads. The two terms that sum over K leave as this slice's partials, for `_bwd_vv`:
     dT_k = dW·(β·K⊙Γ)ᵀ (dtk_out [NT, H, NS, C, C]) and dβ_k = Σ_k (Tᵀ·dW)⊙K⊙Γ (dbk_out [NT, H, NS, C]).
+    KEPT_NORMS: ‖q‖, ‖k‖ from qn_in, kn_in ([TT, H]); then the gate's small inputs (z, A_log, dt_bias, β) are
+    loaded before the loop (their latency hidden behind it) and Tᵀ·dW is taken right after it, before q̂, k̂ and
+    G are live (fewer spills offline). FAST_EXP: `_exp`'s ftz exp.
     """
     NS: tl.constexpr = K // SK
     pid = tl.program_id(0)
@@ -624,6 +680,11 @@ def _bwd_vk(q, k, z, b, A_log, dt_bias, cu, chunk_idx, t_in, hs, dse, do, du, ut
     rows = tl.arange(0, C)
     cs = tl.arange(0, SK)
     s_base = (i_c * H + i_h).to(tl.int64) * K * V
+    if KEPT_NORMS:
+        z_raw = tl.load(_bp(z, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
+        a_exp = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        bias = tl.load(dt_bias + i_h * K + c0 + cs).to(tl.float32)
+        beta = _load_beta(b, bos, L, row0, i_h, H, C)
     dQg = tl.zeros([C, SK], dtype=tl.float32)
     dW = tl.zeros([C, SK], dtype=tl.float32)
     dKd = tl.zeros([C, SK], dtype=tl.float32)
@@ -639,23 +700,39 @@ def _bwd_vk(q, k, z, b, A_log, dt_bias, cu, chunk_idx, t_in, hs, dse, do, du, ut
         dW -= tl.dot(dU, tl.trans(S))
         dKd += tl.dot(Ut.to(tl.float32), tl.trans(dSe))
         dgc += tl.sum(S * dSe, 1)
-    # the slice's inputs, after the loop (the norms need whole rows); one 64-row block from a zero carry: its end
-    # is G_C
-    qh, kh, beta, G, _, gc, _, _ = _block_inputs_cols(q, k, z, b, A_log, dt_bias, bos, L, row0, c0, i_h, scale,
-                                                      tl.zeros([SK], dtype=tl.float32), H, K, SK, C, G_MIN)
-    gam = tl.exp(G)
-    Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    if KEPT_NORMS:
+        Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+        dXk = tl.dot(tl.trans(Tm), dW)
+        # the gate as `_gate_tile` computes it, from the inputs loaded before the loop; one 64-row block from a
+        # zero carry: its end is G_C
+        x = a_exp * (z_raw.to(tl.float32) + bias[None, :])
+        G = tl.cumsum(tl.where((row0 + rows < L)[:, None], G_MIN * tl.sigmoid(x), 0.0), 0)
+        gc = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)
+        q_s = tl.load(_bp(q, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
+        k_s = tl.load(_bp(k, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
+        qh = q_s.to(tl.float32) / _load_norm(qn_in, bos, L, row0, i_h, H, C)[:, None] * scale
+        kh = k_s.to(tl.float32) / _load_norm(kn_in, bos, L, row0, i_h, H, C)[:, None]
+        gam = _exp(G, FAST_EXP)
+    else:
+        # the slice's inputs, after the loop (the norms need whole rows); one 64-row block from a zero carry: its
+        # end is G_C
+        qh, kh, beta, G, _, gc, _, _ = _block_inputs_cols(q, k, z, b, A_log, dt_bias, qn_in, kn_in, bos, L, row0,
+                                                          c0, i_h, scale, tl.zeros([SK], dtype=tl.float32), H, K,
+                                                          SK, C, G_MIN, KEPT_NORMS)
+        gam = _exp(G, FAST_EXP)
+        Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
     Kg = kh * gam
-    dXk = tl.dot(tl.trans(Tm), dW)
+    if not KEPT_NORMS:
+        dXk = tl.dot(tl.trans(Tm), dW)  # here, after Kg: the order the default launch settings were chosen with
     p_part = ((i_c * H + i_h) * NS + s).to(tl.int64)
     tl.store(dbk_out + p_part * C + rows, tl.sum(dXk * Kg, 1))
     tl.store(dtk_out + p_part * C * C + rows[:, None] * C + rows[None, :], tl.dot(dW, tl.trans(beta[:, None] * Kg)))
     dKg = beta[:, None] * dXk * gam
     dqh = dQg * gam
-    dKd = dKd * tl.exp(gc[None, :] - G)
+    dKd = dKd * _exp(gc[None, :] - G, FAST_EXP)
     dG = -kh * dKd
     # G_C feeds Γ_C and every exp(G_C − G_i): its gradient lands on the last row, spread back by the cumsum.
-    dG_end = tl.exp(gc) * dgc + tl.sum(kh * dKd, 0)
+    dG_end = _exp(gc, FAST_EXP) * dgc + tl.sum(kh * dKd, 0)
     dG = tl.where(rows[:, None] == C - 1, dG + dG_end[None, :], dG) + qh * dqh + kh * dKg
     tl.store(_bp(dqh_out, bos, L, i_h, row0, c0, H, K, C, SK), dqh, boundary_check=(0,))
     tl.store(_bp(dkh_out, bos, L, i_h, row0, c0, H, K, C, SK), dKd + dKg, boundary_check=(0,))
@@ -665,13 +742,15 @@ def _bwd_vk(q, k, z, b, A_log, dt_bias, cu, chunk_idx, t_in, hs, dse, do, du, ut
 @triton.jit
 def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dtk_in, dbk_in,
             dv, daqk_out, dakk_out, db_out,
-            H, V: tl.constexpr, NS: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, INTERP: tl.constexpr):
+            H, V: tl.constexpr, NS: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, PREFETCH_PARTIALS: tl.constexpr,
+            INTERP: tl.constexpr):
     """Value side, part 2: one (chunk, head), the value-dim gradients that sum over K.
 
     Looping over value blocks: dAqk = dO·Ũᵀ and, through U = T·diag(β)·V, dv = β·Tᵀ·dŨ, dT_v = dŨ·(β·V)ᵀ and
     dβ_v = Σ_v (Tᵀ·dŨ)⊙V. Adds `_bwd_vk`'s NS partials of dT and dβ (in slice order: deterministic), then
     dAkk = −Tᵀ·dT·Tᵀ. Writes dv, and dAqk, dAkk (masked to their lower triangles) and dβ for `_bwd_k` /
-    `_bwd_norms`.
+    `_bwd_norms`. PREFETCH_PARTIALS: the partials are summed first, in a pipelined loop (their loads in flight
+    together, not one exposed load and layout conversion each after the value loop), as dT's and dβ's start.
     """
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -683,6 +762,11 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dtk_in, dbk_in,
     dAqk = tl.zeros([C, C], dtype=tl.float32)
     dT = tl.zeros([C, C], dtype=tl.float32)
     dbeta = tl.zeros([C], dtype=tl.float32)
+    p_part = ((i_c * H + i_h) * NS).to(tl.int64)
+    if PREFETCH_PARTIALS:
+        for s in tl.range(0, NS, num_stages=3):
+            dT += tl.load(dtk_in + (p_part + s) * C * C + rows[:, None] * C + rows[None, :])
+            dbeta += tl.load(dbk_in + (p_part + s) * C + rows)
     for i_v in range(0, V // BV):
         dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
         dU = tl.load(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
@@ -695,10 +779,10 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dtk_in, dbk_in,
                  _cast(beta[:, None] * dXv, dv.dtype.element_ty, INTERP), boundary_check=(0,))
         dbeta += tl.sum(dXv * vb, 1)
         dT += tl.dot(dU, tl.trans(beta[:, None] * vb))
-    p_part = ((i_c * H + i_h) * NS).to(tl.int64)
-    for s in range(NS):
-        dT += tl.load(dtk_in + (p_part + s) * C * C + rows[:, None] * C + rows[None, :])
-        dbeta += tl.load(dbk_in + (p_part + s) * C + rows)
+    if not PREFETCH_PARTIALS:
+        for s in range(NS):
+            dT += tl.load(dtk_in + (p_part + s) * C * C + rows[:, None] * C + rows[None, :])
+            dbeta += tl.load(dbk_in + (p_part + s) * C + rows)
     dAkk = -tl.dot(tl.dot(TmT, dT), TmT)
     tl.store(_bp(daqk_out, bos, L, i_h, row0, 0, H, C, C, C), tl.where(rows[:, None] >= rows[None, :], dAqk, 0.0),
              boundary_check=(0,))
@@ -715,13 +799,13 @@ def _load_block(x, bos, L, i_h, row0, col0, H, W: tl.constexpr, BC: tl.constexpr
 
 @triton.jit
 def _score_bwd_off(daqk, dakk, bos, L, i_h, row0, col0, qs, ks, beta, a, kend_J, e_J, rowq, rowk, cs_J,
-                   H, C: tl.constexpr, BC: tl.constexpr):
+                   H, C: tl.constexpr, BC: tl.constexpr, FAST_EXP: tl.constexpr):
     """Block (R, J < R) of the score backward, factorised as in `_off_scores`: d = exp(a_R − e_J) ≤ 1.
 
     Adds dAqk_RJ·(k̂⊙exp(e_J − G))·d to rowq and dAkk_RJ·(…)·d to rowk (the row side of block R), and
     dAqk_RJᵀ·(qs⊙d) + dÃ_RJᵀ·(ks⊙d) to cs_J (block J's column side, scaled by exp(e_J − G) at the end).
     """
-    d = tl.exp(a - e_J)[None, :]
+    d = _exp(a - e_J, FAST_EXP)[None, :]
     daq = _load_block(daqk, bos, L, i_h, row0, col0, H, C, BC)
     dak = _load_block(dakk, bos, L, i_h, row0, col0, H, C, BC)
     rowq += d * tl.dot(daq, kend_J)
@@ -731,10 +815,10 @@ def _score_bwd_off(daqk, dakk, bos, L, i_h, row0, col0, qs, ks, beta, a, kend_J,
 
 
 @triton.jit
-def _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk, dakk, db_part,
+def _bwd_rows(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dqh_in, dkh_in, dg_in, daqk, dakk, db_part,
               bos, L, row0, c0, s, R: tl.constexpr, g_base, i_h, scale, carry, kend0, e0, kend1, e1, kend2, e2,
               cs0, cs1, cs2, H, K: tl.constexpr, SK: tl.constexpr, NS: tl.constexpr, C: tl.constexpr,
-              BC: tl.constexpr, G_MIN: tl.constexpr):
+              BC: tl.constexpr, G_MIN: tl.constexpr, KEPT_NORMS: tl.constexpr, FAST_EXP: tl.constexpr):
     """Sweep 1 of `_bwd_k`, row block R on key columns [c0, c0 + SK) (slice s of NS): everything its rows of
     the score matrices give.
 
@@ -744,10 +828,11 @@ def _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk, dakk, db_
     rows. Adds block R's column side to the cs of earlier blocks; returns (G at the block's end,
     k̂⊙exp(e_R − G), cs0, cs1, cs2).
     """
-    qh, kh, beta, G, a, e, x, valid = _block_inputs_cols(q, k, z, b, A_log, dt_bias, bos, L, row0 + R * BC, c0,
-                                                         i_h, scale, carry, H, K, SK, BC, G_MIN)
-    rf = tl.exp(G - a[None, :])
-    ec = tl.exp(a[None, :] - G)
+    qh, kh, beta, G, a, e, x, valid = _block_inputs_cols(q, k, z, b, A_log, dt_bias, qn_in, kn_in, bos, L,
+                                                         row0 + R * BC, c0, i_h, scale, carry, H, K, SK, BC, G_MIN,
+                                                         KEPT_NORMS)
+    rf = _exp(G - a[None, :], FAST_EXP)
+    ec = _exp(a[None, :] - G, FAST_EXP)
     qs = qh * rf
     ks = kh * rf
     kc = kh * ec
@@ -759,13 +844,13 @@ def _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk, dakk, db_
     cs = tl.dot(tl.trans(daq), qs) + tl.dot(tl.trans(beta[:, None] * dak), ks)
     if R > 0:
         rowq, rowk, cs0 = _score_bwd_off(daqk, dakk, bos, L, i_h, row0 + R * BC, 0, qs, ks, beta, a, kend0, e0,
-                                         rowq, rowk, cs0, H, C, BC)
+                                         rowq, rowk, cs0, H, C, BC, FAST_EXP)
     if R > 1:
         rowq, rowk, cs1 = _score_bwd_off(daqk, dakk, bos, L, i_h, row0 + R * BC, BC, qs, ks, beta, a, kend1, e1,
-                                         rowq, rowk, cs1, H, C, BC)
+                                         rowq, rowk, cs1, H, C, BC, FAST_EXP)
     if R > 2:
         rowq, rowk, cs2 = _score_bwd_off(daqk, dakk, bos, L, i_h, row0 + R * BC, 2 * BC, qs, ks, beta, a, kend2,
-                                         e2, rowq, rowk, cs2, H, C, BC)
+                                         e2, rowq, rowk, cs2, H, C, BC, FAST_EXP)
     r0 = row0 + R * BC
     ck = tl.arange(0, SK)
     p_dqh = _bp(dqh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
@@ -782,21 +867,22 @@ def _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk, dakk, db_
     tl.store(p_dqh, dqh, boundary_check=(0,))
     p_part = tl.make_block_ptr(db_part + (bos * H + i_h) * NS + s, (L,), (H * NS,), (r0,), (BC,), (0,))
     tl.store(p_part, dbeta, boundary_check=(0,))
-    return e, kh * tl.exp(e[None, :] - G), cs0, cs1, cs2
+    return e, kh * _exp(e[None, :] - G, FAST_EXP), cs0, cs1, cs2
 
 
 @triton.jit
-def _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dz, bos, L, row0, c0, J: tl.constexpr, g_base, i_h,
-              scale, carry, e_J, cs_J, dg_after, dA_sum, dbias_sum,
+def _bwd_cols(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dkh_in, dg_in, dz, bos, L, row0, c0, J: tl.constexpr,
+              g_base, i_h, scale, carry, e_J, cs_J, dg_after, dA_sum, dbias_sum,
               H, K: tl.constexpr, SK: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr, HAS_CS: tl.constexpr,
-              INTERP: tl.constexpr):
+              KEPT_NORMS: tl.constexpr, FAST_EXP: tl.constexpr, INTERP: tl.constexpr):
     """Sweep 2 of `_bwd_k`, block J (last block first) on key columns [c0, c0 + SK): the column side of the
     later row blocks, the reverse cumsum dG → dg (dg_after = Σ dG over the later blocks) and the gate chain;
     the finished dk̂ goes back to its scratch for `_bwd_norms`.
 
     Returns dg_after, dA_sum and dbias_sum with this block added."""
-    qh, kh, beta, G, a, e, x, valid = _block_inputs_cols(q, k, z, b, A_log, dt_bias, bos, L, row0 + J * BC, c0,
-                                                         i_h, scale, carry, H, K, SK, BC, G_MIN)
+    qh, kh, beta, G, a, e, x, valid = _block_inputs_cols(q, k, z, b, A_log, dt_bias, qn_in, kn_in, bos, L,
+                                                         row0 + J * BC, c0, i_h, scale, carry, H, K, SK, BC, G_MIN,
+                                                         KEPT_NORMS)
     r0 = row0 + J * BC
     ck = tl.arange(0, SK)
     p_dkh = _bp(dkh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
@@ -804,7 +890,7 @@ def _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dz, bos, L, row0, c0, J
     # padding rows keep their dG: the last row carries G_C's gradient into the chunk (`_bwd_vk`)
     dG = tl.load(dg_in + g_base + (J * BC + tl.arange(0, BC))[:, None] * K + c0 + ck[None, :])
     if HAS_CS:
-        f = tl.exp(e_J[None, :] - G) * cs_J
+        f = _exp(e_J[None, :] - G, FAST_EXP) * cs_J
         dkh += f
         dG -= kh * f
     dg = tl.cumsum(dG, 0, reverse=True) + dg_after[None, :]
@@ -818,10 +904,10 @@ def _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dz, bos, L, row0, c0, J
 
 
 @triton.jit
-def _bwd_k(q, k, z, b, A_log, dt_bias, cu, chunk_idx, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
+def _bwd_k(q, k, z, b, A_log, dt_bias, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
            dz, db_part, dA_part, dbias_part,
            scale, H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-           G_MIN: tl.constexpr, INTERP: tl.constexpr):
+           G_MIN: tl.constexpr, KEPT_NORMS: tl.constexpr, FAST_EXP: tl.constexpr, INTERP: tl.constexpr):
     """One (key slice of SK columns, chunk, head): the score-matrix, cumsum and gate chains back to the raw
     inputs, on top of the value side's dq̂, dk̂, dG (fp32 scratch) and dAqk, dAkk.
 
@@ -838,6 +924,7 @@ def _bwd_k(q, k, z, b, A_log, dt_bias, cu, chunk_idx, dqh_in, dkh_in, dg_in, daq
     All of that is elementwise in the key column (the score dots contract over rows; gate, cumsum and dz are
     per column) except the q/k norm backward and dβ, which reduce over K: each program leaves the finished
     dq̂, dk̂ (scratch) and its dβ partial (db_part: [TT, H, NS]) to `_bwd_norms`. dA_part is [NT, H, NS].
+    KEPT_NORMS: ‖q‖, ‖k‖ from qn_in, kn_in ([TT, H]) instead of full-row loads; FAST_EXP: `_exp`'s ftz exp.
     """
     NS: tl.constexpr = K // SK
     pid = tl.program_id(0)
@@ -852,41 +939,48 @@ def _bwd_k(q, k, z, b, A_log, dt_bias, cu, chunk_idx, dqh_in, dkh_in, dg_in, daq
     cs1 = tl.zeros([BC, SK], dtype=tl.float32)
     cs2 = tl.zeros([BC, SK], dtype=tl.float32)
     # sweep 1; the kend/e arguments of blocks not reached yet are placeholders that the block R skips
-    e0, kend0, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
-                                         db_part, bos, L, row0, c0, s, 0, g_base, i_h, scale, zero,
-                                         cs0, zero, cs0, zero, cs0, zero, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN)
-    e1, kend1, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
-                                         db_part, bos, L, row0, c0, s, 1, g_base, i_h, scale, e0,
-                                         kend0, e0, cs0, zero, cs0, zero, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN)
-    e2, kend2, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
-                                         db_part, bos, L, row0, c0, s, 2, g_base, i_h, scale, e1,
-                                         kend0, e0, kend1, e1, cs0, zero, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN)
-    e3, _, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
-                                     db_part, bos, L, row0, c0, s, 3, g_base, i_h, scale, e2,
-                                     kend0, e0, kend1, e1, kend2, e2, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN)
+    e0, kend0, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dqh_in, dkh_in, dg_in, daqk_in,
+                                         dakk_in, db_part, bos, L, row0, c0, s, 0, g_base, i_h, scale, zero,
+                                         cs0, zero, cs0, zero, cs0, zero, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN,
+                                         KEPT_NORMS, FAST_EXP)
+    e1, kend1, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dqh_in, dkh_in, dg_in, daqk_in,
+                                         dakk_in, db_part, bos, L, row0, c0, s, 1, g_base, i_h, scale, e0,
+                                         kend0, e0, cs0, zero, cs0, zero, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN,
+                                         KEPT_NORMS, FAST_EXP)
+    e2, kend2, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dqh_in, dkh_in, dg_in, daqk_in,
+                                         dakk_in, db_part, bos, L, row0, c0, s, 2, g_base, i_h, scale, e1,
+                                         kend0, e0, kend1, e1, cs0, zero, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN,
+                                         KEPT_NORMS, FAST_EXP)
+    e3, _, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dqh_in, dkh_in, dg_in, daqk_in,
+                                     dakk_in, db_part, bos, L, row0, c0, s, 3, g_base, i_h, scale, e2,
+                                     kend0, e0, kend1, e1, kend2, e2, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN,
+                                     KEPT_NORMS, FAST_EXP)
     # sweep 2 reads the partial dk̂ and dG that other threads of this program just wrote
     tl.debug_barrier()
-    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dz, bos, L, row0, c0, 3,
-                                            g_base, i_h, scale, e2, e3, cs0, zero, 0.0, zero,
-                                            H, K, SK, BC, G_MIN, False, INTERP)
-    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dz, bos, L, row0, c0, 2,
-                                            g_base, i_h, scale, e1, e2, cs2, dg_after, dA_sum, dbias_sum,
-                                            H, K, SK, BC, G_MIN, True, INTERP)
-    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dz, bos, L, row0, c0, 1,
-                                            g_base, i_h, scale, e0, e1, cs1, dg_after, dA_sum, dbias_sum,
-                                            H, K, SK, BC, G_MIN, True, INTERP)
-    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, dkh_in, dg_in, dz, bos, L, row0, c0, 0,
-                                            g_base, i_h, scale, zero, e0, cs0, dg_after, dA_sum, dbias_sum,
-                                            H, K, SK, BC, G_MIN, True, INTERP)
+    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dkh_in, dg_in, dz, bos, L,
+                                            row0, c0, 3, g_base, i_h, scale, e2, e3, cs0, zero, 0.0, zero,
+                                            H, K, SK, BC, G_MIN, False, KEPT_NORMS, FAST_EXP, INTERP)
+    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dkh_in, dg_in, dz, bos, L,
+                                            row0, c0, 2, g_base, i_h, scale, e1, e2, cs2, dg_after, dA_sum,
+                                            dbias_sum, H, K, SK, BC, G_MIN, True, KEPT_NORMS, FAST_EXP, INTERP)
+    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dkh_in, dg_in, dz, bos, L,
+                                            row0, c0, 1, g_base, i_h, scale, e0, e1, cs1, dg_after, dA_sum,
+                                            dbias_sum, H, K, SK, BC, G_MIN, True, KEPT_NORMS, FAST_EXP, INTERP)
+    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dkh_in, dg_in, dz, bos, L,
+                                            row0, c0, 0, g_base, i_h, scale, zero, e0, cs0, dg_after, dA_sum,
+                                            dbias_sum, H, K, SK, BC, G_MIN, True, KEPT_NORMS, FAST_EXP, INTERP)
     tl.store(dA_part + (i_c * H + i_h) * NS + s, dA_sum)
     tl.store(dbias_part + (i_c * H + i_h).to(tl.int64) * K + c0 + tl.arange(0, SK), dbias_sum)
 
 
 @triton.jit
-def _norm_bwd_rows(x, dxh, dx, off, m, sc, INTERP: tl.constexpr):
-    """dx = (dy − y·⟨y, dy⟩)/‖x‖ on a [BT, K] tile, y = x/‖x‖ and dy = sc·dx̂."""
+def _norm_bwd_rows(x, dxh, dx, n_in, row_off, off, m, sc, KEPT_NORMS: tl.constexpr, INTERP: tl.constexpr):
+    """dx = (dy − y·⟨y, dy⟩)/‖x‖ on a [BT, K] tile, y = x/‖x‖ and dy = sc·dx̂; ‖x‖ from n_in with KEPT_NORMS."""
     xr = tl.load(x + off, mask=m[:, None], other=0.0).to(tl.float32)
-    n = tl.sqrt(tl.sum(xr * xr, 1) + 1e-6)
+    if KEPT_NORMS:
+        n = tl.load(n_in + row_off, mask=m, other=1.0)
+    else:
+        n = tl.sqrt(tl.sum(xr * xr, 1) + 1e-6)
     y = xr / n[:, None]
     dy = tl.load(dxh + off, mask=m[:, None], other=0.0) * sc
     tl.store(dx + off, _cast((dy - y * tl.sum(y * dy, 1)[:, None]) / n[:, None], dx.dtype.element_ty, INTERP),
@@ -894,8 +988,9 @@ def _norm_bwd_rows(x, dxh, dx, off, m, sc, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _bwd_norms(q, k, b, dqh, dkh, db_in, db_part, dq, dk, dbl, TT, scale,
-               H, K: tl.constexpr, NS: tl.constexpr, BT: tl.constexpr, INTERP: tl.constexpr):
+def _bwd_norms(q, k, b, qn_in, kn_in, dqh, dkh, db_in, db_part, dq, dk, dbl, TT, scale,
+               H, K: tl.constexpr, NS: tl.constexpr, BT: tl.constexpr, KEPT_NORMS: tl.constexpr,
+               INTERP: tl.constexpr):
     """After `_bwd_k`, per (BT tokens, head): the L2-norm backward of q and k from the finished
     dq̂, dk̂ (y = x/‖x‖ → dx = (dy − y·⟨y, dy⟩)/‖x‖; q̂ = scale·y) and dβ's logit (the value side's dβ
     plus the NS slices' partials, times σ')."""
@@ -904,8 +999,8 @@ def _bwd_norms(q, k, b, dqh, dkh, db_in, db_part, dq, dk, dbl, TT, scale,
     m = rows < TT
     row_off = rows.to(tl.int64) * H + i_h
     off = row_off[:, None] * K + tl.arange(0, K)[None, :]
-    _norm_bwd_rows(q, dqh, dq, off, m, scale, INTERP)
-    _norm_bwd_rows(k, dkh, dk, off, m, 1.0, INTERP)
+    _norm_bwd_rows(q, dqh, dq, qn_in, row_off, off, m, scale, KEPT_NORMS, INTERP)
+    _norm_bwd_rows(k, dkh, dk, kn_in, row_off, off, m, 1.0, KEPT_NORMS, INTERP)
     parts = tl.load(db_part + row_off[:, None] * NS + tl.arange(0, NS)[None, :], mask=m[:, None], other=0.0)
     dbeta = tl.load(db_in + row_off, mask=m, other=0.0) + tl.sum(parts, 1)
     beta = tl.sigmoid(tl.load(b + row_off, mask=m, other=0.0).to(tl.float32))
@@ -987,9 +1082,10 @@ def inter_dtypes(dtype: torch.dtype, all_bf16: bool = False) -> tuple[torch.dtyp
     return torch.float32, torch.float32
 
 
-def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, store_t=False):
+def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, store_t=False, store_norms=False):
     """Launch `_prep_gate`, `_prep_intra`, `_prep_solve` and `_prep_wu` on flattened [TT, H, ·] inputs; returns the
-    chunk-local operands (W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, and T if store_t else None)."""
+    chunk-local operands (W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, T if store_t else None, and (‖q‖, ‖k‖) [TT, H]
+    fp32 if store_norms else None)."""
     TT, H, K = q.shape
     V = v.shape[-1]
     lo, hi = dtypes
@@ -999,15 +1095,20 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
     Aqk = torch.empty(TT, H, CHUNK, dtype=hi, device=q.device)
     gc = torch.empty(max(plan.NT, 1), H, K, dtype=torch.float32, device=q.device)
     Tm = torch.empty(TT, H, CHUNK, dtype=torch.float32, device=q.device)
+    kn = torch.empty(TT, H, dtype=torch.float32, device=q.device)  # ‖k‖ per row
+    qn = torch.empty_like(kn) if store_norms else None
     if plan.NT > 0:
         interp = interpreting()
-        kn = torch.empty(TT, H, dtype=torch.float32, device=q.device)  # ‖k‖ per row
         # the in-chunk cumulative gate: 4·TT·H·K bytes (384 MiB at the K3 shape), freed before `_state`
         G = torch.empty(TT, H, K, dtype=torch.float32, device=q.device)
         _prep_gate[(plan.NT, H)](k, z, A_log, dt_bias, plan.cu, plan.chunk_idx, G, gc, kn, H=H, K=K, C=CHUNK, BC=SUB,
                                  G_MIN=g_min, **_launch_options("prep_gate"))
-        _prep_intra[(plan.NT * (CHUNK // SUB), H)](q, k, b, G, kn, plan.cu, plan.chunk_idx, Qg, Aqk, Tm, scale,
+        _prep_intra[(plan.NT * (CHUNK // SUB), H)](q, k, b, G, kn, plan.cu, plan.chunk_idx, Qg, Aqk, Tm,
+                                                     qn if store_norms else kn, scale,
                                                      H=H, K=K, C=CHUNK, BC=SUB, SCORES_BF16=lo == torch.bfloat16,
+                                                     STORE_QN=store_norms,
+                                                     ONE_ANCHOR=TUNING["prep_intra_one_anchor"],
+                                                     FAST_EXP=TUNING["fast_exp"] and not interp,
                                                      INTERP=interp, **_launch_options("prep_intra"))
         _prep_solve[(plan.NT, H)](Tm, plan.cu, plan.chunk_idx, H=H, C=CHUNK, BC=SUB, INTERP=interp,
                                   **_launch_options("prep_solve"))
@@ -1016,7 +1117,7 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
                                                        H=H, K=K, V=V, C=CHUNK, SK=SK, SV=SV, INTERP=interp,
                                                        **_launch_options("prep_wu"))
         del G
-    return W, U, Qg, Kd, Aqk, gc, (Tm if store_t else None)
+    return W, U, Qg, Kd, Aqk, gc, (Tm if store_t else None), ((qn, kn) if store_norms else None)
 
 
 def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht=False, want_hs=False,
@@ -1031,14 +1132,14 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
     ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
     hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=torch.float32, device=dev) if want_hs else None
     ut = torch.empty_like(U) if want_ut else None
+    split = TUNING["state_ut_split" if want_ut else "state_split"] and not state_bf16
     dummy = gc
     _state[(V // BV, plan.N * H)](W, U, Qg, Kd, Aqk, gc, h0 if h0 is not None else dummy,
                                   o if o is not None else dummy, ht if ht is not None else dummy,
                                   hs if hs is not None else dummy, ut if ut is not None else dummy,
                                   plan.cu, plan.chunk_off,
                                   H=H, K=K, V=V, BV=BV, C=CHUNK, USE_H0=h0 is not None, STORE_HT=want_ht,
-                                  STORE_HS=want_hs, WRITE_O=write_o, STORE_UT=want_ut, BF16=state_bf16,
-                                  SPLIT=TUNING["state_split"] and not state_bf16,
+                                  STORE_HS=want_hs, WRITE_O=write_o, STORE_UT=want_ut, BF16=state_bf16, SPLIT=split,
                                   INTERP=interpreting(), **_launch_options("state_ut" if want_ut else "state"))
     return o, ht, hs, ut
 
@@ -1047,27 +1148,29 @@ def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs
          keep=False):
     """The forward: (o, final state or None, chunk-start states if want_hs else None, kept).
 
-    keep: also return what the backward would recompute, (W, Qg, Kd, Aqk, gc, T, hs, Ũ), for `_bwd(inter=…)`;
-    else kept is None. The states and Ũ = U − W·S (U's dtype; the value-side backward reads it instead of
-    recomputing W·S) come from the same `_state` launch as o, with the same `state_bf16`: storing them does not
-    change the arithmetic (and `_bwd` recomputes them with `state_bf16` as well), so the gradients are
-    bit-identical either way.
+    keep: also return what the backward would recompute, (W, Qg, Kd, Aqk, gc, T, hs, Ũ, ‖q‖, ‖k‖), for
+    `_bwd(inter=…)` (the norms None unless TUNING["kept_norms"]); else kept is None. The states and
+    Ũ = U − W·S (U's dtype; the value-side backward reads it instead of recomputing W·S) come from the same
+    `_state` launch as o, with the same `state_bf16`: storing them does not change the arithmetic (and `_bwd`
+    recomputes them with `state_bf16` as well), so the gradients are bit-identical either way.
     """
-    W, U, Qg, Kd, Aqk, gc, Tm = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
-                                             store_t=keep)
+    store_norms = keep and TUNING["kept_norms"]
+    W, U, Qg, Kd, Aqk, gc, Tm, norms = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
+                                                    store_t=keep, store_norms=store_norms)
     o, ht, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, want_ht=want_ht, want_hs=want_hs or keep,
                                state_bf16=state_bf16, want_ut=keep)
     # U is not needed by the backward
-    kept = (W, Qg, Kd, Aqk, gc, Tm, hs, ut) if keep else None
+    kept = (W, Qg, Kd, Aqk, gc, Tm, hs, ut) + (norms or (None, None)) if keep else None
     return o, ht, (hs if want_hs else None), kept
 
 
 def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes, state_bf16, inter=None):
     """All gradients from the raw inputs and dO (and dht): recompute if needed, the state pass, the chunk passes.
 
-    inter: the forward's (W, Qg, Kd, Aqk, gc, T, hs, Ũ) (`_fwd(keep=True)`); then nothing is recomputed and h0
-    is not used. Without it the prepare kernels and `_state` (storing the chunk-start states and Ũ) run again
-    here. Then `_state_bwd`, the value side over key slices (`_bwd_vk`, `_bwd_vv`), the score, gate and cumsum
+    inter: the forward's (W, Qg, Kd, Aqk, gc, T, hs, Ũ, ‖q‖, ‖k‖) (`_fwd(keep=True)`); then nothing is recomputed
+    and h0 is not used, and the norms are used when the forward kept them (its TUNING["kept_norms"]). Without it
+    the prepare kernels and `_state` (storing the chunk-start states and Ũ, and the norms with kept_norms) run
+    again here. Then `_state_bwd`, the value side over key slices (`_bwd_vk`, `_bwd_vv`), the score, gate and cumsum
     chains over key slices (`_bwd_k`) and the row-wise norm and σ' chains (`_bwd_norms`).
     The backward state pass always multiplies in tf32: its bf16 build computed wrong gradients on the
     H200 (docs/kda-kernels.md, run 1), so state_bf16 only changes the forward and the recomputed states.
@@ -1076,13 +1179,14 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     V = v.shape[-1]
     dev = q.device
     if inter is None:
-        W, U, Qg, Kd, Aqk, gc, Tm = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
-                                                 store_t=True)
+        W, U, Qg, Kd, Aqk, gc, Tm, norms = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
+                                                        store_t=True, store_norms=TUNING["kept_norms"])
         _, _, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, write_o=False, want_hs=True,
                                   state_bf16=state_bf16, want_ut=True)
         del U
     else:
-        W, Qg, Kd, Aqk, gc, Tm, hs, ut = inter
+        W, Qg, Kd, Aqk, gc, Tm, hs, ut, qn, kn = inter
+        norms = None if qn is None else (qn, kn)
         del inter
     BV = min(V, TUNING["state_bwd_bv"])
     NT = max(plan.NT, 1)
@@ -1090,10 +1194,13 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     dse = torch.empty(NT, H, K, V, dtype=torch.float32, device=dev)
     dh0 = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev)
     interp = interpreting()
+    kept_norms = norms is not None
+    qn, kn = norms if kept_norms else (q, k)  # (unused pointers without kept norms)
+    fast_exp = TUNING["fast_exp"] and not interp
     _state_bwd[(V // BV, plan.N * H)](Qg, Kd, Aqk, W, gc, do, dht if dht is not None else dh0, du, dse, dh0,
                                       plan.cu, plan.chunk_off, H=H, K=K, V=V, BV=BV, C=CHUNK,
-                                      USE_DHT=dht is not None, BF16=False, SPLIT=TUNING["state_bwd_split"],
-                                      INTERP=interp, **_launch_options("state_bwd"))
+                                      USE_DHT=dht is not None, BF16=False, INTERP=interp,
+                                      **_launch_options("state_bwd"))
     del W, Qg, Kd, Aqk  # (kept ones live on in the autograd context until the backward returns)
     dv = torch.empty_like(v)
     dqh = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
@@ -1117,23 +1224,26 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         dbk = torch.empty(plan.NT, H, NSV, CHUNK, dtype=torch.float32, device=dev)
         # K = 16 with BV = 32 faulted (illegal address, in the value-side kernel of the time) on the H200; BV = 16
         # runs (docs/kda-kernels.md, runs 8-9)
-        _bwd_vk[(plan.NT * NSV, H)](q, k, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du,
-                                    ut, dqh, dkh, dG, dtk, dbk, scale, H=H, K=K, V=V, SK=SKV,
+        _bwd_vk[(plan.NT * NSV, H)](q, k, z, b, A_log, dt_bias, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse, do,
+                                    du, ut, dqh, dkh, dG, dtk, dbk, scale, H=H, K=K, V=V, SK=SKV,
                                     BV=min(V, TUNING["bwd_vk_bv"]) if K > 16 else 16,
-                                    C=CHUNK, G_MIN=g_min, INTERP=interp,
+                                    C=CHUNK, G_MIN=g_min, KEPT_NORMS=kept_norms, FAST_EXP=fast_exp, INTERP=interp,
                                     **_launch_options("bwd_vk"))
         _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, dtk, dbk, dv, daqk, dakk, dbeta,
-                              H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, INTERP=interp,
+                              H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK,
+                              PREFETCH_PARTIALS=TUNING["bwd_vv_prefetch"], INTERP=interp,
                               **_launch_options("bwd_vv"))
         del dtk, dbk, ut
         # key slices (docs/kda-kernels.md §7 item 11); then the row-wise norm and σ' chains
         db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
-        _bwd_k[(plan.NT * NS, H)](q, k, z, b, A_log, dt_bias, plan.cu, plan.chunk_idx, dqh, dkh, dG, daqk, dakk,
-                                  dz, db_part, dA_part, dbias_part, scale, H=H, K=K, SK=SK, C=CHUNK, BC=SUB,
-                                  G_MIN=g_min, INTERP=interp, **_launch_options("bwd_k"))
+        _bwd_k[(plan.NT * NS, H)](q, k, z, b, A_log, dt_bias, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG, daqk,
+                                  dakk, dz, db_part, dA_part, dbias_part, scale, H=H, K=K, SK=SK, C=CHUNK, BC=SUB,
+                                  G_MIN=g_min, KEPT_NORMS=kept_norms, FAST_EXP=fast_exp, INTERP=interp,
+                                  **_launch_options("bwd_k"))
         BT = TUNING["bwd_norms_rows"]
-        _bwd_norms[(triton.cdiv(TT, BT), H)](q, k, b, dqh, dkh, dbeta, db_part, dq, dk, db, TT, scale, H=H, K=K,
-                                             NS=NS, BT=BT, INTERP=interp, **_launch_options("bwd_norms"))
+        _bwd_norms[(triton.cdiv(TT, BT), H)](q, k, b, qn, kn, dqh, dkh, dbeta, db_part, dq, dk, db, TT, scale, H=H,
+                                             K=K, NS=NS, BT=BT, KEPT_NORMS=kept_norms, INTERP=interp,
+                                             **_launch_options("bwd_norms"))
     else:
         dv.zero_()
     dA_log = dA_part.sum((0, 2)).to(A_log.dtype)
@@ -1217,6 +1327,7 @@ def chunk_kda(
       G_C                      [NT, H, K]        fp32
       chunk-start states       [NT, H, K, V]     fp32 (shared with the returned ones if return_chunk_states)
       Ũ = U − W·S              [TT, H, V]        U's dtype (fp32 unless all_bf16)
+      ‖q‖, ‖k‖                 2 × [TT, H]       fp32, only with TUNING["kept_norms"] (6 MiB at the K3 shape)
     At the K3 shape (T = 8192, H = 96, K = V = 128, bf16, no all_bf16) that is 576 + 192 + 192 + 6 + 768 + 384
     MiB ≈ 2.07 GiB per layer (the states are the largest part: 4·K·V/64 = 1 KiB per token and head), in
     exchange for the recompute: ~6.5 ms of the then ~32 ms forward + backward (docs/kda-kernels.md §7 item 9).
