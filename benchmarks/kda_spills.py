@@ -46,8 +46,7 @@ FP32_ARGS = {"A_log", "dt_bias", "t_in", "t_out", "hs", "dse", "du", "dqh_in", "
 INT32_ARGS = {"cu", "chunk_idx", "chunk_off"}
 CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
                   USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64,
-                  STORE_UT=False, SPLIT=False, STORE_QN=False, ONE_ANCHOR=False, FAST_EXP=False, KEPT_NORMS=False,
-                  PREFETCH_PARTIALS=False)
+                  STORE_UT=False, SPLIT=chunk.TUNING["state_split"], STORE_QN=False)
 # kernel -> its TUNING key prefix, in launch order; "_state_ut" is `_state` when it also stores Ũ (the backward's
 # recompute launch; the training forward's adds WRITE_O), launched with the state_ut settings
 TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
