@@ -128,11 +128,13 @@ def _flex(q, k, v, scale, offset, q_doc, kv_doc, want_max):
     block_mask = document_block_mask(B, T, S, offset, q_doc, kv_doc, q.device)
     fn = _flex_fn(q.device)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, *, D]
+    # the options tune the backward: inference calls (and flex's decoding kernel) keep flex's own choice
+    options = FLEX_KERNEL_OPTIONS if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)) else None
     if want_max and q.is_cuda and AuxRequest is not None:
-        o, aux = fn(qt, kt, vt, block_mask=block_mask, scale=scale, kernel_options=FLEX_KERNEL_OPTIONS,
+        o, aux = fn(qt, kt, vt, block_mask=block_mask, scale=scale, kernel_options=options,
                     return_aux=AuxRequest(max_scores=True))
         return o.transpose(1, 2), aux.max_scores.detach().float().amax(dim=(0, 2))
-    o = fn(qt, kt, vt, block_mask=block_mask, scale=scale, kernel_options=FLEX_KERNEL_OPTIONS)
+    o = fn(qt, kt, vt, block_mask=block_mask, scale=scale, kernel_options=options)
     ml = max_logits_chunked(q, k, scale, offset, q_doc, kv_doc) if want_max else None
     return o.transpose(1, 2), ml
 
@@ -170,9 +172,12 @@ def _flash(q, k, v, scale, offset, q_doc, kv_doc, want_max):
     return o, ml
 
 
-# flex_attention's launch options (block sizes, warps, stages; None: flex's own choice), for every call;
-# benchmarks/flex_options.py times candidates at the small preset's MLA shape
-FLEX_KERNEL_OPTIONS: dict | None = None
+# flex_attention's launch options where a backward can follow (None: flex's own choice). The backward at 8 warps, 2 stages
+# (flex's sm90 default for head dims > 128 is 4 warps): 3.30 → 2.89 ms at the small preset's MLA shape (B=8
+# T=4096 H=8, qk 192, v 128, packed documents), bitwise the same outputs and gradients; forward unchanged
+# (`benchmarks/flex_options.py`, session 9 run 5)
+FLEX_KERNEL_OPTIONS: dict | None = {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
+                                    "bwd_num_stages": 2, "bwd_num_warps": 8}
 
 # Set when flex_attention failed on this machine (e.g. its kernels do not compile for these head dims);
 # later calls then use SDPA. Benchmarks print it: a fallback must never pass silently.
