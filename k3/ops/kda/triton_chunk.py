@@ -25,7 +25,8 @@ measured variant are in docs/kda-kernels.md. In short:
   remain, the q/k norm backward and dβ's σ'.
 
 Intermediates are stored in bf16 for bf16 inputs except U, Ũ and Aqk (fp32 unless all_bf16) and G and T
-(fp32); states and accumulators are fp32; fp32 operands multiply in tf32, bf16 score blocks in bf16.
+(fp32); states and accumulators are fp32; `_state`'s products are split bf16 (about 16 mantissa bits,
+`_mm_split`), other fp32 operands multiply in tf32, bf16 score blocks in bf16.
 Everything is indexed by packed document offsets (`cu_seqlens`, fla's convention); a dense batch is B
 equal-length documents. On CPU the same kernels run in the Triton interpreter (`TRITON_INTERPRET=1`, set
 before triton is imported).
@@ -142,7 +143,7 @@ def _split(x, INTERP: tl.constexpr):
 
 @triton.jit
 def _mm_split(a, b, INTERP: tl.constexpr):
-    """a @ b on bf16 tensor cores to about 16 mantissa bits (the state passes): an fp32 operand goes in as
+    """a @ b on bf16 tensor cores to about 16 mantissa bits (`_state`): an fp32 operand goes in as
     bf16 hi + lo, and the products hi·hi + hi·lo + lo·hi are summed in fp32; a bf16 operand is exact as it is.
     More accurate than tf32 (10 bits), and the bf16 tiles reach the tensor cores as loaded, where tf32 first
     converts them to fp32 in shared memory (Nsight Compute, session 9: most of `_state`'s instructions)."""
