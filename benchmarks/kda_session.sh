@@ -1,29 +1,33 @@
 #!/usr/bin/env bash
-# Issue 5 on one H200, under ten minutes: the KDA kernels' tests on the GPU, launch configs side by side in one
-# process at the K3 shape and at the small preset's KDA layer (docs/kda-kernels.md §8), then the issue's table with
-# fla. Logs to $OUT/log.txt, JSON to $OUT. Pass the commit in (the GPU machine's .git copy can be stale):
-#     K3_GIT_SHA=$(git rev-parse HEAD) OUT=/tmp/out bash benchmarks/kda_session.sh
+# Issue 5 on one H200, under ten minutes: the KDA tests on the GPU, then each launch config of a configs file in its
+# own process (a config that faults cannot take the others with it), then the issue's table with fla under the
+# fastest forward+backward config. Logs to $OUT/log.txt, JSON to $OUT/compare.jsonl and $OUT/kda.json (at most 8
+# files come back from a device call). Pass the commit in (the GPU machine's .git copy can be stale):
+#     K3_GIT_SHA=$(git rev-parse HEAD) OUT=/tmp/out bash benchmarks/kda_session.sh [configs file]
+# Default configs: benchmarks/kda_next_configs.txt (docs/kda-kernels.md §8, status after session 9). The state_bv 16
+# fault (an illegal address, reproducible in the T = 300 gate) goes under compute-sanitizer first.
 set -u
 OUT=${OUT:-benchmarks/results}
+CONFIGS=${1:-benchmarks/kda_next_configs.txt}
 mkdir -p "$OUT"
 step() { local limit=$1; shift; echo "=== [$(date +%T)] $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
 {
-step 100 python3 -m pytest -q --tb=line -p no:cacheprovider tests/ops/test_kda_triton.py -k "prepare_matches or key_slices"
-# the K3 shape: each config ~10 s (docs/kda-kernels.md §8: the largest kernels are _bwd_k, _bwd_vk, the state
-# passes); then the small preset's KDA layer. state_bv 16 faults (session 8 run 1): not in the list.
-step 170 python3 -m benchmarks.kda --fla-configs 1 --fla-cases none --cases none --out "$OUT/compare.json" --compare '[
- {},
- {"state_ut_bv": 64},
- {"state_ut_bv": 64, "state_ut_stages": 1},
- {"state_bv": 64, "state_warps": 8},
- {"bwd_vk_warps": 8, "bwd_vk_maxnreg": 128},
- {"bwd_k_cols": 64, "bwd_k_warps": 8},
- {"bwd_k_maxnreg": 168},
- {"state_bwd_warps": 4}
-]'
-step 100 python3 -m benchmarks.kda --fla-configs 1 --fla-cases none --cases none --out "$OUT/compare_small.json" \
-    --compare-shapes "2,8192,8;4,4096,8" --compare '[{}, {"state_ut_bv": 64}, {"state_bwd_warps": 4}]'
-# the issue's table, fla side by side (one config per fla autotuner: a full autotune takes minutes per shape)
-step 200 python3 -m benchmarks.kda --fla-configs 1 --out "$OUT/kda.json" \
+step 60 compute-sanitizer --tool memcheck --print-limit 5 python3 -m benchmarks.kda --quick --fla-cases none \
+    --tuning '{"state_bv": 16}'
+step 150 python3 -m pytest -q --tb=line -p no:cacheprovider tests/ops/test_kda_triton.py tests/gpu/test_kda_triton_gpu.py
+while IFS= read -r cfg; do
+    [ -z "$cfg" ] && continue
+    step 45 python3 -m benchmarks.kda --fla-configs 1 --fla-cases none --cases none --out "$OUT/one.json" \
+        --compare "[$cfg]" && python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['compare'][0]))" \
+        "$OUT/one.json" >> "$OUT/compare.jsonl"
+done < "$CONFIGS"
+rm -f "$OUT/one.json"
+best=$(python3 -c "
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+rows = [r for r in rows if r.get('gate_ok') and r.get('fwd_bwd_ms')]
+print(json.dumps(min(rows, key=lambda r: r['fwd_bwd_ms'])['tuning']) if rows else '{}')" "$OUT/compare.jsonl")
+echo "fastest forward+backward config: $best"
+step 200 python3 -m benchmarks.kda --fla-configs 1 --out "$OUT/kda.json" --tuning "$best" \
     --fla-cases "fwd B=1 T=8192 H=96,fwd+bwd B=1 T=8192 H=96,decode B=64 T=1 H=96"
-} 2>&1 | tee "$OUT/log.txt"
+} 2>&1 | grep --line-buffered -v "Warning\|warn_once" | tee "$OUT/log.txt"
