@@ -38,3 +38,36 @@ def test_kernels_compile_for_sm90_without_large_spills():
     for line in run.stdout.splitlines()[1:]:
         stores = int(line.rsplit("/", 1)[0].split()[-1])
         assert stores <= 1024, line
+
+
+def test_kda_kernels_compile_for_sm90():
+    """Every KDA chunk kernel builds for the H200 at its TUNING settings (no GPU; the interpreter tests cannot see a
+    kernel that fails to compile), none spilling more than 1 KB per thread."""
+    ptxas = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("this triton wheel has no bundled ptxas")
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kda_spills.py")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [line for line in run.stdout.splitlines() if line.startswith("_")]
+    assert {r.split()[0] for r in rows} >= {"_prep_gate", "_prep_intra", "_prep_solve", "_prep_wu", "_state",
+                                             "_state_ut", "_state_bwd", "_bwd_vk", "_bwd_vv", "_bwd_k",
+                                             "_bwd_norms"}, run.stdout
+    for line in rows:
+        stores = int(line.rsplit("/", 1)[0].split()[-1])
+        assert stores <= 1024, line
+
+
+def test_ncu_source_report_reads_the_session_9_export():
+    """`benchmarks/ncu_source.py` on the committed Nsight Compute export: the inference `_state` section, its
+    opcode shares and top instructions."""
+    export = ROOT / "benchmarks" / "results" / "ncu" / "s9-run1-kda_source.csv.gz"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ncu_source.py"), str(export), "5", "--top", "3"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith('"_state"') and "samples" in lines[0], lines[0]
+    shares = [float(line.split()[1].rstrip("%")) for line in lines[1:] if line.split()[1].endswith("%")
+              and not line.startswith("---") and not line.split()[0].isdigit()]
+    assert shares and 50 < sum(shares) <= 100.05, shares
+    assert len([line for line in lines if line.split()[0].isdigit()]) == 3, run.stdout
