@@ -437,6 +437,26 @@ def profile_breakdown(fla, iters=5):
             print_kernel_times(f"{name} {mode}", step, iters)
 
 
+def forward_steps(B, T, H, device):
+    """(forward, forward + backward) of `chunk_kda` at dense B×T×H (K = V = 128) on fixed random inputs and
+    cotangents: zero-argument callables for timing and profiling (`compare_tunings`, `benchmarks.kda_ncu`)."""
+    ins = raw_inputs(B, T, H, seed=4, device=device, h0=True)
+    live = [x.detach().requires_grad_() for x in ins]
+    gen = torch.Generator(device=device).manual_seed(5)
+    do = torch.randn(B, T, H, 128, generator=gen, device=device).bfloat16()
+    dS = torch.randn(B, H, 128, 128, generator=gen, device=device)
+
+    def forward():
+        with torch.no_grad():
+            ours_fn(live, None)
+
+    def forward_backward():
+        o, S = ours_fn(live, None)
+        torch.autograd.grad((o, S), live, (do, dS))
+
+    return forward, forward_backward
+
+
 def compare_tunings(configs, device, quick, shape=(1, 8192, 96)):
     """Each TUNING override set (on top of the current TUNING) at shape (B, T, H): the fp64 gate, fwd and
     fwd+bwd times (`bench`) and fwd+bwd kernel times (profiler); prints one table, returns the rows."""
@@ -444,20 +464,7 @@ def compare_tunings(configs, device, quick, shape=(1, 8192, 96)):
 
     B, T, H = (1, 128, 2) if quick else shape
     base = dict(triton_chunk.TUNING)
-    ins = raw_inputs(B, T, H, seed=4, device=device, h0=True)
-    live = [x.detach().requires_grad_() for x in ins]
-    gen = torch.Generator(device=device).manual_seed(5)
-    do = torch.randn(B, T, H, 128, generator=gen, device=device).bfloat16()
-    dS = torch.randn(B, H, 128, 128, generator=gen, device=device)
-
-    def fwd():
-        with torch.no_grad():
-            ours_fn(live, None)
-
-    def fwd_bwd():
-        o, S = ours_fn(live, None)
-        torch.autograd.grad((o, S), live, (do, dS))
-
+    fwd, fwd_bwd = forward_steps(B, T, H, device)
     rows = []
     try:
         for cfg in configs:

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from benchmarks.kda import ours_fn, raw_inputs
+from benchmarks.kda import forward_steps
 
 
 def main() -> int:
@@ -29,19 +29,7 @@ def main() -> int:
         from k3.ops.kda import triton_chunk
 
         triton_chunk.TUNING.update(json.loads(args.tuning))
-    ins = raw_inputs(B, T, H, seed=4, h0=True)
-    live = [x.detach().requires_grad_() for x in ins]
-    do = torch.randn(B, T, H, 128, device="cuda").bfloat16()
-    dS = torch.randn(B, H, 128, 128, device="cuda")
-
-    def forward():
-        with torch.no_grad():
-            ours_fn(live, None)
-
-    def forward_backward():
-        o, S = ours_fn(live, None)
-        torch.autograd.grad((o, S), live, (do, dS))
-
+    forward, forward_backward = forward_steps(B, T, H, "cuda")
     for _ in range(2):  # compile every specialisation, warm the allocator
         forward()
         forward_backward()

@@ -172,10 +172,10 @@ def _flash(q, k, v, scale, offset, q_doc, kv_doc, want_max):
     return o, ml
 
 
-# flex_attention's launch options where a backward can follow (None: flex's own choice). The backward at 8 warps, 2 stages
-# (flex's sm90 default for head dims > 128 is 4 warps): 3.30 → 2.89 ms at the small preset's MLA shape (B=8
-# T=4096 H=8, qk 192, v 128, packed documents), bitwise the same outputs and gradients; forward unchanged
-# (`benchmarks/flex_options.py`, session 9 run 5)
+# flex_attention's launch options where a backward can follow (None: flex's own choice). The backward at 8
+# warps, 2 stages (flex's sm90 default for head dims > 128 is 4 warps): 3.30 → 2.89 ms at the small preset's MLA
+# shape (B=8 T=4096 H=8, qk 192, v 128, packed documents), bitwise the same outputs and gradients; forward
+# unchanged (`benchmarks/flex_options.py`, session 9 run 5)
 FLEX_KERNEL_OPTIONS: dict | None = {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
                                     "bwd_num_stages": 2, "bwd_num_warps": 8}
 

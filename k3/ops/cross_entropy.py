@@ -100,10 +100,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc += a @ b, acc in fp32 and a, b in a 16-bit GEMM dtype, summed across the chunks. On CUDA the sum
-    happens in cuBLAS's epilogue (beta = 1, fp32 output): one pass over acc, where a 16-bit product and then
-    an fp32 read-modify-write took 9.7 ms of a 469 ms small-preset step at 32K tokens (session 9, 20 chunks
-    of [163840, 768]); each chunk's product then also skips the rounding to 16 bits. Elsewhere (CPU has no
-    mixed-dtype GEMM) the product is rounded to the GEMM dtype and added, as before."""
+    happens in cuBLAS's epilogue (beta = 1, fp32 output): one pass over acc instead of a 16-bit product and then an
+    fp32 read-modify-write, whose adds took 9.7 ms of a 469 ms small-preset step at 32K tokens (session 9 run 2's
+    profile, 20 chunks of [163840, 768]; the fused form is not timed on its own), and each chunk's product skips
+    the rounding to 16 bits. Elsewhere (CPU has no mixed-dtype GEMM) the product is rounded and added."""
     if acc.is_cuda and acc.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:

@@ -24,38 +24,34 @@ def test_quick_gate_passes(module):
     assert "FAIL" not in run.stdout
 
 
-def test_kernels_compile_for_sm90_without_large_spills():
-    """Compiled offline for the H200 (no GPU): every kernel builds, and none spills more than 1 KB per thread
-    (the short-conv backward once spilled 12.8 KB at a tiling that looked harmless)."""
+def spill_report(script: str) -> list[str]:
+    """The kernel rows of an offline sm_90 spill report (`benchmarks/<script>`), each checked to build and to spill
+    at most 1 KB per thread; skips where the triton wheel has no bundled ptxas."""
     ptxas = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.exists():
         pytest.skip("this triton wheel has no bundled ptxas")
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_spills.py")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    rows = [line.split() for line in run.stdout.splitlines()[1:] if line.strip()]
-    assert len(rows) >= 6, run.stdout
-    for line in run.stdout.splitlines()[1:]:
+    rows = [line for line in run.stdout.splitlines()[1:] if line.strip()]
+    for line in rows:
         stores = int(line.rsplit("/", 1)[0].split()[-1])
         assert stores <= 1024, line
+    return rows
+
+
+def test_kernels_compile_for_sm90_without_large_spills():
+    """Compiled offline for the H200 (no GPU): every kernel builds, and none spills more than 1 KB per thread
+    (the short-conv backward once spilled 12.8 KB at a tiling that looked harmless)."""
+    assert len(spill_report("kernel_spills.py")) >= 6
 
 
 def test_kda_kernels_compile_for_sm90():
     """Every KDA chunk kernel builds for the H200 at its TUNING settings (no GPU; the interpreter tests cannot see a
     kernel that fails to compile), none spilling more than 1 KB per thread."""
-    ptxas = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        pytest.skip("this triton wheel has no bundled ptxas")
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kda_spills.py")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
-    rows = [line for line in run.stdout.splitlines() if line.startswith("_")]
-    assert {r.split()[0] for r in rows} >= {"_prep_gate", "_prep_intra", "_prep_solve", "_prep_wu", "_state",
-                                             "_state_ut", "_state_bwd", "_bwd_vk", "_bwd_vv", "_bwd_k",
-                                             "_bwd_norms"}, run.stdout
-    for line in rows:
-        stores = int(line.rsplit("/", 1)[0].split()[-1])
-        assert stores <= 1024, line
+    names = {row.split()[0] for row in spill_report("kda_spills.py")}
+    assert names >= {"_prep_gate", "_prep_intra", "_prep_solve", "_prep_wu", "_state", "_state_ut", "_state_bwd",
+                     "_bwd_vk", "_bwd_vv", "_bwd_k", "_bwd_norms"}, names
 
 
 def test_ncu_source_report_reads_the_session_9_export():

@@ -214,16 +214,31 @@ def _solve_below_diagonal(T00, T11, T22, T33, A10, A20, A21, A30, A31, A32):
 
 
 @triton.jit
+def _gate_inputs(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K: tl.constexpr, R: tl.constexpr, NC: tl.constexpr):
+    """The gate's inputs on rows [row0, +R) and columns [c0, +NC) of one head: (z, exp(A), dt_bias slice);
+    `_bwd_vk` loads them ahead of its value loop, `_gate_tile` right where it needs them."""
+    z_raw = tl.load(_bp(z, bos, L, i_h, row0, c0, H, K, R, NC), boundary_check=(0,), padding_option="zero")
+    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    bias = tl.load(dt_bias + i_h * K + c0 + tl.arange(0, NC)).to(tl.float32)
+    return z_raw, a, bias
+
+
+@triton.jit
+def _gate_from(z_raw, a, bias, valid, G_MIN: tl.constexpr):
+    """(g, pre-activation x) from `_gate_inputs`: g = g_min·σ(exp(A)·(z + dt_bias)), zero on rows not valid."""
+    x = a * (z_raw.to(tl.float32) + bias[None, :])
+    return tl.where(valid[:, None], G_MIN * tl.sigmoid(x), 0.0), x
+
+
+@triton.jit
 def _gate_tile(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K: tl.constexpr, R: tl.constexpr, NC: tl.constexpr,
                G_MIN: tl.constexpr):
     """The lower-bounded gate on rows [row0, +R) and columns [c0, +NC) of one head: (g, pre-activation x,
     valid rows); g = g_min·σ(exp(A)·(z + dt_bias)), zero past the document end."""
     valid = row0 + tl.arange(0, R) < L
-    z_raw = tl.load(_bp(z, bos, L, i_h, row0, c0, H, K, R, NC), boundary_check=(0,), padding_option="zero")
-    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    bias = tl.load(dt_bias + i_h * K + c0 + tl.arange(0, NC)).to(tl.float32)
-    x = a * (z_raw.to(tl.float32) + bias[None, :])
-    return tl.where(valid[:, None], G_MIN * tl.sigmoid(x), 0.0), x, valid
+    z_raw, a, bias = _gate_inputs(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K, R, NC)
+    g, x = _gate_from(z_raw, a, bias, valid, G_MIN)
+    return g, x, valid
 
 
 # forward kernels
@@ -556,17 +571,24 @@ def _load_norm(n_in, bos, L, row0, i_h, H, BC: tl.constexpr):
 
 
 @triton.jit
+def _unit_cols(q, k, qn_in, kn_in, bos, L, row0, c0, i_h, scale, H, K: tl.constexpr, SK: tl.constexpr,
+               BC: tl.constexpr):
+    """q̂ (times scale) and k̂ on the BC rows at row0 and the key columns [c0, c0 + SK), normalised by the
+    prepare's whole-row norms (`_load_norm`)."""
+    q_n = _load_norm(qn_in, bos, L, row0, i_h, H, BC)
+    k_n = _load_norm(kn_in, bos, L, row0, i_h, H, BC)
+    q_s = tl.load(_bp(q, bos, L, i_h, row0, c0, H, K, BC, SK), boundary_check=(0,), padding_option="zero")
+    k_s = tl.load(_bp(k, bos, L, i_h, row0, c0, H, K, BC, SK), boundary_check=(0,), padding_option="zero")
+    return q_s.to(tl.float32) / q_n[:, None] * scale, k_s.to(tl.float32) / k_n[:, None]
+
+
+@triton.jit
 def _block_inputs_cols(q, k, z, b, A_log, dt_bias, qn_in, kn_in, bos, L, row0, c0, i_h, scale, carry,
                        H, K: tl.constexpr, SK: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr):
     """One 16-row block on the key columns [c0, c0 + SK) (`_bwd_k`): q̂, k̂, the cumulative gate G (continuing
     from `carry`), its anchor a (G at the first row) and end e (G at the last row) on those columns, β, gate
     pre-activation and valid mask. The L2 norms need whole rows: they are the prepare's ([TT, H], `_load_norm`)."""
-    q_n = _load_norm(qn_in, bos, L, row0, i_h, H, BC)
-    k_n = _load_norm(kn_in, bos, L, row0, i_h, H, BC)
-    q_s = tl.load(_bp(q, bos, L, i_h, row0, c0, H, K, BC, SK), boundary_check=(0,), padding_option="zero")
-    k_s = tl.load(_bp(k, bos, L, i_h, row0, c0, H, K, BC, SK), boundary_check=(0,), padding_option="zero")
-    qh = q_s.to(tl.float32) / q_n[:, None] * scale
-    kh = k_s.to(tl.float32) / k_n[:, None]
+    qh, kh = _unit_cols(q, k, qn_in, kn_in, bos, L, row0, c0, i_h, scale, H, K, SK, BC)
     beta = _load_beta(b, bos, L, row0, i_h, H, BC)
     g, x, valid = _gate_tile(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K, BC, SK, G_MIN)
     G = carry[None, :] + tl.cumsum(g, 0)
@@ -651,9 +673,7 @@ def _bwd_vk(q, k, z, b, A_log, dt_bias, qn_in, kn_in, cu, chunk_idx, t_in, hs, d
     rows = tl.arange(0, C)
     cs = tl.arange(0, SK)
     s_base = (i_c * H + i_h).to(tl.int64) * K * V
-    z_raw = tl.load(_bp(z, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
-    a_exp = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    bias = tl.load(dt_bias + i_h * K + c0 + cs).to(tl.float32)
+    z_raw, a_exp, bias = _gate_inputs(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K, C, SK)
     beta = _load_beta(b, bos, L, row0, i_h, H, C)
     dQg = tl.zeros([C, SK], dtype=tl.float32)
     dW = tl.zeros([C, SK], dtype=tl.float32)
@@ -672,15 +692,11 @@ def _bwd_vk(q, k, z, b, A_log, dt_bias, qn_in, kn_in, cu, chunk_idx, t_in, hs, d
         dgc += tl.sum(S * dSe, 1)
     Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
     dXk = tl.dot(tl.trans(Tm), dW)
-    # the gate as `_gate_tile` computes it, from the inputs loaded before the loop; one 64-row block from a zero
-    # carry: its end is G_C
-    x = a_exp * (z_raw.to(tl.float32) + bias[None, :])
-    G = tl.cumsum(tl.where((row0 + rows < L)[:, None], G_MIN * tl.sigmoid(x), 0.0), 0)
+    # the gate from the inputs loaded before the loop; one 64-row block from a zero carry: its end is G_C
+    g, _ = _gate_from(z_raw, a_exp, bias, row0 + rows < L, G_MIN)
+    G = tl.cumsum(g, 0)
     gc = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)
-    q_s = tl.load(_bp(q, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
-    k_s = tl.load(_bp(k, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
-    qh = q_s.to(tl.float32) / _load_norm(qn_in, bos, L, row0, i_h, H, C)[:, None] * scale
-    kh = k_s.to(tl.float32) / _load_norm(kn_in, bos, L, row0, i_h, H, C)[:, None]
+    qh, kh = _unit_cols(q, k, qn_in, kn_in, bos, L, row0, c0, i_h, scale, H, K, SK, C)
     gam = tl.exp(G)
     Kg = kh * gam
     p_part = ((i_c * H + i_h) * NS + s).to(tl.int64)
@@ -1165,19 +1181,16 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         _bwd_vk[(plan.NT * NSV, H)](q, k, z, b, A_log, dt_bias, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse, do,
                                     du, ut, dqh, dkh, dG, dtk, dbk, scale, H=H, K=K, V=V, SK=SKV,
                                     BV=min(V, TUNING["bwd_vk_bv"]) if K > 16 else 16,
-                                    C=CHUNK, G_MIN=g_min, INTERP=interp,
-                                    **_launch_options("bwd_vk"))
+                                    C=CHUNK, G_MIN=g_min, INTERP=interp, **_launch_options("bwd_vk"))
         _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, dtk, dbk, dv, daqk, dakk, dbeta,
-                              H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK,
-                              INTERP=interp,
+                              H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, INTERP=interp,
                               **_launch_options("bwd_vv"))
         del dtk, dbk, ut
         # key slices (docs/kda-kernels.md §7 item 11); then the row-wise norm and σ' chains
         db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
         _bwd_k[(plan.NT * NS, H)](q, k, z, b, A_log, dt_bias, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG, daqk,
                                   dakk, dz, db_part, dA_part, dbias_part, scale, H=H, K=K, SK=SK, C=CHUNK, BC=SUB,
-                                  G_MIN=g_min, INTERP=interp,
-                                  **_launch_options("bwd_k"))
+                                  G_MIN=g_min, INTERP=interp, **_launch_options("bwd_k"))
         BT = TUNING["bwd_norms_rows"]
         _bwd_norms[(triton.cdiv(TT, BT), H)](q, k, b, qn, kn, dqh, dkh, dbeta, db_part, dq, dk, db, TT, scale, H=H,
                                              K=K, NS=NS, BT=BT, INTERP=interp,
