@@ -46,7 +46,7 @@ FP32_ARGS = {"A_log", "dt_bias", "t_in", "t_out", "hs", "dse", "du", "dqh_in", "
 INT32_ARGS = {"cu", "chunk_idx", "chunk_off"}
 CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
                   USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64,
-                  STORE_UT=False, SPLIT=chunk.TUNING["state_split"], STORE_QN=False)
+                  STORE_UT=False, SPLIT=chunk.TUNING["state_split_inference"], STORE_QN=False)
 # kernel -> its TUNING key prefix, in launch order; "_state_ut" is `_state` when it also stores Ũ (the backward's
 # recompute launch; the training forward's adds WRITE_O), launched with the state_ut settings
 TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
@@ -56,7 +56,7 @@ TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_
 _SK = chunk.TUNING["bwd_k_cols"]
 _SKV = chunk.TUNING["bwd_vk_cols"]
 KERNEL_CONSTEXPRS = {"_bwd_k": dict(SK=_SK), "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
-                     "_state_ut": dict(STORE_UT=True), "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV)}
+                     "_state_ut": dict(STORE_UT=True, SPLIT=chunk.TUNING["state_split"]), "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV)}
 
 
 def kernel_fn(name: str):

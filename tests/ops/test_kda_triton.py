@@ -315,6 +315,32 @@ def test_state_split_products(dev, monkeypatch, dtype):
             assert any(not torch.equal(a, b) for a, b in pairs)
 
 
+def test_inference_forward_state_products(dev, monkeypatch):
+    """The inference forward (nothing stored for a backward) multiplies in tf32 (`state_split_inference` off) and
+    the training forward in split bf16: both within fp64 tolerance, within 5e-5 of each other in the interpreter;
+    switching `state_split_inference` on makes the two forwards bit-identical."""
+    from k3.ops.kda import chunk_kda
+    from k3.ops.kda import triton_chunk as tc
+
+    inputs = [x.to(dev) for x in make_raw(1, 150, 2, 32, 64, seed=43, dtype=torch.float32)]
+    ref, _ = reference(*[x.double() for x in inputs])
+
+    def forwards():
+        with torch.no_grad():
+            infer, _ = chunk_kda(*inputs[:7], initial_state=inputs[7])
+        train, _ = chunk_kda(*(x.clone().requires_grad_() for x in inputs[:7]), initial_state=inputs[7])
+        return infer.detach(), train.detach()
+
+    infer, train = forwards()
+    for o in (infer, train):
+        assert rel_err(o.cpu(), ref) <= 0.2 * TOL["o"]
+    if not ON_GPU:
+        assert rel_err(infer.cpu(), train.cpu()) <= 5e-5 and not torch.equal(infer, train)
+    monkeypatch.setitem(tc.TUNING, "state_split_inference", True)
+    infer, train = forwards()
+    assert torch.equal(infer, train)
+
+
 def test_saved_intermediates_only_when_a_backward_follows(dev, monkeypatch):
     """No grad mode or no input that requires grad: nothing extra is computed or kept."""
     from k3.ops.kda import chunk_kda

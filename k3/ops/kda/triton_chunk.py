@@ -68,10 +68,12 @@ TUNING = {
     "state_bwd_bv": 32, "state_bwd_warps": 8, "state_bwd_stages": 1, "state_bwd_maxnreg": None,
     # `_state`'s products in split bf16 (`_mm_split`: more accurate than tf32, and without tf32's conversion of the
     # bf16 tiles) unless state_bf16: the launch that stores Ũ 2.12 → 1.88 ms at 4 warps, the inference forward
-    # 3.231 → 3.255 ms (session 9 runs 3-4); in every launch, so that a forward's output does not depend on whether
-    # it keeps Ũ for the backward. Not in `_state_bwd`: bf16 dots there faulted on the H200 (session 9 run 3, as the
-    # plain bf16 ones did in session 4, docs/kda-kernels.md §7 item 5)
+    # 3.231 → 3.255 ms (session 9 runs 3-4). Not in `_state_bwd`: bf16 dots there faulted on the H200 (session 9
+    # run 3, as the plain bf16 ones did in session 4, docs/kda-kernels.md §7 item 5)
     "state_split": True,
+    # the inference forward (no Ũ stored) keeps tf32: 3.134 → 3.102 ms at the K3 shape, 1.077 → 0.977 ms at the
+    # small preset's 8 × 4096, H = 8 (session 10 run 1); its o is within tf32 rounding of the training forward's
+    "state_split_inference": False,
     # the value-side backward over key slices from the forward's Ũ (docs/kda-kernels.md §7 item 13): `_bwd_vk` per
     # (key slice of bwd_vk_cols, chunk, head), then `_bwd_vv` per (chunk, head); fwd+bwd 19.95 → 18.53 ms at the K3
     # shape with bwd_vk_maxnreg 168 (session 8, run 1). 8 warps, 3 stages, 128 registers: every loop tile an async
@@ -1091,7 +1093,7 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
     ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
     hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=torch.float32, device=dev) if want_hs else None
     ut = torch.empty_like(U) if want_ut else None
-    split = TUNING["state_split"] and not state_bf16
+    split = TUNING["state_split" if want_ut else "state_split_inference"] and not state_bf16
     dummy = gc
     _state[(V // BV, plan.N * H)](W, U, Qg, Kd, Aqk, gc, h0 if h0 is not None else dummy,
                                   o if o is not None else dummy, ht if ht is not None else dummy,
