@@ -153,8 +153,9 @@ class ModelConfig:
     # backward (~1.7 GiB per layer at K3's shape, ~6 ms less per layer; docs/kda-kernels.md §2), or recomputes
     kda_save_intermediates: bool = True
     mla_impl: MLAImpl = "auto"
-    # Block AttnRes wiring: direct reads (reference), the two-phase inference form, or the direct wiring
-    # with the fused Triton read (the CUDA default under "auto")
+    # Block AttnRes wiring (k3.model.attn_res): direct reads (reference), the direct wiring with the fused
+    # Triton read, or the two-phase form (fused where it fits: the CUDA default under "auto" without
+    # activation checkpointing)
     attn_res_impl: AttnResImpl = "auto"
     moe_impl: MoEImpl = "auto"  # reference: padded-batch dispatch; grouped: grouped GEMMs (k3.ops.moe)
     attention_backend: AttentionBackend = "auto"  # MLA training/prefill attention (k3.ops.attention)

@@ -12,15 +12,24 @@ Two exact forms:
 - `attn_res_phase1` + `attn_res_merge`: the two-phase inference form. Queries do not depend on the
   input, so all reads of a block are batched over its sealed sources once (phase 1), and each read then
   merges the running partial sum with an online-softmax step (phase 2).
-The direct form also has a fused Triton read (`k3.ops.attn_res`) that never stacks the sources: it is
-what `attn_res_impl` "triton" (and "auto" on CUDA) runs; `select_read` picks it.
+Both forms have fused Triton kernels (`k3.ops.attn_res`) that never stack the sources. `attn_res_impl`:
+- "direct": the direct form in torch; "triton": the direct form with the fused read (`select_read`);
+- "two_phase": the two-phase form, fused (`block_reads`) where Triton runs and the block's J queries fit
+  (`two_phase_fits`), else in torch;
+- "auto": on CUDA the fused two-phase form when it fits, else the fused direct read; the direct form in
+  torch elsewhere. Layers checkpointed with `apply_activation_checkpointing` take the direct wiring (the
+  checkpoint wraps one layer of it); "two_phase" refuses them while a backward can follow.
+The fused two-phase form reads each sealed source once per block forward and writes one gradient per source
+and block backward, where the direct read touches it once per read and the autograd engine sums one gradient
+per read (docs/fast-paths.md, session 10).
 """
 
 from __future__ import annotations
 
 import torch
 
-from k3.ops.attn_res import attn_res_read_triton, fused_attn_res_available
+from k3.ops.attn_res import (attn_res_merge_triton, attn_res_phase1_triton, attn_res_read_triton,
+                             fused_attn_res_available, two_phase_fits)
 
 EPS = 1e-5
 
@@ -83,3 +92,25 @@ def select_read(impl: str, x: torch.Tensor):
     if impl == "triton" or (impl == "auto" and fused_attn_res_available(x)):
         return attn_res_read_triton
     return attn_res_read
+
+
+def fused_two_phase_available(x: torch.Tensor, num_queries: int) -> bool:
+    """The fused phase 1 and merge run here for blocks of up to `num_queries` reads of width x.shape[-1]."""
+    return fused_attn_res_available(x) and two_phase_fits(num_queries, x.shape[-1])
+
+
+def block_reads(queries: torch.Tensor, sealed: list[torch.Tensor], fused: bool, eps: float = EPS):
+    """Phase 1 of one block for its queries [J, D] over the sealed sources -> `read(j, w, partial)`: query j's
+    read, merged with the partial sum (partial None: the phase-1 read alone, in the sources' dtype)."""
+    dtype = sealed[0].dtype
+    if fused:
+        o1, lse1 = attn_res_phase1_triton(queries, sealed, eps)
+
+        def read(j, w, partial):
+            return o1[j].to(dtype) if partial is None else attn_res_merge_triton(o1[j], lse1[j], w, partial, eps)
+    else:
+        o1, m1, l1 = attn_res_phase1(queries, sealed, eps)
+
+        def read(j, w, partial):
+            return o1[j].to(dtype) if partial is None else attn_res_merge(o1[j], m1[j], l1[j], w, partial, eps)
+    return read

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from k3.config import ModelConfig
-from k3.model.attn_res import attn_res_merge, attn_res_phase1, pseudo_query, select_read
+from k3.model.attn_res import block_reads, fused_two_phase_available, pseudo_query, select_read
 from k3.model.cache import K3Cache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
@@ -147,11 +147,26 @@ class K3Model(nn.Module):
     def forward(self, input_ids, layout, cache=None, router_infos=None, mla_max_logits=None):
         """input_ids [B, T] -> final normed hidden states [B, T, D]."""
         h = self.embed_tokens(input_ids)
-        if self.config.attn_res_impl == "two_phase":
+        if self._two_phase(h):
             h = self._layers_two_phase(h, layout, cache, router_infos, mla_max_logits)
         else:
             h = self._layers_direct(h, layout, cache, router_infos, mla_max_logits)
         return self.norm(h)
+
+    def _block_queries(self) -> int:
+        """The most reads one block makes: two per layer, plus the output read in the last block."""
+        S, L = self.config.attn_res_block_size, len(self.layers)
+        return max(2 * min(S, L - i) + (i + S >= L) for i in range(0, L, S))
+
+    def _two_phase(self, h: torch.Tensor) -> bool:
+        """The AttnRes wiring (module docstring of k3.model.attn_res): two-phase or direct."""
+        impl = self.config.attn_res_impl
+        checkpointed = torch.is_grad_enabled() and getattr(self.layers[0].forward, "k3_checkpointed", False)
+        if impl == "two_phase" and checkpointed:
+            raise ValueError("attn_res_impl='two_phase' is not checkpointed per layer; with activation "
+                             "checkpointing use 'auto' or 'triton' (the direct wiring)")
+        return impl == "two_phase" or (impl == "auto" and not checkpointed
+                                       and fused_two_phase_available(h, self._block_queries()))
 
     def _layers_direct(self, h, layout, cache, router_infos, mla_max_logits):
         read = select_read(self.config.attn_res_impl, h)
@@ -164,6 +179,7 @@ class K3Model(nn.Module):
     def _layers_two_phase(self, h, layout, cache, router_infos, mla_max_logits):
         """Same result as `_layers_direct`; sealed sources are read once per block (architecture.md §4.4)."""
         S, L = self.config.attn_res_block_size, len(self.layers)
+        fused = fused_two_phase_available(h, self._block_queries())
         sealed: list[torch.Tensor] = []
         partial = h
         for layer in self.layers:
@@ -176,18 +192,13 @@ class K3Model(nn.Module):
                 if i + S >= L:
                     queries.append(self.output_query())
                 # query slots: attn reads of the block, then its mlp reads, then the output read
-                o1, m1, l1 = attn_res_phase1(torch.stack(queries), sealed)
+                read = block_reads(torch.stack(queries), sealed, fused)
                 block_start, block_len = i, len(block)
-                a = o1[0].to(h.dtype)
-            else:
-                j = i - block_start
-                a = attn_res_merge(o1[j], m1[j], l1[j], layer.attn_query(), partial)
-            y = layer.run_mixer(a, layout, cache, mla_max_logits)
+            y = layer.run_mixer(read(i - block_start, layer.attn_query(), partial), layout, cache, mla_max_logits)
             partial = y if partial is None else partial + y
-            j = block_len + i - block_start
-            m = attn_res_merge(o1[j], m1[j], l1[j], layer.mlp_query(), partial)
+            m = read(block_len + i - block_start, layer.mlp_query(), partial)
             partial = partial + layer.ffn(m, router_infos)
-        return attn_res_merge(o1[-1], m1[-1], l1[-1], self.output_query(), partial)
+        return read(2 * block_len, self.output_query(), partial)
 
 
 class K3ForCausalLM(nn.Module):

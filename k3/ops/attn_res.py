@@ -13,6 +13,22 @@ source twice (logits, then gradients) and writes one gradient per source. Nothin
 Backward per row, with c = Σ_j α_j (dout · v_j) and ds_i = α_i (dout · v_i − c):
 dv_i = α_i dout + ds_i (r_i w − (w · v_i) r_i³ v_i / D),   dw = Σ_rows Σ_i ds_i r_i v_i.
 The number of sources is a compile-time constant (one specialisation per n ≤ the number of blocks + 1).
+
+The two-phase form for training (`attn_res_phase1_triton` + `attn_res_merge_triton`, the fused version of
+`k3.model.attn_res.attn_res_phase1` / `attn_res_merge`). The J reads of one block share its sealed sources,
+and their queries are parameters, so all J are computed in one pass at the block's start:
+
+    phase 1:  o1_j = Σ_i α_ji v_i,  α_j = softmax_i(s_ji),  s_ji = r_i (w_j · v_i),  lse1_j = logsumexp_i s_ji
+    merge:    out = β1 o1_j + β2 p,  (β1, β2) = softmax(lse1_j, s_p),  s_p = r_p (w · p)   (p: the partial sum)
+
+Each sealed source is then read once per block forward (twice backward) instead of once per read, and its
+gradient is summed over the block's J reads inside the kernel: one gradient per source and block, where the
+direct form writes one per read and the autograd engine adds them up. Phase-1 backward, with g_j = dL/do1_j
+and e_j = dL/dlse1_j: dα_ji = g_j · v_i, c_j = Σ_i α_ji dα_ji, ds_ji = α_ji (dα_ji − c_j + e_j),
+dv_i = Σ_j α_ji g_j + r_i Σ_j ds_ji w_j − (r_i³ / D) (Σ_j ds_ji (w_j · v_i)) v_i,
+dw_j = Σ_rows Σ_i ds_ji r_i v_i.
+The J accumulators of a row live in registers ([J, D] per row), so the fused form serves J · D ≤ 16384
+(`two_phase_fits`: the small preset's J = 7, D = 768; not K3's J = 25, D = 7168, which keeps the direct read).
 """
 
 from __future__ import annotations
@@ -105,6 +121,139 @@ if triton is not None:
                 dw += tl.sum((ds * r)[:, None] * v, axis=0)
         tl.store(DW_PART + pid * D + cols, dw, mask=cmask)
 
+    @triton.jit
+    def _p1_fwd_kernel(srcs, WQ, O1, LSE1, N, D, eps, NS: tl.constexpr, J: tl.constexpr, JP: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Phase 1 forward: every query j of the block over the sealed sources, one online softmax per query;
+        O1 [J, N, D] fp32, LSE1 [J, N]. Tiles are [JP queries, BLOCK_M rows, BLOCK_D columns]."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_D)
+        qs = tl.arange(0, JP)
+        mask = (rows[:, None] < N) & (cols[None, :] < D)
+        offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+        wq = tl.load(WQ + qs[:, None] * D + cols[None, :], mask=(qs[:, None] < J) & (cols[None, :] < D), other=0.0)
+        m = tl.full([JP, BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([JP, BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([JP, BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for i in tl.static_range(NS):
+            v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+            r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+            s = tl.sum(wq[:, None, :] * v[None, :, :], axis=2) * r[None, :]
+            m_new = tl.maximum(m, s)
+            scale = tl.exp(m - m_new)
+            p = tl.exp(s - m_new)
+            acc = acc * scale[:, :, None] + p[:, :, None] * v[None, :, :]
+            l = l * scale + p
+            m = m_new
+        q_rows = qs[:, None].to(tl.int64) * N + rows[None, :]
+        qmask = (qs[:, None] < J) & (rows[None, :] < N)
+        tl.store(O1 + q_rows[:, :, None] * D + cols[None, None, :], acc / l[:, :, None],
+                 mask=qmask[:, :, None] & (cols[None, None, :] < D))
+        tl.store(LSE1 + q_rows, m + tl.log(l), mask=qmask)
+
+    @triton.jit
+    def _p1_bwd_kernel(srcs, dsrcs, WQ, LSE1, grads, E, DWQ_PART, N, D, eps, NS: tl.constexpr, J: tl.constexpr,
+                       JP: tl.constexpr, ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Phase 1 backward: one gradient per source over all J queries, and this program's share of dw_j.
+        `grads`: the J o1 gradients (separate fp32 [N, D] tensors, read in place); E [J, N] the lse1 gradients.
+        Each source is read twice per row block (the second time from cache)."""
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_D)
+        qs = tl.arange(0, JP)
+        cmask = cols < D
+        qmask = qs < J
+        wq = tl.load(WQ + qs[:, None] * D + cols[None, :], mask=qmask[:, None] & cmask[None, :], other=0.0)
+        dwq = tl.zeros([JP, BLOCK_D], dtype=tl.float32)
+        for it in range(ITERS):
+            rows = (pid * ITERS + it) * BLOCK_M + tl.arange(0, BLOCK_M)
+            rmask = rows < N
+            mask = rmask[:, None] & cmask[None, :]
+            offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+            q_rows = qs[:, None].to(tl.int64) * N + rows[None, :]
+            qr_mask = qmask[:, None] & rmask[None, :]
+            g = tl.zeros([JP, BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for j in tl.static_range(J):
+                g = tl.where(qs[:, None, None] == j, tl.load(grads[j] + offs, mask=mask, other=0.0)[None, :, :], g)
+            lse1 = tl.load(LSE1 + q_rows, mask=qr_mask, other=0.0)
+            e = tl.load(E + q_rows, mask=qr_mask, other=0.0)
+            # pass 1: c_j = Σ_i α_ji dα_ji (= g_j · o1_j)
+            c = tl.zeros([JP, BLOCK_M], dtype=tl.float32)
+            for i in tl.static_range(NS):
+                v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+                r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+                dots = tl.sum(wq[:, None, :] * v[None, :, :], axis=2)
+                alpha = tl.where(qr_mask, tl.exp(dots * r[None, :] - lse1), 0.0)
+                c += alpha * tl.sum(g * v[None, :, :], axis=2)
+            # pass 2: each source's gradient, summed over the queries
+            for i in tl.static_range(NS):
+                v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+                r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+                dots = tl.sum(wq[:, None, :] * v[None, :, :], axis=2)
+                alpha = tl.where(qr_mask, tl.exp(dots * r[None, :] - lse1), 0.0)
+                ds = alpha * (tl.sum(g * v[None, :, :], axis=2) - c + e)
+                dv = (tl.sum(alpha[:, :, None] * g, axis=0)
+                      + r[:, None] * tl.sum(ds[:, :, None] * wq[:, None, :], axis=0)
+                      - (r * r * r / D * tl.sum(ds * dots, axis=0))[:, None] * v)
+                tl.store(dsrcs[i] + offs, dv.to(dsrcs[i].dtype.element_ty), mask=mask)
+                dwq += tl.sum((ds * r[None, :])[:, :, None] * v[None, :, :], axis=1)
+        tl.store(DWQ_PART + pid * J * D + qs[:, None] * D + cols[None, :], dwq, mask=qmask[:, None] & cmask[None, :])
+
+    @triton.jit
+    def _merge_fwd_kernel(O1, LSE1, W, P, OUT, LSE, N, D, eps, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Phase 2: out = β1 o1 + β2 p with (β1, β2) = softmax(lse1, r_p (w · p)); LSE = the merged logsumexp."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_D)
+        rmask = rows < N
+        mask = rmask[:, None] & (cols[None, :] < D)
+        offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+        w = tl.load(W + cols, mask=cols < D, other=0.0)
+        p = tl.load(P + offs, mask=mask, other=0.0).to(tl.float32)
+        o1 = tl.load(O1 + offs, mask=mask, other=0.0)
+        lse1 = tl.load(LSE1 + rows, mask=rmask, other=0.0)
+        s = tl.sum(p * w[None, :], axis=1) / tl.sqrt(tl.sum(p * p, axis=1) / D + eps)
+        m = tl.maximum(lse1, s)
+        b1 = tl.exp(lse1 - m)
+        b2 = tl.exp(s - m)
+        total = b1 + b2
+        out = (b1[:, None] * o1 + b2[:, None] * p) / total[:, None]
+        tl.store(OUT + offs, out.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(LSE + rows, m + tl.log(total), mask=rmask)
+
+    @triton.jit
+    def _merge_bwd_kernel(O1, LSE1, W, P, LSE, DOUT, DO1, DLSE1, DP, DW_PART, N, D, eps, ITERS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Phase 2 backward: do1 = β1 dout, ds = β1 β2 (dout · p − dout · o1) (= β2 (dout · p − dout · out),
+        without the cancellation when one weight is near 1), dlse1 = −ds, dp = β2 dout + ds (r w − (w · p) r³ p / D),
+        and this program's share of dw = Σ_rows ds r p."""
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        w = tl.load(W + cols, mask=cmask, other=0.0)
+        dw = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for it in range(ITERS):
+            rows = (pid * ITERS + it) * BLOCK_M + tl.arange(0, BLOCK_M)
+            rmask = rows < N
+            mask = rmask[:, None] & cmask[None, :]
+            offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+            p = tl.load(P + offs, mask=mask, other=0.0).to(tl.float32)
+            o1 = tl.load(O1 + offs, mask=mask, other=0.0)
+            dout = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
+            lse1 = tl.load(LSE1 + rows, mask=rmask, other=0.0)
+            lse = tl.load(LSE + rows, mask=rmask, other=0.0)
+            r = 1.0 / tl.sqrt(tl.sum(p * p, axis=1) / D + eps)
+            dot = tl.sum(p * w[None, :], axis=1)
+            b1 = tl.where(rmask, tl.exp(lse1 - lse), 0.0)
+            b2 = tl.where(rmask, tl.exp(dot * r - lse), 0.0)
+            d1 = tl.sum(dout * o1, axis=1)
+            d2 = tl.sum(dout * p, axis=1)
+            ds = b1 * b2 * (d2 - d1)
+            tl.store(DO1 + offs, b1[:, None] * dout, mask=mask)
+            tl.store(DLSE1 + rows, -ds, mask=rmask)
+            dp = b2[:, None] * dout + ds[:, None] * (r[:, None] * w[None, :] - (dot * r * r * r / D)[:, None] * p)
+            tl.store(DP + offs, dp.to(DP.dtype.element_ty), mask=mask)
+            dw += tl.sum((ds * r)[:, None] * p, axis=0)
+        tl.store(DW_PART + pid * D + cols, dw, mask=cmask)
+
 
 def _blocks(D: int) -> tuple[int, int]:
     block_d = triton.next_power_of_2(D)
@@ -142,6 +291,115 @@ class _AttnResRead(torch.autograd.Function):
                              BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=num_warps(BLOCK_M * BLOCK_D))
         dw = part.sum(0).to(ctx.w_dtype)
         return (dw, None, *(d.view(ctx.shape) for d in dsrcs))
+
+
+def _two_phase_tiles(J: int, D: int) -> tuple[int, int, int]:
+    """(JP, BLOCK_M, BLOCK_D) of the phase-1 kernels: J queries padded to a power of two, ≤ 8192 elements."""
+    JP, block_d = triton.next_power_of_2(J), triton.next_power_of_2(D)
+    return JP, max(1, min(16, 8192 // (JP * block_d))), block_d
+
+
+class _AttnResPhase1(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, queries, eps, *sources):
+        shape = sources[0].shape
+        J, D = queries.shape
+        flat = tuple(s.reshape(-1, D).contiguous() for s in sources)
+        N = flat[0].shape[0]
+        JP, BLOCK_M, BLOCK_D = _two_phase_tiles(J, D)
+        wq = queries.float().contiguous()
+        o1 = torch.empty(J, N, D, dtype=torch.float32, device=wq.device)
+        lse1 = torch.empty(J, N, dtype=torch.float32, device=wq.device)
+        _p1_fwd_kernel[(triton.cdiv(N, BLOCK_M),)](flat, wq, o1, lse1, N, D, float(eps), NS=len(flat), J=J, JP=JP,
+                                                   BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
+                                                   num_warps=num_warps(JP * BLOCK_M * BLOCK_D))
+        ctx.save_for_backward(wq, lse1, *flat)
+        ctx.shape, ctx.eps, ctx.q_dtype = shape, eps, queries.dtype
+        return (*o1.view(J, *shape).unbind(0), *lse1.view(J, *shape[:-1]).unbind(0))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        wq, lse1, *flat = ctx.saved_tensors
+        J, D = wq.shape
+        N = flat[0].shape[0]
+        JP, BLOCK_M, BLOCK_D = _two_phase_tiles(J, D)
+        zeros = None
+        g = []
+        for grad in grads[:J]:
+            if grad is None:
+                zeros = zeros if zeros is not None else torch.zeros(N, D, dtype=torch.float32, device=wq.device)
+                grad = zeros
+            g.append(grad.reshape(N, D).float().contiguous())
+        e = torch.stack([torch.zeros(N, dtype=torch.float32, device=wq.device) if grad is None
+                         else grad.reshape(N).float() for grad in grads[J:]])
+        P, iters = persistent_grid(N, BLOCK_M, wq.device)
+        dsrcs = tuple(torch.empty_like(s) for s in flat)
+        part = torch.empty(P, J, D, dtype=torch.float32, device=wq.device)
+        _p1_bwd_kernel[(P,)](tuple(flat), dsrcs, wq, lse1, tuple(g), e, part, N, D, float(ctx.eps), NS=len(flat),
+                             J=J, JP=JP, ITERS=iters, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
+                             num_warps=num_warps(JP * BLOCK_M * BLOCK_D))
+        return (part.sum(0).to(ctx.q_dtype), None, *(d.view(ctx.shape) for d in dsrcs))
+
+
+class _AttnResMerge(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, o1, lse1, w, partial, eps):
+        shape, D = partial.shape, partial.shape[-1]
+        o1f, pf = o1.reshape(-1, D).contiguous(), partial.reshape(-1, D).contiguous()
+        N = pf.shape[0]
+        lse1f = lse1.reshape(N).contiguous()
+        BLOCK_M, BLOCK_D = _blocks(D)
+        w32 = w.float().contiguous()
+        out = torch.empty(N, D, dtype=partial.dtype, device=partial.device)
+        lse = torch.empty(N, dtype=torch.float32, device=partial.device)
+        _merge_fwd_kernel[(triton.cdiv(N, BLOCK_M),)](o1f, lse1f, w32, pf, out, lse, N, D, float(eps),
+                                                      BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
+                                                      num_warps=num_warps(BLOCK_M * BLOCK_D))
+        ctx.save_for_backward(o1f, lse1f, w32, pf, lse)
+        ctx.shapes, ctx.eps, ctx.w_dtype = (o1.shape, lse1.shape, shape), eps, w.dtype
+        return out.view(shape)
+
+    @staticmethod
+    def backward(ctx, dout):
+        o1, lse1, w32, p, lse = ctx.saved_tensors
+        N, D = p.shape
+        BLOCK_M, BLOCK_D = _blocks(D)
+        P, iters = persistent_grid(N, BLOCK_M, p.device)
+        do1 = torch.empty(N, D, dtype=torch.float32, device=p.device)
+        dlse1 = torch.empty(N, dtype=torch.float32, device=p.device)
+        dp = torch.empty_like(p)
+        part = torch.empty(P, D, dtype=torch.float32, device=p.device)
+        _merge_bwd_kernel[(P,)](o1, lse1, w32, p, lse, dout.reshape(N, D).contiguous(), do1, dlse1, dp, part, N, D,
+                                float(ctx.eps), ITERS=iters, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
+                                num_warps=num_warps(BLOCK_M * BLOCK_D))
+        o1_shape, lse1_shape, shape = ctx.shapes
+        return (do1.view(o1_shape), dlse1.view(lse1_shape), part.sum(0).to(ctx.w_dtype), dp.view(shape), None)
+
+
+def two_phase_fits(num_queries: int, D: int) -> bool:
+    """Whether the fused phase 1 serves J queries of width D (its [J, D] accumulators per row in registers)."""
+    return triton is not None and triton.next_power_of_2(num_queries) * triton.next_power_of_2(D) <= 16384
+
+
+def attn_res_phase1_triton(queries: torch.Tensor, sealed: list[torch.Tensor], eps: float = EPS):
+    """queries [J, D]; sealed: n tensors [..., D] of one shape. Returns (o1, lse1): J tensors [..., D] (fp32,
+    each read over the sealed sources, normalised) and J tensors [...] (fp32 logsumexp of its logits)."""
+    J, D = queries.shape
+    if not two_phase_fits(J, D):
+        raise ValueError(f"the fused phase 1 serves J·D ≤ 16384 (powers of two), got J={J}, D={D}")
+    if any(s.shape != sealed[0].shape or s.shape[-1] != D for s in sealed):
+        raise ValueError("phase-1 sources must share one shape [..., D]")
+    out = _AttnResPhase1.apply(queries, eps, *sealed)
+    return out[:J], out[J:]
+
+
+def attn_res_merge_triton(o1: torch.Tensor, lse1: torch.Tensor, w: torch.Tensor, partial: torch.Tensor,
+                          eps: float = EPS) -> torch.Tensor:
+    """Phase 2 for one query: merge phase 1's (o1 [..., D], lse1 [...]) with the partial sum [..., D]; the result
+    in the partial's dtype."""
+    if o1.shape != partial.shape or lse1.shape != partial.shape[:-1]:
+        raise ValueError(f"o1 {tuple(o1.shape)}, lse1 {tuple(lse1.shape)} and partial {tuple(partial.shape)} disagree")
+    return _AttnResMerge.apply(o1, lse1, w, partial, eps)
 
 
 def attn_res_read_triton(w: torch.Tensor, sources: list[torch.Tensor], eps: float = EPS) -> torch.Tensor:

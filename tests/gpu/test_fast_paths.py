@@ -194,6 +194,36 @@ def test_attn_res_triton_full_shape(n, N, D):
     assert out.dtype == torch.float32 and rel(out, attn_res_read(w, [m.double() for m in mixed])) <= 1e-5
 
 
+@pytest.mark.parametrize("n,J,N,D", [(7, 7, 32768, 768), (1, 6, 32768, 768), (4, 13, 4096, 1024)])
+def test_attn_res_two_phase_full_shape(n, J, N, D):
+    """Fused phase 1 over n sealed sources for J queries and J merges with fp32 partial sums, against the torch
+    two-phase form in fp64: outputs and sources/partials ≤ 1e-5, query gradients (sums over rows) ≤ 1e-4."""
+    from k3.model.attn_res import attn_res_merge, attn_res_phase1
+    from k3.ops.attn_res import attn_res_merge_triton, attn_res_phase1_triton
+
+    g = torch.Generator(device="cuda").manual_seed(n + J)
+    sealed = [torch.randn(N, D, device="cuda", generator=g, dtype=torch.float64) * (1 + i) for i in range(n)]
+    parts = [torch.randn(N, D, device="cuda", generator=g, dtype=torch.float64) * 2 for _ in range(J)]
+    qs, ws = (torch.randn(J, D, device="cuda", generator=g, dtype=torch.float64) * 0.05 for _ in range(2))
+    douts = [torch.randn(N, D, device="cuda", generator=g, dtype=torch.float64) for _ in range(J + 1)]
+    runs = []
+    for dtype, fused in ((torch.float64, False), (torch.float32, True)):
+        srcs, ps = [leaf(s, dtype) for s in sealed], [leaf(p, dtype) for p in parts]
+        q, w = leaf(qs, dtype), leaf(ws, dtype)
+        if fused:
+            stats = list(zip(*attn_res_phase1_triton(q, srcs)))
+            outs = [stats[0][0]] + [attn_res_merge_triton(*stats[j], w[j], ps[j]) for j in range(J)]
+        else:
+            o1, m1, l1 = attn_res_phase1(q, srcs)
+            outs = [o1[0]] + [attn_res_merge(o1[j], m1[j], l1[j], w[j], ps[j]) for j in range(J)]
+        sum((o.double() * d).sum() for o, d in zip(outs, douts)).backward()
+        runs.append((outs, srcs, ps, q, w))
+    (ref, r_srcs, r_ps, r_q, r_w), (out, srcs, ps, q, w) = runs
+    assert max(rel(a, b) for a, b in zip(out, ref)) <= 1e-5
+    assert max(rel(a.grad, b.grad) for a, b in zip(srcs + ps, r_srcs + r_ps)) <= 1e-5
+    assert rel(q.grad, r_q.grad) <= 1e-4 and rel(w.grad, r_w.grad) <= 1e-4
+
+
 # ---- MLA attention ---------------------------------------------------------------------------------
 
 def small_mla(backend, seed=4):

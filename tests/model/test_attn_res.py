@@ -339,7 +339,7 @@ def test_read_source_counts_instrumented(monkeypatch, L, S):
         sealed_sizes.append((queries.shape[0], len(sealed)))
         return attn_res_phase1(queries, sealed, *args, **kwargs)
 
-    monkeypatch.setattr(model_module, "attn_res_phase1", counting_phase1)
+    monkeypatch.setattr(attn_res_module, "attn_res_phase1", counting_phase1)
     model.config.attn_res_impl = "two_phase"
     try:
         with torch.no_grad():
@@ -405,3 +405,30 @@ def test_layer0_attn_query_has_no_effect():
         model.model.layers[0].self_attention_res_norm.weight.add_(3.0)
         after = model(ids).logits
     assert torch.equal(before, after)
+
+
+def test_wiring_choice(monkeypatch):
+    """"auto" takes the fused two-phase wiring where it is available and the layers are not checkpointed,
+    the direct wiring otherwise; "two_phase" refuses checkpointed layers while a backward can follow."""
+    from k3.model.checkpointing import apply_activation_checkpointing
+
+    model = build_model(get_preset("debug"), seed=0)
+    inner, h = model.model, torch.zeros(1, 2, get_preset("debug").hidden_size)
+    assert inner._block_queries() == 4  # debug: 5 layers in blocks of 2: 2 · 2 reads (the last: 2 · 1 + 1)
+    seen = []
+    monkeypatch.setattr(model_module, "fused_two_phase_available", lambda x, J: seen.append(J) or True)
+    assert inner._two_phase(h) and seen == [4]
+    monkeypatch.setattr(inner.config, "attn_res_impl", "triton")
+    assert not inner._two_phase(h)
+    monkeypatch.setattr(inner.config, "attn_res_impl", "auto")
+    apply_activation_checkpointing(model)
+    assert not inner._two_phase(h)
+    monkeypatch.setattr(inner.config, "attn_res_impl", "two_phase")
+    with pytest.raises(ValueError, match="checkpoint"):
+        inner._two_phase(h)
+    with torch.no_grad():
+        assert inner._two_phase(h)
+    monkeypatch.setattr(model_module, "fused_two_phase_available", lambda x, J: False)
+    monkeypatch.setattr(inner.config, "attn_res_impl", "auto")
+    model = build_model(get_preset("debug"), seed=0)
+    assert not model.model._two_phase(h)
