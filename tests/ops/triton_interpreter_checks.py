@@ -284,7 +284,8 @@ for dtype in (torch.float32, torch.bfloat16):
 for n, D in ((2, 80), (3, 100), (5, 64)):
     attn_res(torch.float32, n, D)
 attn_res(torch.bfloat16, 4, 96)
-for n, J, D in ((1, 3, 64), (3, 5, 80), (4, 7, 96)):  # one sealed source (block 0), J not a power of two, odd D
+# one sealed source (block 0), J not a power of two, D not a multiple of the 64-column chunks, K3's J = 25
+for n, J, D in ((1, 3, 64), (3, 5, 80), (4, 7, 96), (2, 25, 40)):
     attn_res_two_phase(torch.float32, n, J, D)
 attn_res_two_phase(torch.bfloat16, 4, 7, 96)
 model_two_phase()
