@@ -307,7 +307,11 @@ def test_tiny_model_fast_paths_and_checkpointing_match_reference():
     for loss in (l_ref, l_fast, l_ckpt):
         assert abs(loss - l_32) <= 1e-2 * abs(l_32)
     assert abs(l_ckpt - l_fast) <= 1e-3 * abs(l_fast)  # checkpointing recomputes the same bf16 forward
-    assert g_fast.keys() == g_ref.keys() == g_ckpt.keys() == g_32.keys()
+    assert g_ref.keys() == g_ckpt.keys() == g_32.keys()
+    # the fast stack's two-phase AttnRes also hands layer 0's attention query (whose read is the embedding
+    # alone) a gradient, of zeros; checkpointing takes the direct wiring, which leaves it None
+    extra = set(g_fast) - set(g_32)
+    assert set(g_fast) >= set(g_32) and all(g_fast[name].abs().sum() == 0 for name in extra), extra
     ratios = []
     for name in g_32:
         if g_32[name].norm() > 0:
