@@ -10,7 +10,7 @@ step() { local limit=$1; shift; echo "=== [$(date +%T)] $* (limit ${limit}s)"; t
 TP="python3 benchmarks/train_throughput.py --presets small --kda-impl triton --variants fast --tokens 32768"
 {
 step 60 python3 -m benchmarks.attn_res
-step 120 python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_fast_paths.py -k "attn_res"
+step 120 python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_fast_paths.py -k "attn_res or tiny_model"
 step 110 $TP --seq-lens 4096 --steps 8 --json "$OUT/throughput32k-two-phase.json"
 step 70 $TP --seq-lens 4096 --steps 8 --set attn_res_impl=triton --json "$OUT/throughput32k-direct.json"
 } 2>&1 | grep --line-buffered -v "Warning\|warn_once" > "$OUT/log.txt"
