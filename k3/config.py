@@ -154,8 +154,7 @@ class ModelConfig:
     kda_save_intermediates: bool = True
     mla_impl: MLAImpl = "auto"
     # Block AttnRes wiring (k3.model.attn_res): direct reads (reference), the direct wiring with the fused
-    # Triton read, or the two-phase form (fused where it fits: the CUDA default under "auto" without
-    # activation checkpointing)
+    # Triton read (the CUDA default under "auto"), or the two-phase form (fused Triton kernels where they fit)
     attn_res_impl: AttnResImpl = "auto"
     moe_impl: MoEImpl = "auto"  # reference: padded-batch dispatch; grouped: grouped GEMMs (k3.ops.moe)
     attention_backend: AttentionBackend = "auto"  # MLA training/prefill attention (k3.ops.attention)

@@ -15,13 +15,12 @@ Two exact forms:
 Both forms have fused Triton kernels (`k3.ops.attn_res`) that never stack the sources. `attn_res_impl`:
 - "direct": the direct form in torch; "triton": the direct form with the fused read (`select_read`);
 - "two_phase": the two-phase form, fused (`block_reads`) where Triton runs and the block's J queries fit
-  (`two_phase_fits`), else in torch;
-- "auto": on CUDA the fused two-phase form when it fits, else the fused direct read; the direct form in
-  torch elsewhere. Layers checkpointed with `apply_activation_checkpointing` take the direct wiring (the
-  checkpoint wraps one layer of it); "two_phase" refuses them while a backward can follow.
+  (`two_phase_fits`), else in torch; it refuses layers checkpointed with `apply_activation_checkpointing`
+  (the checkpoint wraps one layer of the direct wiring) while a backward can follow;
+- "auto": the fused direct read on CUDA, the direct form in torch elsewhere.
 The fused two-phase form reads each sealed source once per block forward and writes one gradient per source
-and block backward, where the direct read touches it once per read and the autograd engine sums one gradient
-per read (docs/fast-paths.md, session 10).
+and block, where the direct read touches it once per read and the autograd engine sums one gradient per read;
+on the H200 it was no faster (docs/fast-paths.md, session 10), so "auto" keeps the direct read.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ AttnRes wiring) in non-reentrant `torch.utils.checkpoint`: the forward keeps onl
 names and the state dict are unchanged. The layer's side outputs (router statistics for Quantile
 Balancing, MLA max logits for QK-Clip) are reported once, by the first run, never by the recomputation.
 Calls with a cache (inference) or without gradients run the layer directly. The two-phase AttnRes
-wiring does not go through `DecoderLayer.forward`, so a checkpointed model takes the direct wiring under
-"auto" (k3.model.attn_res).
+wiring does not go through `DecoderLayer.forward`: "two_phase" refuses a checkpointed model while a backward
+can follow (k3.model.attn_res).
 """
 
 from __future__ import annotations

@@ -160,13 +160,12 @@ class K3Model(nn.Module):
 
     def _two_phase(self, h: torch.Tensor) -> bool:
         """The AttnRes wiring (module docstring of k3.model.attn_res): two-phase or direct."""
-        impl = self.config.attn_res_impl
-        checkpointed = torch.is_grad_enabled() and getattr(self.layers[0].forward, "k3_checkpointed", False)
-        if impl == "two_phase" and checkpointed:
+        if self.config.attn_res_impl != "two_phase":
+            return False
+        if torch.is_grad_enabled() and getattr(self.layers[0].forward, "k3_checkpointed", False):
             raise ValueError("attn_res_impl='two_phase' is not checkpointed per layer; with activation "
                              "checkpointing use 'auto' or 'triton' (the direct wiring)")
-        return impl == "two_phase" or (impl == "auto" and not checkpointed
-                                       and fused_two_phase_available(h, self._block_queries()))
+        return True
 
     def _layers_direct(self, h, layout, cache, router_infos, mla_max_logits):
         read = select_read(self.config.attn_res_impl, h)

@@ -21,18 +21,14 @@ and their queries are parameters, so all J are computed in one pass at the block
     phase 1:  o1_j = Σ_i α_ji v_i,  α_j = softmax_i(s_ji),  s_ji = r_i (w_j · v_i),  lse1_j = logsumexp_i s_ji
     merge:    out = β1 o1_j + β2 p,  (β1, β2) = softmax(lse1_j, s_p),  s_p = r_p (w · p)   (p: the partial sum)
 
-Each sealed source is then read twice per block forward (row statistics, then the reads) instead of once per
-read, and its gradient is summed over the block's J reads inside the kernels: one gradient per source and
-block, where the direct form writes one per read and the autograd engine adds them up. Phase-1 backward, with
-g_j = dL/do1_j and e_j = dL/dlse1_j: dα_ji = g_j · v_i, c_j = Σ_i α_ji dα_ji, ds_ji = α_ji (dα_ji − c_j + e_j),
+Each sealed source is then read once per block forward (twice backward) instead of once per read, and its
+gradient is summed over the block's J reads inside the kernel: one gradient per source and block, where the
+direct form writes one per read and the autograd engine adds them up. Phase-1 backward, with g_j = dL/do1_j
+and e_j = dL/dlse1_j: dα_ji = g_j · v_i, c_j = Σ_i α_ji dα_ji, ds_ji = α_ji (dα_ji − c_j + e_j),
 dv_i = Σ_j α_ji g_j + r_i Σ_j ds_ji w_j − (r_i³ / D) (Σ_j ds_ji (w_j · v_i)) v_i,
 dw_j = Σ_rows Σ_i ds_ji r_i v_i.
-Kernels: `_p1_stats_kernel` (whole rows: the logits s [N, n, J] and r [N, n]; the logsumexp over sources in
-torch), `_p1_combine_kernel` ([rows, J, 64 columns] tiles: o1 for all J from one read of each source); backward
-`_p1_dalpha_kernel` (dα per column chunk), the row statistics in torch on [N, n, J], `_p1_dsrc_kernel` (the source
-gradients and the query gradients' partial sums). Only the per-row [n, J] statistics cross kernels, so no tile
-holds a whole row per query; `two_phase_fits` bounds J (≤ 32). The phase-1 reads o1 [J, N, D] (fp32) are kept
-for the merges' backward: the memory the direct form does not use.
+The J accumulators of a row live in registers ([J, D] per row), so the fused form serves J · D ≤ 16384
+(`two_phase_fits`: the small preset's J = 7, D = 768; not K3's J = 25, D = 7168, which keeps the direct read).
 """
 
 from __future__ import annotations
@@ -126,114 +122,81 @@ if triton is not None:
         tl.store(DW_PART + pid * D + cols, dw, mask=cmask)
 
     @triton.jit
-    def _gather_queries(ptrs, offs, mask, J: tl.constexpr, JP: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_C: tl.constexpr):
-        """[BLOCK_M, JP, BLOCK_C] tile whose slot j holds tensor ptrs[j] at offs (zeros for j ≥ J)."""
-        qs = tl.arange(0, JP)
-        tile = tl.zeros([BLOCK_M, JP, BLOCK_C], dtype=tl.float32)
-        for j in tl.static_range(J):
-            x = tl.load(ptrs[j] + offs, mask=mask, other=0.0).to(tl.float32)
-            tile = tl.where(qs[None, :, None] == j, x[:, None, :], tile)
-        return tile
-
-    @triton.jit
-    def _p1_stats_kernel(srcs, WQ, S, R, N, D, eps, NS: tl.constexpr, J: tl.constexpr, JP: tl.constexpr,
-                         JD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NK: tl.constexpr,
-                         PRECISION: tl.constexpr):
-        """Phase 1 forward, row statistics: the logits s_ji = r_i (w_j · v_i) into S [N, NS, JP] and r_i into
-        R [N, NS]. The J dot products of a row are a [BLOCK_M, D] × [D, JD] product (JD = max(JP, 16), the
-        smallest dot; PRECISION its fp32 mode), accumulated over NK column chunks of BLOCK_K with the sum of
-        squares."""
+    def _p1_fwd_kernel(srcs, WQ, O1, LSE1, N, D, eps, NS: tl.constexpr, J: tl.constexpr, JP: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Phase 1 forward: every query j of the block over the sealed sources, one online softmax per query;
+        O1 [J, N, D] fp32, LSE1 [J, N]. Tiles are [JP queries, BLOCK_M rows, BLOCK_D columns]."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        qs = tl.arange(0, JD)
-        rmask = rows < N
-        for i in tl.static_range(NS):
-            acc = tl.zeros([BLOCK_M, JD], dtype=tl.float32)
-            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for k in tl.static_range(NK):
-                cols = k * BLOCK_K + tl.arange(0, BLOCK_K)
-                v = tl.load(srcs[i] + rows[:, None].to(tl.int64) * D + cols[None, :],
-                            mask=rmask[:, None] & (cols[None, :] < D), other=0.0).to(tl.float32)
-                wq_t = tl.load(WQ + qs[None, :] * D + cols[:, None], mask=(qs[None, :] < J) & (cols[:, None] < D),
-                               other=0.0)
-                ss += tl.sum(v * v, axis=1)
-                acc = tl.dot(v, wq_t, acc, input_precision=PRECISION)
-            r = 1.0 / tl.sqrt(ss / D + eps)
-            tl.store(R + rows.to(tl.int64) * NS + i, r, mask=rmask)
-            tl.store(S + rows[:, None].to(tl.int64) * (NS * JP) + i * JP + qs[None, :], acc * r[:, None],
-                     mask=rmask[:, None] & (qs[None, :] < JP))
-
-    @triton.jit
-    def _p1_combine_kernel(srcs, S, LSE1, O1, N, D, NS: tl.constexpr, J: tl.constexpr, JP: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
-        """Phase 1 forward, the reads: o1_j = Σ_i exp(s_ji − lse1_j) v_i into O1 [J, N, D], on [rows, column chunk]
-        tiles: every source read once, all J accumulators updated from it (no reductions)."""
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cols = tl.arange(0, BLOCK_D)
         qs = tl.arange(0, JP)
-        rmask = rows < N
-        mask = rmask[:, None] & (cols[None, :] < D)
+        mask = (rows[:, None] < N) & (cols[None, :] < D)
         offs = rows[:, None].to(tl.int64) * D + cols[None, :]
-        lse = tl.load(LSE1 + qs[None, :].to(tl.int64) * N + rows[:, None], mask=rmask[:, None] & (qs[None, :] < J),
-                      other=0.0)
-        acc = tl.zeros([BLOCK_M, JP, BLOCK_C], dtype=tl.float32)
-        for i in tl.static_range(NS):
-            s = tl.load(S + rows[:, None].to(tl.int64) * (NS * JP) + i * JP + qs[None, :], mask=rmask[:, None],
-                        other=0.0)
-            v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-            acc += tl.exp(s - lse)[:, :, None] * v[:, None, :]
-        o1_offs = qs[None, :, None].to(tl.int64) * N * D + offs[:, None, :]
-        tl.store(O1 + o1_offs, acc, mask=mask[:, None, :] & (qs[None, :, None] < J))
-
-    @triton.jit
-    def _p1_dalpha_kernel(srcs, grads, P, N, D, NS: tl.constexpr, J: tl.constexpr, JP: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
-        """Phase 1 backward, step 1: dα_ji = g_j · v_i summed over one column chunk, into P [chunks, N, NS, JP]
-        (the caller sums the chunks). g_j = dL/do1_j: J separate [N, D] tensors read in place."""
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        chunk = tl.program_id(1)
-        cols = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
-        qs = tl.arange(0, JP)
-        rmask = rows < N
-        mask = rmask[:, None] & (cols[None, :] < D)
-        offs = rows[:, None].to(tl.int64) * D + cols[None, :]
-        g = _gather_queries(grads, offs, mask, J, JP, BLOCK_M, BLOCK_C)
-        base = P + (chunk * N + rows[:, None].to(tl.int64)) * (NS * JP) + qs[None, :]
+        wq = tl.load(WQ + qs[:, None] * D + cols[None, :], mask=(qs[:, None] < J) & (cols[None, :] < D), other=0.0)
+        m = tl.full([JP, BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([JP, BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([JP, BLOCK_M, BLOCK_D], dtype=tl.float32)
         for i in tl.static_range(NS):
             v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(base + i * JP, tl.sum(g * v[:, None, :], axis=2), mask=rmask[:, None])
+            r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+            s = tl.sum(wq[:, None, :] * v[None, :, :], axis=2) * r[None, :]
+            m_new = tl.maximum(m, s)
+            scale = tl.exp(m - m_new)
+            p = tl.exp(s - m_new)
+            acc = acc * scale[:, :, None] + p[:, :, None] * v[None, :, :]
+            l = l * scale + p
+            m = m_new
+        q_rows = qs[:, None].to(tl.int64) * N + rows[None, :]
+        qmask = (qs[:, None] < J) & (rows[None, :] < N)
+        tl.store(O1 + q_rows[:, :, None] * D + cols[None, None, :], acc / l[:, :, None],
+                 mask=qmask[:, :, None] & (cols[None, None, :] < D))
+        tl.store(LSE1 + q_rows, m + tl.log(l), mask=qmask)
 
     @triton.jit
-    def _p1_dsrc_kernel(srcs, dsrcs, grads, WQ, A, DS, R, T, DWQ_PART, N, D, NS: tl.constexpr, J: tl.constexpr,
-                        JP: tl.constexpr, ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
-        """Phase 1 backward, step 2, on [rows, column chunk] tiles, ITERS row blocks per program: each source's
-        gradient dv_i = Σ_j α_ji g_j + r_i Σ_j ds_ji w_j − t_i v_i (A = α, DS = ds [N, NS, JP], R = r,
-        T = t [N, NS] from the row statistics), and this program's share of dw_j = Σ_rows Σ_i ds_ji r_i v_i."""
-        chunk = tl.program_id(0)
-        cols = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
+    def _p1_bwd_kernel(srcs, dsrcs, WQ, LSE1, grads, E, DWQ_PART, N, D, eps, NS: tl.constexpr, J: tl.constexpr,
+                       JP: tl.constexpr, ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Phase 1 backward: one gradient per source over all J queries, and this program's share of dw_j.
+        `grads`: the J o1 gradients (separate fp32 [N, D] tensors, read in place); E [J, N] the lse1 gradients.
+        Each source is read twice per row block (the second time from cache)."""
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_D)
         qs = tl.arange(0, JP)
         cmask = cols < D
-        wq = tl.load(WQ + qs[:, None] * D + cols[None, :], mask=(qs[:, None] < J) & cmask[None, :], other=0.0)
-        dwq = tl.zeros([JP, BLOCK_C], dtype=tl.float32)
+        qmask = qs < J
+        wq = tl.load(WQ + qs[:, None] * D + cols[None, :], mask=qmask[:, None] & cmask[None, :], other=0.0)
+        dwq = tl.zeros([JP, BLOCK_D], dtype=tl.float32)
         for it in range(ITERS):
-            rows = (tl.program_id(1) * ITERS + it) * BLOCK_M + tl.arange(0, BLOCK_M)
+            rows = (pid * ITERS + it) * BLOCK_M + tl.arange(0, BLOCK_M)
             rmask = rows < N
             mask = rmask[:, None] & cmask[None, :]
             offs = rows[:, None].to(tl.int64) * D + cols[None, :]
-            g = _gather_queries(grads, offs, mask, J, JP, BLOCK_M, BLOCK_C)
-            stats = rows[:, None].to(tl.int64) * (NS * JP) + qs[None, :]
+            q_rows = qs[:, None].to(tl.int64) * N + rows[None, :]
+            qr_mask = qmask[:, None] & rmask[None, :]
+            g = tl.zeros([JP, BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for j in tl.static_range(J):
+                g = tl.where(qs[:, None, None] == j, tl.load(grads[j] + offs, mask=mask, other=0.0)[None, :, :], g)
+            lse1 = tl.load(LSE1 + q_rows, mask=qr_mask, other=0.0)
+            e = tl.load(E + q_rows, mask=qr_mask, other=0.0)
+            # pass 1: c_j = Σ_i α_ji dα_ji (= g_j · o1_j)
+            c = tl.zeros([JP, BLOCK_M], dtype=tl.float32)
             for i in tl.static_range(NS):
                 v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-                a = tl.load(A + stats + i * JP, mask=rmask[:, None], other=0.0)
-                ds = tl.load(DS + stats + i * JP, mask=rmask[:, None], other=0.0)
-                r = tl.load(R + rows.to(tl.int64) * NS + i, mask=rmask, other=0.0)
-                t = tl.load(T + rows.to(tl.int64) * NS + i, mask=rmask, other=0.0)
-                dv = (tl.sum(a[:, :, None] * g, axis=1) + r[:, None] * tl.sum(ds[:, :, None] * wq[None, :, :], axis=1)
-                      - t[:, None] * v)
+                r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+                dots = tl.sum(wq[:, None, :] * v[None, :, :], axis=2)
+                alpha = tl.where(qr_mask, tl.exp(dots * r[None, :] - lse1), 0.0)
+                c += alpha * tl.sum(g * v[None, :, :], axis=2)
+            # pass 2: each source's gradient, summed over the queries
+            for i in tl.static_range(NS):
+                v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+                r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+                dots = tl.sum(wq[:, None, :] * v[None, :, :], axis=2)
+                alpha = tl.where(qr_mask, tl.exp(dots * r[None, :] - lse1), 0.0)
+                ds = alpha * (tl.sum(g * v[None, :, :], axis=2) - c + e)
+                dv = (tl.sum(alpha[:, :, None] * g, axis=0)
+                      + r[:, None] * tl.sum(ds[:, :, None] * wq[:, None, :], axis=0)
+                      - (r * r * r / D * tl.sum(ds * dots, axis=0))[:, None] * v)
                 tl.store(dsrcs[i] + offs, dv.to(dsrcs[i].dtype.element_ty), mask=mask)
-                dwq += tl.sum((ds * r[:, None])[:, :, None] * v[:, None, :], axis=0)
-        tl.store(DWQ_PART + tl.program_id(1) * J * D + qs[:, None] * D + cols[None, :], dwq,
-                 mask=(qs[:, None] < J) & cmask[None, :])
+                dwq += tl.sum((ds * r[None, :])[:, :, None] * v[None, :, :], axis=1)
+        tl.store(DWQ_PART + pid * J * D + qs[:, None] * D + cols[None, :], dwq, mask=qmask[:, None] & cmask[None, :])
 
     @triton.jit
     def _merge_fwd_kernel(O1, LSE1, W, P, OUT, LSE, N, D, eps, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -260,8 +223,8 @@ if triton is not None:
     def _merge_bwd_kernel(O1, LSE1, W, P, LSE, DOUT, DO1, DLSE1, DP, DW_PART, N, D, eps, ITERS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
         """Phase 2 backward: do1 = β1 dout, ds = β1 β2 (dout · p − dout · o1) (= β2 (dout · p − dout · out),
-        without the cancellation when one weight is near 1), dlse1 = −ds,
-        dp = β2 dout + ds (r w − (w · p) r³ p / D), and this program's share of dw = Σ_rows ds r p."""
+        without the cancellation when one weight is near 1), dlse1 = −ds, dp = β2 dout + ds (r w − (w · p) r³ p / D),
+        and this program's share of dw = Σ_rows ds r p."""
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
         cmask = cols < D
@@ -330,19 +293,10 @@ class _AttnResRead(torch.autograd.Function):
         return (dw, None, *(d.view(ctx.shape) for d in dsrcs))
 
 
-# the phase-1 logits as fp32 products on the FMA units ("ieee") or as three tf32 tensor-core products ("tf32x3",
-# about fp32's accuracy); 16-row tiles over column chunks of STATS_BK
-STATS_PRECISION, STATS_WARPS, STATS_BK = "ieee", 8, 64
-# the [rows, JP, 64 columns] tiles of the other phase-1 kernels: 4096 elements on 8 warps (offline sm_90: the
-# backward's source-gradient kernel at 164 registers without spills; 16 rows: 255 and spills)
-CHUNK_WARPS = 8
-
-
-def _two_phase_tiles(J: int, D: int) -> tuple[int, int, int, int]:
-    """(JP, rows of the whole-row statistics tile, rows and columns of the [rows, JP, columns] chunk tiles)."""
+def _two_phase_tiles(J: int, D: int) -> tuple[int, int, int]:
+    """(JP, BLOCK_M, BLOCK_D) of the phase-1 kernels: J queries padded to a power of two, ≤ 8192 elements."""
     JP, block_d = triton.next_power_of_2(J), triton.next_power_of_2(D)
-    block_c = min(64, block_d)
-    return JP, 16, max(1, min(16, 4096 // (JP * block_c))), block_c
+    return JP, max(1, min(16, 8192 // (JP * block_d))), block_d
 
 
 class _AttnResPhase1(torch.autograd.Function):
@@ -351,63 +305,39 @@ class _AttnResPhase1(torch.autograd.Function):
         shape = sources[0].shape
         J, D = queries.shape
         flat = tuple(s.reshape(-1, D).contiguous() for s in sources)
-        N, NS, dev = flat[0].shape[0], len(flat), queries.device
-        JP, BM_STATS, BM, BC = _two_phase_tiles(J, D)
+        N = flat[0].shape[0]
+        JP, BLOCK_M, BLOCK_D = _two_phase_tiles(J, D)
         wq = queries.float().contiguous()
-        logits = torch.zeros(N, NS, JP, dtype=torch.float32, device=dev)  # query slots ≥ J stay zero
-        r = torch.empty(N, NS, dtype=torch.float32, device=dev)
-        o1 = torch.empty(J, N, D, dtype=torch.float32, device=dev)
-        _p1_stats_kernel[(triton.cdiv(N, BM_STATS),)](flat, wq, logits, r, N, D, float(eps), NS=NS, J=J, JP=JP,
-                                                      JD=max(JP, 16), BLOCK_M=BM_STATS, BLOCK_K=STATS_BK,
-                                                      NK=triton.cdiv(D, STATS_BK), PRECISION=STATS_PRECISION,
-                                                      num_warps=STATS_WARPS)
-        lse1 = torch.logsumexp(logits[..., :J], dim=1).t().contiguous()  # [J, N]
-        _p1_combine_kernel[(triton.cdiv(N, BM), triton.cdiv(D, BC))](flat, logits, lse1, o1, N, D, NS=NS, J=J, JP=JP,
-                                                                    BLOCK_M=BM, BLOCK_C=BC,
-                                                                    num_warps=CHUNK_WARPS)
-        ctx.save_for_backward(wq, logits, r, lse1, *flat)
-        ctx.shape, ctx.q_dtype = shape, queries.dtype
+        o1 = torch.empty(J, N, D, dtype=torch.float32, device=wq.device)
+        lse1 = torch.empty(J, N, dtype=torch.float32, device=wq.device)
+        _p1_fwd_kernel[(triton.cdiv(N, BLOCK_M),)](flat, wq, o1, lse1, N, D, float(eps), NS=len(flat), J=J, JP=JP,
+                                                   BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
+                                                   num_warps=num_warps(JP * BLOCK_M * BLOCK_D))
+        ctx.save_for_backward(wq, lse1, *flat)
+        ctx.shape, ctx.eps, ctx.q_dtype = shape, eps, queries.dtype
         return (*o1.view(J, *shape).unbind(0), *lse1.view(J, *shape[:-1]).unbind(0))
 
     @staticmethod
     def backward(ctx, *grads):
-        wq, logits, r, lse1, *flat = ctx.saved_tensors
-        flat = tuple(flat)
+        wq, lse1, *flat = ctx.saved_tensors
         J, D = wq.shape
-        N, NS, dev = flat[0].shape[0], len(flat), wq.device
-        JP, _, BM, BC = _two_phase_tiles(J, D)
+        N = flat[0].shape[0]
+        JP, BLOCK_M, BLOCK_D = _two_phase_tiles(J, D)
         zeros = None
         g = []
         for grad in grads[:J]:
             if grad is None:
-                zeros = zeros if zeros is not None else torch.zeros(N, D, dtype=torch.float32, device=dev)
+                zeros = zeros if zeros is not None else torch.zeros(N, D, dtype=torch.float32, device=wq.device)
                 grad = zeros
             g.append(grad.reshape(N, D).float().contiguous())
-        g = tuple(g)
-        e = torch.stack([torch.zeros(N, dtype=torch.float32, device=dev) if grad is None
-                         else grad.reshape(N).float() for grad in grads[J:]])  # [J, N]
-        chunks = triton.cdiv(D, BC)
-        partial_dalpha = torch.empty(chunks, N, NS, JP, dtype=torch.float32, device=dev)
-        _p1_dalpha_kernel[(triton.cdiv(N, BM), chunks)](flat, g, partial_dalpha, N, D, NS=NS, J=J, JP=JP,
-                                                        BLOCK_M=BM, BLOCK_C=BC, num_warps=CHUNK_WARPS)
-        # row statistics, [N, NS, J]: α, c_j = Σ_i α_ji dα_ji, ds = α (dα − c + e), t_i = r_i² / D Σ_j ds_ji s_ji
-        # (= r_i³ / D Σ_j ds_ji (w_j · v_i)); query slots ≥ J stay zero
-        s = logits[..., :J]
-        alpha = torch.exp(s - lse1.t()[:, None, :])
-        dalpha = partial_dalpha.sum(0)[..., :J]
-        ds = alpha * (dalpha - (alpha * dalpha).sum(1, keepdim=True) + e.t()[:, None, :])
-        t = (r * r / D * (ds * s).sum(-1)).contiguous()
-        padded = torch.zeros(2, N, NS, JP, dtype=torch.float32, device=dev)
-        padded[0, ..., :J], padded[1, ..., :J] = alpha, ds
-        blocks = triton.cdiv(N, BM)
-        row_programs, iters = persistent_grid(N * chunks, BM, dev)
-        iters = min(iters, triton.next_power_of_2(blocks))
-        row_programs = triton.cdiv(blocks, iters)
-        dsrcs = tuple(torch.empty_like(x) for x in flat)
-        part = torch.empty(row_programs, J, D, dtype=torch.float32, device=dev)
-        _p1_dsrc_kernel[(chunks, row_programs)](flat, dsrcs, g, wq, padded[0], padded[1], r, t, part, N, D, NS=NS,
-                                                J=J, JP=JP, ITERS=iters, BLOCK_M=BM, BLOCK_C=BC,
-                                                num_warps=CHUNK_WARPS)
+        e = torch.stack([torch.zeros(N, dtype=torch.float32, device=wq.device) if grad is None
+                         else grad.reshape(N).float() for grad in grads[J:]])
+        P, iters = persistent_grid(N, BLOCK_M, wq.device)
+        dsrcs = tuple(torch.empty_like(s) for s in flat)
+        part = torch.empty(P, J, D, dtype=torch.float32, device=wq.device)
+        _p1_bwd_kernel[(P,)](tuple(flat), dsrcs, wq, lse1, tuple(g), e, part, N, D, float(ctx.eps), NS=len(flat),
+                             J=J, JP=JP, ITERS=iters, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
+                             num_warps=num_warps(JP * BLOCK_M * BLOCK_D))
         return (part.sum(0).to(ctx.q_dtype), None, *(d.view(ctx.shape) for d in dsrcs))
 
 
@@ -447,8 +377,8 @@ class _AttnResMerge(torch.autograd.Function):
 
 
 def two_phase_fits(num_queries: int, D: int) -> bool:
-    """Whether the fused phase 1 serves J queries of width D (tiles of [rows, J padded to a power of two, 64])."""
-    return triton is not None and 1 <= num_queries <= 32 and D >= 1
+    """Whether the fused phase 1 serves J queries of width D (its [J, D] accumulators per row in registers)."""
+    return triton is not None and triton.next_power_of_2(num_queries) * triton.next_power_of_2(D) <= 16384
 
 
 def attn_res_phase1_triton(queries: torch.Tensor, sealed: list[torch.Tensor], eps: float = EPS):
@@ -456,7 +386,7 @@ def attn_res_phase1_triton(queries: torch.Tensor, sealed: list[torch.Tensor], ep
     each read over the sealed sources, normalised) and J tensors [...] (fp32 logsumexp of its logits)."""
     J, D = queries.shape
     if not two_phase_fits(J, D):
-        raise ValueError(f"the fused phase 1 serves 1 ≤ J ≤ 32 queries, got J={J}")
+        raise ValueError(f"the fused phase 1 serves J·D ≤ 16384 (powers of two), got J={J}, D={D}")
     if any(s.shape != sealed[0].shape or s.shape[-1] != D for s in sealed):
         raise ValueError("phase-1 sources must share one shape [..., D]")
     out = _AttnResPhase1.apply(queries, eps, *sealed)

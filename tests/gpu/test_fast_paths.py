@@ -194,8 +194,7 @@ def test_attn_res_triton_full_shape(n, N, D):
     assert out.dtype == torch.float32 and rel(out, attn_res_read(w, [m.double() for m in mixed])) <= 1e-5
 
 
-@pytest.mark.parametrize("n,J,N,D", [(7, 7, 32768, 768), (1, 6, 32768, 768), (4, 13, 4096, 1024),
-                                     (8, 25, 2048, 7168)])
+@pytest.mark.parametrize("n,J,N,D", [(7, 7, 32768, 768), (1, 6, 32768, 768), (4, 13, 4096, 1024)])
 def test_attn_res_two_phase_full_shape(n, J, N, D):
     """Fused phase 1 over n sealed sources for J queries and J merges with fp32 partial sums, against the torch
     two-phase form in fp64: outputs and sources/partials ≤ 1e-5, query gradients (sums over rows) ≤ 1e-4."""
@@ -203,10 +202,11 @@ def test_attn_res_two_phase_full_shape(n, J, N, D):
     from k3.ops.attn_res import attn_res_merge_triton, attn_res_phase1_triton
 
     g = torch.Generator(device="cuda").manual_seed(n + J)
-    sealed = [torch.randn(N, D, device="cuda", generator=g, dtype=torch.float64) * (1 + i) for i in range(n)]
-    parts = [torch.randn(N, D, device="cuda", generator=g, dtype=torch.float64) * 2 for _ in range(J)]
+    rows = (1, N, D)  # [B, T, D], as the model's blocks
+    sealed = [torch.randn(rows, device="cuda", generator=g, dtype=torch.float64) * (1 + i) for i in range(n)]
+    parts = [torch.randn(rows, device="cuda", generator=g, dtype=torch.float64) * 2 for _ in range(J)]
     qs, ws = (torch.randn(J, D, device="cuda", generator=g, dtype=torch.float64) * 0.05 for _ in range(2))
-    douts = [torch.randn(N, D, device="cuda", generator=g, dtype=torch.float64) for _ in range(J + 1)]
+    douts = [torch.randn(rows, device="cuda", generator=g, dtype=torch.float64) for _ in range(J + 1)]
     runs = []
     for dtype, fused in ((torch.float64, False), (torch.float32, True)):
         srcs, ps = [leaf(s, dtype) for s in sealed], [leaf(p, dtype) for p in parts]
@@ -307,11 +307,7 @@ def test_tiny_model_fast_paths_and_checkpointing_match_reference():
     for loss in (l_ref, l_fast, l_ckpt):
         assert abs(loss - l_32) <= 1e-2 * abs(l_32)
     assert abs(l_ckpt - l_fast) <= 1e-3 * abs(l_fast)  # checkpointing recomputes the same bf16 forward
-    assert g_ref.keys() == g_ckpt.keys() == g_32.keys()
-    # the fast stack's two-phase AttnRes also hands layer 0's attention query (whose read is the embedding
-    # alone) a gradient, of zeros; checkpointing takes the direct wiring, which leaves it None
-    extra = set(g_fast) - set(g_32)
-    assert set(g_fast) >= set(g_32) and all(g_fast[name].abs().sum() == 0 for name in extra), extra
+    assert g_fast.keys() == g_ref.keys() == g_ckpt.keys() == g_32.keys()
     ratios = []
     for name in g_32:
         if g_32[name].norm() > 0:

@@ -408,27 +408,24 @@ def test_layer0_attn_query_has_no_effect():
 
 
 def test_wiring_choice(monkeypatch):
-    """"auto" takes the fused two-phase wiring where it is available and the layers are not checkpointed,
-    the direct wiring otherwise; "two_phase" refuses checkpointed layers while a backward can follow."""
+    """Only "two_phase" takes the two-phase wiring (fused where `fused_two_phase_available`); it refuses layers
+    checkpointed with `apply_activation_checkpointing` while a backward can follow, and runs them without one."""
     from k3.model.checkpointing import apply_activation_checkpointing
 
     model = build_model(get_preset("debug"), seed=0)
     inner, h = model.model, torch.zeros(1, 2, get_preset("debug").hidden_size)
     assert inner._block_queries() == 4  # debug: 5 layers in blocks of 2: 2 · 2 reads (the last: 2 · 1 + 1)
-    seen = []
-    monkeypatch.setattr(model_module, "fused_two_phase_available", lambda x, J: seen.append(J) or True)
-    assert inner._two_phase(h) and seen == [4]
-    monkeypatch.setattr(inner.config, "attn_res_impl", "triton")
-    assert not inner._two_phase(h)
-    monkeypatch.setattr(inner.config, "attn_res_impl", "auto")
-    apply_activation_checkpointing(model)
-    assert not inner._two_phase(h)
+    for impl in ("auto", "direct", "triton"):
+        monkeypatch.setattr(inner.config, "attn_res_impl", impl)
+        assert not inner._two_phase(h)
     monkeypatch.setattr(inner.config, "attn_res_impl", "two_phase")
+    assert inner._two_phase(h)
+    apply_activation_checkpointing(model)
     with pytest.raises(ValueError, match="checkpoint"):
         inner._two_phase(h)
     with torch.no_grad():
         assert inner._two_phase(h)
-    monkeypatch.setattr(model_module, "fused_two_phase_available", lambda x, J: False)
-    monkeypatch.setattr(inner.config, "attn_res_impl", "auto")
-    model = build_model(get_preset("debug"), seed=0)
-    assert not model.model._two_phase(h)
+        seen = []
+        monkeypatch.setattr(model_module, "fused_two_phase_available", lambda x, J: seen.append(J) or False)
+        model(ids_of(1, 3, get_preset("debug").vocab_size, seed=1))
+    assert seen == [4]
