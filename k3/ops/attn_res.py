@@ -27,8 +27,9 @@ direct form writes one per read and the autograd engine adds them up. Phase-1 ba
 and e_j = dL/dlse1_j: dα_ji = g_j · v_i, c_j = Σ_i α_ji dα_ji, ds_ji = α_ji (dα_ji − c_j + e_j),
 dv_i = Σ_j α_ji g_j + r_i Σ_j ds_ji w_j − (r_i³ / D) (Σ_j ds_ji (w_j · v_i)) v_i,
 dw_j = Σ_rows Σ_i ds_ji r_i v_i.
-The J accumulators of a row live in registers ([J, D] per row), so the fused form serves J · D ≤ 16384
-(`two_phase_fits`: the small preset's J = 7, D = 768; not K3's J = 25, D = 7168, which keeps the direct read).
+The J accumulators of a row live in registers ([J, D] per row), so the fused form serves J · D ≤ 8192 padded
+to powers of two (`two_phase_fits`: the small preset's J = 7, D = 768; not K3's J = 25, D = 7168, where
+"two_phase" runs the torch form).
 """
 
 from __future__ import annotations
@@ -377,8 +378,10 @@ class _AttnResMerge(torch.autograd.Function):
 
 
 def two_phase_fits(num_queries: int, D: int) -> bool:
-    """Whether the fused phase 1 serves J queries of width D (its [J, D] accumulators per row in registers)."""
-    return triton is not None and triton.next_power_of_2(num_queries) * triton.next_power_of_2(D) <= 16384
+    """Whether the fused phase 1 serves J queries of width D: its [J, D] accumulators per row in registers, at
+    most 8192 elements padded (8 warps; 16384 compiled for 16 warps to 1.6 KB of spills and 165 KB of shared
+    memory offline, and its H200 test did not pass, session 10 run 4)."""
+    return triton is not None and triton.next_power_of_2(num_queries) * triton.next_power_of_2(D) <= 8192
 
 
 def attn_res_phase1_triton(queries: torch.Tensor, sealed: list[torch.Tensor], eps: float = EPS):
@@ -386,7 +389,7 @@ def attn_res_phase1_triton(queries: torch.Tensor, sealed: list[torch.Tensor], ep
     each read over the sealed sources, normalised) and J tensors [...] (fp32 logsumexp of its logits)."""
     J, D = queries.shape
     if not two_phase_fits(J, D):
-        raise ValueError(f"the fused phase 1 serves J·D ≤ 16384 (powers of two), got J={J}, D={D}")
+        raise ValueError(f"the fused phase 1 serves J·D ≤ 8192 (powers of two), got J={J}, D={D}")
     if any(s.shape != sealed[0].shape or s.shape[-1] != D for s in sealed):
         raise ValueError("phase-1 sources must share one shape [..., D]")
     out = _AttnResPhase1.apply(queries, eps, *sealed)

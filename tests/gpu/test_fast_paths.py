@@ -194,7 +194,7 @@ def test_attn_res_triton_full_shape(n, N, D):
     assert out.dtype == torch.float32 and rel(out, attn_res_read(w, [m.double() for m in mixed])) <= 1e-5
 
 
-@pytest.mark.parametrize("n,J,N,D", [(7, 7, 32768, 768), (1, 6, 32768, 768), (4, 13, 4096, 1024)])
+@pytest.mark.parametrize("n,J,N,D", [(7, 7, 32768, 768), (1, 6, 32768, 768), (4, 5, 4096, 1024)])
 def test_attn_res_two_phase_full_shape(n, J, N, D):
     """Fused phase 1 over n sealed sources for J queries and J merges with fp32 partial sums, against the torch
     two-phase form in fp64: outputs and sources/partials ≤ 1e-5, query gradients (sums over rows) ≤ 1e-4."""
