@@ -316,9 +316,9 @@ def test_state_split_products(dev, monkeypatch, dtype):
 
 
 def test_inference_forward_state_products(dev, monkeypatch):
-    """The inference forward (nothing stored for a backward) multiplies in tf32 (`state_split_inference` off) and
-    the training forward in split bf16: both within fp64 tolerance, within 5e-5 of each other in the interpreter;
-    switching `state_split_inference` on makes the two forwards bit-identical."""
+    """The inference forward (no backward can follow) multiplies in tf32 (`state_split_inference` off) and the
+    training forward in split bf16, whether or not it keeps its operands: both within fp64 tolerance, within 5e-5
+    of each other in the interpreter; switching `state_split_inference` on makes them bit-identical."""
     from k3.ops.kda import chunk_kda
     from k3.ops.kda import triton_chunk as tc
 
@@ -329,6 +329,9 @@ def test_inference_forward_state_products(dev, monkeypatch):
         with torch.no_grad():
             infer, _ = chunk_kda(*inputs[:7], initial_state=inputs[7])
         train, _ = chunk_kda(*(x.clone().requires_grad_() for x in inputs[:7]), initial_state=inputs[7])
+        unkept, _ = chunk_kda(*(x.clone().requires_grad_() for x in inputs[:7]), initial_state=inputs[7],
+                              save_intermediates=False)
+        assert torch.equal(train, unkept)
         return infer.detach(), train.detach()
 
     infer, train = forwards()

@@ -71,8 +71,9 @@ TUNING = {
     # 3.231 → 3.255 ms (session 9 runs 3-4). Not in `_state_bwd`: bf16 dots there faulted on the H200 (session 9
     # run 3, as the plain bf16 ones did in session 4, docs/kda-kernels.md §7 item 5)
     "state_split": True,
-    # the inference forward (no Ũ stored) keeps tf32: 3.134 → 3.102 ms at the K3 shape, 1.077 → 0.977 ms at the
-    # small preset's 8 × 4096, H = 8 (session 10 run 1); its o is within tf32 rounding of the training forward's
+    # the inference forward (no backward can follow) keeps tf32: 3.134 → 3.102 ms at the K3 shape, 1.077 → 0.977 ms
+    # at the small preset's 8 × 4096, H = 8 (session 10 run 1); its o is within tf32 rounding of a training
+    # forward's, which is the same whether or not it keeps Ũ
     "state_split_inference": False,
     # the value-side backward over key slices from the forward's Ũ (docs/kda-kernels.md §7 item 13): `_bwd_vk` per
     # (key slice of bwd_vk_cols, chunk, head), then `_bwd_vv` per (chunk, head); fwd+bwd 19.95 → 18.53 ms at the K3
@@ -1082,9 +1083,10 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
 
 
 def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht=False, want_hs=False,
-               state_bf16=False, want_ut=False):
+               state_bf16=False, want_ut=False, training=False):
     """Launch `_state`; returns (o [TT, H, V] or None, final state [N, H, K, V] or None, chunk-start states or None,
-    Ũ = U − W·S [TT, H, V] in U's dtype if want_ut else None)."""
+    Ũ = U − W·S [TT, H, V] in U's dtype if want_ut else None). training (or want_ut): a backward can follow, so
+    the products are the `state_split` ones (the inference forward's are `state_split_inference`)."""
     TT, H, K = W.shape
     V = U.shape[-1]
     BV = min(V, TUNING["state_ut_bv" if want_ut else "state_bv"])
@@ -1093,7 +1095,7 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
     ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
     hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=torch.float32, device=dev) if want_hs else None
     ut = torch.empty_like(U) if want_ut else None
-    split = TUNING["state_split" if want_ut else "state_split_inference"] and not state_bf16
+    split = TUNING["state_split" if training or want_ut else "state_split_inference"] and not state_bf16
     dummy = gc
     _state[(V // BV, plan.N * H)](W, U, Qg, Kd, Aqk, gc, h0 if h0 is not None else dummy,
                                   o if o is not None else dummy, ht if ht is not None else dummy,
@@ -1106,8 +1108,9 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
 
 
 def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes, state_bf16,
-         keep=False):
-    """The forward: (o, final state or None, chunk-start states if want_hs else None, kept).
+         keep=False, training=False):
+    """The forward: (o, final state or None, chunk-start states if want_hs else None, kept). training: a backward
+    can follow (`_fwd_state`), so o is the same whether or not the forward keeps its operands.
 
     keep: also return what the backward would recompute, (W, Qg, Kd, Aqk, gc, T, hs, Ũ, ‖q‖, ‖k‖), for
     `_bwd(inter=…)`; else kept is None. The states and
@@ -1118,7 +1121,7 @@ def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs
     W, U, Qg, Kd, Aqk, gc, Tm, norms = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
                                                     store_t=keep, store_norms=keep)
     o, ht, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, want_ht=want_ht, want_hs=want_hs or keep,
-                               state_bf16=state_bf16, want_ut=keep)
+                               state_bf16=state_bf16, want_ut=keep, training=training)
     # U is not needed by the backward
     kept = (W, Qg, Kd, Aqk, gc, Tm, hs, ut) + norms if keep else None
     return o, ht, (hs if want_hs else None), kept
@@ -1212,9 +1215,9 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, z, b, A_log, dt_bias, h0, g_min, scale, plan, want_ht, want_hs, dtypes, state_bf16,
-                keep):
+                keep, training):
         o, ht, hs, kept = _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes,
-                               state_bf16, keep=keep)
+                               state_bf16, keep=keep, training=training)
         if kept is None:
             ctx.save_for_backward(q, k, v, z, b, A_log, dt_bias, h0)
         else:
@@ -1234,7 +1237,7 @@ class ChunkKDAFunction(torch.autograd.Function):
                                                           do.contiguous(),
                                                           None if dht is None else dht.contiguous(),
                                                           dtypes, state_bf16, inter=inter)
-        return (dq, dk, dv, dz, db, dA_log, ddt_bias, dh0 if has_h0 else None) + (None,) * 8
+        return (dq, dk, dv, dz, db, dA_log, ddt_bias, dh0 if has_h0 else None) + (None,) * 9
 
 
 def chunk_kda(
@@ -1317,12 +1320,13 @@ def chunk_kda(
         return x.reshape(B * T, *x.shape[2:]).contiguous()
 
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    keep = bool(save_intermediates) and torch.is_grad_enabled() and any(
+    training = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, z, beta_logits, A_log, dt_bias, initial_state))
+    keep = bool(save_intermediates) and training
     o, ht, hs = ChunkKDAFunction.apply(flat(q), flat(k), flat(v), flat(z), flat(beta_logits), A_log.contiguous(),
                                        dt_bias.reshape(-1).contiguous(), h0, float(gate_lower_bound), scale, plan,
                                        output_final_state, return_chunk_states,
-                                       inter_dtypes(q.dtype, all_bf16), state_bf16, keep)
+                                       inter_dtypes(q.dtype, all_bf16), state_bf16, keep, training)
     o = o.view(B, T, H, V)
     if return_chunk_states:
         return o, ht, hs[: plan.NT]
