@@ -4,9 +4,9 @@ query), side by side on the same inputs, forward and forward+backward.
 
 Legend: n sealed sources, J reads per block, N rows (tokens), D model width.
 
-Shapes: the small preset at 32K tokens per step (N = 32768, D = 768, J = 6 reads per block of 3 layers, +1 in
-the last block), n = 1, 4 and 7 sealed sources (its first, a middle and its last block); fp32 sources and
-partial sums, as in the model. Times: median of `triton.testing.do_bench` (ms). Forward+backward includes the
+Shapes: the small preset at 32K tokens per step (N = 32768, D = 768, J = 7 reads: its last block's 6 plus the
+output read, the most any block makes), n = 1, 4 and 7 sealed sources; fp32 sources and partial sums, as in the
+model. Times: median of `triton.testing.do_bench` (ms). Forward+backward includes the
 autograd engine's sums of the direct read's per-read source gradients, which the two-phase form does not make.
 A gate (both against the torch two-phase form in fp64, ≤ 1e-5) runs first.
 

@@ -9,7 +9,7 @@ every read starts as a uniform average. All of it in fp32, cast back once.
 
 Two exact forms:
 - `attn_res_read`: the direct form, one read over a list of sources;
-- `attn_res_phase1` + `attn_res_merge`: the two-phase inference form. Queries do not depend on the
+- `attn_res_phase1` + `attn_res_merge`: the two-phase form. Queries do not depend on the
   input, so all reads of a block are batched over its sealed sources once (phase 1), and each read then
   merges the running partial sum with an online-softmax step (phase 2).
 Both forms have fused Triton kernels (`k3.ops.attn_res`) that never stack the sources. `attn_res_impl`:
@@ -103,6 +103,7 @@ def block_reads(queries: torch.Tensor, sealed: list[torch.Tensor], fused: bool, 
     read, merged with the partial sum (partial None: the phase-1 read alone, in the sources' dtype)."""
     dtype = sealed[0].dtype
     if fused:
+        # o1 are views of one [J, ...] buffer (autograd refuses in-place changes to them; no mixer makes any)
         o1, lse1 = attn_res_phase1_triton(queries, sealed, eps)
 
         def read(j, w, partial):

@@ -147,7 +147,7 @@ class K3Model(nn.Module):
     def forward(self, input_ids, layout, cache=None, router_infos=None, mla_max_logits=None):
         """input_ids [B, T] -> final normed hidden states [B, T, D]."""
         h = self.embed_tokens(input_ids)
-        if self._two_phase(h):
+        if self._two_phase():
             h = self._layers_two_phase(h, layout, cache, router_infos, mla_max_logits)
         else:
             h = self._layers_direct(h, layout, cache, router_infos, mla_max_logits)
@@ -158,7 +158,7 @@ class K3Model(nn.Module):
         S, L = self.config.attn_res_block_size, len(self.layers)
         return max(2 * min(S, L - i) + (i + S >= L) for i in range(0, L, S))
 
-    def _two_phase(self, h: torch.Tensor) -> bool:
+    def _two_phase(self) -> bool:
         """The AttnRes wiring (module docstring of k3.model.attn_res): two-phase or direct."""
         if self.config.attn_res_impl != "two_phase":
             return False

@@ -224,8 +224,8 @@ if triton is not None:
     def _merge_bwd_kernel(O1, LSE1, W, P, LSE, DOUT, DO1, DLSE1, DP, DW_PART, N, D, eps, ITERS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
         """Phase 2 backward: do1 = β1 dout, ds = β1 β2 (dout · p − dout · o1) (= β2 (dout · p − dout · out),
-        without the cancellation when one weight is near 1), dlse1 = −ds, dp = β2 dout + ds (r w − (w · p) r³ p / D),
-        and this program's share of dw = Σ_rows ds r p."""
+        without the cancellation when one weight is near 1), dlse1 = −ds,
+        dp = β2 dout + ds (r w − (w · p) r³ p / D), and this program's share of dw = Σ_rows ds r p."""
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
         cmask = cols < D
@@ -324,15 +324,9 @@ class _AttnResPhase1(torch.autograd.Function):
         J, D = wq.shape
         N = flat[0].shape[0]
         JP, BLOCK_M, BLOCK_D = _two_phase_tiles(J, D)
-        zeros = None
-        g = []
-        for grad in grads[:J]:
-            if grad is None:
-                zeros = zeros if zeros is not None else torch.zeros(N, D, dtype=torch.float32, device=wq.device)
-                grad = zeros
-            g.append(grad.reshape(N, D).float().contiguous())
-        e = torch.stack([torch.zeros(N, dtype=torch.float32, device=wq.device) if grad is None
-                         else grad.reshape(N).float() for grad in grads[J:]])
+        # autograd hands in zeros for outputs that took no gradient (materialised grads)
+        g = [grad.reshape(N, D).float().contiguous() for grad in grads[:J]]
+        e = torch.stack([grad.reshape(N).float() for grad in grads[J:]])
         P, iters = persistent_grid(N, BLOCK_M, wq.device)
         dsrcs = tuple(torch.empty_like(s) for s in flat)
         part = torch.empty(P, J, D, dtype=torch.float32, device=wq.device)

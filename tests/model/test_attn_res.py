@@ -413,18 +413,18 @@ def test_wiring_choice(monkeypatch):
     from k3.model.checkpointing import apply_activation_checkpointing
 
     model = build_model(get_preset("debug"), seed=0)
-    inner, h = model.model, torch.zeros(1, 2, get_preset("debug").hidden_size)
+    inner = model.model
     assert inner._block_queries() == 4  # debug: 5 layers in blocks of 2: 2 · 2 reads (the last: 2 · 1 + 1)
     for impl in ("auto", "direct", "triton"):
         monkeypatch.setattr(inner.config, "attn_res_impl", impl)
-        assert not inner._two_phase(h)
+        assert not inner._two_phase()
     monkeypatch.setattr(inner.config, "attn_res_impl", "two_phase")
-    assert inner._two_phase(h)
+    assert inner._two_phase()
     apply_activation_checkpointing(model)
     with pytest.raises(ValueError, match="checkpoint"):
-        inner._two_phase(h)
+        inner._two_phase()
     with torch.no_grad():
-        assert inner._two_phase(h)
+        assert inner._two_phase()
         seen = []
         monkeypatch.setattr(model_module, "fused_two_phase_available", lambda x, J: seen.append(J) or False)
         model(ids_of(1, 3, get_preset("debug").vocab_size, seed=1))

@@ -181,27 +181,34 @@ def model_two_phase():
     model's other ops in fp64, so only the kernels' fp32 rounding separates the two, amplified through five
     layers' backward: 9e-6 at most when written; a wrong or missing term shows as 1e-2 or more)."""
     from k3.config import get_preset
+    from k3.model import attn_res as attn_res_model
     from k3.model import model as model_module
     from k3.model.model import build_model
     from k3.ops.attn_res import two_phase_fits
 
     config = get_preset("debug").replace(vision_config=None)
     ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))
-    available = model_module.fused_two_phase_available
+    available, phase1 = model_module.fused_two_phase_available, attn_res_model.attn_res_phase1_triton
+    fused_calls = []
     runs = {}
-    for impl in ("direct", "two_phase"):
-        # the fused two-phase path on CPU tensors, through the interpreter
+    try:
+        # the fused two-phase path on CPU tensors, through the interpreter; its phase-1 calls counted
         model_module.fused_two_phase_available = lambda x, J: two_phase_fits(J, x.shape[-1])
-        model = build_model(config.replace(attn_res_impl=impl), seed=3, dtype=torch.float64)
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if pname.endswith("_res_proj.weight"):
-                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(pname))))
-        logits = model(ids).logits
-        torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, config.vocab_size),
-                                          ids[:, 1:].reshape(-1)).backward()
-        runs[impl] = {"logits": logits, **{n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
-    model_module.fused_two_phase_available = available
+        attn_res_model.attn_res_phase1_triton = lambda *a, **k: fused_calls.append(1) or phase1(*a, **k)
+        for impl in ("direct", "two_phase"):
+            model = build_model(config.replace(attn_res_impl=impl), seed=3, dtype=torch.float64)
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if pname.endswith("_res_proj.weight"):
+                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(pname))))
+            logits = model(ids).logits
+            torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, config.vocab_size),
+                                              ids[:, 1:].reshape(-1)).backward()
+            runs[impl] = {"logits": logits, **{n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
+    finally:
+        model_module.fused_two_phase_available, attn_res_model.attn_res_phase1_triton = available, phase1
+    if len(fused_calls) != 3:  # one phase 1 per block: 5 layers in blocks of 2
+        failures.append(f"model two-phase: {len(fused_calls)} fused phase-1 calls, expected 3")
     for key, ref in runs["direct"].items():
         if ref.abs().sum() > 0:
             check(f"model two-phase {key}", runs["two_phase"][key], ref, torch.float32,
