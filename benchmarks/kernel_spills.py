@@ -59,14 +59,15 @@ def main() -> None:
     ap.add_argument("--conv-bwd", nargs="*", default=[], help="extra tilings of both backward kernels, e.g. 64x128x4")
     args = ap.parse_args()
     sc = short_conv
-    conv_bwd = dict(W=4, BT=sc._CONV_BWD_BT, BC=sc._CONV_BWD_BC)
+    order = dict(CHANNELS_FASTEST=sc._CONV_CHANNELS_FASTEST)
+    conv_bwd = dict(W=4, BT=sc._CONV_BWD_BT, BC=sc._CONV_BWD_BC, **order)
     cases = [
         ("loss rows (grad)", cross_entropy._loss_rows_kernel, LOSS_ARGS,
          dict(WRITE_GRAD=True, BV=4096, TILES=40), 8),
         ("loss rows (loss only)", cross_entropy._loss_rows_kernel, LOSS_ARGS,
          dict(WRITE_GRAD=False, BV=4096, TILES=40), 8),
-        ("conv+silu fwd", sc._conv_silu_fwd_kernel, CONV_FWD_ARGS, dict(W=4, BT=sc._CONV_BT, BC=sc._CONV_BC), 4,
-         CONV_ALIGNED),
+        ("conv+silu fwd", sc._conv_silu_fwd_kernel, CONV_FWD_ARGS, dict(W=4, BT=sc._CONV_BT, BC=sc._CONV_BC, **order),
+         4, CONV_ALIGNED),
         ("conv+silu bwd g, dw", sc._conv_silu_grad_kernel, CONV_GRAD_ARGS, conv_bwd, sc._CONV_BWD_WARPS, CONV_ALIGNED),
         ("conv+silu bwd dx", sc._conv_silu_dx_kernel, CONV_DX_ARGS, conv_bwd, sc._CONV_BWD_WARPS, CONV_ALIGNED),
         ("conv+silu bwd g, dw (odd C)", sc._conv_silu_grad_kernel, CONV_GRAD_ARGS, conv_bwd, sc._CONV_BWD_WARPS),
@@ -84,9 +85,9 @@ def main() -> None:
     for tiling in args.conv_bwd:
         bt, bc, warps = map(int, tiling.split("x"))
         cases.append((f"conv+silu bwd g, dw {tiling}", sc._conv_silu_grad_kernel, CONV_GRAD_ARGS,
-                      dict(W=4, BT=bt, BC=bc), warps, CONV_ALIGNED))
-        cases.append((f"conv+silu bwd dx {tiling}", sc._conv_silu_dx_kernel, CONV_DX_ARGS, dict(W=4, BT=bt, BC=bc),
-                      warps, CONV_ALIGNED))
+                      dict(W=4, BT=bt, BC=bc, **order), warps, CONV_ALIGNED))
+        cases.append((f"conv+silu bwd dx {tiling}", sc._conv_silu_dx_kernel, CONV_DX_ARGS,
+                      dict(W=4, BT=bt, BC=bc, **order), warps, CONV_ALIGNED))
     print(f"{'kernel':28s} {'settings':34s} {'regs':>5s} {'spill st/ld B':>14s} {'stack B':>8s}")
     for name, fn, fn_args, constexprs, warps, *aligned in cases:
         regs, stores, loads, stack = report(fn, fn_args, constexprs, warps, *aligned)

@@ -10,6 +10,7 @@ per 8,192 tokens. Times: median of `triton.testing.do_bench` (ms); GB/s counts t
     python -m benchmarks.short_conv            # one GPU
     python -m benchmarks.short_conv --quick    # tiny shapes, gate only (any device; CPU via the interpreter)
     python -m benchmarks.short_conv --profile  # also the CUDA kernels of one fused forward+backward, by time
+    python -m benchmarks.short_conv --grid both  # also the fused kernels with channel blocks fastest
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
+from k3.ops import short_conv as short_conv_module  # noqa: E402
 from k3.ops.short_conv import causal_conv1d, naive_short_conv_silu, short_conv_silu  # noqa: E402
 
 DOCS = [1300, 547, 2048, 963, 271, 3063]
@@ -81,6 +83,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="kernel times of the fused forward+backward (small, T = 8192): what each call costs")
+    ap.add_argument("--grid", choices=("tokens", "both"), default="tokens",
+                    help="both: also time the fused kernels with the channel blocks as the fastest grid axis "
+                         "(`_CONV_CHANNELS_FASTEST`), as 'fused/ch'")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     errs, ok = gate(device)
@@ -100,8 +105,11 @@ def main() -> int:
             "unfused": lambda xx, ww: F.silu(causal_conv1d(xx, ww, cu_seqlens=cu)[0]),
             "fused": lambda xx, ww: short_conv_silu(xx, ww, cu),
         }
+        if args.grid == "both":
+            impls["fused/ch"] = impls["fused"]
         times = {}
         for name, fn in impls.items():
+            short_conv_module._CONV_CHANNELS_FASTEST = name == "fused/ch"  # read at each launch, backward too
             with torch.no_grad():
                 fwd = do_bench(lambda: fn(x, w), warmup=10, rep=100)
             xg, wg = wide.clone().requires_grad_(), w.clone().requires_grad_()
@@ -111,6 +119,7 @@ def main() -> int:
 
             both = do_bench(step, warmup=10, rep=100)
             times[name] = (fwd, both)
+        short_conv_module._CONV_CHANNELS_FASTEST = False
         nbytes_f = 2 * T * C * 2
         nbytes_b = nbytes_f + 3 * T * C * 2
         for name, (fwd, both) in times.items():

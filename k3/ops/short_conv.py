@@ -218,9 +218,19 @@ if triton is not None:
         return a
 
     @triton.jit
-    def _conv_silu_fwd_kernel(X, Wt, POS, Y, R, C, stride_x, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-        t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
-        c = tl.program_id(1) * BC + tl.arange(0, BC)
+    def _tile(CHANNELS_FASTEST: tl.constexpr):
+        """(token block, channel block) of this program: grid axis 0 runs over token blocks, or over channel
+        blocks with CHANNELS_FASTEST (`_conv_grid`)."""
+        if CHANNELS_FASTEST:
+            return tl.program_id(1), tl.program_id(0)
+        return tl.program_id(0), tl.program_id(1)
+
+    @triton.jit
+    def _conv_silu_fwd_kernel(X, Wt, POS, Y, R, C, stride_x, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                              CHANNELS_FASTEST: tl.constexpr):
+        tb, cb = _tile(CHANNELS_FASTEST)
+        t = (tb * BT + tl.arange(0, BT)).to(tl.int64)
+        c = cb * BC + tl.arange(0, BC)
         in_t, in_c = t < R, c < C
         pos = tl.load(POS + t, mask=in_t, other=0)
         acc = _conv_taps(X, Wt, pos, t, in_t, c, in_c, stride_x, W, BT, BC)
@@ -229,12 +239,13 @@ if triton is not None:
 
     @triton.jit
     def _conv_silu_grad_kernel(X, Wt, POS, DY, G, DW, R, C, stride_x, stride_dy, W: tl.constexpr,
-                               BT: tl.constexpr, BC: tl.constexpr):
+                               BT: tl.constexpr, BC: tl.constexpr, CHANNELS_FASTEST: tl.constexpr):
         """Backward, kernel 1: g = dy · SiLU'(a) at the tile's tokens (a recomputed from x) into G [R, C], and
         dw[j] = Σ_t g[t] · x[t−(W−1−j)] over them (a row of partial sums [C, W] per token block, summed by the
         caller: deterministic, no atomics)."""
-        t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
-        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        tb, cb = _tile(CHANNELS_FASTEST)
+        t = (tb * BT + tl.arange(0, BT)).to(tl.int64)
+        c = cb * BC + tl.arange(0, BC)
         in_t, in_c = t < R, c < C
         pos = tl.load(POS + t, mask=in_t, other=0)
         a = _conv_taps(X, Wt, pos, t, in_t, c, in_c, stride_x, W, BT, BC)
@@ -247,14 +258,16 @@ if triton is not None:
             ok = in_t & (pos >= lag)
             # the same shifted tiles as the taps, again: from L1, and not held live across the SiLU
             xv = tl.load(X + (t - lag)[:, None] * stride_x + c[None, :], mask=ok[:, None] & in_c[None, :], other=0.0)
-            tl.store(DW + (tl.program_id(0) * C + c) * W + j, tl.sum(g * xv.to(tl.float32), axis=0), mask=in_c)
+            tl.store(DW + (tb * C + c) * W + j, tl.sum(g * xv.to(tl.float32), axis=0), mask=in_c)
 
     @triton.jit
-    def _conv_silu_dx_kernel(G, Wt, POS, DX, R, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    def _conv_silu_dx_kernel(G, Wt, POS, DX, R, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                             CHANNELS_FASTEST: tl.constexpr):
         """Backward, kernel 2: dx[t] = Σ_d w[W−1−d] · g[t+d] over the d with t+d in t's document (t+d < R and
         pos[t+d] ≥ d), written in DX's dtype."""
-        t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
-        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        tb, cb = _tile(CHANNELS_FASTEST)
+        t = (tb * BT + tl.arange(0, BT)).to(tl.int64)
+        c = cb * BC + tl.arange(0, BC)
         in_t, in_c = t < R, c < C
         dx = tl.zeros([BT, BC], dtype=tl.float32)
         for d in tl.static_range(W):
@@ -280,6 +293,15 @@ _CONV_BWD_BT, _CONV_BWD_BC, _CONV_BWD_WARPS = 64, 64, 4
 # bytes per element against 10 in x's dtype, but the bf16 dx of the small preset's shape is then 18% closer to
 # fp64 than the unfused path's instead of 2% (CPU emulation; the GPU test allows 5% further)
 _CONV_G_FP32 = True
+# the order of the programs: token blocks fastest (False, measured in sessions 6-9) or channel blocks fastest, so
+# that the programs in flight read whole rows of a column slice together (a hypothesis for the 1 TB/s at 32K tokens,
+# docs/fast-paths.md, session 10; untimed: `python -m benchmarks.short_conv --grid both` compares them)
+_CONV_CHANNELS_FASTEST = False
+
+
+def _conv_grid(R: int, C: int, BT: int, BC: int) -> tuple[int, int]:
+    blocks = (triton.cdiv(R, BT), triton.cdiv(C, BC))
+    return blocks[::-1] if _CONV_CHANNELS_FASTEST else blocks
 
 
 def _token_positions(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
@@ -306,8 +328,9 @@ class _ShortConvSiLU(torch.autograd.Function):
         xr = _rows(x)
         R = xr.shape[0]
         y = torch.empty(R, C, dtype=x.dtype, device=x.device)
-        grid = (triton.cdiv(R, _CONV_BT), triton.cdiv(C, _CONV_BC))
-        _conv_silu_fwd_kernel[grid](xr, w, pos, y, R, C, xr.stride(0), W=W, BT=_CONV_BT, BC=_CONV_BC)
+        _conv_silu_fwd_kernel[_conv_grid(R, C, _CONV_BT, _CONV_BC)](xr, w, pos, y, R, C, xr.stride(0), W=W,
+                                                                    BT=_CONV_BT, BC=_CONV_BC,
+                                                                    CHANNELS_FASTEST=_CONV_CHANNELS_FASTEST)
         ctx.save_for_backward(xr, w, pos)
         ctx.shape, ctx.weight_shape, ctx.weight_dtype = x.shape, weight.shape, weight.dtype
         return y.view(B, T, C)
@@ -319,8 +342,9 @@ class _ShortConvSiLU(torch.autograd.Function):
         W = w.shape[1]
         dyr = _rows(dy)
         blocks = triton.cdiv(R, _CONV_BWD_BT)
-        grid = (blocks, triton.cdiv(C, _CONV_BWD_BC))
-        tiles = dict(W=W, BT=_CONV_BWD_BT, BC=_CONV_BWD_BC, num_warps=_CONV_BWD_WARPS)
+        grid = _conv_grid(R, C, _CONV_BWD_BT, _CONV_BWD_BC)
+        tiles = dict(W=W, BT=_CONV_BWD_BT, BC=_CONV_BWD_BC, CHANNELS_FASTEST=_CONV_CHANNELS_FASTEST,
+                     num_warps=_CONV_BWD_WARPS)
         g = torch.empty(R, C, dtype=torch.float32 if _CONV_G_FP32 else xr.dtype, device=xr.device)
         dw = torch.empty(blocks, C, W, dtype=torch.float32, device=xr.device)
         _conv_silu_grad_kernel[grid](xr, w, pos, dyr, g, dw, R, C, xr.stride(0), dyr.stride(0), **tiles)
