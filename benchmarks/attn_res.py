@@ -25,8 +25,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
-from k3.model.attn_res import attn_res_merge, attn_res_phase1  # noqa: E402
-from k3.ops.attn_res import attn_res_merge_triton, attn_res_phase1_triton, attn_res_read_triton  # noqa: E402
+from k3.model.attn_res import block_reads  # noqa: E402
+from k3.ops.attn_res import attn_res_read_triton  # noqa: E402
 
 
 def block_inputs(n, J, N, D, device, seed=0):
@@ -43,14 +43,14 @@ def direct_block(sealed, partials, queries):
     return [attn_res_read_triton(queries[j], sealed + ([partials[j]] if j else [])) for j in range(len(partials))]
 
 
-def two_phase_block(sealed, partials, queries):
-    o1, lse1 = attn_res_phase1_triton(queries, sealed)
-    return [o1[0]] + [attn_res_merge_triton(o1[j], lse1[j], queries[j], partials[j]) for j in range(1, len(partials))]
+def two_phase_block(sealed, partials, queries, fused=True):
+    """The same reads as the model's two-phase wiring makes them (`block_reads`; fused False: the torch form)."""
+    read = block_reads(queries, sealed, fused)
+    return [read(j, queries[j], partials[j] if j else None) for j in range(len(partials))]
 
 
 def reference_block(sealed, partials, queries):
-    o1, m1, l1 = attn_res_phase1(queries, sealed)
-    return [o1[0]] + [attn_res_merge(o1[j], m1[j], l1[j], queries[j], partials[j]) for j in range(1, len(partials))]
+    return two_phase_block(sealed, partials, queries, fused=False)
 
 
 def rel(a, b):

@@ -50,19 +50,31 @@ EPS = 1e-5
 if triton is not None:
 
     @triton.jit
+    def _row_tile(block, N, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Row block `block` over all D columns: (rows, row mask, tile mask, int64 offsets into [N, D])."""
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_D)
+        rmask = rows < N
+        mask = rmask[:, None] & (cols[None, :] < D)
+        return rows, rmask, mask, rows[:, None].to(tl.int64) * D + cols[None, :]
+
+    @triton.jit
+    def _inv_rms(v, D, eps):
+        """1 / RMS of each row of v [rows, D] in fp32: the keys' normalisation (no gain)."""
+        return 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+
+    @triton.jit
     def _ar_fwd_kernel(srcs, W, OUT, LSE, N, D, eps, NS: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_D: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows, rmask, mask, offs = _row_tile(tl.program_id(0), N, D, BLOCK_M, BLOCK_D)
         cols = tl.arange(0, BLOCK_D)
-        mask = (rows[:, None] < N) & (cols[None, :] < D)
-        offs = rows[:, None].to(tl.int64) * D + cols[None, :]
         w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for i in tl.static_range(NS):
             v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-            r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+            r = _inv_rms(v, D, eps)
             s = tl.sum(v * w[None, :], axis=1) * r
             m_new = tl.maximum(m, s)
             scale = tl.exp(m - m_new)
@@ -71,7 +83,7 @@ if triton is not None:
             l = l * scale + p
             m = m_new
         tl.store(OUT + offs, (acc / l[:, None]).to(OUT.dtype.element_ty), mask=mask)
-        tl.store(LSE + rows, m + tl.log(l), mask=rows < N)
+        tl.store(LSE + rows, m + tl.log(l), mask=rmask)
 
     @triton.jit
     def _ar_bwd_kernel(srcs, dsrcs, W, DOUT, LSE, DW_PART, N, D, eps, NS: tl.constexpr, NS_PAD: tl.constexpr,
@@ -84,10 +96,7 @@ if triton is not None:
         src_id = tl.arange(0, NS_PAD)
         dw = tl.zeros([BLOCK_D], dtype=tl.float32)
         for it in range(ITERS):
-            rows = (pid * ITERS + it) * BLOCK_M + tl.arange(0, BLOCK_M)
-            rmask = rows < N
-            mask = rmask[:, None] & cmask[None, :]
-            offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+            rows, rmask, mask, offs = _row_tile(pid * ITERS + it, N, D, BLOCK_M, BLOCK_D)
             dout = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
             lse = tl.load(LSE + rows, mask=rmask, other=0.0)
             # pass 1: per-source scalars of every row, kept as [BLOCK_M, NS_PAD] tables
@@ -98,7 +107,7 @@ if triton is not None:
             c = tl.zeros([BLOCK_M], dtype=tl.float32)
             for i in tl.static_range(NS):
                 v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-                r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+                r = _inv_rms(v, D, eps)
                 dot = tl.sum(v * w[None, :], axis=1)
                 a = tl.exp(dot * r - lse)
                 da = tl.sum(dout * v, axis=1)
@@ -127,18 +136,16 @@ if triton is not None:
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
         """Phase 1 forward: every query j of the block over the sealed sources, one online softmax per query;
         O1 [J, N, D] fp32, LSE1 [J, N]. Tiles are [JP queries, BLOCK_M rows, BLOCK_D columns]."""
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows, rmask, mask, offs = _row_tile(tl.program_id(0), N, D, BLOCK_M, BLOCK_D)
         cols = tl.arange(0, BLOCK_D)
         qs = tl.arange(0, JP)
-        mask = (rows[:, None] < N) & (cols[None, :] < D)
-        offs = rows[:, None].to(tl.int64) * D + cols[None, :]
         wq = tl.load(WQ + qs[:, None] * D + cols[None, :], mask=(qs[:, None] < J) & (cols[None, :] < D), other=0.0)
         m = tl.full([JP, BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([JP, BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([JP, BLOCK_M, BLOCK_D], dtype=tl.float32)
         for i in tl.static_range(NS):
             v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-            r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+            r = _inv_rms(v, D, eps)
             s = tl.sum(wq[:, None, :] * v[None, :, :], axis=2) * r[None, :]
             m_new = tl.maximum(m, s)
             scale = tl.exp(m - m_new)
@@ -147,7 +154,7 @@ if triton is not None:
             l = l * scale + p
             m = m_new
         q_rows = qs[:, None].to(tl.int64) * N + rows[None, :]
-        qmask = (qs[:, None] < J) & (rows[None, :] < N)
+        qmask = (qs[:, None] < J) & rmask[None, :]
         tl.store(O1 + q_rows[:, :, None] * D + cols[None, None, :], acc / l[:, :, None],
                  mask=qmask[:, :, None] & (cols[None, None, :] < D))
         tl.store(LSE1 + q_rows, m + tl.log(l), mask=qmask)
@@ -166,10 +173,7 @@ if triton is not None:
         wq = tl.load(WQ + qs[:, None] * D + cols[None, :], mask=qmask[:, None] & cmask[None, :], other=0.0)
         dwq = tl.zeros([JP, BLOCK_D], dtype=tl.float32)
         for it in range(ITERS):
-            rows = (pid * ITERS + it) * BLOCK_M + tl.arange(0, BLOCK_M)
-            rmask = rows < N
-            mask = rmask[:, None] & cmask[None, :]
-            offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+            rows, rmask, mask, offs = _row_tile(pid * ITERS + it, N, D, BLOCK_M, BLOCK_D)
             q_rows = qs[:, None].to(tl.int64) * N + rows[None, :]
             qr_mask = qmask[:, None] & rmask[None, :]
             g = tl.zeros([JP, BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -181,14 +185,14 @@ if triton is not None:
             c = tl.zeros([JP, BLOCK_M], dtype=tl.float32)
             for i in tl.static_range(NS):
                 v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-                r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+                r = _inv_rms(v, D, eps)
                 dots = tl.sum(wq[:, None, :] * v[None, :, :], axis=2)
                 alpha = tl.where(qr_mask, tl.exp(dots * r[None, :] - lse1), 0.0)
                 c += alpha * tl.sum(g * v[None, :, :], axis=2)
             # pass 2: each source's gradient, summed over the queries
             for i in tl.static_range(NS):
                 v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-                r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+                r = _inv_rms(v, D, eps)
                 dots = tl.sum(wq[:, None, :] * v[None, :, :], axis=2)
                 alpha = tl.where(qr_mask, tl.exp(dots * r[None, :] - lse1), 0.0)
                 ds = alpha * (tl.sum(g * v[None, :, :], axis=2) - c + e)
@@ -202,11 +206,8 @@ if triton is not None:
     @triton.jit
     def _merge_fwd_kernel(O1, LSE1, W, P, OUT, LSE, N, D, eps, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
         """Phase 2: out = β1 o1 + β2 p with (β1, β2) = softmax(lse1, r_p (w · p)); LSE = the merged logsumexp."""
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows, rmask, mask, offs = _row_tile(tl.program_id(0), N, D, BLOCK_M, BLOCK_D)
         cols = tl.arange(0, BLOCK_D)
-        rmask = rows < N
-        mask = rmask[:, None] & (cols[None, :] < D)
-        offs = rows[:, None].to(tl.int64) * D + cols[None, :]
         w = tl.load(W + cols, mask=cols < D, other=0.0)
         p = tl.load(P + offs, mask=mask, other=0.0).to(tl.float32)
         o1 = tl.load(O1 + offs, mask=mask, other=0.0)
@@ -232,16 +233,13 @@ if triton is not None:
         w = tl.load(W + cols, mask=cmask, other=0.0)
         dw = tl.zeros([BLOCK_D], dtype=tl.float32)
         for it in range(ITERS):
-            rows = (pid * ITERS + it) * BLOCK_M + tl.arange(0, BLOCK_M)
-            rmask = rows < N
-            mask = rmask[:, None] & cmask[None, :]
-            offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+            rows, rmask, mask, offs = _row_tile(pid * ITERS + it, N, D, BLOCK_M, BLOCK_D)
             p = tl.load(P + offs, mask=mask, other=0.0).to(tl.float32)
             o1 = tl.load(O1 + offs, mask=mask, other=0.0)
             dout = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
             lse1 = tl.load(LSE1 + rows, mask=rmask, other=0.0)
             lse = tl.load(LSE + rows, mask=rmask, other=0.0)
-            r = 1.0 / tl.sqrt(tl.sum(p * p, axis=1) / D + eps)
+            r = _inv_rms(p, D, eps)
             dot = tl.sum(p * w[None, :], axis=1)
             b1 = tl.where(rmask, tl.exp(lse1 - lse), 0.0)
             b2 = tl.where(rmask, tl.exp(dot * r - lse), 0.0)

@@ -218,19 +218,16 @@ if triton is not None:
         return a
 
     @triton.jit
-    def _tile(CHANNELS_FASTEST: tl.constexpr):
-        """(token block, channel block) of this program: grid axis 0 runs over token blocks, or over channel
-        blocks with CHANNELS_FASTEST (`_conv_grid`)."""
-        if CHANNELS_FASTEST:
-            return tl.program_id(1), tl.program_id(0)
-        return tl.program_id(0), tl.program_id(1)
+    def _tile(BT: tl.constexpr, BC: tl.constexpr, CHANNELS_FASTEST: tl.constexpr):
+        """This program's token block, its tokens t (int64) and its channels c: grid axis 0 runs over token
+        blocks, or over channel blocks with CHANNELS_FASTEST (`_conv_grid`)."""
+        tb, cb = (tl.program_id(1), tl.program_id(0)) if CHANNELS_FASTEST else (tl.program_id(0), tl.program_id(1))
+        return tb, (tb * BT + tl.arange(0, BT)).to(tl.int64), cb * BC + tl.arange(0, BC)
 
     @triton.jit
     def _conv_silu_fwd_kernel(X, Wt, POS, Y, R, C, stride_x, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                               CHANNELS_FASTEST: tl.constexpr):
-        tb, cb = _tile(CHANNELS_FASTEST)
-        t = (tb * BT + tl.arange(0, BT)).to(tl.int64)
-        c = cb * BC + tl.arange(0, BC)
+        _, t, c = _tile(BT, BC, CHANNELS_FASTEST)
         in_t, in_c = t < R, c < C
         pos = tl.load(POS + t, mask=in_t, other=0)
         acc = _conv_taps(X, Wt, pos, t, in_t, c, in_c, stride_x, W, BT, BC)
@@ -243,9 +240,7 @@ if triton is not None:
         """Backward, kernel 1: g = dy · SiLU'(a) at the tile's tokens (a recomputed from x) into G [R, C], and
         dw[j] = Σ_t g[t] · x[t−(W−1−j)] over them (a row of partial sums [C, W] per token block, summed by the
         caller: deterministic, no atomics)."""
-        tb, cb = _tile(CHANNELS_FASTEST)
-        t = (tb * BT + tl.arange(0, BT)).to(tl.int64)
-        c = cb * BC + tl.arange(0, BC)
+        tb, t, c = _tile(BT, BC, CHANNELS_FASTEST)
         in_t, in_c = t < R, c < C
         pos = tl.load(POS + t, mask=in_t, other=0)
         a = _conv_taps(X, Wt, pos, t, in_t, c, in_c, stride_x, W, BT, BC)
@@ -265,9 +260,7 @@ if triton is not None:
                              CHANNELS_FASTEST: tl.constexpr):
         """Backward, kernel 2: dx[t] = Σ_d w[W−1−d] · g[t+d] over the d with t+d in t's document (t+d < R and
         pos[t+d] ≥ d), written in DX's dtype."""
-        tb, cb = _tile(CHANNELS_FASTEST)
-        t = (tb * BT + tl.arange(0, BT)).to(tl.int64)
-        c = cb * BC + tl.arange(0, BC)
+        _, t, c = _tile(BT, BC, CHANNELS_FASTEST)
         in_t, in_c = t < R, c < C
         dx = tl.zeros([BT, BC], dtype=tl.float32)
         for d in tl.static_range(W):

@@ -198,8 +198,7 @@ def test_attn_res_triton_full_shape(n, N, D):
 def test_attn_res_two_phase_full_shape(n, J, N, D):
     """Fused phase 1 over n sealed sources for J queries and J merges with fp32 partial sums, against the torch
     two-phase form in fp64: outputs and sources/partials ≤ 1e-5, query gradients (sums over rows) ≤ 1e-4."""
-    from k3.model.attn_res import attn_res_merge, attn_res_phase1
-    from k3.ops.attn_res import attn_res_merge_triton, attn_res_phase1_triton
+    from k3.model.attn_res import block_reads
 
     g = torch.Generator(device="cuda").manual_seed(n + J)
     rows = (1, N, D)  # [B, T, D], as the model's blocks
@@ -211,12 +210,8 @@ def test_attn_res_two_phase_full_shape(n, J, N, D):
     for dtype, fused in ((torch.float64, False), (torch.float32, True)):
         srcs, ps = [leaf(s, dtype) for s in sealed], [leaf(p, dtype) for p in parts]
         q, w = leaf(qs, dtype), leaf(ws, dtype)
-        if fused:
-            stats = list(zip(*attn_res_phase1_triton(q, srcs)))
-            outs = [stats[0][0]] + [attn_res_merge_triton(*stats[j], w[j], ps[j]) for j in range(J)]
-        else:
-            o1, m1, l1 = attn_res_phase1(q, srcs)
-            outs = [o1[0]] + [attn_res_merge(o1[j], m1[j], l1[j], w[j], ps[j]) for j in range(J)]
+        read = block_reads(q, srcs, fused)
+        outs = [read(0, None, None)] + [read(j, w[j], ps[j]) for j in range(J)]
         sum((o.double() * d).sum() for o, d in zip(outs, douts)).backward()
         runs.append((outs, srcs, ps, q, w))
     (ref, r_srcs, r_ps, r_q, r_w), (out, srcs, ps, q, w) = runs

@@ -13,8 +13,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from k3.model.attn_res import attn_res_merge, attn_res_phase1, attn_res_read  # noqa: E402
-from k3.ops.attn_res import attn_res_merge_triton, attn_res_phase1_triton, attn_res_read_triton  # noqa: E402
+from k3.model.attn_res import attn_res_read, block_reads  # noqa: E402
+from k3.ops.attn_res import attn_res_read_triton  # noqa: E402
 from k3.ops import cross_entropy  # noqa: E402
 from k3.ops.cross_entropy import chunked_linear_cross_entropy, naive_linear_cross_entropy  # noqa: E402
 from k3.ops import moe  # noqa: E402
@@ -152,12 +152,8 @@ def attn_res_two_phase(dtype, n, J, D):
         srcs, parts = [leaf(s, src_dtype) for s in sealed], [leaf(p, src_dtype) for p in partials]
         q_dtype = torch.float32 if fused else torch.float64  # the model's queries are fp32 parameters
         q, w = leaf(queries, q_dtype), leaf(merge_w, q_dtype)
-        if fused:
-            stats = list(zip(*attn_res_phase1_triton(q, srcs)))
-            outs = [stats[0][0]] + [attn_res_merge_triton(*stats[j], w[j], parts[j]) for j in range(J)]
-        else:
-            o1, m1, l1 = attn_res_phase1(q, srcs)
-            outs = [o1[0]] + [attn_res_merge(o1[j], m1[j], l1[j], w[j], parts[j]) for j in range(J)]
+        read = block_reads(q, srcs, fused)
+        outs = [read(0, None, None)] + [read(j, w[j], parts[j]) for j in range(J)]
         sum((o.double() * d).sum() for o, d in zip(outs, douts)).backward()
         return outs, srcs, parts, q, w
 

@@ -1086,8 +1086,8 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
 def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht=False, want_hs=False,
                state_bf16=False, want_ut=False, training=False):
     """Launch `_state`; returns (o [TT, H, V] or None, final state [N, H, K, V] or None, chunk-start states or None,
-    Ũ = U − W·S [TT, H, V] in U's dtype if want_ut else None). training (or want_ut): a backward can follow, so
-    the products are the `state_split` ones (the inference forward's are `state_split_inference`)."""
+    Ũ = U − W·S [TT, H, V] in U's dtype if want_ut else None). training: a backward can follow (a training
+    forward, the backward's recompute), so the products are the `state_split` ones (else `state_split_inference`)."""
     TT, H, K = W.shape
     V = U.shape[-1]
     BV = min(V, TUNING["state_ut_bv" if want_ut else "state_bv"])
@@ -1096,7 +1096,7 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
     ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
     hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=torch.float32, device=dev) if want_hs else None
     ut = torch.empty_like(U) if want_ut else None
-    split = TUNING["state_split" if training or want_ut else "state_split_inference"] and not state_bf16
+    split = TUNING["state_split" if training else "state_split_inference"] and not state_bf16
     dummy = gc
     _state[(V // BV, plan.N * H)](W, U, Qg, Kd, Aqk, gc, h0 if h0 is not None else dummy,
                                   o if o is not None else dummy, ht if ht is not None else dummy,
@@ -1145,7 +1145,7 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         W, U, Qg, Kd, Aqk, gc, Tm, norms = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
                                                         store_t=True, store_norms=True)
         _, _, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, write_o=False, want_hs=True,
-                                  state_bf16=state_bf16, want_ut=True)
+                                  state_bf16=state_bf16, want_ut=True, training=True)
         del U
     else:
         W, Qg, Kd, Aqk, gc, Tm, hs, ut, *norms = inter
