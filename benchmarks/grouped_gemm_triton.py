@@ -1,0 +1,147 @@
+"""The routed experts' six grouped GEMMs, one at a time: `torch._grouped_mm` against the Triton kernels of
+`k3.ops.grouped_gemm` at several tile configs, on the same operands (issue 9's grouped-GEMM goal).
+
+For an expert L → 2I → L with M routed rows (tokens × k, padded per expert as the MoE pads them):
+  up     x [M, L] @ w13ᵀ          (K = L,  N = 2I)      forward
+  down   act [M, I] @ w2ᵀ         (K = I,  N = L)       forward
+  dact   dy [M, L] @ w2           (K = L,  N = I)       backward
+  dx     dh [M, 2I] @ w13         (K = 2I, N = L)       backward
+  dw2    dyᵀ @ act  -> [G, L, I]                         backward (weight gradient)
+  dw13   dhᵀ @ x    -> [G, 2I, L]                        backward (weight gradient)
+TFLOP/s count 2·M·K·N per GEMM with M the routed rows (not the padding). Correctness gate: every Triton
+result against `torch._grouped_mm` on the same bf16 operands, relative error ≤ 1e-2 (both accumulate in fp32;
+the difference is the summation order and one bf16 rounding of the output).
+
+    python -m benchmarks.grouped_gemm_triton                 # one H200: the small preset's experts at 16K and
+                                                             # 32K tokens, K3's 32 local experts; skewed routing
+    python -m benchmarks.grouped_gemm_triton --quick         # tiny shapes through the interpreter (CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+if "--quick" in sys.argv and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+from k3.ops import grouped_gemm  # noqa: E402
+from k3.ops.moe import dispatch_plan  # noqa: E402
+
+from benchmarks.moe_grouped_gemm import zipf_routes  # noqa: E402
+from benchmarks.provenance import git_sha  # noqa: E402
+
+ROW_CONFIGS = [dict(BM=128, BN=128, BK=64, warps=8, stages=3), dict(BM=128, BN=128, BK=64, warps=4, stages=4),
+               dict(BM=128, BN=256, BK=64, warps=8, stages=3), dict(BM=128, BN=128, BK=128, warps=8, stages=3),
+               dict(BM=64, BN=128, BK=64, warps=4, stages=4), dict(BM=128, BN=64, BK=64, warps=4, stages=4),
+               dict(BM=256, BN=128, BK=64, warps=8, stages=3)]
+WGRAD_CONFIGS = [dict(BM=128, BN=128, BK=64, warps=8, stages=3), dict(BM=128, BN=128, BK=64, warps=4, stages=4),
+                 dict(BM=128, BN=128, BK=128, warps=8, stages=3), dict(BM=64, BN=128, BK=64, warps=4, stages=4),
+                 dict(BM=128, BN=64, BK=64, warps=4, stages=3), dict(BM=128, BN=256, BK=64, warps=8, stages=3)]
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def cfg_name(c):
+    return f"{c['BM']}x{c['BN']}x{c['BK']} w{c['warps']} s{c['stages']}"
+
+
+def gemms(E, L, I, M_pad, offs, device, dtype, g):
+    """The six GEMMs as (name, kind, torch fn, triton fn(cfg), K, N)."""
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g) * 0.5).to(device, dtype)
+
+    x, act, dy, dh = rnd(M_pad, L), rnd(M_pad, I), rnd(M_pad, L), rnd(M_pad, 2 * I)
+    w13, w2 = rnd(E, 2 * I, L), rnd(E, L, I)
+    native = device.type == "cuda"
+
+    def tmm(a, b):
+        return torch._grouped_mm(a, b, offs=offs) if native else grouped_gemm.grouped_mm_reference(a, b, offs)
+
+    def twg(a, b):
+        return torch._grouped_mm(a, b, offs=offs) if native else grouped_gemm.grouped_mm_wgrad_reference(a, b, offs)
+
+    rows, wg = grouped_gemm.grouped_mm, grouped_gemm.grouped_mm_wgrad
+    return [
+        ("up", "rows", lambda: tmm(x, w13.transpose(1, 2)), lambda c: rows(x, w13.transpose(1, 2), offs, c), L, 2 * I),
+        ("down", "rows", lambda: tmm(act, w2.transpose(1, 2)), lambda c: rows(act, w2.transpose(1, 2), offs, c), I, L),
+        ("dact", "rows", lambda: tmm(dy, w2), lambda c: rows(dy, w2, offs, c), L, I),
+        ("dx", "rows", lambda: tmm(dh, w13), lambda c: rows(dh, w13, offs, c), 2 * I, L),
+        ("dw2", "wgrad", lambda: twg(dy.t(), act), lambda c: wg(dy.t(), act, offs, c), L, I),
+        ("dw13", "wgrad", lambda: twg(dh.t(), x), lambda c: wg(dh.t(), x, offs, c), 2 * I, L),
+    ]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", default=None, help="write the table here")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    if args.quick:
+        shapes = [("quick", 4, 32, 24, 64, 2, 0.7)]
+        row_cfgs = [dict(BM=16, BN=16, BK=16, warps=4, stages=2)]
+        wg_cfgs = row_cfgs
+        dtype = torch.bfloat16 if cuda else torch.float32
+    else:  # name, E, L, I, tokens, k, Zipf exponent
+        shapes = [("small 16K", 64, 384, 320, 16384, 8, 0.7), ("small 32K", 64, 384, 320, 32768, 8, 0.7),
+                  ("small 32K balanced", 64, 384, 320, 32768, 8, 0.0),
+                  ("k3 32 local", 32, 3584, 3072, 2048, 16, 0.7)]
+        row_cfgs, wg_cfgs, dtype = ROW_CONFIGS, WGRAD_CONFIGS, torch.bfloat16
+    if cuda:
+        from triton.testing import do_bench
+    g = torch.Generator().manual_seed(0)
+    results, lines = [], []
+    for name, E, L, I, N, k, s in shapes:
+        idx = zipf_routes(N, k, E, s, g, device)
+        _, offs, M_pad = dispatch_plan(idx, E, 8 if cuda else 1)
+        M = N * k
+        totals = {"torch": 0.0, "best": 0.0}
+        for gname, kind, torch_fn, triton_fn, K, Nc in gemms(E, L, I, M_pad, offs, device, dtype, g):
+            flops = 2 * M * K * Nc
+            ref = torch_fn()
+            t_ms = do_bench(torch_fn, warmup=10, rep=100) if cuda else float("nan")
+            best = None
+            for c in (row_cfgs if kind == "rows" else wg_cfgs):
+                try:
+                    out = triton_fn(c)
+                    err = rel(out, ref)
+                    if not err <= 1e-2:
+                        raise SystemExit(f"correctness gate failed: {name} {gname} {cfg_name(c)} rel {err:.2e}")
+                    ms = do_bench(lambda: triton_fn(c), warmup=10, rep=100) if cuda else float("nan")
+                except SystemExit:
+                    raise
+                except Exception as exc:  # a config that does not compile (shared memory): recorded, skipped
+                    print(f"  {name} {gname} {cfg_name(c)}: {type(exc).__name__}: {str(exc)[:120]}")
+                    continue
+                results.append(dict(shape=name, gemm=gname, config=c, ms=ms, torch_ms=t_ms, rel_err=err,
+                                    tflops=flops / ms / 1e9, torch_tflops=flops / t_ms / 1e9))
+                if best is None or ms < best[0]:
+                    best = (ms, c, err)
+            totals["torch"] += t_ms
+            totals["best"] += best[0]
+            lines.append((name, gname, f"{K}x{Nc}", f"{t_ms:.3f}", f"{flops / t_ms / 1e9:.0f}", f"{best[0]:.3f}",
+                          f"{flops / best[0] / 1e9:.0f}", f"{t_ms / best[0]:.2f}", cfg_name(best[1]), f"{best[2]:.1e}"))
+        fl = 18 * M * L * I
+        lines.append((name, "all six", "", f"{totals['torch']:.3f}", f"{fl / totals['torch'] / 1e9:.0f}",
+                      f"{totals['best']:.3f}", f"{fl / totals['best'] / 1e9:.0f}",
+                      f"{totals['torch'] / totals['best']:.2f}", "best per GEMM", ""))
+    header = ("shape", "gemm", "K x N", "torch ms", "TF/s", "triton ms", "TF/s", "ratio", "best config", "rel err")
+    widths = [max(len(str(r[i])) for r in lines + [header]) for i in range(len(header))]
+    for r in [header] + lines:
+        print("  ".join(str(v).rjust(wd) for v, wd in zip(r, widths)), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "grouped_gemm_triton", "git": git_sha(7), "torch": torch.__version__,
+                       "gpu": torch.cuda.get_device_name() if cuda else "cpu", "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
