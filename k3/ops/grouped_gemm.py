@@ -11,8 +11,8 @@ Why a second implementation beside `torch._grouped_mm` (cuBLAS/CUTLASS on Hopper
 experts are thin (L = 384, 2I = 640, I = 320), and `torch._grouped_mm` reached 339 TFLOP/s there against
 ~600 on K3's wide experts (docs/fast-paths.md). Its tile shapes are fixed by the library; here every launch
 takes its tiles from `CONFIGS`, so 640 = 5 × 128 and 384 = 3 × 128 columns need no partial tiles, and the
-benchmark (`benchmarks/moe_grouped_gemm.py`) can time both on the same inputs. Which one the MoE runs is
-`k3.ops.moe.GROUPED_GEMM` (docs/fast-paths.md says what was measured).
+benchmark (`benchmarks/grouped_gemm_triton.py`) times both on the same operands. The MoE runs the
+weight-gradient kernel where it measured faster (`k3.ops.moe.GROUPED_WGRAD`; docs/fast-paths.md).
 
 Scheduling without a host synchronisation: each group's rows are cut into `BM`-row tiles; a tile map
 (group, first row) for at most ceil(M / BM) + G tiles is built on the device (`tile_map`), and the launch
@@ -38,7 +38,7 @@ except ImportError:  # CPU-only installs: the MoE uses its per-group loop
 # Tiles and launch settings per kernel; `benchmarks/moe_grouped_gemm.py --triton-configs` times others.
 CONFIGS = {
     "rows": dict(BM=128, BN=128, BK=64, warps=8, stages=3),  # grouped_mm
-    "wgrad": dict(BM=128, BN=128, BK=64, warps=8, stages=3),  # grouped_mm_wgrad
+    "wgrad": dict(BM=128, BN=128, BK=128, warps=8, stages=3),  # grouped_mm_wgrad (session 11 run 1's best)
 }
 
 
@@ -81,10 +81,17 @@ def tile_map(offs: torch.Tensor, block_m: int, rows: int) -> tuple[torch.Tensor,
 if triton is not None:
 
     @triton.jit
+    def _dot(a, b, acc, PRECISION: tl.constexpr, INTERP: tl.constexpr):
+        # the interpreter's bf16 dot is unusable: there bf16 operands are multiplied exactly in fp32
+        if INTERP:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+    @triton.jit
     def _grouped_mm_kernel(A, B, C, TILE_GROUP, TILE_ROW, OFFS, G, N,
                            stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_cm, stride_cn,
                            K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                           N_TILES: tl.constexpr, PRECISION: tl.constexpr):
+                           N_TILES: tl.constexpr, PRECISION: tl.constexpr, INTERP: tl.constexpr):
         """One [BM, BN] tile of C = A[rows of g] @ B[g]; the row tile is one slot of the tile map. K is a
         compile-time constant (the expert widths: a few specialisations), so the loop over it is static."""
         pid = tl.program_id(0)
@@ -106,7 +113,7 @@ if triton is not None:
             in_k = ks + k0 < K
             a = tl.load(a_ptr, mask=in_rows[:, None] & in_k[None, :], other=0.0)
             b = tl.load(b_ptr, mask=in_k[:, None] & in_cols[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = _dot(a, b, acc, PRECISION, INTERP)
             a_ptr += BK * stride_ak
             b_ptr += BK * stride_bk
         c_ptr = C + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
@@ -114,14 +121,14 @@ if triton is not None:
 
     @triton.jit
     def _wgrad_step(acc, A, B, r0, end, outs, cols, in_outs, in_cols, stride_ak, stride_am, stride_bm, stride_bn,
-                    BK: tl.constexpr, PRECISION: tl.constexpr):
+                    BK: tl.constexpr, PRECISION: tl.constexpr, INTERP: tl.constexpr):
         r = r0 + tl.arange(0, BK)
         in_r = r < end
         a = tl.load(A + outs.to(tl.int64)[:, None] * stride_ak + r.to(tl.int64)[None, :] * stride_am,
                     mask=in_outs[:, None] & in_r[None, :], other=0.0)
         b = tl.load(B + r.to(tl.int64)[:, None] * stride_bm + cols[None, :] * stride_bn,
                     mask=in_r[:, None] & in_cols[None, :], other=0.0)
-        return tl.dot(a, b, acc, input_precision=PRECISION)
+        return _dot(a, b, acc, PRECISION, INTERP)
 
     @triton.jit
     def _grouped_mm_wgrad_kernel(A, B, C, OFFS, KO, N, stride_ak, stride_am, stride_bm, stride_bn,
@@ -144,12 +151,12 @@ if triton is not None:
             r0 = start
             while r0 < end:
                 acc = _wgrad_step(acc, A, B, r0, end, outs, cols, in_outs, in_cols, stride_ak, stride_am,
-                                  stride_bm, stride_bn, BK, PRECISION)
+                                  stride_bm, stride_bn, BK, PRECISION, INTERP)
                 r0 += BK
         else:
             for r0 in range(start, end, BK):
                 acc = _wgrad_step(acc, A, B, r0, end, outs, cols, in_outs, in_cols, stride_ak, stride_am,
-                                  stride_bm, stride_bn, BK, PRECISION)
+                                  stride_bm, stride_bn, BK, PRECISION, INTERP)
         c_ptr = C + g.to(tl.int64) * stride_cg + outs[:, None] * stride_ck + cols[None, :] * stride_cn
         tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=in_outs[:, None] & in_cols[None, :])
 
@@ -184,7 +191,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, config: dic
     _grouped_mm_kernel[(groups.shape[0] * n_tiles,)](
         a, b, c, groups, first_rows, offs, G, N, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         b.stride(2), c.stride(0), c.stride(1), K=K, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], N_TILES=n_tiles,
-        PRECISION=_precision(a.dtype), num_warps=cfg["warps"], num_stages=cfg["stages"])
+        PRECISION=_precision(a.dtype), INTERP=interpreting(), num_warps=cfg["warps"], num_stages=cfg["stages"])
     return c
 
 

@@ -19,9 +19,10 @@ as ⟨dy·w2, act⟩ from the activation and the gradient flowing into it, so th
 never saved; the Function saves only its input rows and the [M, 2I] pre-activations (the activation is
 recomputed by the fused kernel in the backward).
 
-`torch._grouped_mm` runs the GEMMs on CUDA in bf16 (its supported dtype there); other dtypes and
-devices use a per-group loop of plain matmuls (it reads the offsets on the host: CPU and fp32/fp64
-tests only; PyTorch's CPU grouped GEMM is far slower than the loop). `naive_grouped_situ_glu` is the
+`torch._grouped_mm` runs the GEMMs on CUDA in bf16 (its supported dtype there), except the weight
+gradients of experts at most 1024 wide, which the Triton kernel of `k3.ops.grouped_gemm` runs faster
+(`GROUPED_WGRAD`); other dtypes and devices use a per-group loop of plain matmuls (it reads the offsets
+on the host: CPU and fp32/fp64 tests only; PyTorch's CPU grouped GEMM is far slower than the loop). `naive_grouped_situ_glu` is the
 plain autograd reference of the public `grouped_situ_glu`.
 """
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops import triton_runs_on
+from k3.ops import grouped_gemm, triton_runs_on
 from k3.ops.situ import (naive_situ_glu, situ_glu_backward, situ_glu_forward, weighted_situ_glu_backward,
                          weighted_situ_glu_forward)
 
@@ -58,6 +59,15 @@ if triton is not None:
 
 
 _SUM_BLOCK_N, _SUM_BLOCK_L = 16, 128
+
+# Which kernel runs the weight-gradient GEMMs where torch._grouped_mm could (bf16 on CUDA): "torch", "triton"
+# (k3.ops.grouped_gemm) or "auto": Triton for experts at most 1024 wide, torch above. Measured on the H200
+# (session 11 run 1, docs/fast-paths.md): on the small preset's experts at 32K tokens with skewed routing the
+# Triton kernel took dW2 0.312 -> 0.172 ms and dW13 0.386 -> 0.280 ms (torch's slows with the largest group,
+# it does not), balanced 1.00-1.09x; at K3's widths it was 0.8x. The data-gradient and forward GEMMs stay on
+# torch._grouped_mm (the Triton row kernel measured 0.85-0.88x there).
+GROUPED_WGRAD = "auto"
+_TRITON_WGRAD_MAX_WIDTH = 1024
 
 # Rows per expert group on CUDA: bf16 group starts on 16-byte boundaries along the token dimension.
 CUDA_ALIGN = 8
@@ -88,6 +98,8 @@ def gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, native: bool | Non
 def gmm_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, native: bool | None = None) -> torch.Tensor:
     """Grouped a @ b over the shared token dim: a [K, M], b [M, N] -> [G, K, N], out[g] = a[:, s:e] @ b[s:e]."""
     if native if native is not None else _native_ok(a, b):
+        if _triton_wgrad(a, b):
+            return grouped_gemm.grouped_mm_wgrad(a, b, offs)
         with torch.autocast(a.device.type, enabled=False):
             return torch._grouped_mm(a, b, offs=offs)
     out = a.new_empty(offs.shape[0], a.shape[0], b.shape[-1])
@@ -96,6 +108,13 @@ def gmm_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, native: bool
         torch.mm(a[:, start:end], b[start:end], out=out[g])
         start = end
     return out
+
+
+def _triton_wgrad(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`GROUPED_WGRAD` for these operands (a [K, M], b [M, N]) on a device where Triton runs."""
+    if grouped_gemm.triton is None or not triton_runs_on(a) or GROUPED_WGRAD == "torch":
+        return False
+    return GROUPED_WGRAD == "triton" or max(a.shape[0], b.shape[1]) <= _TRITON_WGRAD_MAX_WIDTH
 
 
 class _GroupedSituGLU(torch.autograd.Function):

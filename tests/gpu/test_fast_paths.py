@@ -86,7 +86,9 @@ def test_grouped_experts_bf16_native_and_no_host_sync(monkeypatch):
     assert calls == [torch.bfloat16] * 2 and out.dtype == torch.float32
     assert rel(out, ref) <= 2e-2
     g_out = torch.autograd.grad(out, (zf, wf, experts.w1, experts.w3, experts.w2), dy)
-    assert len(calls) == 2 + 4  # backward: two data-gradient and two weight-gradient grouped GEMMs
+    # backward: two data-gradient GEMMs on torch._grouped_mm; the weight gradients of these 384/640-wide
+    # experts on the Triton kernel (moe.GROUPED_WGRAD "auto")
+    assert len(calls) == 2 + 2
     for name, a, b in zip(("z", "weights", "w1", "w3", "w2"), g_out, g_ref):
         assert rel(a, b) <= 5e-2, name
 

@@ -17,7 +17,8 @@ from k3.model.attn_res import attn_res_read, block_reads  # noqa: E402
 from k3.ops.attn_res import attn_res_read_triton  # noqa: E402
 from k3.ops import cross_entropy  # noqa: E402
 from k3.ops.cross_entropy import chunked_linear_cross_entropy, naive_linear_cross_entropy  # noqa: E402
-from k3.ops import moe  # noqa: E402
+from k3.ops import grouped_gemm, moe  # noqa: E402
+from k3.model.moe import LatentExperts  # noqa: E402
 from k3.ops.moe import sum_rows_triton  # noqa: E402
 from k3.ops.norm import naive_rms_norm, rms_norm_triton  # noqa: E402
 from k3.ops import short_conv  # noqa: E402
@@ -93,6 +94,63 @@ def sum_rows(dtype, N=37, k=3, L=150):
     # the dispatcher: fp64 never takes the fp32-accumulating kernel
     exact = moe._sum_rows(y, dest, k, torch.float64)
     assert exact.dtype == torch.float64 and ((exact - ref).abs().max() <= 1e-12 * ref.abs().max()), "fp64 combine"
+
+
+def grouped_gemms(dtype):
+    """Both grouped-GEMM kernels against per-group fp64 products: empty groups, groups shorter and longer than
+    a row tile, K, N and the weight-gradient rows not multiples of the tiles, transposed (strided) operands."""
+    g = torch.Generator().manual_seed(5)
+    sizes = torch.tensor([0, 8, 40, 0, 136, 1, 24, 0])
+    offs = sizes.cumsum(0).to(torch.int32)
+    M, G, K, N = int(offs[-1]), len(sizes), 48, 80
+    a = torch.randn(M, K, generator=g, dtype=torch.float64)
+    b = torch.randn(G, N, K, generator=g, dtype=torch.float64).transpose(1, 2)  # [G, K, N], K-major like w13ᵀ
+    dy = torch.randn(M, N, generator=g, dtype=torch.float64)
+    tiles = dict(BM=32, BN=32, BK=16, warps=4, stages=2)
+    for cfg in (tiles, dict(tiles, BK=32)):
+        tag = f"BK={cfg['BK']}"
+        got = grouped_gemm.grouped_mm(a.to(dtype), b.to(dtype), offs, cfg)
+        check(f"grouped_mm {tag}", got, grouped_gemm.grouped_mm_reference(a, b, offs), dtype)
+        got = grouped_gemm.grouped_mm(dy.to(dtype), b.transpose(1, 2).to(dtype), offs, cfg)  # N-major b
+        check(f"grouped_mm b N-major {tag}", got, grouped_gemm.grouped_mm_reference(dy, b.transpose(1, 2), offs),
+              dtype)
+        got = grouped_gemm.grouped_mm_wgrad(dy.t().to(dtype), a.to(dtype), offs, cfg)
+        ref = grouped_gemm.grouped_mm_wgrad_reference(dy.t(), a, offs)
+        check(f"grouped_mm_wgrad {tag}", got, ref, dtype)
+        assert got[0].abs().max() == 0 and got[3].abs().max() == 0, "an empty group's weight gradient is zero"
+
+
+def experts_triton_wgrad():
+    """The whole expert function with the Triton weight-gradient GEMMs (GROUPED_WGRAD = "triton", the other
+    GEMMs through torch._grouped_mm as on CUDA, fp32) against the fp64 reference dispatch."""
+    E, L, I, N, k = 8, 32, 24, 50, 3
+    torch.manual_seed(12)
+    experts = LatentExperts(E, L, I, 4.0, 25.0).double()
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0.0, 0.2)
+    z = torch.randn(N, L, dtype=torch.float64)
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(N)])
+    idx[:20] = torch.tensor([0, 1, 2])  # skew: three experts take extra rows
+    w = torch.rand(N, k, dtype=torch.float64)
+    params = [leaf(z), leaf(w), experts.w1, experts.w3, experts.w2]
+    ref = experts.forward_reference(params[0], idx, params[1])
+    dy = torch.randn_like(ref)
+    grads = torch.autograd.grad(ref, params, dy)
+    fast = [leaf(t, torch.float32) for t in params]
+    calls = []
+    kernel = grouped_gemm.grouped_mm_wgrad
+    grouped_gemm.grouped_mm_wgrad = lambda *a: calls.append(1) or kernel(*a)
+    moe.GROUPED_WGRAD = "triton"
+    try:
+        out = moe.grouped_latent_experts(fast[0], idx, fast[1], *fast[2:], 4.0, 25.0, align=8, native=True)
+        got = torch.autograd.grad(out, fast, dy.float())
+    finally:
+        moe.GROUPED_WGRAD, grouped_gemm.grouped_mm_wgrad = "auto", kernel
+    assert len(calls) == 2, "the Triton weight-gradient GEMMs were not the path taken"
+    check("experts (Triton dW) forward", out, ref, torch.float32, tol=1e-5)
+    for name, a, b in zip(("z", "weights", "w1", "w3", "w2"), got, grads):
+        check(f"experts (Triton dW) d{name}", a, b, torch.float32, tol=1e-5)
 
 
 def norm(dtype, D, gated):
@@ -282,6 +340,9 @@ short_conv._CONV_CHANNELS_FASTEST = True  # the other program order (the same ti
 conv_silu(torch.float32, 1, 3 * BT + 7, BC + 3, [BT, BT - 1, 2, BT + 1, 1, 4])
 conv_silu(torch.bfloat16, 3, BT, BC - 24, None)
 short_conv._CONV_CHANNELS_FASTEST = False
+for dtype in (torch.float32, torch.bfloat16):
+    grouped_gemms(dtype)
+experts_triton_wgrad()
 for dtype in (torch.float32, torch.bfloat16):
     situ(dtype)
     weighted_situ(dtype)
