@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import k3.ops.cross_entropy as cross_entropy  # noqa: E402
+import k3.ops.grouped_gemm as grouped_gemm  # noqa: E402
 import k3.ops.moe as moe  # noqa: E402
 import k3.ops.short_conv as short_conv  # noqa: E402
 import k3.ops.situ as situ  # noqa: E402
@@ -41,6 +42,14 @@ SUM_ROWS_ARGS = dict(Y="*bf16", DEST="*i64", OUT="*fp32", N="i32", L="i32", stri
 CONV_GRAD_ARGS = dict(X="*bf16", Wt="*fp32", POS="*i32", DY="*bf16", G="*fp32", DW="*fp32", R="i32", C="i32",
                       stride_x="i32", stride_dy="i32")
 CONV_DX_ARGS = dict(G="*fp32", Wt="*fp32", POS="*i32", DX="*bf16", R="i32", C="i32")
+CONV_BWD_ARGS = dict(X="*bf16", Wt="*fp32", POS="*i32", DY="*bf16", DX="*bf16", DW="*fp32", R="i32", C="i32",
+                     stride_x="i32", stride_dy="i32")
+GMM_ARGS = dict(A="*bf16", B="*bf16", C="*bf16", TILE_GROUP="*i32", TILE_ROW="*i32", OFFS="*i32", G="i32", N="i32",
+                stride_am="i32", stride_ak="i32", stride_bg="i32", stride_bk="i32", stride_bn="i32",
+                stride_cm="i32", stride_cn="i32")
+GMM_WGRAD_ARGS = dict(A="*bf16", B="*bf16", C="*bf16", OFFS="*i32", KO="i32", N="i32", stride_ak="i32",
+                      stride_am="i32", stride_bm="i32", stride_bn="i32", stride_cg="i32", stride_ck="i32",
+                      stride_cn="i32")
 CONV_ALIGNED = ("R", "C", "stride_x", "stride_dy")  # multiples of 16 at the model's shapes
 
 
@@ -70,6 +79,8 @@ def main() -> None:
          4, CONV_ALIGNED),
         ("conv+silu bwd g, dw", sc._conv_silu_grad_kernel, CONV_GRAD_ARGS, conv_bwd, sc._CONV_BWD_WARPS, CONV_ALIGNED),
         ("conv+silu bwd dx", sc._conv_silu_dx_kernel, CONV_DX_ARGS, conv_bwd, sc._CONV_BWD_WARPS, CONV_ALIGNED),
+        ("conv+silu bwd one pass", sc._conv_silu_bwd_kernel, CONV_BWD_ARGS, conv_bwd, sc._CONV_BWD_WARPS,
+         CONV_ALIGNED),
         ("conv+silu bwd g, dw (odd C)", sc._conv_silu_grad_kernel, CONV_GRAD_ARGS, conv_bwd, sc._CONV_BWD_WARPS),
         ("conv+silu bwd dx (odd C)", sc._conv_silu_dx_kernel, CONV_DX_ARGS, conv_bwd, sc._CONV_BWD_WARPS),
         ("situ-glu fwd", situ._situ_fwd_kernel, SITU_FWD_ARGS,
@@ -88,10 +99,20 @@ def main() -> None:
                       dict(W=4, BT=bt, BC=bc, **order), warps, CONV_ALIGNED))
         cases.append((f"conv+silu bwd dx {tiling}", sc._conv_silu_dx_kernel, CONV_DX_ARGS,
                       dict(W=4, BT=bt, BC=bc, **order), warps, CONV_ALIGNED))
+        cases.append((f"conv+silu bwd one pass {tiling}", sc._conv_silu_bwd_kernel, CONV_BWD_ARGS,
+                      dict(W=4, BT=bt, BC=bc, **order), warps, CONV_ALIGNED))
+    for name, cfg in grouped_gemm.CONFIGS.items():
+        tiles = dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], PRECISION="tf32", INTERP=False)
+        if name == "rows":
+            cases.append(("grouped gemm rows K=384", grouped_gemm._grouped_mm_kernel, GMM_ARGS,
+                          dict(K=384, N_TILES=5, **tiles), cfg["warps"], ("stride_am",)))
+        else:
+            cases.append(("grouped gemm wgrad", grouped_gemm._grouped_mm_wgrad_kernel, GMM_WGRAD_ARGS,
+                          dict(K_TILES=5, N_TILES=3, **tiles), cfg["warps"], ("stride_am",)))
     print(f"{'kernel':28s} {'settings':34s} {'regs':>5s} {'spill st/ld B':>14s} {'stack B':>8s}")
     for name, fn, fn_args, constexprs, warps, *aligned in cases:
         regs, stores, loads, stack = report(fn, fn_args, constexprs, warps, *aligned)
-        tiles = ("BT", "BC", "BV", "BLOCK_M", "BLOCK_N", "BLOCK_L")
+        tiles = ("BT", "BC", "BV", "BLOCK_M", "BLOCK_N", "BLOCK_L", "BM", "BN", "BK")
         settings = ", ".join(f"{k}={v}" for k, v in constexprs.items() if k in tiles) + f", {warps} warps"
         print(f"{name:28s} {settings:34s} {regs:5d} {f'{stores} / {loads}':>14s} {stack:8d}")
 

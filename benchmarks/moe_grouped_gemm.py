@@ -16,6 +16,7 @@ Correctness gate before timing: grouped vs an fp32 reference of the same routing
 
     python -m benchmarks.moe_grouped_gemm            # one H200
     python -m benchmarks.moe_grouped_gemm --quick    # tiny shapes, correctness gate only (any device)
+    python -m benchmarks.moe_grouped_gemm --wgrad torch auto   # the weight-gradient GEMMs on torch vs "auto"
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 from k3.model.moe import LatentExperts
+from k3.ops import moe
 from k3.ops.moe import dispatch_plan, grouped_latent_experts
 from k3.ops.situ import naive_situ_glu
 
@@ -83,6 +85,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny shapes: correctness gate and a smoke timing")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--wgrad", nargs="+", choices=("auto", "torch", "triton"), default=["auto"],
+                        help="k3.ops.moe.GROUPED_WGRAD settings to time the grouped path under (one row each)")
+    parser.add_argument("--shapes", nargs="+", choices=("small", "k3"), default=["small", "k3"])
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
@@ -91,6 +96,7 @@ def main():
     else:  # name, E, L, I, tokens, k
         shapes = [("small", 64, 384, 320, 16384, 8), ("k3 (32 local)", 32, 3584, 3072, 2048, 16),
                   ("k3 (128 local)", 128, 3584, 3072, 8192, 16)]
+        shapes = [shape for shape in shapes if shape[0].split()[0] in args.shapes]
     skews = [("balanced", 0.0), ("zipf s=0.7", 0.7)]
     dtype = torch.bfloat16 if cuda else torch.float32
     cases, rows = [], []
@@ -150,12 +156,23 @@ def main():
                     o = loop_experts(z, idx, w, experts)
                 torch.autograd.backward(o, dy)
 
-            impls = [("raw grouped_mm (fwd GEMMs)", raw, flops_fwd), ("grouped fwd", grouped_fwd, flops_fwd),
-                     ("grouped fwd+bwd", grouped_fwd_bwd, 3 * flops_fwd),
-                     ("padded fwd+bwd", padded_fwd_bwd, 3 * flops_fwd),
-                     ("loop fwd+bwd", loop_fwd_bwd, 3 * flops_fwd)]
+            def with_wgrad(setting, fn):
+                def run():
+                    moe.GROUPED_WGRAD = setting
+                    try:
+                        return fn()
+                    finally:
+                        moe.GROUPED_WGRAD = "auto"
+                return run
+
+            impls = [("raw grouped_mm (fwd GEMMs)", raw, flops_fwd), ("grouped fwd", grouped_fwd, flops_fwd)]
+            impls += [(f"grouped fwd+bwd (dW {setting})" if len(args.wgrad) > 1 else "grouped fwd+bwd",
+                       with_wgrad(setting, grouped_fwd_bwd), 3 * flops_fwd) for setting in args.wgrad]
+            impls += [
+                      ("padded fwd+bwd", padded_fwd_bwd, 3 * flops_fwd),
+                      ("loop fwd+bwd", loop_fwd_bwd, 3 * flops_fwd)]
             if E > 64:
-                impls = impls[:3]
+                impls = impls[:-2]
             base = None
             for impl, fn, flops in impls:
                 try:

@@ -256,6 +256,37 @@ if triton is not None:
             tl.store(DW + (tb * C + c) * W + j, tl.sum(g * xv.to(tl.float32), axis=0), mask=in_c)
 
     @triton.jit
+    def _conv_silu_bwd_kernel(X, Wt, POS, DY, DX, DW, R, C, stride_x, stride_dy, W: tl.constexpr,
+                              BT: tl.constexpr, BC: tl.constexpr, CHANNELS_FASTEST: tl.constexpr):
+        """The whole backward in one pass: dx[t] = Σ_d w[W−1−d] · g[t+d] over the d with t+d in t's document,
+        each g[t+d] = dy · SiLU'(a) recomputed here from x and dy at the shifted rows (W shifted conv tiles,
+        their loads mostly L1/L2 hits) instead of stored by one kernel and read back by another; the
+        unshifted g (d = 0) also gives the block's dw partials as in `_conv_silu_grad_kernel`. Same sums in
+        the same order as the two kernels with an fp32 g."""
+        tb, t, c = _tile(BT, BC, CHANNELS_FASTEST)
+        in_t, in_c = t < R, c < C
+        dx = tl.zeros([BT, BC], dtype=tl.float32)
+        for d in tl.static_range(W):
+            u = t + d
+            in_u = u < R
+            pos = tl.load(POS + u, mask=in_u, other=0)
+            a = _conv_taps(X, Wt, pos, u, in_u, c, in_c, stride_x, W, BT, BC)
+            dy = tl.load(DY + u[:, None] * stride_dy + c[None, :], mask=in_u[:, None] & in_c[None, :], other=0.0)
+            sig = tl.sigmoid(a)
+            g = dy.to(tl.float32) * sig * (1.0 + a * (1.0 - sig))  # zero outside the shifted rows and channels
+            if d == 0:
+                for j in tl.static_range(W):
+                    lag = W - 1 - j
+                    ok = in_t & (pos >= lag)
+                    xv = tl.load(X + (t - lag)[:, None] * stride_x + c[None, :], mask=ok[:, None] & in_c[None, :],
+                                 other=0.0)
+                    tl.store(DW + (tb * C + c) * W + j, tl.sum(g * xv.to(tl.float32), axis=0), mask=in_c)
+            else:  # token t+d reaches back to t only inside its document
+                g = tl.where((pos >= d)[:, None], g, 0.0)
+            dx += g * tl.load(Wt + c * W + (W - 1 - d), mask=in_c, other=0.0)[None, :]
+        tl.store(DX + t[:, None] * C + c[None, :], dx.to(DX.dtype.element_ty), mask=in_t[:, None] & in_c[None, :])
+
+    @triton.jit
     def _conv_silu_dx_kernel(G, Wt, POS, DX, R, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                              CHANNELS_FASTEST: tl.constexpr):
         """Backward, kernel 2: dx[t] = Σ_d w[W−1−d] · g[t+d] over the d with t+d in t's document (t+d < R and
@@ -290,6 +321,12 @@ _CONV_G_FP32 = True
 # that the programs in flight read whole rows of a column slice together (a hypothesis for the 1 TB/s at 32K tokens,
 # docs/fast-paths.md, session 10; untimed: `python -m benchmarks.short_conv --grid both` compares them)
 _CONV_CHANNELS_FASTEST = False
+# the backward as one kernel that recomputes the shifted g tiles (`_conv_silu_bwd_kernel`: reads x and dy, writes
+# dx, no g round trip: about half the bytes of the two kernels, W times their conv arithmetic) or as the two
+# kernels; untimed until session 11's device run (`python -m benchmarks.short_conv --bwd both`)
+_CONV_BWD_ONE_PASS = False
+# its tiles: 64 × 64 with 4 warps needs 255 registers and spills offline (sm_90); 32 × 64 and 64 × 32 need 139, none
+_CONV_BWD1_BT, _CONV_BWD1_BC, _CONV_BWD1_WARPS = 32, 64, 4
 
 
 def _conv_grid(R: int, C: int, BT: int, BC: int) -> tuple[int, int]:
@@ -334,15 +371,18 @@ class _ShortConvSiLU(torch.autograd.Function):
         R, C = xr.shape
         W = w.shape[1]
         dyr = _rows(dy)
-        blocks = triton.cdiv(R, _CONV_BWD_BT)
-        grid = _conv_grid(R, C, _CONV_BWD_BT, _CONV_BWD_BC)
-        tiles = dict(W=W, BT=_CONV_BWD_BT, BC=_CONV_BWD_BC, CHANNELS_FASTEST=_CONV_CHANNELS_FASTEST,
-                     num_warps=_CONV_BWD_WARPS)
-        g = torch.empty(R, C, dtype=torch.float32 if _CONV_G_FP32 else xr.dtype, device=xr.device)
-        dw = torch.empty(blocks, C, W, dtype=torch.float32, device=xr.device)
-        _conv_silu_grad_kernel[grid](xr, w, pos, dyr, g, dw, R, C, xr.stride(0), dyr.stride(0), **tiles)
+        BT, BC, warps = ((_CONV_BWD1_BT, _CONV_BWD1_BC, _CONV_BWD1_WARPS) if _CONV_BWD_ONE_PASS
+                         else (_CONV_BWD_BT, _CONV_BWD_BC, _CONV_BWD_WARPS))
+        grid = _conv_grid(R, C, BT, BC)
+        tiles = dict(W=W, BT=BT, BC=BC, CHANNELS_FASTEST=_CONV_CHANNELS_FASTEST, num_warps=warps)
+        dw = torch.empty(triton.cdiv(R, BT), C, W, dtype=torch.float32, device=xr.device)
         dx = torch.empty(R, C, dtype=xr.dtype, device=xr.device)
-        _conv_silu_dx_kernel[grid](g, w, pos, dx, R, C, **tiles)
+        if _CONV_BWD_ONE_PASS:
+            _conv_silu_bwd_kernel[grid](xr, w, pos, dyr, dx, dw, R, C, xr.stride(0), dyr.stride(0), **tiles)
+        else:
+            g = torch.empty(R, C, dtype=torch.float32 if _CONV_G_FP32 else xr.dtype, device=xr.device)
+            _conv_silu_grad_kernel[grid](xr, w, pos, dyr, g, dw, R, C, xr.stride(0), dyr.stride(0), **tiles)
+            _conv_silu_dx_kernel[grid](g, w, pos, dx, R, C, **tiles)
         dweight = dw.sum(0).reshape(ctx.weight_shape).to(ctx.weight_dtype)
         return dx.view(ctx.shape), dweight, None
 
