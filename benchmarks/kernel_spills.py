@@ -42,8 +42,6 @@ SUM_ROWS_ARGS = dict(Y="*bf16", DEST="*i64", OUT="*fp32", N="i32", L="i32", stri
 CONV_GRAD_ARGS = dict(X="*bf16", Wt="*fp32", POS="*i32", DY="*bf16", G="*fp32", DW="*fp32", R="i32", C="i32",
                       stride_x="i32", stride_dy="i32")
 CONV_DX_ARGS = dict(G="*fp32", Wt="*fp32", POS="*i32", DX="*bf16", R="i32", C="i32")
-CONV_BWD_ARGS = dict(X="*bf16", Wt="*fp32", POS="*i32", DY="*bf16", DX="*bf16", DW="*fp32", R="i32", C="i32",
-                     stride_x="i32", stride_dy="i32")
 GMM_ARGS = dict(A="*bf16", B="*bf16", C="*bf16", TILE_GROUP="*i32", TILE_ROW="*i32", OFFS="*i32", G="i32", N="i32",
                 stride_am="i32", stride_ak="i32", stride_bg="i32", stride_bk="i32", stride_bn="i32",
                 stride_cm="i32", stride_cn="i32")
@@ -68,19 +66,16 @@ def main() -> None:
     ap.add_argument("--conv-bwd", nargs="*", default=[], help="extra tilings of both backward kernels, e.g. 64x128x4")
     args = ap.parse_args()
     sc = short_conv
-    order = dict(CHANNELS_FASTEST=sc._CONV_CHANNELS_FASTEST)
-    conv_bwd = dict(W=4, BT=sc._CONV_BWD_BT, BC=sc._CONV_BWD_BC, **order)
+    conv_bwd = dict(W=4, BT=sc._CONV_BWD_BT, BC=sc._CONV_BWD_BC)
     cases = [
         ("loss rows (grad)", cross_entropy._loss_rows_kernel, LOSS_ARGS,
          dict(WRITE_GRAD=True, BV=4096, TILES=40), 8),
         ("loss rows (loss only)", cross_entropy._loss_rows_kernel, LOSS_ARGS,
          dict(WRITE_GRAD=False, BV=4096, TILES=40), 8),
-        ("conv+silu fwd", sc._conv_silu_fwd_kernel, CONV_FWD_ARGS, dict(W=4, BT=sc._CONV_BT, BC=sc._CONV_BC, **order),
+        ("conv+silu fwd", sc._conv_silu_fwd_kernel, CONV_FWD_ARGS, dict(W=4, BT=sc._CONV_BT, BC=sc._CONV_BC),
          4, CONV_ALIGNED),
         ("conv+silu bwd g, dw", sc._conv_silu_grad_kernel, CONV_GRAD_ARGS, conv_bwd, sc._CONV_BWD_WARPS, CONV_ALIGNED),
         ("conv+silu bwd dx", sc._conv_silu_dx_kernel, CONV_DX_ARGS, conv_bwd, sc._CONV_BWD_WARPS, CONV_ALIGNED),
-        ("conv+silu bwd one pass", sc._conv_silu_bwd_kernel, CONV_BWD_ARGS, conv_bwd, sc._CONV_BWD_WARPS,
-         CONV_ALIGNED),
         ("conv+silu bwd g, dw (odd C)", sc._conv_silu_grad_kernel, CONV_GRAD_ARGS, conv_bwd, sc._CONV_BWD_WARPS),
         ("conv+silu bwd dx (odd C)", sc._conv_silu_dx_kernel, CONV_DX_ARGS, conv_bwd, sc._CONV_BWD_WARPS),
         ("situ-glu fwd", situ._situ_fwd_kernel, SITU_FWD_ARGS,
@@ -96,11 +91,9 @@ def main() -> None:
     for tiling in args.conv_bwd:
         bt, bc, warps = map(int, tiling.split("x"))
         cases.append((f"conv+silu bwd g, dw {tiling}", sc._conv_silu_grad_kernel, CONV_GRAD_ARGS,
-                      dict(W=4, BT=bt, BC=bc, **order), warps, CONV_ALIGNED))
+                      dict(W=4, BT=bt, BC=bc), warps, CONV_ALIGNED))
         cases.append((f"conv+silu bwd dx {tiling}", sc._conv_silu_dx_kernel, CONV_DX_ARGS,
-                      dict(W=4, BT=bt, BC=bc, **order), warps, CONV_ALIGNED))
-        cases.append((f"conv+silu bwd one pass {tiling}", sc._conv_silu_bwd_kernel, CONV_BWD_ARGS,
-                      dict(W=4, BT=bt, BC=bc, **order), warps, CONV_ALIGNED))
+                      dict(W=4, BT=bt, BC=bc), warps, CONV_ALIGNED))
     for name, cfg in grouped_gemm.CONFIGS.items():
         tiles = dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], PRECISION="tf32", INTERP=False)
         if name == "rows":

@@ -17,8 +17,6 @@ step 120 python3 -m pytest -q --tb=line -p no:cacheprovider tests/gpu/test_fast_
 # a cold machine: ~60 s of compilation in the first case
 step 170 $TP --seq-lens 4096 8192 --steps 5 --json "$OUT/throughput32k.json"
 step 150 $TP --seq-lens 4096 8192 --steps 2 --micro-batches 4 --json "$OUT/throughput32k_mb4.json"
-# the short conv's program order (docs/fast-paths.md, session 10: a hypothesis for its 1 TB/s at 32K tokens)
-step 60 python3 -m benchmarks.short_conv --grid both
 # where a 32K-token step goes: device time by k3 function, kernel-busy share of the step (the host's part)
 step 140 python3 benchmarks/profile_step.py --preset small --rows 8 --seq-len 4096 --steps 3 --set kda_impl=triton \
     loss_impl=triton --by-line --top 20

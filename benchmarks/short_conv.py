@@ -10,8 +10,6 @@ per 8,192 tokens. Times: median of `triton.testing.do_bench` (ms); GB/s counts t
     python -m benchmarks.short_conv            # one GPU
     python -m benchmarks.short_conv --quick    # tiny shapes, gate only (any device; CPU via the interpreter)
     python -m benchmarks.short_conv --profile  # also the CUDA kernels of one fused forward+backward, by time
-    python -m benchmarks.short_conv --grid both  # also the fused kernels with channel blocks fastest
-    python -m benchmarks.short_conv --one-pass 32x64x4 64x32x4  # also the one-kernel backward at these tiles
 """
 
 from __future__ import annotations
@@ -27,13 +25,9 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
-from k3.ops import short_conv as short_conv_module  # noqa: E402
 from k3.ops.short_conv import causal_conv1d, naive_short_conv_silu, short_conv_silu  # noqa: E402
 
 DOCS = [1300, 547, 2048, 963, 271, 3063]
-
-
-ONE_PASS_KEYS = ("_CONV_BWD_ONE_PASS", "_CONV_BWD1_BT", "_CONV_BWD1_BC", "_CONV_BWD1_WARPS")
 
 
 def rel(a, b):
@@ -87,11 +81,6 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="kernel times of the fused forward+backward (small, T = 8192): what each call costs")
-    ap.add_argument("--grid", choices=("tokens", "both"), default="tokens",
-                    help="both: also time the fused kernels with the channel blocks as the fastest grid axis "
-                         "(`_CONV_CHANNELS_FASTEST`), as 'fused/ch'")
-    ap.add_argument("--one-pass", nargs="*", default=[], metavar="BTxBCxWARPS",
-                    help="also time the one-kernel backward (`_CONV_BWD_ONE_PASS`) at these tiles, as 'fused/1p …'")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     errs, ok = gate(device)
@@ -111,23 +100,8 @@ def main() -> int:
             "unfused": lambda xx, ww: F.silu(causal_conv1d(xx, ww, cu_seqlens=cu)[0]),
             "fused": lambda xx, ww: short_conv_silu(xx, ww, cu),
         }
-        if args.grid == "both":
-            impls["fused/ch"] = impls["fused"]
-        for tiles in args.one_pass:
-            impls[f"fused/1p {tiles}"] = impls["fused"]
         times = {}
-        defaults = tuple(getattr(short_conv_module, k) for k in ONE_PASS_KEYS)
         for name, fn in impls.items():
-            short_conv_module._CONV_CHANNELS_FASTEST = name == "fused/ch"  # read at each launch, backward too
-            one_pass = name.startswith("fused/1p")
-            tiles = tuple(map(int, name.split()[-1].split("x"))) if one_pass else defaults[1:]
-            for key, value in zip(ONE_PASS_KEYS, (one_pass, *tiles)):
-                setattr(short_conv_module, key, value)
-            if one_pass:
-                errs, ok = gate(device)
-                print(f"correctness gate, {name}:", {k: f"{v:.1e}" for k, v in errs.items()}, "ok" if ok else "FAILED")
-                if not ok:
-                    return 1
             with torch.no_grad():
                 fwd = do_bench(lambda: fn(x, w), warmup=10, rep=100)
             xg, wg = wide.clone().requires_grad_(), w.clone().requires_grad_()
@@ -137,9 +111,6 @@ def main() -> int:
 
             both = do_bench(step, warmup=10, rep=100)
             times[name] = (fwd, both)
-        short_conv_module._CONV_CHANNELS_FASTEST = False
-        for key, value in zip(ONE_PASS_KEYS, defaults):
-            setattr(short_conv_module, key, value)
         nbytes_f = 2 * T * C * 2
         nbytes_b = nbytes_f + 3 * T * C * 2
         for name, (fwd, both) in times.items():

@@ -218,16 +218,15 @@ if triton is not None:
         return a
 
     @triton.jit
-    def _tile(BT: tl.constexpr, BC: tl.constexpr, CHANNELS_FASTEST: tl.constexpr):
-        """This program's token block, its tokens t (int64) and its channels c: grid axis 0 runs over token
-        blocks, or over channel blocks with CHANNELS_FASTEST (`_conv_grid`)."""
-        tb, cb = (tl.program_id(1), tl.program_id(0)) if CHANNELS_FASTEST else (tl.program_id(0), tl.program_id(1))
+    def _tile(BT: tl.constexpr, BC: tl.constexpr):
+        """This program's token block, its tokens t (int64) and its channels c (grid: token blocks, channel
+        blocks)."""
+        tb, cb = tl.program_id(0), tl.program_id(1)
         return tb, (tb * BT + tl.arange(0, BT)).to(tl.int64), cb * BC + tl.arange(0, BC)
 
     @triton.jit
-    def _conv_silu_fwd_kernel(X, Wt, POS, Y, R, C, stride_x, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                              CHANNELS_FASTEST: tl.constexpr):
-        _, t, c = _tile(BT, BC, CHANNELS_FASTEST)
+    def _conv_silu_fwd_kernel(X, Wt, POS, Y, R, C, stride_x, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+        _, t, c = _tile(BT, BC)
         in_t, in_c = t < R, c < C
         pos = tl.load(POS + t, mask=in_t, other=0)
         acc = _conv_taps(X, Wt, pos, t, in_t, c, in_c, stride_x, W, BT, BC)
@@ -236,11 +235,11 @@ if triton is not None:
 
     @triton.jit
     def _conv_silu_grad_kernel(X, Wt, POS, DY, G, DW, R, C, stride_x, stride_dy, W: tl.constexpr,
-                               BT: tl.constexpr, BC: tl.constexpr, CHANNELS_FASTEST: tl.constexpr):
+                               BT: tl.constexpr, BC: tl.constexpr):
         """Backward, kernel 1: g = dy · SiLU'(a) at the tile's tokens (a recomputed from x) into G [R, C], and
         dw[j] = Σ_t g[t] · x[t−(W−1−j)] over them (a row of partial sums [C, W] per token block, summed by the
         caller: deterministic, no atomics)."""
-        tb, t, c = _tile(BT, BC, CHANNELS_FASTEST)
+        tb, t, c = _tile(BT, BC)
         in_t, in_c = t < R, c < C
         pos = tl.load(POS + t, mask=in_t, other=0)
         a = _conv_taps(X, Wt, pos, t, in_t, c, in_c, stride_x, W, BT, BC)
@@ -256,42 +255,10 @@ if triton is not None:
             tl.store(DW + (tb * C + c) * W + j, tl.sum(g * xv.to(tl.float32), axis=0), mask=in_c)
 
     @triton.jit
-    def _conv_silu_bwd_kernel(X, Wt, POS, DY, DX, DW, R, C, stride_x, stride_dy, W: tl.constexpr,
-                              BT: tl.constexpr, BC: tl.constexpr, CHANNELS_FASTEST: tl.constexpr):
-        """The whole backward in one pass: dx[t] = Σ_d w[W−1−d] · g[t+d] over the d with t+d in t's document,
-        each g[t+d] = dy · SiLU'(a) recomputed here from x and dy at the shifted rows (W shifted conv tiles,
-        their loads mostly L1/L2 hits) instead of stored by one kernel and read back by another; the
-        unshifted g (d = 0) also gives the block's dw partials as in `_conv_silu_grad_kernel`. Same sums in
-        the same order as the two kernels with an fp32 g."""
-        tb, t, c = _tile(BT, BC, CHANNELS_FASTEST)
-        in_t, in_c = t < R, c < C
-        dx = tl.zeros([BT, BC], dtype=tl.float32)
-        for d in tl.static_range(W):
-            u = t + d
-            in_u = u < R
-            pos = tl.load(POS + u, mask=in_u, other=0)
-            a = _conv_taps(X, Wt, pos, u, in_u, c, in_c, stride_x, W, BT, BC)
-            dy = tl.load(DY + u[:, None] * stride_dy + c[None, :], mask=in_u[:, None] & in_c[None, :], other=0.0)
-            sig = tl.sigmoid(a)
-            g = dy.to(tl.float32) * sig * (1.0 + a * (1.0 - sig))  # zero outside the shifted rows and channels
-            if d == 0:
-                for j in tl.static_range(W):
-                    lag = W - 1 - j
-                    ok = in_t & (pos >= lag)
-                    xv = tl.load(X + (t - lag)[:, None] * stride_x + c[None, :], mask=ok[:, None] & in_c[None, :],
-                                 other=0.0)
-                    tl.store(DW + (tb * C + c) * W + j, tl.sum(g * xv.to(tl.float32), axis=0), mask=in_c)
-            else:  # token t+d reaches back to t only inside its document
-                g = tl.where((pos >= d)[:, None], g, 0.0)
-            dx += g * tl.load(Wt + c * W + (W - 1 - d), mask=in_c, other=0.0)[None, :]
-        tl.store(DX + t[:, None] * C + c[None, :], dx.to(DX.dtype.element_ty), mask=in_t[:, None] & in_c[None, :])
-
-    @triton.jit
-    def _conv_silu_dx_kernel(G, Wt, POS, DX, R, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                             CHANNELS_FASTEST: tl.constexpr):
+    def _conv_silu_dx_kernel(G, Wt, POS, DX, R, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
         """Backward, kernel 2: dx[t] = Σ_d w[W−1−d] · g[t+d] over the d with t+d in t's document (t+d < R and
         pos[t+d] ≥ d), written in DX's dtype."""
-        _, t, c = _tile(BT, BC, CHANNELS_FASTEST)
+        _, t, c = _tile(BT, BC)
         in_t, in_c = t < R, c < C
         dx = tl.zeros([BT, BC], dtype=tl.float32)
         for d in tl.static_range(W):
@@ -317,21 +284,10 @@ _CONV_BWD_BT, _CONV_BWD_BC, _CONV_BWD_WARPS = 64, 64, 4
 # bytes per element against 10 in x's dtype, but the bf16 dx of the small preset's shape is then 18% closer to
 # fp64 than the unfused path's instead of 2% (CPU emulation; the GPU test allows 5% further)
 _CONV_G_FP32 = True
-# the order of the programs: token blocks fastest (False, measured in sessions 6-9) or channel blocks fastest, so
-# that the programs in flight read whole rows of a column slice together (a hypothesis for the 1 TB/s at 32K tokens,
-# docs/fast-paths.md, session 10; untimed: `python -m benchmarks.short_conv --grid both` compares them)
-_CONV_CHANNELS_FASTEST = False
-# the backward as one kernel that recomputes the shifted g tiles (`_conv_silu_bwd_kernel`: reads x and dy, writes
-# dx, no g round trip: about half the bytes of the two kernels, W times their conv arithmetic) or as the two
-# kernels; untimed until session 11's device run (`python -m benchmarks.short_conv --bwd both`)
-_CONV_BWD_ONE_PASS = False
-# its tiles: 64 × 64 with 4 warps needs 255 registers and spills offline (sm_90); 32 × 64 and 64 × 32 need 139, none
-_CONV_BWD1_BT, _CONV_BWD1_BC, _CONV_BWD1_WARPS = 32, 64, 4
 
 
 def _conv_grid(R: int, C: int, BT: int, BC: int) -> tuple[int, int]:
-    blocks = (triton.cdiv(R, BT), triton.cdiv(C, BC))
-    return blocks[::-1] if _CONV_CHANNELS_FASTEST else blocks
+    return triton.cdiv(R, BT), triton.cdiv(C, BC)
 
 
 def _token_positions(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
@@ -359,8 +315,7 @@ class _ShortConvSiLU(torch.autograd.Function):
         R = xr.shape[0]
         y = torch.empty(R, C, dtype=x.dtype, device=x.device)
         _conv_silu_fwd_kernel[_conv_grid(R, C, _CONV_BT, _CONV_BC)](xr, w, pos, y, R, C, xr.stride(0), W=W,
-                                                                    BT=_CONV_BT, BC=_CONV_BC,
-                                                                    CHANNELS_FASTEST=_CONV_CHANNELS_FASTEST)
+                                                                    BT=_CONV_BT, BC=_CONV_BC)
         ctx.save_for_backward(xr, w, pos)
         ctx.shape, ctx.weight_shape, ctx.weight_dtype = x.shape, weight.shape, weight.dtype
         return y.view(B, T, C)
@@ -371,18 +326,13 @@ class _ShortConvSiLU(torch.autograd.Function):
         R, C = xr.shape
         W = w.shape[1]
         dyr = _rows(dy)
-        BT, BC, warps = ((_CONV_BWD1_BT, _CONV_BWD1_BC, _CONV_BWD1_WARPS) if _CONV_BWD_ONE_PASS
-                         else (_CONV_BWD_BT, _CONV_BWD_BC, _CONV_BWD_WARPS))
-        grid = _conv_grid(R, C, BT, BC)
-        tiles = dict(W=W, BT=BT, BC=BC, CHANNELS_FASTEST=_CONV_CHANNELS_FASTEST, num_warps=warps)
-        dw = torch.empty(triton.cdiv(R, BT), C, W, dtype=torch.float32, device=xr.device)
+        grid = _conv_grid(R, C, _CONV_BWD_BT, _CONV_BWD_BC)
+        tiles = dict(W=W, BT=_CONV_BWD_BT, BC=_CONV_BWD_BC, num_warps=_CONV_BWD_WARPS)
+        g = torch.empty(R, C, dtype=torch.float32 if _CONV_G_FP32 else xr.dtype, device=xr.device)
+        dw = torch.empty(triton.cdiv(R, _CONV_BWD_BT), C, W, dtype=torch.float32, device=xr.device)
+        _conv_silu_grad_kernel[grid](xr, w, pos, dyr, g, dw, R, C, xr.stride(0), dyr.stride(0), **tiles)
         dx = torch.empty(R, C, dtype=xr.dtype, device=xr.device)
-        if _CONV_BWD_ONE_PASS:
-            _conv_silu_bwd_kernel[grid](xr, w, pos, dyr, dx, dw, R, C, xr.stride(0), dyr.stride(0), **tiles)
-        else:
-            g = torch.empty(R, C, dtype=torch.float32 if _CONV_G_FP32 else xr.dtype, device=xr.device)
-            _conv_silu_grad_kernel[grid](xr, w, pos, dyr, g, dw, R, C, xr.stride(0), dyr.stride(0), **tiles)
-            _conv_silu_dx_kernel[grid](g, w, pos, dx, R, C, **tiles)
+        _conv_silu_dx_kernel[grid](g, w, pos, dx, R, C, **tiles)
         dweight = dw.sum(0).reshape(ctx.weight_shape).to(ctx.weight_dtype)
         return dx.view(ctx.shape), dweight, None
 

@@ -336,16 +336,6 @@ short_conv._CONV_G_FP32 = False  # g between the backward's kernels in x's dtype
 for dtype in (torch.float32, torch.bfloat16):
     conv_silu(dtype, 1, 3 * BT + 7, BC + 3, [BT, BT - 1, 2, BT + 1, 1, 4])
 short_conv._CONV_G_FP32 = True
-short_conv._CONV_CHANNELS_FASTEST = True  # the other program order (the same tiles), against fp64 as well
-conv_silu(torch.float32, 1, 3 * BT + 7, BC + 3, [BT, BT - 1, 2, BT + 1, 1, 4])
-conv_silu(torch.bfloat16, 3, BT, BC - 24, None)
-short_conv._CONV_CHANNELS_FASTEST = False
-short_conv._CONV_BWD_ONE_PASS = True  # the one-kernel backward, on the same documents and tile edges
-for dtype in (torch.float32, torch.bfloat16):
-    conv_silu(dtype, 1, 3 * BT + 7, BC + 3, [BT, BT - 1, 2, BT + 1, 1, 4])
-    conv_silu(dtype, 1, 140, 70, [1, 2, 3, 60, 1, 73])
-conv_silu(torch.float32, 3, BT, BC - 24, None)
-short_conv._CONV_BWD_ONE_PASS = False
 for dtype in (torch.float32, torch.bfloat16):
     grouped_gemms(dtype)
 experts_triton_wgrad()
