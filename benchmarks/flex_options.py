@@ -7,6 +7,11 @@ the six MLA layers: about 150 TFLOP/s where its forward reaches about 300. This 
 gradients, and prints a table; `k3.ops.attention.FLEX_KERNEL_OPTIONS` takes the winner.
 
     python benchmarks/flex_options.py --options '[{}, {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64}]'
+    python benchmarks/flex_options.py --varlen     # also torch.nn.attention.varlen.varlen_attn (FlashAttention)
+
+`--varlen` times PyTorch's FlashAttention varlen entry point on the same packed documents (cu_seqlens from the
+ids, causal), first with the value head as it is and, if the kernel refuses a value head unlike the query's,
+zero-padded to it (as the `flash` backend pads for FA2), against the first option's output and gradients.
 """
 
 from __future__ import annotations
@@ -34,6 +39,59 @@ def packed_documents(B: int, T: int, mean: int, generator: torch.Generator) -> t
     return ids
 
 
+def time_varlen(q, k, v, do, doc, ref, scale, fwd_flops, iters):
+    """varlen_attn on the packed rows of `doc` ([B, H, T, D] inputs as flex takes them): (label, fwd ms, bwd ms,
+    max relative difference to `ref`, note)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as e:
+        print(f"[varlen] not in this torch ({torch.__version__}): {e}", flush=True)
+        return ("varlen_attn", None, None, None, "not in this torch")
+    B, H, T, Dqk = q.shape
+    Dv = v.shape[-1]
+    flat = (doc + torch.arange(B, device=doc.device)[:, None] * (int(doc.max()) + 1)).reshape(-1)
+    starts = torch.nonzero(flat[1:] != flat[:-1]).flatten() + 1
+    cu = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), B * T)]).to(torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    packed = [x.detach().transpose(1, 2).reshape(B * T, H, x.shape[-1]).requires_grad_() for x in (q, k, v)]
+    do_p = do.transpose(1, 2).reshape(B * T, H, Dv)
+    for pad in (0, Dqk - Dv):
+        def fwd(pad=pad):
+            vv = torch.nn.functional.pad(packed[2], (0, pad)) if pad else packed[2]
+            o = varlen_attn(packed[0], packed[1], vv, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0))
+            return o[..., :Dv]
+
+        def step(fwd=fwd):
+            o = fwd()
+            return (o,) + torch.autograd.grad(o, packed, do_p)
+        label = f"varlen_attn (value head {'padded to ' + str(Dqk) if pad else Dv})"
+        try:
+            outs = step()
+            torch.cuda.synchronize()
+        except Exception as e:
+            print(f"[varlen] {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        as_flex = [x.reshape(B, T, H, -1).transpose(1, 2).float() for x in outs]
+        diff = max(((a - r).norm() / r.norm()).item() for a, r in zip(as_flex, ref)) if ref else float("nan")
+        times = {}
+        for name, fn in (("fwd", fwd), ("fwd+bwd", step)):
+            for _ in range(2):
+                fn()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times[name] = start.elapsed_time(end) / iters
+        bwd = times["fwd+bwd"] - times["fwd"]
+        print(f"[varlen] {label}: fwd {times['fwd']:.3f} ms ({fwd_flops / times['fwd'] / 1e9:.0f} TF/s), "
+              f"bwd {bwd:.3f} ms ({2.5 * fwd_flops / bwd / 1e9:.0f} TF/s), diff vs flex {diff:.1e}", flush=True)
+        return (label, times["fwd"], bwd, diff, "")
+    return ("varlen_attn", None, None, None, "failed")
+
+
 def main() -> int:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -42,6 +100,7 @@ def main() -> int:
     ap.add_argument("--shape", default="8,4096,8,192,128", help="B,T,H,Dqk,Dv (the small preset: 8,4096,8,192,128)")
     ap.add_argument("--doc-mean", type=int, default=1500, help="mean document length of the packed rows")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--varlen", action="store_true", help="also time torch.nn.attention.varlen.varlen_attn")
     args = ap.parse_args()
     options = json.loads(args.options)
     B, T, H, Dqk, Dv = (int(x) for x in args.shape.split(","))
@@ -97,11 +156,13 @@ def main() -> int:
         rows.append((opts, times["fwd"], bwd, diff, f"{compile_s:.0f} s compile"))
         print(f"[flex] {json.dumps(opts)}: fwd {times['fwd']:.3f} ms ({fwd_flops / times['fwd'] / 1e9:.0f} TF/s), "
               f"bwd {bwd:.3f} ms ({2.5 * fwd_flops / bwd / 1e9:.0f} TF/s), diff vs first {diff:.1e}", flush=True)
+    if args.varlen:
+        rows.append(time_varlen(q, k, v, do, doc, ref, Dqk ** -0.5, fwd_flops, args.iters))
     print(f"flex_attention B={B} T={T} H={H} Dqk={Dqk} Dv={Dv}, documents of mean {args.doc_mean} "
           f"({pairs / B / T:.0f} visible keys per query; block-mask bound {visible / T:.0f})")
     print(f"{'kernel_options':70s} {'fwd ms':>8s} {'bwd ms':>8s} {'diff':>8s}")
     for opts, f, b, d, note in rows:
-        print(f"{json.dumps(opts)[:70]:70s} " + (f"{f:8.3f} {b:8.3f} {d:8.1e}" if f is not None else f"{note:>26s}"))
+        print(f"{(opts if isinstance(opts, str) else json.dumps(opts))[:70]:70s} " + (f"{f:8.3f} {b:8.3f} {d:8.1e}" if f is not None else f"{note:>26s}"))
     return 0
 
 
