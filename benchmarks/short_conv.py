@@ -10,6 +10,7 @@ per 8,192 tokens. Times: median of `triton.testing.do_bench` (ms); GB/s counts t
     python -m benchmarks.short_conv            # one GPU
     python -m benchmarks.short_conv --quick    # tiny shapes, gate only (any device; CPU via the interpreter)
     python -m benchmarks.short_conv --profile  # also the CUDA kernels of one fused forward+backward, by time
+    python -m benchmarks.short_conv --row-widths 4232 4240  # x sliced from rows of these widths (alignment)
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def inputs(T, C, device, dtype, seed=0):
+def inputs(T, C, device, dtype, seed=0, width=None):
+    """A [1, T, width] projection output (x is its column slice C:2C, as the model slices q/k/v), the conv
+    weight and packed cu_seqlens."""
     g = torch.Generator(device=device).manual_seed(seed)
-    wide = torch.randn(1, T, 3 * C, device=device, generator=g).to(dtype)
+    wide = torch.randn(1, T, width or 3 * C, device=device, generator=g).to(dtype)
     w = torch.randn(C, 1, 4, device=device, generator=g) * 0.5
     reps = -(-T // sum(DOCS))
     lengths = (DOCS * reps)
@@ -81,6 +84,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="kernel times of the fused forward+backward (small, T = 8192): what each call costs")
+    ap.add_argument("--row-widths", nargs="*", type=int, default=[],
+                    help="also the small preset at 32K tokens with x sliced from rows this wide (e.g. 4232 4240)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     errs, ok = gate(device)
@@ -92,8 +97,14 @@ def main() -> int:
     from triton.testing import do_bench
 
     rows = []
-    for preset, T, C in (("small", 8192, 1024), ("small", 32768, 1024), ("k3", 8192, 12288)):
-        wide, w, cu = inputs(T, C, device, torch.bfloat16)
+    shapes = [("small", 8192, 1024, None), ("small", 32768, 1024, None), ("k3", 8192, 12288, None)]
+    # the small preset's KDA projection rows: 4·1024 + 8 + 128 = 4232 elements (not a multiple of 16, as before
+    # session 11) and padded to 4240 (k3.model.kda.KimiDeltaAttention.input_projections)
+    shapes += [("small", 32768, 1024, width) for width in args.row_widths]
+    for preset, T, C, width in shapes:
+        wide, w, cu = inputs(T, C, device, torch.bfloat16, width=width)
+        if width:
+            preset = f"{preset} w{width}"
         x = wide[..., C:2 * C]
         dy = torch.randn(1, T, C, device=device, dtype=torch.bfloat16)
         impls = {

@@ -153,8 +153,15 @@ class KimiDeltaAttention(nn.Module):
         device = x.device.type
         # under autocast each weight is cast first: concatenating the fp32 masters would copy them in full
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        weight = torch.cat([p.weight.to(dtype) for p in projections])
-        return F.linear(x, weight).split([p.out_features for p in projections], dim=-1)
+        weights = [p.weight.to(dtype) for p in projections]
+        widths = [p.out_features for p in projections]
+        # zero rows so that the output's row stride is a multiple of 16 elements: Triton specialises integer
+        # arguments divisible by 16, and only then proves the slices' rows 16-byte aligned and loads them as
+        # vectors (the short conv, the gated norm and the KDA kernels read these slices in place)
+        pad = -sum(widths) % 16
+        if pad:
+            weights.append(weights[0].new_zeros(pad, weights[0].shape[1]))
+        return F.linear(x, torch.cat(weights)).split(widths + [pad], dim=-1)[:len(projections)]
 
     def forward(self, x: torch.Tensor, layout: SequenceLayout, state: KDAState | None = None,
                 use_cache: bool = False) -> tuple[torch.Tensor, KDAState | None]:

@@ -119,6 +119,9 @@ def test_kda_input_projections_equal_six_linears():
         results.append([*outs, *grads])
     for fused, separate in zip(*results):
         torch.testing.assert_close(fused, separate, rtol=0, atol=1e-12)
+    widths = sum(lin.out_features for lin in linears)
+    stride = results[0][0].stride(-2)
+    assert widths % 16 and stride % 16 == 0 and stride - widths < 16, "rows padded to a multiple of 16 elements"
     names = {n for n, _ in kda.named_parameters()}
     assert {"q_proj.weight", "g_proj.weight", "b_proj.weight", "f_a_proj.weight"} <= names
 
