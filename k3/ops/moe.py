@@ -22,8 +22,8 @@ recomputed by the fused kernel in the backward).
 `torch._grouped_mm` runs the GEMMs on CUDA in bf16 (its supported dtype there), except the weight
 gradients of experts at most 1024 wide, which the Triton kernel of `k3.ops.grouped_gemm` runs faster
 (`GROUPED_WGRAD`); other dtypes and devices use a per-group loop of plain matmuls (it reads the offsets
-on the host: CPU and fp32/fp64 tests only; PyTorch's CPU grouped GEMM is far slower than the loop). `naive_grouped_situ_glu` is the
-plain autograd reference of the public `grouped_situ_glu`.
+on the host: CPU and fp32/fp64 tests only; PyTorch's CPU grouped GEMM is far slower than the loop).
+`naive_grouped_situ_glu` is the plain autograd reference of the public `grouped_situ_glu`.
 """
 
 from __future__ import annotations

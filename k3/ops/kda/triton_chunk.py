@@ -88,6 +88,13 @@ TUNING = {
     "bwd_k_cols": 32, "bwd_k_warps": 4, "bwd_k_stages": None, "bwd_k_maxnreg": 128,
     "bwd_norms_rows": 16, "bwd_norms_warps": 4, "bwd_norms_stages": None, "bwd_norms_maxnreg": None,
     "decode_bv": 64, "decode_warps": 4,
+    # The state passes with between one and two programs per SM at the value blocks above (`_few_programs`): they
+    # then run in two uneven waves, and these settings replace the ones above for those launches: the launch that
+    # stores Ũ at BV 64 (half the programs, one wave) and `_state_bwd` at 4 warps, 2 stages (two per SM). At the
+    # small preset's 8 × 4096, H = 8 (256 programs on 132 SMs): `_state` 0.63 → 0.52 ms, `_state_bwd` 0.73 → 0.67,
+    # fwd+bwd 5.127 → 4.972 ms; the same settings lost at 128 programs (2 × 16384, H = 16: 10.14 → 11.08 ms) and at
+    # 384 (32768, H = 32: 20.36 → 22.09; each alone at the K3 shape, 15.27 → 15.34 and 15.33) (session 10 runs 1-2)
+    "few_programs": {"state_ut_bv": 64, "state_bwd_warps": 4, "state_bwd_stages": 2},
 }
 # The code variants of the session-9 Nsight Compute analysis (docs/kda-ncu-session9.md), timed in session 9 run 4 at
 # the K3 shape (docs/kda-kernels.md §6), are the only code now: the kept norms (`_load_norm`), `_bwd_vv`'s partials
@@ -95,13 +102,32 @@ TUNING = {
 # exp (`libdevice.fast_expf`) in `_prep_intra`, `_bwd_vk` and `_bwd_k` lost (15.27 ms with it) and was deleted.
 
 
-def _launch_options(kernel: str) -> dict:
+def _setting(key: str, few: bool = False):
+    """TUNING[key], or its `few_programs` replacement for a state pass launched with few programs."""
+    return TUNING["few_programs"].get(key, TUNING.get(key)) if few else TUNING.get(key)
+
+
+def _launch_options(kernel: str, few: bool = False) -> dict:
     """num_warps, and num_stages / maxnreg where TUNING sets them, for one chunk kernel's launch."""
-    options = {"num_warps": TUNING[f"{kernel}_warps"]}
+    options = {"num_warps": _setting(f"{kernel}_warps", few)}
     for key, option in (("stages", "num_stages"), ("maxnreg", "maxnreg")):
-        if TUNING.get(f"{kernel}_{key}") is not None:
-            options[option] = TUNING[f"{kernel}_{key}"]
+        if _setting(f"{kernel}_{key}", few) is not None:
+            options[option] = _setting(f"{kernel}_{key}", few)
     return options
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _few_programs(programs: int, device: torch.device) -> bool:
+    """A state pass of `programs` programs at the default value block has more than one and at most two per SM
+    (on CUDA; never in the interpreter): it takes TUNING["few_programs"]."""
+    if device.type != "cuda" or interpreting():
+        return False
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return sms < programs <= 2 * sms
 
 
 # device helpers
@@ -1090,8 +1116,10 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
     forward, the backward's recompute), so the products are the `state_split` ones (else `state_split_inference`)."""
     TT, H, K = W.shape
     V = U.shape[-1]
-    BV = min(V, TUNING["state_ut_bv" if want_ut else "state_bv"])
     dev = W.device
+    key = "state_ut" if want_ut else "state"
+    few = _few_programs(V // min(V, TUNING[f"{key}_bv"]) * plan.N * H, dev)
+    BV = min(V, _setting(f"{key}_bv", few))
     o = torch.empty(TT, H, V, dtype=out_dtype, device=dev) if write_o else None
     ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
     hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=torch.float32, device=dev) if want_hs else None
@@ -1104,7 +1132,7 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
                                   plan.cu, plan.chunk_off,
                                   H=H, K=K, V=V, BV=BV, C=CHUNK, USE_H0=h0 is not None, STORE_HT=want_ht,
                                   STORE_HS=want_hs, WRITE_O=write_o, STORE_UT=want_ut, BF16=state_bf16, SPLIT=split,
-                                  INTERP=interpreting(), **_launch_options("state_ut" if want_ut else "state"))
+                                  INTERP=interpreting(), **_launch_options(key, few))
     return o, ht, hs, ut
 
 
@@ -1150,7 +1178,8 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     else:
         W, Qg, Kd, Aqk, gc, Tm, hs, ut, *norms = inter
         del inter
-    BV = min(V, TUNING["state_bwd_bv"])
+    few = _few_programs(V // min(V, TUNING["state_bwd_bv"]) * plan.N * H, dev)
+    BV = min(V, _setting("state_bwd_bv", few))
     NT = max(plan.NT, 1)
     du = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
     dse = torch.empty(NT, H, K, V, dtype=torch.float32, device=dev)
@@ -1160,7 +1189,7 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     _state_bwd[(V // BV, plan.N * H)](Qg, Kd, Aqk, W, gc, do, dht if dht is not None else dh0, du, dse, dh0,
                                       plan.cu, plan.chunk_off, H=H, K=K, V=V, BV=BV, C=CHUNK,
                                       USE_DHT=dht is not None, BF16=False, INTERP=interp,
-                                      **_launch_options("state_bwd"))
+                                      **_launch_options("state_bwd", few))
     del W, Qg, Kd, Aqk  # (kept ones live on in the autograd context until the backward returns)
     dv = torch.empty_like(v)
     dqh = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
