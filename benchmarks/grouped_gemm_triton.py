@@ -38,7 +38,11 @@ from benchmarks.provenance import git_sha  # noqa: E402
 ROW_CONFIGS = [dict(BM=128, BN=128, BK=64, warps=8, stages=3), dict(BM=128, BN=128, BK=64, warps=4, stages=4),
                dict(BM=128, BN=256, BK=64, warps=8, stages=3), dict(BM=128, BN=128, BK=128, warps=8, stages=3),
                dict(BM=64, BN=128, BK=64, warps=4, stages=4), dict(BM=128, BN=64, BK=64, warps=4, stages=4),
-               dict(BM=256, BN=128, BK=64, warps=8, stages=3)]
+               dict(BM=256, BN=128, BK=64, warps=8, stages=3),
+               dict(BM=128, BN=128, BK=64, warps=8, stages=3, tma=True),
+               dict(BM=128, BN=128, BK=64, warps=4, stages=4, tma=True),
+               dict(BM=128, BN=256, BK=64, warps=8, stages=3, tma=True),
+               dict(BM=128, BN=128, BK=128, warps=8, stages=3, tma=True)]
 WGRAD_CONFIGS = [dict(BM=128, BN=128, BK=64, warps=8, stages=3), dict(BM=128, BN=128, BK=64, warps=4, stages=4),
                  dict(BM=128, BN=128, BK=128, warps=8, stages=3), dict(BM=64, BN=128, BK=64, warps=4, stages=4),
                  dict(BM=128, BN=64, BK=64, warps=4, stages=3), dict(BM=128, BN=256, BK=64, warps=8, stages=3)]
@@ -49,7 +53,7 @@ def rel(a, b):
 
 
 def cfg_name(c):
-    return f"{c['BM']}x{c['BN']}x{c['BK']} w{c['warps']} s{c['stages']}"
+    return f"{c['BM']}x{c['BN']}x{c['BK']} w{c['warps']} s{c['stages']}" + (" tma" if c.get("tma") else "")
 
 
 def gemms(E, L, I, M_pad, offs, device, dtype, g):
@@ -82,6 +86,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None, help="write the table here")
+    parser.add_argument("--shapes", nargs="+", default=None, help="only these shape names (e.g. 'small 32K')")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
@@ -95,6 +100,7 @@ def main():
                   ("small 32K balanced", 64, 384, 320, 32768, 8, 0.0),
                   ("k3 32 local", 32, 3584, 3072, 2048, 16, 0.7)]
         row_cfgs, wg_cfgs, dtype = ROW_CONFIGS, WGRAD_CONFIGS, torch.bfloat16
+        shapes = [shape for shape in shapes if args.shapes is None or shape[0] in args.shapes]
     if cuda:
         from triton.testing import do_bench
     g = torch.Generator().manual_seed(0)
