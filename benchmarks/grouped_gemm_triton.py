@@ -38,11 +38,7 @@ from benchmarks.provenance import git_sha  # noqa: E402
 ROW_CONFIGS = [dict(BM=128, BN=128, BK=64, warps=8, stages=3), dict(BM=128, BN=128, BK=64, warps=4, stages=4),
                dict(BM=128, BN=256, BK=64, warps=8, stages=3), dict(BM=128, BN=128, BK=128, warps=8, stages=3),
                dict(BM=64, BN=128, BK=64, warps=4, stages=4), dict(BM=128, BN=64, BK=64, warps=4, stages=4),
-               dict(BM=256, BN=128, BK=64, warps=8, stages=3),
-               dict(BM=128, BN=128, BK=64, warps=8, stages=3, tma=True),
-               dict(BM=128, BN=128, BK=64, warps=4, stages=4, tma=True),
-               dict(BM=128, BN=256, BK=64, warps=8, stages=3, tma=True),
-               dict(BM=128, BN=128, BK=128, warps=8, stages=3, tma=True)]
+               dict(BM=256, BN=128, BK=64, warps=8, stages=3)]
 WGRAD_CONFIGS = [dict(BM=128, BN=128, BK=64, warps=8, stages=3), dict(BM=128, BN=128, BK=64, warps=4, stages=4),
                  dict(BM=128, BN=128, BK=128, warps=8, stages=3), dict(BM=64, BN=128, BK=64, warps=4, stages=4),
                  dict(BM=128, BN=64, BK=64, warps=4, stages=3), dict(BM=128, BN=256, BK=64, warps=8, stages=3)]
@@ -53,7 +49,7 @@ def rel(a, b):
 
 
 def cfg_name(c):
-    return f"{c['BM']}x{c['BN']}x{c['BK']} w{c['warps']} s{c['stages']}" + (" tma" if c.get("tma") else "")
+    return f"{c['BM']}x{c['BN']}x{c['BK']} w{c['warps']} s{c['stages']}"
 
 
 def gemms(E, L, I, M_pad, offs, device, dtype, g):

@@ -120,36 +120,6 @@ if triton is not None:
         tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=in_rows[:, None] & in_cols[None, :])
 
     @triton.jit
-    def _grouped_mm_tma_kernel(a_desc, b_desc, C, TILE_GROUP, TILE_ROW, OFFS, G, N, stride_cm, stride_cn,
-                               K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                               N_TILES: tl.constexpr, B_KMAJOR: tl.constexpr, PRECISION: tl.constexpr,
-                               INTERP: tl.constexpr):
-        """`_grouped_mm_kernel` with its operand tiles loaded by the tensor-memory accelerator (TMA): a_desc
-        over A [M, K] (rows past M read as zeros), b_desc over the weights as [G·N, K] (K-major, B_KMAJOR) or
-        [G·K, N]. Rows of the next group or columns past N may be loaded, never stored; K % BK == 0, so no k
-        tile reaches into the next group's weights."""
-        pid = tl.program_id(0)
-        slot = pid // N_TILES
-        g = tl.load(TILE_GROUP + slot)
-        if g >= G:
-            return
-        row0 = tl.load(TILE_ROW + slot)
-        end = tl.load(OFFS + g)
-        n0 = (pid % N_TILES) * BN
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            a = a_desc.load([row0, k0])
-            if B_KMAJOR:
-                b = b_desc.load([g * N + n0, k0]).T
-            else:
-                b = b_desc.load([g * K + k0, n0])
-            acc = _dot(a, b, acc, PRECISION, INTERP)
-        rows = row0 + tl.arange(0, BM)
-        cols = n0 + tl.arange(0, BN)
-        c_ptr = C + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
-        tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=(rows < end)[:, None] & (cols < N)[None, :])
-
-    @triton.jit
     def _wgrad_step(acc, A, B, r0, end, outs, cols, in_outs, in_cols, stride_ak, stride_am, stride_bm, stride_bn,
                     BK: tl.constexpr, PRECISION: tl.constexpr, INTERP: tl.constexpr):
         r = r0 + tl.arange(0, BK)
@@ -205,31 +175,10 @@ def _check(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, what: str):
         raise ValueError(f"{what}: offs must be a 1-D int32 tensor of cumulative group ends")
 
 
-def _tma_rows_ok(a: torch.Tensor) -> bool:
-    """A TMA descriptor can cover a: unit column stride, 16-byte aligned base and row stride."""
-    size = a.element_size()
-    return a.stride(1) == 1 and (a.stride(0) * size) % 16 == 0 and a.data_ptr() % 16 == 0
-
-
-def _tma_weights(b: torch.Tensor, block_k: int) -> tuple[torch.Tensor, bool] | None:
-    """b [G, K, N] as the 2-D tensor a TMA descriptor covers: ([G·N, K], True) when b is the transpose of a
-    contiguous [G, N, K] (K-major), ([G·K, N], False) when b is contiguous; None otherwise, or when K is not a
-    multiple of the k tile (a tile would reach into the next group's weights)."""
-    G, K, N = b.shape
-    if K % block_k or b.data_ptr() % 16:
-        return None
-    if b.transpose(1, 2).is_contiguous() and (K * b.element_size()) % 16 == 0:
-        return b.transpose(1, 2).reshape(G * N, K), True
-    if b.is_contiguous() and (N * b.element_size()) % 16 == 0:
-        return b.reshape(G * K, N), False
-    return None
-
-
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """a [M, K] rows sorted by group, b [G, K, N] (any strides), offs [G] int32 ends -> [M, N] in a's dtype.
 
-    config: tiles and launch settings (default CONFIGS["rows"]); with "tma": True the operand tiles are loaded
-    through TMA descriptors where the layouts allow it (`_grouped_mm_tma_kernel`), else by pointers."""
+    config: tiles and launch settings (default CONFIGS["rows"])."""
     _check(a, b, offs, "grouped_mm")
     M, K = a.shape
     G, Kb, N = b.shape
@@ -241,18 +190,6 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, config: dic
         return c
     groups, first_rows = tile_map(offs, cfg["BM"], M)
     n_tiles = triton.cdiv(N, cfg["BN"])
-    b_tma = _tma_weights(b, cfg["BK"]) if cfg.get("tma") and _tma_rows_ok(a) else None
-    if b_tma is not None:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        weights, k_major = b_tma
-        a_desc = TensorDescriptor.from_tensor(a, [cfg["BM"], cfg["BK"]])
-        b_desc = TensorDescriptor.from_tensor(weights, [cfg["BN"], cfg["BK"]] if k_major else [cfg["BK"], cfg["BN"]])
-        _grouped_mm_tma_kernel[(groups.shape[0] * n_tiles,)](
-            a_desc, b_desc, c, groups, first_rows, offs, G, N, c.stride(0), c.stride(1), K=K, BM=cfg["BM"],
-            BN=cfg["BN"], BK=cfg["BK"], N_TILES=n_tiles, B_KMAJOR=k_major, PRECISION=_precision(a.dtype),
-            INTERP=interpreting(), num_warps=cfg["warps"], num_stages=cfg["stages"])
-        return c
     _grouped_mm_kernel[(groups.shape[0] * n_tiles,)](
         a, b, c, groups, first_rows, offs, G, N, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         b.stride(2), c.stride(0), c.stride(1), K=K, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], N_TILES=n_tiles,
