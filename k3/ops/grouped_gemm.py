@@ -35,7 +35,7 @@ try:
 except ImportError:  # CPU-only installs: the MoE uses its per-group loop
     triton = None
 
-# Tiles and launch settings per kernel; `benchmarks/moe_grouped_gemm.py --triton-configs` times others.
+# Tiles and launch settings per kernel; `benchmarks/grouped_gemm_triton.py` times others beside these.
 CONFIGS = {
     "rows": dict(BM=128, BN=128, BK=64, warps=8, stages=3),  # grouped_mm
     "wgrad": dict(BM=128, BN=128, BK=128, warps=8, stages=3),  # grouped_mm_wgrad (session 11 run 1's best)
@@ -53,6 +53,7 @@ def grouped_mm_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -
 
 
 def grouped_mm_wgrad_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Per-group loop of matmuls over the shared token dimension (reads offs on the host)."""
     out = a.new_empty(offs.shape[0], a.shape[0], b.shape[-1])
     start = 0
     for g, end in enumerate(offs.tolist()):

@@ -65,7 +65,7 @@ _SUM_BLOCK_N, _SUM_BLOCK_L = 16, 128
 # (session 11 run 1, docs/fast-paths.md): on the small preset's experts at 32K tokens with skewed routing the
 # Triton kernel took dW2 0.312 -> 0.172 ms and dW13 0.386 -> 0.280 ms (torch's slows with the largest group,
 # it does not), balanced 1.00-1.09x; at K3's widths it was 0.8x. The data-gradient and forward GEMMs stay on
-# torch._grouped_mm (the Triton row kernel measured 0.85-0.88x there).
+# torch._grouped_mm (the Triton row kernel measured 0.79-0.88x there).
 GROUPED_WGRAD = "auto"
 _TRITON_WGRAD_MAX_WIDTH = 1024
 
@@ -87,12 +87,7 @@ def gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, native: bool | Non
     if native if native is not None else _native_ok(a, b):
         with torch.autocast(a.device.type, enabled=False):  # operands are cast already; keep bf16 in, bf16 out
             return torch._grouped_mm(a, b, offs=offs)
-    out = a.new_empty(a.shape[0], b.shape[-1])
-    start = 0
-    for g, end in enumerate(offs.tolist()):
-        torch.mm(a[start:end], b[g], out=out[start:end])
-        start = end
-    return out
+    return grouped_gemm.grouped_mm_reference(a, b, offs)
 
 
 def gmm_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, native: bool | None = None) -> torch.Tensor:
@@ -102,12 +97,7 @@ def gmm_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, native: bool
             return grouped_gemm.grouped_mm_wgrad(a, b, offs)
         with torch.autocast(a.device.type, enabled=False):
             return torch._grouped_mm(a, b, offs=offs)
-    out = a.new_empty(offs.shape[0], a.shape[0], b.shape[-1])
-    start = 0
-    for g, end in enumerate(offs.tolist()):
-        torch.mm(a[:, start:end], b[start:end], out=out[g])
-        start = end
-    return out
+    return grouped_gemm.grouped_mm_wgrad_reference(a, b, offs)
 
 
 def _triton_wgrad(a: torch.Tensor, b: torch.Tensor) -> bool:
