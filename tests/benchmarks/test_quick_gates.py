@@ -13,7 +13,8 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("module", ["benchmarks.short_conv", "benchmarks.cross_entropy"])
+@pytest.mark.parametrize("module", ["benchmarks.short_conv", "benchmarks.cross_entropy",
+                                    "benchmarks.grouped_gemm_triton"])
 def test_quick_gate_passes(module):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if "CUDA_VISIBLE_DEVICES" not in env:
