@@ -17,6 +17,8 @@ step 120 python3 -m pytest -q --tb=line -p no:cacheprovider tests/gpu/test_fast_
 # a cold machine: ~60 s of compilation in the first case
 step 170 $TP --seq-lens 4096 8192 --steps 5 --json "$OUT/throughput32k.json"
 step 150 $TP --seq-lens 4096 8192 --steps 2 --micro-batches 4 --json "$OUT/throughput32k_mb4.json"
+# the short conv's backward at other tiles, by GPU kernel time (docs/fast-paths.md, session 11: occupancy-bound)
+step 90 python3 -m benchmarks.short_conv --bwd-tiles 32x64x4 64x32x4 64x64x8 32x128x4
 # where a 32K-token step goes: device time by k3 function, kernel-busy share of the step (the host's part)
 step 140 python3 benchmarks/profile_step.py --preset small --rows 8 --seq-len 4096 --steps 3 --set kda_impl=triton \
     loss_impl=triton --by-line --top 20

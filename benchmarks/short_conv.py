@@ -11,6 +11,7 @@ per 8,192 tokens. Times: median of `triton.testing.do_bench` (ms); GB/s counts t
     python -m benchmarks.short_conv --quick    # tiny shapes, gate only (any device; CPU via the interpreter)
     python -m benchmarks.short_conv --profile  # also the CUDA kernels of one fused forward+backward, by time
     python -m benchmarks.short_conv --row-widths 4232 4240  # x sliced from rows of these widths (alignment)
+    python -m benchmarks.short_conv --bwd-tiles 32x64x4 64x64x8  # kernel times at other backward tiles
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
+from k3.ops import short_conv as short_conv_module  # noqa: E402
 from k3.ops.short_conv import causal_conv1d, naive_short_conv_silu, short_conv_silu  # noqa: E402
 
 DOCS = [1300, 547, 2048, 963, 271, 3063]
@@ -79,6 +81,39 @@ def profile_fused(device, T=8192, C=1024, iters=10):
     print_kernel_times(f"fused fwd+bwd, T={T} C={C}", step, iters, top=10)
 
 
+def backward_tilings(device, tilings, iters=10, shapes=((32768, 1024, 4240), (8192, 12288, None))):
+    """GPU kernel time of the fused forward + backward (the profiler's sum, without the host's Python and autograd
+    time that the small shapes' wall-clock rows hold) at the current backward tiles and at each of `tilings`
+    ("BTxBCxWARPS", both backward kernels), 32K tokens at the small width (rows padded as the model pads them)
+    and 8K tokens at K3's; each tiling passes the fp64 gate first."""
+    from benchmarks.kernel_profile import kernel_times
+
+    keys = ("_CONV_BWD_BT", "_CONV_BWD_BC", "_CONV_BWD_WARPS")
+    default = tuple(getattr(short_conv_module, k) for k in keys)
+    try:
+        for tiling in [None, *tilings]:
+            tiles = tuple(map(int, tiling.split("x"))) if tiling else default
+            for key, value in zip(keys, tiles):
+                setattr(short_conv_module, key, value)
+            errs, ok = gate(device)
+            label = "x".join(map(str, tiles)) + (" (default)" if tiling is None else "")
+            print(f"[bwd tiles] {label}: gate", {k: f"{v:.1e}" for k, v in errs.items()}, "ok" if ok else "FAILED")
+            if not ok or device != "cuda":
+                continue
+            for T, C, width in shapes:
+                wide, w, cu = inputs(T, C, device, torch.bfloat16, width=width)
+                x = wide[..., C:2 * C].detach().requires_grad_()
+                wg = w.clone().requires_grad_()
+                dy = torch.randn(1, T, C, device=device, dtype=torch.bfloat16)
+                times = kernel_times(lambda: torch.autograd.grad(short_conv_silu(x, wg, cu), (x, wg), dy), iters)
+                conv = {k.split("(")[0][:22]: ms for k, (ms, _) in times.items() if "_conv_silu" in k}
+                print(f"[bwd tiles] {label} T={T} C={C}: " + ", ".join(f"{k} {ms * 1e3:.0f} us" for k, ms in
+                                                                         conv.items()), flush=True)
+    finally:
+        for key, value in zip(keys, default):
+            setattr(short_conv_module, key, value)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -86,6 +121,8 @@ def main() -> int:
                     help="kernel times of the fused forward+backward (small, T = 8192): what each call costs")
     ap.add_argument("--row-widths", nargs="*", type=int, default=[],
                     help="also the small preset at 32K tokens with x sliced from rows this wide (e.g. 4232 4240)")
+    ap.add_argument("--bwd-tiles", nargs="*", default=None, metavar="BTxBCxWARPS",
+                    help="GPU kernel times of the fused conv at the backward's current tiles and at these (profiler)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     errs, ok = gate(device)
@@ -93,6 +130,8 @@ def main() -> int:
     if not ok:
         return 1
     if args.quick or device != "cuda":
+        if args.bwd_tiles is not None:  # the tile switching and its gates (kernel times need a GPU)
+            backward_tilings(device, args.bwd_tiles)
         return 0
     from triton.testing import do_bench
 
@@ -129,6 +168,8 @@ def main() -> int:
                          both, times["unfused"][1] / both, nbytes_b / both / 1e6))
     if args.profile:
         profile_fused(device)
+    if args.bwd_tiles is not None:
+        backward_tilings(device, args.bwd_tiles)
     header = ("preset", "T", "C", "impl", "fwd ms", "fwd speedup", "fwd GB/s", "fwd+bwd ms", "speedup", "GB/s")
     try:
         from rich.console import Console
