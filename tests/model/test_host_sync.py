@@ -39,7 +39,8 @@ SYNCING_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::bincount", "
 ALLOWED = {("k3/model/model.py", "forward"), ("k3/model/sequence.py", "build")}  # once per forward
 # CPU stand-ins for CUDA-only kernels: the grouped GEMM loops run where torch._grouped_mm's bf16 CUDA path
 # does not (tests/gpu/test_fast_paths.py checks the CUDA MoE under torch.cuda.set_sync_debug_mode("error"))
-CPU_ONLY = {("k3/ops/moe.py", "gmm"), ("k3/ops/moe.py", "gmm_wgrad")}
+CPU_ONLY = {("k3/ops/grouped_gemm.py", "grouped_mm_reference"),
+            ("k3/ops/grouped_gemm.py", "grouped_mm_wgrad_reference")}
 
 
 def _caller():
