@@ -19,8 +19,9 @@ Scheduling without a host synchronisation: each group's rows are cut into `BM`-r
 covers that bound: programs past the last real tile return at once. The N tiles of one row tile are
 neighbours in the launch order, so the row tile's A block is read from L2 by all but the first.
 
-The references are the per-group loops `grouped_mm_reference` / `grouped_mm_wgrad_reference`; the tests
-tie the kernels to them in fp64 (interpreter, CPU) and in bf16 on the GPU.
+The references are the per-group loops `grouped_mm_reference` / `grouped_mm_wgrad_reference` (also the MoE's
+CPU path); the interpreter tests tie both kernels to them in fp64, and on the GPU the MoE's expert test and
+the benchmark's gate check them against `torch._grouped_mm` in bf16.
 """
 
 from __future__ import annotations
