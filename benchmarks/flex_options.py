@@ -39,6 +39,20 @@ def packed_documents(B: int, T: int, mean: int, generator: torch.Generator) -> t
     return ids
 
 
+def cuda_ms(fn, iters: int) -> float:
+    """Mean ms per call of `fn` over `iters` calls between CUDA events, after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def time_varlen(q, k, v, do, doc, ref, scale, fwd_flops, iters):
     """varlen_attn on the packed rows of `doc` ([B, H, T, D] inputs as flex takes them): (label, fwd ms, bwd ms,
     max relative difference to `ref`, note)."""
@@ -73,18 +87,7 @@ def time_varlen(q, k, v, do, doc, ref, scale, fwd_flops, iters):
             continue
         as_flex = [x.reshape(B, T, H, -1).transpose(1, 2).float() for x in outs]
         diff = max(((a - r).norm() / r.norm()).item() for a, r in zip(as_flex, ref)) if ref else float("nan")
-        times = {}
-        for name, fn in (("fwd", fwd), ("fwd+bwd", step)):
-            for _ in range(2):
-                fn()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            times[name] = start.elapsed_time(end) / iters
+        times = {"fwd": cuda_ms(fwd, iters), "fwd+bwd": cuda_ms(step, iters)}
         bwd = times["fwd+bwd"] - times["fwd"]
         print(f"[varlen] {label}: fwd {times['fwd']:.3f} ms ({fwd_flops / times['fwd'] / 1e9:.0f} TF/s), "
               f"bwd {bwd:.3f} ms ({2.5 * fwd_flops / bwd / 1e9:.0f} TF/s), diff vs flex {diff:.1e}", flush=True)
@@ -139,19 +142,9 @@ def main() -> int:
         if ref is None:
             ref = [x.float() for x in outs]
         diff = max(((a.float() - r).norm() / r.norm()).item() for a, r in zip(outs, ref))
-        times = {}
-        for name, fn in (("fwd", lambda: compiled(q, k, v, block_mask=block_mask, scale=Dqk ** -0.5,
-                                                  kernel_options=opts or None)), ("fwd+bwd", step)):
-            for _ in range(2):
-                fn()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(args.iters):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            times[name] = start.elapsed_time(end) / args.iters
+        times = {"fwd": cuda_ms(lambda: compiled(q, k, v, block_mask=block_mask, scale=Dqk ** -0.5,
+                                                 kernel_options=opts or None), args.iters),
+                 "fwd+bwd": cuda_ms(step, args.iters)}
         bwd = times["fwd+bwd"] - times["fwd"]
         rows.append((opts, times["fwd"], bwd, diff, f"{compile_s:.0f} s compile"))
         print(f"[flex] {json.dumps(opts)}: fwd {times['fwd']:.3f} ms ({fwd_flops / times['fwd'] / 1e9:.0f} TF/s), "
@@ -162,7 +155,8 @@ def main() -> int:
           f"({pairs / B / T:.0f} visible keys per query; block-mask bound {visible / T:.0f})")
     print(f"{'kernel_options':70s} {'fwd ms':>8s} {'bwd ms':>8s} {'diff':>8s}")
     for opts, f, b, d, note in rows:
-        print(f"{(opts if isinstance(opts, str) else json.dumps(opts))[:70]:70s} " + (f"{f:8.3f} {b:8.3f} {d:8.1e}" if f is not None else f"{note:>26s}"))
+        label = opts if isinstance(opts, str) else json.dumps(opts)
+        print(f"{label[:70]:70s} " + (f"{f:8.3f} {b:8.3f} {d:8.1e}" if f is not None else f"{note:>26s}"))
     return 0
 
 

@@ -1,16 +1,13 @@
-"""The routed experts' six grouped GEMMs, one at a time: `torch._grouped_mm` against the Triton kernels of
+"""The routed experts' two weight-gradient grouped GEMMs: `torch._grouped_mm` against the Triton kernel of
 `k3.ops.grouped_gemm` at several tile configs, on the same operands (issue 9's grouped-GEMM goal).
 
 For an expert L → 2I → L with M routed rows (tokens × k, padded per expert as the MoE pads them):
-  up     x [M, L] @ w13ᵀ          (K = L,  N = 2I)      forward
-  down   act [M, I] @ w2ᵀ         (K = I,  N = L)       forward
-  dact   dy [M, L] @ w2           (K = L,  N = I)       backward
-  dx     dh [M, 2I] @ w13         (K = 2I, N = L)       backward
-  dw2    dyᵀ @ act  -> [G, L, I]                         backward (weight gradient)
-  dw13   dhᵀ @ x    -> [G, 2I, L]                        backward (weight gradient)
+  dw2    dyᵀ @ act  -> [G, L, I]
+  dw13   dhᵀ @ x    -> [G, 2I, L]
 TFLOP/s count 2·M·K·N per GEMM with M the routed rows (not the padding). Correctness gate: every Triton
 result against `torch._grouped_mm` on the same bf16 operands, relative error ≤ 1e-2 (both accumulate in fp32;
-the difference is the summation order and one bf16 rounding of the output).
+the difference is the summation order and one bf16 rounding of the output). Session 11 runs 1 and 7 also
+timed the four row GEMMs against a Triton row kernel, since deleted (docs/fast-paths.md has the table).
 
     python -m benchmarks.grouped_gemm_triton                 # one H200: the small preset's experts at 16K and
                                                              # 32K tokens, K3's 32 local experts; skewed routing
@@ -35,10 +32,6 @@ from k3.ops.moe import dispatch_plan  # noqa: E402
 from benchmarks.moe_grouped_gemm import zipf_routes  # noqa: E402
 from benchmarks.provenance import git_sha  # noqa: E402
 
-ROW_CONFIGS = [dict(BM=128, BN=128, BK=64, warps=8, stages=3), dict(BM=128, BN=128, BK=64, warps=4, stages=4),
-               dict(BM=128, BN=256, BK=64, warps=8, stages=3), dict(BM=128, BN=128, BK=128, warps=8, stages=3),
-               dict(BM=64, BN=128, BK=64, warps=4, stages=4), dict(BM=128, BN=64, BK=64, warps=4, stages=4),
-               dict(BM=256, BN=128, BK=64, warps=8, stages=3)]
 WGRAD_CONFIGS = [dict(BM=128, BN=128, BK=64, warps=8, stages=3), dict(BM=128, BN=128, BK=64, warps=4, stages=4),
                  dict(BM=128, BN=128, BK=128, warps=8, stages=3), dict(BM=64, BN=128, BK=64, warps=4, stages=4),
                  dict(BM=128, BN=64, BK=64, warps=4, stages=3), dict(BM=128, BN=256, BK=64, warps=8, stages=3)]
@@ -53,29 +46,20 @@ def cfg_name(c):
 
 
 def gemms(E, L, I, M_pad, offs, device, dtype, g):
-    """The six GEMMs as (name, kind, torch fn, triton fn(cfg), K, N)."""
+    """The two weight-gradient GEMMs as (name, torch fn, triton fn(cfg), K, N)."""
     def rnd(*shape):
         return (torch.randn(*shape, generator=g) * 0.5).to(device, dtype)
 
     x, act, dy, dh = rnd(M_pad, L), rnd(M_pad, I), rnd(M_pad, L), rnd(M_pad, 2 * I)
-    w13, w2 = rnd(E, 2 * I, L), rnd(E, L, I)
-    native = device.type == "cuda"
 
-    def tmm(a, b):
-        return torch._grouped_mm(a, b, offs=offs) if native else grouped_gemm.grouped_mm_reference(a, b, offs)
+    def torch_wgrad(a, b):
+        if device.type == "cuda":
+            return torch._grouped_mm(a, b, offs=offs)
+        return grouped_gemm.grouped_mm_wgrad_reference(a, b, offs)
 
-    def twg(a, b):
-        return torch._grouped_mm(a, b, offs=offs) if native else grouped_gemm.grouped_mm_wgrad_reference(a, b, offs)
-
-    rows, wg = grouped_gemm.grouped_mm, grouped_gemm.grouped_mm_wgrad
-    return [
-        ("up", "rows", lambda: tmm(x, w13.transpose(1, 2)), lambda c: rows(x, w13.transpose(1, 2), offs, c), L, 2 * I),
-        ("down", "rows", lambda: tmm(act, w2.transpose(1, 2)), lambda c: rows(act, w2.transpose(1, 2), offs, c), I, L),
-        ("dact", "rows", lambda: tmm(dy, w2), lambda c: rows(dy, w2, offs, c), L, I),
-        ("dx", "rows", lambda: tmm(dh, w13), lambda c: rows(dh, w13, offs, c), 2 * I, L),
-        ("dw2", "wgrad", lambda: twg(dy.t(), act), lambda c: wg(dy.t(), act, offs, c), L, I),
-        ("dw13", "wgrad", lambda: twg(dh.t(), x), lambda c: wg(dh.t(), x, offs, c), 2 * I, L),
-    ]
+    wg = grouped_gemm.grouped_mm_wgrad
+    return [("dw2", lambda: torch_wgrad(dy.t(), act), lambda c: wg(dy.t(), act, offs, c), L, I),
+            ("dw13", lambda: torch_wgrad(dh.t(), x), lambda c: wg(dh.t(), x, offs, c), 2 * I, L)]
 
 
 def main():
@@ -88,14 +72,13 @@ def main():
     cuda = device.type == "cuda"
     if args.quick:
         shapes = [("quick", 4, 32, 24, 64, 2, 0.7)]
-        row_cfgs = [dict(BM=16, BN=16, BK=16, warps=4, stages=2)]
-        wg_cfgs = row_cfgs
+        wg_cfgs = [dict(BM=16, BN=16, BK=16, warps=4, stages=2)]
         dtype = torch.bfloat16 if cuda else torch.float32
     else:  # name, E, L, I, tokens, k, Zipf exponent
         shapes = [("small 16K", 64, 384, 320, 16384, 8, 0.7), ("small 32K", 64, 384, 320, 32768, 8, 0.7),
                   ("small 32K balanced", 64, 384, 320, 32768, 8, 0.0),
                   ("k3 32 local", 32, 3584, 3072, 2048, 16, 0.7)]
-        row_cfgs, wg_cfgs, dtype = ROW_CONFIGS, WGRAD_CONFIGS, torch.bfloat16
+        wg_cfgs, dtype = WGRAD_CONFIGS, torch.bfloat16
         shapes = [shape for shape in shapes if args.shapes is None or shape[0] in args.shapes]
     if cuda:
         from triton.testing import do_bench
@@ -106,12 +89,12 @@ def main():
         _, offs, M_pad = dispatch_plan(idx, E, 8 if cuda else 1)
         M = N * k
         totals = {"torch": 0.0, "best": 0.0}
-        for gname, kind, torch_fn, triton_fn, K, Nc in gemms(E, L, I, M_pad, offs, device, dtype, g):
+        for gname, torch_fn, triton_fn, K, Nc in gemms(E, L, I, M_pad, offs, device, dtype, g):
             flops = 2 * M * K * Nc
             ref = torch_fn()
             t_ms = do_bench(torch_fn, warmup=10, rep=100) if cuda else float("nan")
             best = None
-            for c in (row_cfgs if kind == "rows" else wg_cfgs):
+            for c in wg_cfgs:
                 try:
                     out = triton_fn(c)
                     err = rel(out, ref)
@@ -131,8 +114,8 @@ def main():
             totals["best"] += best[0]
             lines.append((name, gname, f"{K}x{Nc}", f"{t_ms:.3f}", f"{flops / t_ms / 1e9:.0f}", f"{best[0]:.3f}",
                           f"{flops / best[0] / 1e9:.0f}", f"{t_ms / best[0]:.2f}", cfg_name(best[1]), f"{best[2]:.1e}"))
-        fl = 18 * M * L * I
-        lines.append((name, "all six", "", f"{totals['torch']:.3f}", f"{fl / totals['torch'] / 1e9:.0f}",
+        fl = 6 * M * L * I
+        lines.append((name, "both", "", f"{totals['torch']:.3f}", f"{fl / totals['torch'] / 1e9:.0f}",
                       f"{totals['best']:.3f}", f"{fl / totals['best'] / 1e9:.0f}",
                       f"{totals['torch'] / totals['best']:.2f}", "best per GEMM", ""))
     header = ("shape", "gemm", "K x N", "torch ms", "TF/s", "triton ms", "TF/s", "ratio", "best config", "rel err")

@@ -42,9 +42,6 @@ SUM_ROWS_ARGS = dict(Y="*bf16", DEST="*i64", OUT="*fp32", N="i32", L="i32", stri
 CONV_GRAD_ARGS = dict(X="*bf16", Wt="*fp32", POS="*i32", DY="*bf16", G="*fp32", DW="*fp32", R="i32", C="i32",
                       stride_x="i32", stride_dy="i32")
 CONV_DX_ARGS = dict(G="*fp32", Wt="*fp32", POS="*i32", DX="*bf16", R="i32", C="i32")
-GMM_ARGS = dict(A="*bf16", B="*bf16", C="*bf16", TILE_GROUP="*i32", TILE_ROW="*i32", OFFS="*i32", G="i32", N="i32",
-                stride_am="i32", stride_ak="i32", stride_bg="i32", stride_bk="i32", stride_bn="i32",
-                stride_cm="i32", stride_cn="i32")
 GMM_WGRAD_ARGS = dict(A="*bf16", B="*bf16", C="*bf16", OFFS="*i32", KO="i32", N="i32", stride_ak="i32",
                       stride_am="i32", stride_bm="i32", stride_bn="i32", stride_cg="i32", stride_ck="i32",
                       stride_cn="i32")
@@ -94,14 +91,10 @@ def main() -> None:
                       dict(W=4, BT=bt, BC=bc), warps, CONV_ALIGNED))
         cases.append((f"conv+silu bwd dx {tiling}", sc._conv_silu_dx_kernel, CONV_DX_ARGS,
                       dict(W=4, BT=bt, BC=bc), warps, CONV_ALIGNED))
-    for name, cfg in grouped_gemm.CONFIGS.items():
-        tiles = dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], PRECISION="tf32", INTERP=False)
-        if name == "rows":
-            cases.append(("grouped gemm rows K=384", grouped_gemm._grouped_mm_kernel, GMM_ARGS,
-                          dict(K=384, N_TILES=5, **tiles), cfg["warps"], ("stride_am",)))
-        else:
-            cases.append(("grouped gemm wgrad", grouped_gemm._grouped_mm_wgrad_kernel, GMM_WGRAD_ARGS,
-                          dict(K_TILES=5, N_TILES=3, **tiles), cfg["warps"], ("stride_am",)))
+    cfg = grouped_gemm.WGRAD_CONFIG
+    cases.append(("grouped gemm wgrad", grouped_gemm._grouped_mm_wgrad_kernel, GMM_WGRAD_ARGS,
+                  dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], K_TILES=5, N_TILES=3, PRECISION="tf32",
+                       INTERP=False), cfg["warps"], ("stride_am",)))
     print(f"{'kernel':28s} {'settings':34s} {'regs':>5s} {'spill st/ld B':>14s} {'stack B':>8s}")
     for name, fn, fn_args, constexprs, warps, *aligned in cases:
         regs, stores, loads, stack = report(fn, fn_args, constexprs, warps, *aligned)

@@ -168,9 +168,7 @@ def main():
             impls = [("raw grouped_mm (fwd GEMMs)", raw, flops_fwd), ("grouped fwd", grouped_fwd, flops_fwd)]
             impls += [(f"grouped fwd+bwd (dW {setting})" if len(args.wgrad) > 1 else "grouped fwd+bwd",
                        with_wgrad(setting, grouped_fwd_bwd), 3 * flops_fwd) for setting in args.wgrad]
-            impls += [
-                      ("padded fwd+bwd", padded_fwd_bwd, 3 * flops_fwd),
-                      ("loop fwd+bwd", loop_fwd_bwd, 3 * flops_fwd)]
+            impls += [("padded fwd+bwd", padded_fwd_bwd, 3 * flops_fwd), ("loop fwd+bwd", loop_fwd_bwd, 3 * flops_fwd)]
             if E > 64:
                 impls = impls[:-2]
             base = None

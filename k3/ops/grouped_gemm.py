@@ -1,27 +1,17 @@
-"""Grouped GEMMs in Triton: the two shapes of the routed experts, beside `torch._grouped_mm`.
+"""The weight-gradient grouped GEMM of the routed experts in Triton, beside `torch._grouped_mm`.
 
 Legend: M rows sorted by group (expert), G groups, `offs` [G] int32 cumulative group ends (offs[-1] = M).
 
-- `grouped_mm(a [M, K], b [G, K, N], offs) -> [M, N]`: rows of group g times b[g] (forward and the
-  backward's input gradients);
-- `grouped_mm_wgrad(a [K, M], b [M, N], offs) -> [G, K, N]`: out[g] = a[:, s_g:e_g] @ b[s_g:e_g] (the
-  weight gradients, a reduction over each group's rows).
+`grouped_mm_wgrad(a [K, M], b [M, N], offs) -> [G, K, N]`: out[g] = a[:, s_g:e_g] @ b[s_g:e_g], one program per
+output tile and group, looping over the group's rows. Why beside `torch._grouped_mm`: on the `small` preset's
+thin experts (L = 384, 2I = 640, I = 320) torch's weight-gradient GEMM slows with the largest group under skewed
+routing, and this kernel measured 1.4-1.8x faster there (docs/fast-paths.md, session 11); the MoE runs it where
+it measured faster (`k3.ops.moe.GROUPED_WGRAD`). A row-form kernel (forward and data gradients) measured
+0.79-0.88x torch and was deleted (commit 2f43c7c has it, with its device-built tile map).
 
-Why a second implementation beside `torch._grouped_mm` (cuBLAS/CUTLASS on Hopper): the `small` preset's
-experts are thin (L = 384, 2I = 640, I = 320), and `torch._grouped_mm` reached 339 TFLOP/s there against
-~600 on K3's wide experts (docs/fast-paths.md). Its tile shapes are fixed by the library; here every launch
-takes its tiles from `CONFIGS`, so 640 = 5 × 128 and 384 = 3 × 128 columns need no partial tiles, and the
-benchmark (`benchmarks/grouped_gemm_triton.py`) times both on the same operands. The MoE runs the
-weight-gradient kernel where it measured faster (`k3.ops.moe.GROUPED_WGRAD`; docs/fast-paths.md).
-
-Scheduling without a host synchronisation: each group's rows are cut into `BM`-row tiles; a tile map
-(group, first row) for at most ceil(M / BM) + G tiles is built on the device (`tile_map`), and the launch
-covers that bound: programs past the last real tile return at once. The N tiles of one row tile are
-neighbours in the launch order, so the row tile's A block is read from L2 by all but the first.
-
-The references are the per-group loops `grouped_mm_reference` / `grouped_mm_wgrad_reference` (also the MoE's
-CPU path); the interpreter tests tie both kernels to them in fp64, and on the GPU the MoE's expert test and
-the benchmark's gate check them against `torch._grouped_mm` in bf16.
+The references are the per-group loops `grouped_mm_reference` / `grouped_mm_wgrad_reference` (the MoE's CPU
+path); the interpreter tests tie the kernel to them in fp64, and on the GPU the MoE's expert test and the
+benchmark's gate (`benchmarks/grouped_gemm_triton.py`) check it against `torch._grouped_mm` in bf16.
 """
 
 from __future__ import annotations
@@ -36,11 +26,8 @@ try:
 except ImportError:  # CPU-only installs: the MoE uses its per-group loop
     triton = None
 
-# Tiles and launch settings per kernel; `benchmarks/grouped_gemm_triton.py` times others beside these.
-CONFIGS = {
-    "rows": dict(BM=128, BN=128, BK=64, warps=8, stages=3),  # grouped_mm
-    "wgrad": dict(BM=128, BN=128, BK=128, warps=8, stages=3),  # grouped_mm_wgrad (session 11 run 1's best)
-}
+# Tiles and launch settings (session 11 run 1's best); `benchmarks/grouped_gemm_triton.py` times others.
+WGRAD_CONFIG = dict(BM=128, BN=128, BK=128, warps=8, stages=3)
 
 
 def grouped_mm_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -63,23 +50,6 @@ def grouped_mm_wgrad_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Ten
     return out
 
 
-def tile_map(offs: torch.Tensor, block_m: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(group, first row) of every BM-row tile, for ceil(rows / BM) + G slots; unused slots get group G.
-
-    Built with device ops only (cumsum, searchsorted): no host synchronisation.
-    """
-    G = offs.shape[0]
-    ends = offs.to(torch.int64)
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    tiles = (ends - starts + block_m - 1) // block_m
-    last = tiles.cumsum(0)  # tiles of groups 0..g
-    slot = torch.arange(triton.cdiv(rows, block_m) + G, device=offs.device)
-    group = torch.searchsorted(last, slot, right=True)  # empty groups are skipped: their `last` repeats
-    g = group.clamp(max=G - 1)
-    first_row = starts[g] + (slot - (last[g] - tiles[g])) * block_m
-    return group.to(torch.int32), first_row.to(torch.int32)
-
-
 if triton is not None:
 
     @triton.jit
@@ -88,38 +58,6 @@ if triton is not None:
         if INTERP:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         return tl.dot(a, b, acc, input_precision=PRECISION)
-
-    @triton.jit
-    def _grouped_mm_kernel(A, B, C, TILE_GROUP, TILE_ROW, OFFS, G, N,
-                           stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_cm, stride_cn,
-                           K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                           N_TILES: tl.constexpr, PRECISION: tl.constexpr, INTERP: tl.constexpr):
-        """One [BM, BN] tile of C = A[rows of g] @ B[g]; the row tile is one slot of the tile map. K is a
-        compile-time constant (the expert widths: a few specialisations), so the loop over it is static."""
-        pid = tl.program_id(0)
-        slot = pid // N_TILES
-        g = tl.load(TILE_GROUP + slot)
-        if g >= G:
-            return
-        row0 = tl.load(TILE_ROW + slot)
-        end = tl.load(OFFS + g)
-        rows = row0 + tl.arange(0, BM)
-        cols = (pid % N_TILES) * BN + tl.arange(0, BN)
-        in_rows = rows < end
-        in_cols = cols < N
-        ks = tl.arange(0, BK)
-        a_ptr = A + rows.to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak
-        b_ptr = B + g.to(tl.int64) * stride_bg + ks[:, None] * stride_bk + cols[None, :] * stride_bn
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            in_k = ks + k0 < K
-            a = tl.load(a_ptr, mask=in_rows[:, None] & in_k[None, :], other=0.0)
-            b = tl.load(b_ptr, mask=in_k[:, None] & in_cols[None, :], other=0.0)
-            acc = _dot(a, b, acc, PRECISION, INTERP)
-            a_ptr += BK * stride_ak
-            b_ptr += BK * stride_bk
-        c_ptr = C + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
-        tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=in_rows[:, None] & in_cols[None, :])
 
     @triton.jit
     def _wgrad_step(acc, A, B, r0, end, outs, cols, in_outs, in_cols, stride_ak, stride_am, stride_bm, stride_bn,
@@ -177,37 +115,17 @@ def _check(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, what: str):
         raise ValueError(f"{what}: offs must be a 1-D int32 tensor of cumulative group ends")
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """a [M, K] rows sorted by group, b [G, K, N] (any strides), offs [G] int32 ends -> [M, N] in a's dtype.
-
-    config: tiles and launch settings (default CONFIGS["rows"])."""
-    _check(a, b, offs, "grouped_mm")
-    M, K = a.shape
-    G, Kb, N = b.shape
-    if Kb != K or offs.shape[0] != G:
-        raise ValueError(f"grouped_mm: a {tuple(a.shape)}, b {tuple(b.shape)}, offs {tuple(offs.shape)} disagree")
-    cfg = config or CONFIGS["rows"]
-    c = a.new_empty(M, N)
-    if M == 0:
-        return c
-    groups, first_rows = tile_map(offs, cfg["BM"], M)
-    n_tiles = triton.cdiv(N, cfg["BN"])
-    _grouped_mm_kernel[(groups.shape[0] * n_tiles,)](
-        a, b, c, groups, first_rows, offs, G, N, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        b.stride(2), c.stride(0), c.stride(1), K=K, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], N_TILES=n_tiles,
-        PRECISION=_precision(a.dtype), INTERP=interpreting(), num_warps=cfg["warps"], num_stages=cfg["stages"])
-    return c
-
-
 def grouped_mm_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
                      config: dict | None = None) -> torch.Tensor:
-    """a [K, M] (e.g. dyᵀ, any strides), b [M, N], offs [G] int32 ends -> [G, K, N] in a's dtype."""
+    """a [K, M] (e.g. dyᵀ, any strides), b [M, N], offs [G] int32 ends -> [G, K, N] in a's dtype.
+
+    config: tiles and launch settings (default WGRAD_CONFIG)."""
     _check(a, b, offs, "grouped_mm_wgrad")
     KO, M = a.shape
     Mb, N = b.shape
     if Mb != M:
         raise ValueError(f"grouped_mm_wgrad: a {tuple(a.shape)} and b {tuple(b.shape)} disagree on rows")
-    cfg = config or CONFIGS["wgrad"]
+    cfg = config or WGRAD_CONFIG
     G = offs.shape[0]
     c = a.new_empty(G, KO, N)
     k_tiles, n_tiles = triton.cdiv(KO, cfg["BM"]), triton.cdiv(N, cfg["BN"])

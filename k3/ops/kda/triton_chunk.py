@@ -111,8 +111,9 @@ def _launch_options(kernel: str, few: bool = False) -> dict:
     """num_warps, and num_stages / maxnreg where TUNING sets them, for one chunk kernel's launch."""
     options = {"num_warps": _setting(f"{kernel}_warps", few)}
     for key, option in (("stages", "num_stages"), ("maxnreg", "maxnreg")):
-        if _setting(f"{kernel}_{key}", few) is not None:
-            options[option] = _setting(f"{kernel}_{key}", few)
+        value = _setting(f"{kernel}_{key}", few)
+        if value is not None:
+            options[option] = value
     return options
 
 
@@ -128,6 +129,13 @@ def _few_programs(programs: int, device: torch.device) -> bool:
         return False
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return sms < programs <= 2 * sms
+
+
+def _state_blocks(kernel: str, V: int, pairs: int, device: torch.device) -> tuple[int, bool]:
+    """(value block, few) of a state pass (`state`, `state_ut`, `state_bwd`) over `pairs` (sequence, head) pairs:
+    `few` when its default blocks give few programs (`_few_programs`), and the block that then applies."""
+    few = _few_programs(V // min(V, TUNING[f"{kernel}_bv"]) * pairs, device)
+    return min(V, _setting(f"{kernel}_bv", few)), few
 
 
 # device helpers
@@ -1118,8 +1126,7 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
     V = U.shape[-1]
     dev = W.device
     key = "state_ut" if want_ut else "state"
-    few = _few_programs(V // min(V, TUNING[f"{key}_bv"]) * plan.N * H, dev)
-    BV = min(V, _setting(f"{key}_bv", few))
+    BV, few = _state_blocks(key, V, plan.N * H, dev)
     o = torch.empty(TT, H, V, dtype=out_dtype, device=dev) if write_o else None
     ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
     hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=torch.float32, device=dev) if want_hs else None
@@ -1178,8 +1185,7 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     else:
         W, Qg, Kd, Aqk, gc, Tm, hs, ut, *norms = inter
         del inter
-    few = _few_programs(V // min(V, TUNING["state_bwd_bv"]) * plan.N * H, dev)
-    BV = min(V, _setting("state_bwd_bv", few))
+    BV, few = _state_blocks("state_bwd", V, plan.N * H, dev)
     NT = max(plan.NT, 1)
     du = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
     dse = torch.empty(NT, H, K, V, dtype=torch.float32, device=dev)
