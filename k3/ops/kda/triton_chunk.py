@@ -76,6 +76,11 @@ TUNING = {
     # at the small preset's 8 × 4096, H = 8 (session 10 run 1); its o is within tf32 rounding of a training
     # forward's, which is the same whether or not it keeps Ũ
     "state_split_inference": False,
+    # every `_state` launch in plain bf16 products (as `chunk_kda(state_bf16=True)`; fla's choice), for timing
+    "state_bf16": False,
+    # `_state_bwd`'s products: "tf32", "split" (as `_state`'s) or "bf16" (session 12: untimed; the bf16 and
+    # split builds of sessions 4 and 9 went wrong on the H200 at 8 warps, docs/kda-kernels.md §7 items 5 and 15)
+    "state_bwd_products": "tf32",
     # the value-side backward over key slices from the forward's Ũ (docs/kda-kernels.md §7 item 13): `_bwd_vk` per
     # (key slice of bwd_vk_cols, chunk, head), then `_bwd_vv` per (chunk, head); fwd+bwd 19.95 → 18.53 ms at the K3
     # shape with bwd_vk_maxnreg 168 (session 8, run 1). 8 warps, 3 stages, 128 registers: every loop tile an async
@@ -639,7 +644,7 @@ def _block_inputs_cols(q, k, z, b, A_log, dt_bias, qn_in, kn_in, bos, L, row0, c
 @triton.jit
 def _state_bwd_step(dS, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v, off_s,
                     H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                    BF16: tl.constexpr, INTERP: tl.constexpr):
+                    BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """Chunk j, walking backwards: dŨ = Aqkᵀ·dO + Kd·dS_end; dS_start = Qgᵀ·dO + Diag(Γ_C)·dS_end − Wᵀ·dŨ."""
     row0 = j * C
     Aq = tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
@@ -649,16 +654,16 @@ def _state_bwd_step(dS, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v
     dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
     g_end = tl.load(gc + ((c0 + j) * H + i_h) * K + tl.arange(0, K))
     tl.store(dse + ((c0 + j) * H + i_h) * K * V + off_s, dS)
-    dUt = _mm(tl.trans(Aq), dO, BF16, INTERP) + _mm(Kd, dS, BF16, INTERP)
+    dUt = _state_mm(tl.trans(Aq), dO, BF16, SPLIT, INTERP) + _state_mm(Kd, dS, BF16, SPLIT, INTERP)
     tl.store(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), dUt, boundary_check=(0,))
-    return (_mm(tl.trans(Qg), dO, BF16, INTERP) + tl.exp(g_end)[:, None] * dS
-            - _mm(tl.trans(W), dUt, BF16, INTERP))
+    return (_state_mm(tl.trans(Qg), dO, BF16, SPLIT, INTERP) + tl.exp(g_end)[:, None] * dS
+            - _state_mm(tl.trans(W), dUt, BF16, SPLIT, INTERP))
 
 
 @triton.jit
 def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
                H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-               USE_DHT: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr):
+               USE_DHT: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """One (value block, sequence, head): the state gradient, last chunk first.
 
     Writes dŨ [TT, H, V], the state gradient at every chunk end (dse) and at the start (dh0).
@@ -675,12 +680,12 @@ def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
         j = n_chunks - 1
         while j >= 0:
             dS = _state_bwd_step(dS, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v, off_s,
-                                 H, K, V, BV, C, BF16, INTERP)
+                                 H, K, V, BV, C, BF16, SPLIT, INTERP)
             j -= 1
     else:
         for jj in range(n_chunks):
             dS = _state_bwd_step(dS, n_chunks - 1 - jj, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v,
-                                 off_s, H, K, V, BV, C, BF16, INTERP)
+                                 off_s, H, K, V, BV, C, BF16, SPLIT, INTERP)
     tl.store(dh0 + i_nh.to(tl.int64) * K * V + off_s, dS)
 
 
@@ -1131,6 +1136,7 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
     ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
     hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=torch.float32, device=dev) if want_hs else None
     ut = torch.empty_like(U) if want_ut else None
+    state_bf16 = state_bf16 or TUNING["state_bf16"]
     split = TUNING["state_split" if training else "state_split_inference"] and not state_bf16
     dummy = gc
     _state[(V // BV, plan.N * H)](W, U, Qg, Kd, Aqk, gc, h0 if h0 is not None else dummy,
@@ -1192,9 +1198,13 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     dh0 = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev)
     interp = interpreting()
     qn, kn = norms
+    products = TUNING["state_bwd_products"]
+    if products not in ("tf32", "split", "bf16"):
+        raise ValueError(f"TUNING['state_bwd_products'] is tf32, split or bf16, not {products!r}")
     _state_bwd[(V // BV, plan.N * H)](Qg, Kd, Aqk, W, gc, do, dht if dht is not None else dh0, du, dse, dh0,
                                       plan.cu, plan.chunk_off, H=H, K=K, V=V, BV=BV, C=CHUNK,
-                                      USE_DHT=dht is not None, BF16=False, INTERP=interp,
+                                      USE_DHT=dht is not None, BF16=products == "bf16", SPLIT=products == "split",
+                                      INTERP=interp,
                                       **_launch_options("state_bwd", few))
     del W, Qg, Kd, Aqk  # (kept ones live on in the autograd context until the backward returns)
     dv = torch.empty_like(v)
