@@ -12,6 +12,8 @@ per 8,192 tokens. Times: median of `triton.testing.do_bench` (ms); GB/s counts t
     python -m benchmarks.short_conv --profile  # also the CUDA kernels of one fused forward+backward, by time
     python -m benchmarks.short_conv --row-widths 4232 4240  # x sliced from rows of these widths (alignment)
     python -m benchmarks.short_conv --bwd-tiles 32x64x4 64x64x8  # kernel times at other backward tiles
+    python -m benchmarks.short_conv --bwd-tiles 16x64x8x8 16x64x8x8x2  # backward kernel 1 over several token
+                                   # blocks per program (BTxBCxWARPSxBLOCKS[xSTAGES]; kernel 2 at its tiles)
 """
 
 from __future__ import annotations
@@ -83,17 +85,22 @@ def profile_fused(device, T=8192, C=1024, iters=10):
 
 def backward_tilings(device, tilings, iters=10, shapes=((32768, 1024, 4240), (8192, 12288, None))):
     """GPU kernel time of the fused forward + backward (the profiler's sum, without the host's Python and autograd
-    time that the small shapes' wall-clock rows hold) at the current backward tiles and at each of `tilings`
-    ("BTxBCxWARPS", both backward kernels), 32K tokens at the small width (rows padded as the model pads them)
-    and 8K tokens at K3's; each tiling passes the fp64 gate first."""
+    time that the small shapes' wall-clock rows hold) at the current backward tiles and at each of `tilings`,
+    32K tokens at the small width (rows padded as the model pads them) and 8K tokens at K3's; each tiling passes
+    the fp64 gate first. A tiling is "BTxBCxWARPS" (both backward kernels, kernel 1 one token block per program)
+    or "BTxBCxWARPSxBLOCKS[xSTAGES]" (kernel 1 as `_conv_silu_grad_blocks_kernel`, BLOCKS token blocks of BT per
+    program, STAGES-deep prefetch, default 1; kernel 2 at the current tiles)."""
     from benchmarks.kernel_profile import kernel_times
 
-    keys = ("_CONV_BWD_BT", "_CONV_BWD_BC", "_CONV_BWD_WARPS")
+    keys = ("_CONV_BWD_BT", "_CONV_BWD_BC", "_CONV_BWD_WARPS", "_CONV_GRAD_BLOCKS")
     default = tuple(getattr(short_conv_module, k) for k in keys)
     try:
         for tiling in [None, *tilings]:
-            tiles = tuple(map(int, tiling.split("x"))) if tiling else default
-            for key, value in zip(keys, tiles):
+            tiles = tuple(map(int, tiling.split("x"))) if tiling else default[:3]
+            if len(tiles) not in (3, 4, 5):
+                raise SystemExit(f"--bwd-tiles: {tiling!r} is not BTxBCxWARPS or BTxBCxWARPSxBLOCKS[xSTAGES]")
+            settings = tiles + (None,) if len(tiles) == 3 else default[:3] + ((tiles + (1,))[:5],)
+            for key, value in zip(keys, settings):
                 setattr(short_conv_module, key, value)
             errs, ok = gate(device)
             label = "x".join(map(str, tiles)) + (" (default)" if tiling is None else "")
@@ -106,9 +113,11 @@ def backward_tilings(device, tilings, iters=10, shapes=((32768, 1024, 4240), (81
                 wg = w.clone().requires_grad_()
                 dy = torch.randn(1, T, C, device=device, dtype=torch.bfloat16)
                 times = kernel_times(lambda: torch.autograd.grad(short_conv_silu(x, wg, cu), (x, wg), dy), iters)
-                conv = {k.split("(")[0][:22]: ms for k, (ms, _) in times.items() if "_conv_silu" in k}
-                print(f"[bwd tiles] {label} T={T} C={C}: " + ", ".join(f"{k} {ms * 1e3:.0f} us" for k, ms in
-                                                                         conv.items()), flush=True)
+                conv = {k.split("(")[0][:27]: ms for k, (ms, _) in times.items() if "_conv_silu" in k}
+                # all kernels: also the sum of the dw partials, fewer rows with BLOCKS
+                total = sum(ms for ms, _ in times.values())
+                print(f"[bwd tiles] {label} T={T} C={C}: all kernels {total * 1e3:.0f} us; " + ", ".join(
+                    f"{k} {ms * 1e3:.0f} us" for k, ms in conv.items()), flush=True)
     finally:
         for key, value in zip(keys, default):
             setattr(short_conv_module, key, value)
@@ -121,8 +130,9 @@ def main() -> int:
                     help="kernel times of the fused forward+backward (small, T = 8192): what each call costs")
     ap.add_argument("--row-widths", nargs="*", type=int, default=[],
                     help="also the small preset at 32K tokens with x sliced from rows this wide (e.g. 4232 4240)")
-    ap.add_argument("--bwd-tiles", nargs="*", default=None, metavar="BTxBCxWARPS",
-                    help="GPU kernel times of the fused conv at the backward's current tiles and at these (profiler)")
+    ap.add_argument("--bwd-tiles", nargs="*", default=None, metavar="BTxBCxWARPS[xBLOCKS[xSTAGES]]",
+                    help="GPU kernel times of the fused conv at the backward's current tiles and at these (profiler); "
+                         "with BLOCKS, kernel 1 sums dw over that many token blocks per program")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     errs, ok = gate(device)

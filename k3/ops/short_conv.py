@@ -255,6 +255,55 @@ if triton is not None:
             tl.store(DW + (tb * C + c) * W + j, tl.sum(g * xv.to(tl.float32), axis=0), mask=in_c)
 
     @triton.jit
+    def _conv_silu_grad_blocks_kernel(X, Wt, POS, DY, G, DW, R, C, stride_x, stride_dy, W: tl.constexpr,
+                                    BT: tl.constexpr, BC: tl.constexpr, BLOCKS: tl.constexpr, STAGES: tl.constexpr):
+        """Kernel 1 over BLOCKS consecutive token blocks per program, for W ≤ 4: the same g, and one row of dw
+        partials per BLOCKS blocks. Each tap's products g · x are summed elementwise in fp32 registers across
+        the blocks and reduced across the tile's rows (threads, then warps through shared memory) once at
+        the end, where `_conv_silu_grad_kernel` reduces W times per block. STAGES > 1 prefetches the next
+        blocks' tiles (cp.async into shared memory)."""
+        pb, cb = tl.program_id(0), tl.program_id(1)
+        # 4-channel vectors for every access: g is then stored (fp32, 16 bytes) from the layout it is computed
+        # in, where 8-channel bf16 loads would make Triton convert each g tile through shared memory
+        c = tl.max_contiguous(cb * BC + tl.arange(0, BC), 4)
+        in_c = c < C
+        # one accumulator per tap, named because a loop cannot carry a list; those past W stay unused
+        acc0 = tl.zeros([BT, BC], dtype=tl.float32)
+        acc1 = tl.zeros([BT, BC], dtype=tl.float32)
+        acc2 = tl.zeros([BT, BC], dtype=tl.float32)
+        acc3 = tl.zeros([BT, BC], dtype=tl.float32)
+        for i in tl.range(BLOCKS, num_stages=STAGES):
+            t = ((pb * BLOCKS + i) * BT + tl.arange(0, BT)).to(tl.int64)
+            in_t = t < R
+            pos = tl.load(POS + t, mask=in_t, other=0)
+            a = _conv_taps(X, Wt, pos, t, in_t, c, in_c, stride_x, W, BT, BC)
+            dy = tl.load(DY + t[:, None] * stride_dy + c[None, :], mask=in_t[:, None] & in_c[None, :], other=0.0)
+            sig = tl.sigmoid(a)
+            g = dy.to(tl.float32) * sig * (1.0 + a * (1.0 - sig))  # zero outside the tile's rows and channels
+            tl.store(G + t[:, None] * C + c[None, :], g.to(G.dtype.element_ty), mask=in_t[:, None] & in_c[None, :])
+            for j in tl.static_range(W):
+                lag = W - 1 - j
+                ok = in_t & (pos >= lag)
+                xv = tl.load(X + (t - lag)[:, None] * stride_x + c[None, :], mask=ok[:, None] & in_c[None, :],
+                             other=0.0)
+                if j == 0:
+                    acc0 += g * xv.to(tl.float32)
+                elif j == 1:
+                    acc1 += g * xv.to(tl.float32)
+                elif j == 2:
+                    acc2 += g * xv.to(tl.float32)
+                else:
+                    acc3 += g * xv.to(tl.float32)
+        row = DW + (pb * C + c) * W
+        tl.store(row, tl.sum(acc0, axis=0), mask=in_c)
+        if W > 1:
+            tl.store(row + 1, tl.sum(acc1, axis=0), mask=in_c)
+        if W > 2:
+            tl.store(row + 2, tl.sum(acc2, axis=0), mask=in_c)
+        if W > 3:
+            tl.store(row + 3, tl.sum(acc3, axis=0), mask=in_c)
+
+    @triton.jit
     def _conv_silu_dx_kernel(G, Wt, POS, DX, R, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
         """Backward, kernel 2: dx[t] = Σ_d w[W−1−d] · g[t+d] over the d with t+d in t's document (t+d < R and
         pos[t+d] ≥ d), written in DX's dtype."""
@@ -280,6 +329,10 @@ if triton is not None:
 # hoists all W shifted loads); 64 × 64 with 8 warps (92 and 76 registers) fits fewer tiles per SM (2 and 3).
 _CONV_BT, _CONV_BC = 64, 64
 _CONV_BWD_BT, _CONV_BWD_BC, _CONV_BWD_WARPS = 64, 64, 4
+# Kernel 1 as `_conv_silu_grad_blocks_kernel` (BT, BC, warps, token blocks per program, stages), or None for
+# `_conv_silu_grad_kernel` at the tiles above (kernel 2 keeps them either way); width ≤ 4 only. Offline
+# registers of each setting: docs/fast-paths.md (session 12); `benchmarks.short_conv --bwd-tiles` times them.
+_CONV_GRAD_BLOCKS: tuple[int, int, int, int, int] | None = None
 # g between the backward's two kernels, for bf16/fp16 input (fp32 input always keeps fp32 g): fp32 costs 14
 # bytes per element against 10 in x's dtype, but the bf16 dx of the small preset's shape is then 18% closer to
 # fp64 than the unfused path's instead of 2% (CPU emulation; the GPU test allows 5% further)
@@ -329,8 +382,15 @@ class _ShortConvSiLU(torch.autograd.Function):
         grid = _conv_grid(R, C, _CONV_BWD_BT, _CONV_BWD_BC)
         tiles = dict(W=W, BT=_CONV_BWD_BT, BC=_CONV_BWD_BC, num_warps=_CONV_BWD_WARPS)
         g = torch.empty(R, C, dtype=torch.float32 if _CONV_G_FP32 else xr.dtype, device=xr.device)
-        dw = torch.empty(triton.cdiv(R, _CONV_BWD_BT), C, W, dtype=torch.float32, device=xr.device)
-        _conv_silu_grad_kernel[grid](xr, w, pos, dyr, g, dw, R, C, xr.stride(0), dyr.stride(0), **tiles)
+        if _CONV_GRAD_BLOCKS is not None and W <= 4:
+            BT, BC, warps, blocks, stages = _CONV_GRAD_BLOCKS
+            grad_kernel, block, grad_tiles = _conv_silu_grad_blocks_kernel, BT * blocks, dict(
+                W=W, BT=BT, BC=BC, BLOCKS=blocks, STAGES=stages, num_warps=warps)
+        else:
+            grad_kernel, block, BC, grad_tiles = _conv_silu_grad_kernel, _CONV_BWD_BT, _CONV_BWD_BC, tiles
+        dw = torch.empty(triton.cdiv(R, block), C, W, dtype=torch.float32, device=xr.device)  # partials per block
+        grad_kernel[_conv_grid(R, C, block, BC)](xr, w, pos, dyr, g, dw, R, C, xr.stride(0), dyr.stride(0),
+                                                 **grad_tiles)
         dx = torch.empty(R, C, dtype=xr.dtype, device=xr.device)
         _conv_silu_dx_kernel[grid](g, w, pos, dx, R, C, **tiles)
         dweight = dw.sum(0).reshape(ctx.weight_shape).to(ctx.weight_dtype)

@@ -1,5 +1,6 @@
 """Causal depthwise short conv (architecture.md §2.2 step 2, §2.5): against torch's conv1d, split with a
-carried state, and packed documents (cu_seqlens).
+carried state, and packed documents (cu_seqlens); the fused short conv + SiLU's backward variants on a GPU or
+in the Triton interpreter (a subprocess on CPU).
 
 Legend: B batch, T tokens, C channels, W kernel width.
 """
@@ -8,7 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from k3.ops import short_conv
 from k3.ops.short_conv import causal_conv1d, naive_causal_conv1d
+from tests.interpreter import INTERPRETING, run_module_in_interpreter
+
+ON_GPU = torch.cuda.is_available()
 
 IMPLS = pytest.mark.parametrize("conv", [naive_causal_conv1d, causal_conv1d], ids=["naive", "fast"])
 
@@ -293,3 +298,57 @@ def test_short_conv_silu_reference_and_checks():
     if os.environ.get("TRITON_INTERPRET", "0") != "1":
         with pytest.raises(RuntimeError, match="Triton"):
             short_conv_silu(x.float(), w.float())
+
+
+@pytest.mark.skipif(ON_GPU or INTERPRETING, reason="kernels run directly in this process")
+def test_fused_backward_variants_in_interpreter():
+    pytest.importorskip("triton")
+    run_module_in_interpreter(f"{__file__}::test_fused_backward_variants")
+
+
+class _Launches:
+    """A Triton kernel whose launches are counted."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("W", [4, 3])
+@pytest.mark.parametrize("blocks", [None, (8, 32, 4, 3, 1), (16, 32, 4, 2, 2)],
+                         ids=["per-block", "blocks3", "blocks2-staged"])
+def test_fused_backward_variants(blocks, W, monkeypatch):
+    """short_conv_silu with kernel 1 as the per-block kernel and as the multi-block one (`_CONV_GRAD_BLOCKS`), fp32
+    against the fp64 reference: output, dx and dw ≤ 1e-5 relative RMSE. Packed documents that end at, one before
+    and one after the 24- and 32-token program blocks, tokens and channels not multiples of the tiles; and
+    batched rows without documents."""
+    if not (ON_GPU or INTERPRETING):
+        pytest.skip("runs in the interpreter subprocess (test_fused_backward_variants_in_interpreter)")
+    from k3.ops.short_conv import naive_short_conv_silu, short_conv_silu
+
+    device = "cuda" if ON_GPU else "cpu"
+    monkeypatch.setattr(short_conv, "_CONV_GRAD_BLOCKS", blocks)
+    launches = _Launches(short_conv._conv_silu_grad_blocks_kernel)
+    monkeypatch.setattr(short_conv, "_conv_silu_grad_blocks_kernel", launches)
+    g = torch.Generator().manual_seed(W)
+    C = 37
+    for B, lengths in ((1, [24, 23, 2, 25, 1, 8, 33]), (2, None)):
+        T = sum(lengths) if lengths else 45
+        cu = None if lengths is None else torch.tensor([0] + lengths).cumsum(0).to(device)
+        # x a column slice of a wider projection output, as the KDA layer passes it
+        wide = torch.randn(B, T, 3 * C, generator=g, dtype=torch.float64).to(device) * 2
+        w = (torch.randn(C, 1, W, generator=g, dtype=torch.float64) * 0.7).to(device)
+        dy = torch.randn(B, T, C, generator=g, dtype=torch.float64).to(device)
+        xr, wr = wide[..., C:2 * C].clone().requires_grad_(), w.clone().requires_grad_()
+        ref = naive_short_conv_silu(xr, wr, cu)
+        ref.backward(dy)
+        xt, wt = wide.float().requires_grad_(), w.float().requires_grad_()
+        tri = short_conv_silu(xt[..., C:2 * C], wt, cu)
+        tri.backward(dy.float())
+        for name, got, want in (("y", tri, ref), ("dx", xt.grad[..., C:2 * C], xr.grad), ("dw", wt.grad, wr.grad)):
+            err = float((got.double() - want).norm() / want.norm())
+            assert err <= 1e-5, (name, B, err)
+    assert launches.count == (0 if blocks is None else 2)
