@@ -26,8 +26,8 @@ measured variant are in docs/kda-kernels.md. In short:
 
 Intermediates are stored in bf16 for bf16 inputs except U, Ũ and Aqk (fp32 unless all_bf16) and G and T
 (fp32); states and accumulators are fp32; `_state`'s products are split bf16 (about 16 mantissa bits,
-`_mm_split`) where a backward can follow and tf32 in the inference forward, other fp32 operands multiply in
-tf32, bf16 score blocks in bf16.
+`_mm_split`) where a backward can follow and tf32 in the inference forward, `_state_bwd`'s split bf16, other
+fp32 operands multiply in tf32, bf16 score blocks in bf16.
 Everything is indexed by packed document offsets (`cu_seqlens`, fla's convention); a dense batch is B
 equal-length documents. On CPU the same kernels run in the Triton interpreter (`TRITON_INTERPRET=1`, set
 before triton is imported).
@@ -66,7 +66,9 @@ TUNING = {
     # `_state` when it also stores Ũ (the training forward, the backward's recompute): tf32 products at 8 warps
     # (2.12 ms at the K3 shape); split-bf16 products at 4 warps 1.88 ms (session 9 run 4)
     "state_ut_bv": 32, "state_ut_warps": 4, "state_ut_stages": 2, "state_ut_maxnreg": None,
-    "state_bwd_bv": 32, "state_bwd_warps": 8, "state_bwd_stages": 1, "state_bwd_maxnreg": None,
+    # `_state_bwd` in split-bf16 products at 4 warps, 2 stages: 2.15 → 1.58 ms at the K3 shape, 0.67 → 0.52 at the
+    # small preset's, and closer to fp64 than tf32 at 8 warps, 1 stage (session 12 run 1; `state_bwd_products`)
+    "state_bwd_bv": 32, "state_bwd_warps": 4, "state_bwd_stages": 2, "state_bwd_maxnreg": None,
     # `_state`'s products in split bf16 (`_mm_split`: more accurate than tf32, and without tf32's conversion of the
     # bf16 tiles) unless state_bf16: the launch that stores Ũ 2.12 → 1.88 ms at 4 warps, the inference forward
     # 3.231 → 3.255 ms (session 9 runs 3-4). Not in `_state_bwd`: bf16 dots there faulted on the H200 (session 9
@@ -76,11 +78,13 @@ TUNING = {
     # at the small preset's 8 × 4096, H = 8 (session 10 run 1); its o is within tf32 rounding of a training
     # forward's, which is the same whether or not it keeps Ũ
     "state_split_inference": False,
-    # every `_state` launch in plain bf16 products (as `chunk_kda(state_bf16=True)`; fla's choice), for timing
+    # every `_state` launch in plain bf16 products (as `chunk_kda(state_bf16=True)`; fla's choice), for timing:
+    # with bf16 `_state_bwd` products, fwd+bwd 13.98 ms at the K3 shape, but dA_log 2.0e-2 from fp64 (session 12)
     "state_bf16": False,
-    # `_state_bwd`'s products: "tf32", "split" (as `_state`'s) or "bf16" (session 12: untimed; the bf16 and
-    # split builds of sessions 4 and 9 went wrong on the H200 at 8 warps, docs/kda-kernels.md §7 items 5 and 15)
-    "state_bwd_products": "tf32",
+    # `_state_bwd`'s products: "split" (as `_state`'s), "tf32" or "bf16" (1.38 ms at the K3 shape, dA_log 1.0e-2
+    # from fp64 against split's 5.6e-3). Split and bf16 need at most 4 warps: at 8 warps the bf16 build gave wrong
+    # gradients and the split build an illegal address on the H200 (session 12 run 1, as in sessions 4 and 9)
+    "state_bwd_products": "split",
     # the value-side backward over key slices from the forward's Ũ (docs/kda-kernels.md §7 item 13): `_bwd_vk` per
     # (key slice of bwd_vk_cols, chunk, head), then `_bwd_vv` per (chunk, head); fwd+bwd 19.95 → 18.53 ms at the K3
     # shape with bwd_vk_maxnreg 168 (session 8, run 1). 8 warps, 3 stages, 128 registers: every loop tile an async
@@ -95,11 +99,11 @@ TUNING = {
     "decode_bv": 64, "decode_warps": 4,
     # The state passes with between one and two programs per SM at the value blocks above (`_few_programs`): they
     # then run in two uneven waves, and these settings replace the ones above for those launches: the launch that
-    # stores Ũ at BV 64 (half the programs, one wave) and `_state_bwd` at 4 warps, 2 stages (two per SM). At the
-    # small preset's 8 × 4096, H = 8 (256 programs on 132 SMs): `_state` 0.63 → 0.52 ms, `_state_bwd` 0.73 → 0.67,
-    # fwd+bwd 5.127 → 4.972 ms; the same settings lost at 128 programs (2 × 16384, H = 16: 10.14 → 11.08 ms) and at
-    # 384 (32768, H = 32: 20.36 → 22.09; each alone at the K3 shape, 15.27 → 15.34 and 15.33) (session 10 runs 1-2)
-    "few_programs": {"state_ut_bv": 64, "state_bwd_warps": 4, "state_bwd_stages": 2},
+    # stores Ũ at BV 64 (half the programs, one wave). At the small preset's 8 × 4096, H = 8 (256 programs on 132
+    # SMs): `_state` 0.63 → 0.52 ms; the same lost at 128 programs (2 × 16384, H = 16: 10.14 → 11.08 ms with a
+    # 4-warp tf32 `_state_bwd` as well) and at 384 (the K3 shape, 15.27 → 15.34) (session 10 runs 1-2). Until
+    # session 12 it also took `_state_bwd` to 4 warps, 2 stages, now the default.
+    "few_programs": {"state_ut_bv": 64},
 }
 # The code variants of the session-9 Nsight Compute analysis (docs/kda-ncu-session9.md), timed in session 9 run 4 at
 # the K3 shape (docs/kda-kernels.md §6), are the only code now: the kept norms (`_load_norm`), `_bwd_vv`'s partials
@@ -1176,8 +1180,8 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     and h0 is not used. Without it the prepare kernels and `_state` (storing the chunk-start states, Ũ and the
     norms) run again here. Then `_state_bwd`, the value side over key slices (`_bwd_vk`, `_bwd_vv`), the score,
     gate and cumsum chains over key slices (`_bwd_k`) and the row-wise norm and σ' chains (`_bwd_norms`).
-    The backward state pass always multiplies in tf32: its bf16 build computed wrong gradients on the
-    H200 (docs/kda-kernels.md, run 1), so state_bf16 only changes the forward and the recomputed states.
+    The backward state pass multiplies as TUNING["state_bwd_products"] says (split bf16), whatever
+    state_bf16 is: state_bf16 only changes the forward and the recomputed states.
     """
     TT, H, K = q.shape
     V = v.shape[-1]
@@ -1201,11 +1205,14 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     products = TUNING["state_bwd_products"]
     if products not in ("tf32", "split", "bf16"):
         raise ValueError(f"TUNING['state_bwd_products'] is tf32, split or bf16, not {products!r}")
+    launch = _launch_options("state_bwd", few)
+    if products != "tf32" and launch["num_warps"] > 4:
+        raise ValueError(f"`_state_bwd` with {products} products needs at most 4 warps (TUNING): at 8 the H200 build "
+                         "computed wrong gradients or faulted (docs/kda-kernels.md §7 item 20)")
     _state_bwd[(V // BV, plan.N * H)](Qg, Kd, Aqk, W, gc, do, dht if dht is not None else dh0, du, dse, dh0,
                                       plan.cu, plan.chunk_off, H=H, K=K, V=V, BV=BV, C=CHUNK,
                                       USE_DHT=dht is not None, BF16=products == "bf16", SPLIT=products == "split",
-                                      INTERP=interp,
-                                      **_launch_options("state_bwd", few))
+                                      INTERP=interp, **launch)
     del W, Qg, Kd, Aqk  # (kept ones live on in the autograd context until the backward returns)
     dv = torch.empty_like(v)
     dqh = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
