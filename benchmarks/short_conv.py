@@ -85,7 +85,8 @@ def profile_fused(device, T=8192, C=1024, iters=10):
 
 def backward_tilings(device, tilings, iters=10, shapes=((32768, 1024, 4240), (8192, 12288, None))):
     """GPU kernel time of the fused forward + backward (the profiler's sum, without the host's Python and autograd
-    time that the small shapes' wall-clock rows hold) at the current backward tiles and at each of `tilings`,
+    time that the small shapes' wall-clock rows hold) with kernel 1 at one token block per program (at the current
+    `_CONV_BWD_*` tiles: the baseline) and at each of `tilings`,
     32K tokens at the small width (rows padded as the model pads them) and 8K tokens at K3's; each tiling passes
     the fp64 gate first. A tiling is "BTxBCxWARPS" (both backward kernels, kernel 1 one token block per program)
     or "BTxBCxWARPSxBLOCKS[xSTAGES]" (kernel 1 as `_conv_silu_grad_blocks_kernel`, BLOCKS token blocks of BT per
@@ -103,7 +104,7 @@ def backward_tilings(device, tilings, iters=10, shapes=((32768, 1024, 4240), (81
             for key, value in zip(keys, settings):
                 setattr(short_conv_module, key, value)
             errs, ok = gate(device)
-            label = "x".join(map(str, tiles)) + (" (default)" if tiling is None else "")
+            label = "x".join(map(str, tiles)) + (" (one block per program: the baseline)" if tiling is None else "")
             print(f"[bwd tiles] {label}: gate", {k: f"{v:.1e}" for k, v in errs.items()}, "ok" if ok else "FAILED")
             if not ok or device != "cuda":
                 continue

@@ -330,9 +330,10 @@ if triton is not None:
 _CONV_BT, _CONV_BC = 64, 64
 _CONV_BWD_BT, _CONV_BWD_BC, _CONV_BWD_WARPS = 64, 64, 4
 # Kernel 1 as `_conv_silu_grad_blocks_kernel` (BT, BC, warps, token blocks per program, stages), or None for
-# `_conv_silu_grad_kernel` at the tiles above (kernel 2 keeps them either way); width ≤ 4 only. Offline
-# registers of each setting: docs/fast-paths.md (session 12); `benchmarks.short_conv --bwd-tiles` times them.
-_CONV_GRAD_BLOCKS: tuple[int, int, int, int, int] | None = None
+# `_conv_silu_grad_kernel` at the tiles above (kernel 2 keeps them either way); width ≤ 4 only. 16 × 64 tiles,
+# 4 warps, 8 blocks: 201 → 187 µs at 32K tokens × 1024 channels, 584 → 532 µs at 8K × 12,288, the best of ten
+# settings (H200, session 12 run 2, docs/fast-paths.md); `benchmarks.short_conv --bwd-tiles` times them.
+_CONV_GRAD_BLOCKS: tuple[int, int, int, int, int] | None = (16, 64, 4, 8, 1)
 # g between the backward's two kernels, for bf16/fp16 input (fp32 input always keeps fp32 g): fp32 costs 14
 # bytes per element against 10 in x's dtype, but the bf16 dx of the small preset's shape is then 18% closer to
 # fp64 than the unfused path's instead of 2% (CPU emulation; the GPU test allows 5% further)

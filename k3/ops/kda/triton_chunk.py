@@ -66,9 +66,10 @@ TUNING = {
     # `_state` when it also stores Ũ (the training forward, the backward's recompute): tf32 products at 8 warps
     # (2.12 ms at the K3 shape); split-bf16 products at 4 warps 1.88 ms (session 9 run 4)
     "state_ut_bv": 32, "state_ut_warps": 4, "state_ut_stages": 2, "state_ut_maxnreg": None,
-    # `_state_bwd` in split-bf16 products at 4 warps, 2 stages: 2.15 → 1.58 ms at the K3 shape, 0.67 → 0.52 at the
-    # small preset's, and closer to fp64 than tf32 at 8 warps, 1 stage (session 12 run 1; `state_bwd_products`)
-    "state_bwd_bv": 32, "state_bwd_warps": 4, "state_bwd_stages": 2, "state_bwd_maxnreg": None,
+    # `_state_bwd` in split-bf16 products at 4 warps, 3 stages: 2.15 → 1.37 ms at the K3 shape, 0.67 → 0.46 at the
+    # small preset's, and closer to fp64 than tf32 at 8 warps, 1 stage (2 stages: 1.58 and 0.52 ms; session 12
+    # runs 1-2; `state_bwd_products`)
+    "state_bwd_bv": 32, "state_bwd_warps": 4, "state_bwd_stages": 3, "state_bwd_maxnreg": None,
     # `_state`'s products in split bf16 (`_mm_split`: more accurate than tf32, and without tf32's conversion of the
     # bf16 tiles) unless state_bf16: the launch that stores Ũ 2.12 → 1.88 ms at 4 warps, the inference forward
     # 3.231 → 3.255 ms (session 9 runs 3-4). Not in `_state_bwd`: bf16 dots there faulted on the H200 (session 9
@@ -82,8 +83,10 @@ TUNING = {
     # with bf16 `_state_bwd` products, fwd+bwd 13.98 ms at the K3 shape, but dA_log 2.0e-2 from fp64 (session 12)
     "state_bf16": False,
     # `_state_bwd`'s products: "split" (as `_state`'s), "tf32" or "bf16" (1.38 ms at the K3 shape, dA_log 1.0e-2
-    # from fp64 against split's 5.6e-3). Split and bf16 need at most 4 warps: at 8 warps the bf16 build gave wrong
-    # gradients and the split build an illegal address on the H200 (session 12 run 1, as in sessions 4 and 9)
+    # from fp64 against split's 5.6e-3). Split and bf16 are correct on the H200 at 4 warps with 2 or 3 stages;
+    # with 1 stage the build computed wrong gradients (bf16 at 8 warps, split at 4) or faulted (split at 8): a
+    # miscompile of the unpipelined loads, as in sessions 4 and 9 (session 12 runs 1-2); 8 warps at 2-3 stages is
+    # untimed. Launches outside the measured region are refused.
     "state_bwd_products": "split",
     # the value-side backward over key slices from the forward's Ũ (docs/kda-kernels.md §7 item 13): `_bwd_vk` per
     # (key slice of bwd_vk_cols, chunk, head), then `_bwd_vv` per (chunk, head); fwd+bwd 19.95 → 18.53 ms at the K3
@@ -1206,9 +1209,10 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     if products not in ("tf32", "split", "bf16"):
         raise ValueError(f"TUNING['state_bwd_products'] is tf32, split or bf16, not {products!r}")
     launch = _launch_options("state_bwd", few)
-    if products != "tf32" and launch["num_warps"] > 4:
-        raise ValueError(f"`_state_bwd` with {products} products needs at most 4 warps (TUNING): at 8 the H200 build "
-                         "computed wrong gradients or faulted (docs/kda-kernels.md §7 item 20)")
+    if products != "tf32" and (launch["num_warps"] > 4 or launch.get("num_stages", 3) < 2):
+        raise ValueError(f"`_state_bwd` with {products} products is correct on the H200 at most 4 warps and 2-3 "
+                         f"stages, not {launch} (TUNING): with 1 stage the build computed wrong gradients or faulted "
+                         "(docs/kda-kernels.md §7 item 20)")
     _state_bwd[(V // BV, plan.N * H)](Qg, Kd, Aqk, W, gc, do, dht if dht is not None else dh0, du, dse, dh0,
                                       plan.cu, plan.chunk_off, H=H, K=K, V=V, BV=BV, C=CHUNK,
                                       USE_DHT=dht is not None, BF16=products == "bf16", SPLIT=products == "split",
