@@ -307,6 +307,7 @@ def test_few_programs_settings(dev, monkeypatch):
     assert tc._setting("state_ut_bv", True) == few["state_ut_bv"]
     assert tc._setting("state_ut_bv") == tc.TUNING["state_ut_bv"]
     assert tc._setting("state_bv", True) == tc.TUNING["state_bv"]  # not replaced: the inference launch keeps its own
+    assert tc._launch_options("state_ut", True)["num_stages"] == few["state_ut_stages"] == 2  # BV 64 fits 2 stages
     assert tc._launch_options("state_bwd", True) == tc._launch_options("state_bwd")  # default since session 12
     monkeypatch.undo()
 

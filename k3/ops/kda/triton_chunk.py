@@ -64,8 +64,9 @@ TUNING = {
     "prep_wu_warps": 4, "prep_wu_stages": None, "prep_wu_maxnreg": 128,  # 0.96 → 0.84 ms, 0 spills (run 7)
     "state_bv": 32, "state_warps": 4, "state_stages": 2, "state_maxnreg": None,
     # `_state` when it also stores Ũ (the training forward, the backward's recompute): tf32 products at 8 warps
-    # (2.12 ms at the K3 shape); split-bf16 products at 4 warps 1.88 ms (session 9 run 4)
-    "state_ut_bv": 32, "state_ut_warps": 4, "state_ut_stages": 2, "state_ut_maxnreg": None,
+    # (2.12 ms at the K3 shape); split-bf16 products at 4 warps 1.88 ms (session 9 run 4), 1.29 ms at 3 stages
+    # (session 12 run 3; the inference launch lost at 3 stages: forward 3.14 → 4.08 ms)
+    "state_ut_bv": 32, "state_ut_warps": 4, "state_ut_stages": 3, "state_ut_maxnreg": None,
     # `_state_bwd` in split-bf16 products at 4 warps, 3 stages: 2.15 → 1.37 ms at the K3 shape, 0.67 → 0.46 at the
     # small preset's, and closer to fp64 than tf32 at 8 warps, 1 stage (2 stages: 1.58 and 0.52 ms; session 12
     # runs 1-2; `state_bwd_products`)
@@ -106,7 +107,8 @@ TUNING = {
     # SMs): `_state` 0.63 → 0.52 ms; the same lost at 128 programs (2 × 16384, H = 16: 10.14 → 11.08 ms with a
     # 4-warp tf32 `_state_bwd` as well) and at 384 (the K3 shape, 15.27 → 15.34) (session 10 runs 1-2). Until
     # session 12 it also took `_state_bwd` to 4 warps, 2 stages, now the default.
-    "few_programs": {"state_ut_bv": 64},
+    # (BV 64 at 3 stages needs 256 KB of shared memory: the Ũ launch keeps 2 there)
+    "few_programs": {"state_ut_bv": 64, "state_ut_stages": 2},
 }
 # The code variants of the session-9 Nsight Compute analysis (docs/kda-ncu-session9.md), timed in session 9 run 4 at
 # the K3 shape (docs/kda-kernels.md §6), are the only code now: the kept norms (`_load_norm`), `_bwd_vv`'s partials
