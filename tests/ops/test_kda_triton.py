@@ -291,40 +291,6 @@ def test_state_value_blocks_do_not_change_results(dev, monkeypatch, key):
         torch.testing.assert_close(a, b, rtol=5e-5, atol=1e-5)
 
 
-def test_few_programs_settings(dev, monkeypatch):
-    """Between one and two programs per SM (at the default value blocks) the state passes take
-    TUNING["few_programs"]: the rule on a 132-SM device, the launch settings it gives, and a forward + backward
-    under it (BV 64 storing Ũ) against the default launches."""
-    from k3.ops.kda import triton_chunk as tc
-
-    monkeypatch.setattr(tc, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(tc, "interpreting", lambda: False)
-    cuda = torch.device("cuda", 0)
-    assert [tc._few_programs(p, cuda) for p in (128, 132, 133, 256, 264, 265, 384)] == \
-        [False, False, True, True, True, False, False]
-    assert not tc._few_programs(256, torch.device("cpu"))
-    few = tc.TUNING["few_programs"]
-    assert tc._setting("state_ut_bv", True) == few["state_ut_bv"]
-    assert tc._setting("state_ut_bv") == tc.TUNING["state_ut_bv"]
-    assert tc._setting("state_bv", True) == tc.TUNING["state_bv"]  # not replaced: the inference launch keeps its own
-    assert tc._launch_options("state_ut", True)["num_stages"] == few["state_ut_stages"] == 2  # BV 64 fits 2 stages
-    assert tc._launch_options("state_bwd", True) == tc._launch_options("state_bwd")  # default since session 12
-    monkeypatch.undo()
-
-    inputs = make_raw(1, 80, 2, 32, 64, seed=32, dtype=torch.float32)
-    base = _fwd_bwd(inputs, dev)
-    monkeypatch.setitem(tc.TUNING, "few_programs", dict(few, state_ut_bv=16))  # V = 64: 16 makes it visible
-    monkeypatch.setattr(tc, "_few_programs", lambda programs, device: True)
-    launched = []
-    state = tc._state
-    monkeypatch.setattr(tc, "_state", type("Spy", (), {"__getitem__": lambda self, grid: launched.append(grid)
-                                                       or state[grid]})())
-    under_rule = _fwd_bwd(inputs, dev)
-    assert launched and launched[0][0] == 4, launched  # the training forward's `_state` took V // 16 blocks
-    for a, b in zip(base, under_rule):  # the summation-order tolerance of test_state_value_blocks_do_not_change_results
-        torch.testing.assert_close(a, b, rtol=5e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_state_split_products(dev, monkeypatch, dtype):
     """`_state` with split-bf16 products (`state_split`, the default: each fp32 operand as bf16
@@ -380,9 +346,10 @@ def test_state_bwd_products(dev, monkeypatch, products, dtype):
 
 
 def test_inference_forward_state_products(dev, monkeypatch):
-    """The inference forward (no backward can follow) multiplies in tf32 (`state_split_inference` off) and the
-    training forward in split bf16, whether or not it keeps its operands: both within fp64 tolerance, within 5e-5
-    of each other in the interpreter; switching `state_split_inference` on makes them bit-identical."""
+    """The inference forward (no backward can follow) multiplies in split bf16 like the training forward
+    (`state_split_inference`, the default since session 12), so their outputs are bit-identical, whether or not
+    the training forward keeps its operands; with it off the inference forward is tf32: both within fp64 tolerance,
+    within 5e-5 of each other in the interpreter."""
     from k3.ops.kda import chunk_kda
     from k3.ops.kda import triton_chunk as tc
 
@@ -399,13 +366,13 @@ def test_inference_forward_state_products(dev, monkeypatch):
         return infer.detach(), train.detach()
 
     infer, train = forwards()
+    assert torch.equal(infer, train)
+    monkeypatch.setitem(tc.TUNING, "state_split_inference", False)
+    infer, train = forwards()
     for o in (infer, train):
         assert rel_err(o, ref) <= (1.5 if ON_GPU else 0.2) * TOL["o"]
     if not ON_GPU:
         assert rel_err(infer, train) <= 5e-5 and not torch.equal(infer, train)
-    monkeypatch.setitem(tc.TUNING, "state_split_inference", True)
-    infer, train = forwards()
-    assert torch.equal(infer, train)
 
 
 def test_saved_intermediates_only_when_a_backward_follows(dev, monkeypatch):

@@ -62,10 +62,12 @@ TUNING = {
     # (`_prep_intra` with one anchor per row block, `_intra_off_step`: 0.98 → 0.88 ms, session 9 run 4)
     "prep_solve_warps": 4, "prep_solve_stages": None, "prep_solve_maxnreg": None,
     "prep_wu_warps": 4, "prep_wu_stages": None, "prep_wu_maxnreg": 128,  # 0.96 → 0.84 ms, 0 spills (run 7)
-    "state_bv": 32, "state_warps": 4, "state_stages": 2, "state_maxnreg": None,
+    # the inference `_state` (no stores for a backward): split products at 3 stages, forward 2.995 → 2.884 ms at
+    # the K3 shape, 0.979 → 0.998 at the small preset's (session 12 run 4; tf32 at 3 stages: 3.14 → 4.08, run 3)
+    "state_bv": 32, "state_warps": 4, "state_stages": 3, "state_maxnreg": None,
     # `_state` when it also stores Ũ (the training forward, the backward's recompute): tf32 products at 8 warps
     # (2.12 ms at the K3 shape); split-bf16 products at 4 warps 1.88 ms (session 9 run 4), 1.29 ms at 3 stages
-    # (session 12 run 3; the inference launch lost at 3 stages: forward 3.14 → 4.08 ms)
+    # (session 12 run 3)
     "state_ut_bv": 32, "state_ut_warps": 4, "state_ut_stages": 3, "state_ut_maxnreg": None,
     # `_state_bwd` in split-bf16 products at 4 warps, 3 stages: 2.15 → 1.37 ms at the K3 shape, 0.67 → 0.46 at the
     # small preset's, and closer to fp64 than tf32 at 8 warps, 1 stage (2 stages: 1.58 and 0.52 ms; session 12
@@ -76,10 +78,10 @@ TUNING = {
     # 3.231 → 3.255 ms (session 9 runs 3-4). Not in `_state_bwd`: bf16 dots there faulted on the H200 (session 9
     # run 3, as the plain bf16 ones did in session 4, docs/kda-kernels.md §7 item 5)
     "state_split": True,
-    # the inference forward (no backward can follow) keeps tf32: 3.134 → 3.102 ms at the K3 shape, 1.077 → 0.977 ms
-    # at the small preset's 8 × 4096, H = 8 (session 10 run 1); its o is within tf32 rounding of a training
-    # forward's, which is the same whether or not it keeps Ũ
-    "state_split_inference": False,
+    # the inference forward (no backward can follow) in split bf16 too, so its o is bit-identical to a training
+    # forward's (which is the same whether or not it keeps Ũ). tf32 there: 3.134 → 3.102 ms at the K3 shape at 2
+    # stages (session 10 run 1), the default until session 12, whose 3-stage split launch took 2.884 ms
+    "state_split_inference": True,
     # every `_state` launch in plain bf16 products (as `chunk_kda(state_bf16=True)`; fla's choice), for timing:
     # with bf16 `_state_bwd` products, fwd+bwd 13.98 ms at the K3 shape, but dA_log 2.0e-2 from fp64 (session 12)
     "state_bf16": False,
@@ -101,55 +103,23 @@ TUNING = {
     "bwd_k_cols": 32, "bwd_k_warps": 4, "bwd_k_stages": None, "bwd_k_maxnreg": 128,
     "bwd_norms_rows": 16, "bwd_norms_warps": 4, "bwd_norms_stages": None, "bwd_norms_maxnreg": None,
     "decode_bv": 64, "decode_warps": 4,
-    # The state passes with between one and two programs per SM at the value blocks above (`_few_programs`): they
-    # then run in two uneven waves, and these settings replace the ones above for those launches: the launch that
-    # stores Ũ at BV 64 (half the programs, one wave). At the small preset's 8 × 4096, H = 8 (256 programs on 132
-    # SMs): `_state` 0.63 → 0.52 ms; the same lost at 128 programs (2 × 16384, H = 16: 10.14 → 11.08 ms with a
-    # 4-warp tf32 `_state_bwd` as well) and at 384 (the K3 shape, 15.27 → 15.34) (session 10 runs 1-2). Until
-    # session 12 it also took `_state_bwd` to 4 warps, 2 stages, now the default.
-    # (BV 64 at 3 stages needs 256 KB of shared memory: the Ũ launch keeps 2 there)
-    "few_programs": {"state_ut_bv": 64, "state_ut_stages": 2},
 }
+# (Sessions 11-12 had a "few programs" rule: BV 64 for the Ũ launch and 4-warp `_state_bwd` where the state passes
+# had one to two programs per SM. The 3-stage launches above beat it there too, `_state` 0.52 → 0.43 ms at 8 × 4096,
+# H = 8 (session 12 run 4), so the rule was deleted; commit 2f816f6 has it.)
 # The code variants of the session-9 Nsight Compute analysis (docs/kda-ncu-session9.md), timed in session 9 run 4 at
 # the K3 shape (docs/kda-kernels.md §6), are the only code now: the kept norms (`_load_norm`), `_bwd_vv`'s partials
 # summed first, `_prep_intra`'s one anchor; with the launch settings above fwd+bwd 16.41 → 15.21 ms. A flush-to-zero
 # exp (`libdevice.fast_expf`) in `_prep_intra`, `_bwd_vk` and `_bwd_k` lost (15.27 ms with it) and was deleted.
 
 
-def _setting(key: str, few: bool = False):
-    """TUNING[key], or its `few_programs` replacement for a state pass launched with few programs."""
-    return TUNING["few_programs"].get(key, TUNING.get(key)) if few else TUNING.get(key)
-
-
-def _launch_options(kernel: str, few: bool = False) -> dict:
+def _launch_options(kernel: str) -> dict:
     """num_warps, and num_stages / maxnreg where TUNING sets them, for one chunk kernel's launch."""
-    options = {"num_warps": _setting(f"{kernel}_warps", few)}
+    options = {"num_warps": TUNING[f"{kernel}_warps"]}
     for key, option in (("stages", "num_stages"), ("maxnreg", "maxnreg")):
-        value = _setting(f"{kernel}_{key}", few)
-        if value is not None:
-            options[option] = value
+        if TUNING.get(f"{kernel}_{key}") is not None:
+            options[option] = TUNING[f"{kernel}_{key}"]
     return options
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _few_programs(programs: int, device: torch.device) -> bool:
-    """A state pass of `programs` programs at the default value block has more than one and at most two per SM
-    (on CUDA; never in the interpreter): it takes TUNING["few_programs"]."""
-    if device.type != "cuda" or interpreting():
-        return False
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return sms < programs <= 2 * sms
-
-
-def _state_blocks(kernel: str, V: int, pairs: int, device: torch.device) -> tuple[int, bool]:
-    """(value block, few) of a state pass (`state`, `state_ut`, `state_bwd`) over `pairs` (sequence, head) pairs:
-    `few` when its default blocks give few programs (`_few_programs`), and the block that then applies."""
-    few = _few_programs(V // min(V, TUNING[f"{kernel}_bv"]) * pairs, device)
-    return min(V, _setting(f"{kernel}_bv", few)), few
 
 
 # device helpers
@@ -1140,7 +1110,7 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
     V = U.shape[-1]
     dev = W.device
     key = "state_ut" if want_ut else "state"
-    BV, few = _state_blocks(key, V, plan.N * H, dev)
+    BV = min(V, TUNING[f"{key}_bv"])
     o = torch.empty(TT, H, V, dtype=out_dtype, device=dev) if write_o else None
     ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
     hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=torch.float32, device=dev) if want_hs else None
@@ -1154,7 +1124,7 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
                                   plan.cu, plan.chunk_off,
                                   H=H, K=K, V=V, BV=BV, C=CHUNK, USE_H0=h0 is not None, STORE_HT=want_ht,
                                   STORE_HS=want_hs, WRITE_O=write_o, STORE_UT=want_ut, BF16=state_bf16, SPLIT=split,
-                                  INTERP=interpreting(), **_launch_options(key, few))
+                                  INTERP=interpreting(), **_launch_options(key))
     return o, ht, hs, ut
 
 
@@ -1200,7 +1170,7 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     else:
         W, Qg, Kd, Aqk, gc, Tm, hs, ut, *norms = inter
         del inter
-    BV, few = _state_blocks("state_bwd", V, plan.N * H, dev)
+    BV = min(V, TUNING["state_bwd_bv"])
     NT = max(plan.NT, 1)
     du = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
     dse = torch.empty(NT, H, K, V, dtype=torch.float32, device=dev)
@@ -1210,7 +1180,7 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     products = TUNING["state_bwd_products"]
     if products not in ("tf32", "split", "bf16"):
         raise ValueError(f"TUNING['state_bwd_products'] is tf32, split or bf16, not {products!r}")
-    launch = _launch_options("state_bwd", few)
+    launch = _launch_options("state_bwd")
     if products != "tf32" and (launch["num_warps"] > 4 or launch.get("num_stages", 3) < 2):
         raise ValueError(f"`_state_bwd` with {products} products is correct on the H200 at most 4 warps and 2-3 "
                          f"stages, not {launch} (TUNING): with 1 stage the build computed wrong gradients or faulted "
