@@ -25,9 +25,8 @@ measured variant are in docs/kda-kernels.md. In short:
   remain, the q/k norm backward and dβ's σ'.
 
 Intermediates are stored in bf16 for bf16 inputs except U, Ũ and Aqk (fp32 unless all_bf16) and G and T
-(fp32); states and accumulators are fp32; `_state`'s products are split bf16 (about 16 mantissa bits,
-`_mm_split`) where a backward can follow and tf32 in the inference forward, `_state_bwd`'s split bf16, other
-fp32 operands multiply in tf32, bf16 score blocks in bf16.
+(fp32); states and accumulators are fp32; the state passes' products (`_state`, `_state_bwd`) are split bf16
+(about 16 mantissa bits, `_mm_split`), other fp32 operands multiply in tf32, bf16 score blocks in bf16.
 Everything is indexed by packed document offsets (`cu_seqlens`, fla's convention); a dense batch is B
 equal-length documents. On CPU the same kernels run in the Triton interpreter (`TRITON_INTERPRET=1`, set
 before triton is imported).
