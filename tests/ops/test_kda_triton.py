@@ -323,8 +323,8 @@ def test_state_bwd_products(dev, monkeypatch, products, dtype):
     from it: each path ran."""
     from k3.ops.kda import triton_chunk as tc
 
-    inputs = make_raw(1, 150, 2, 32, 64, seed=43, N=3, dtype=dtype)
-    cu = [0, 40, 41, 150]
+    inputs = make_raw(1, 100, 2, 32, 64, seed=43, N=3, dtype=dtype)
+    cu = [0, 40, 41, 100]
     base, ref = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
     monkeypatch.setitem(tc.TUNING, "state_bwd_products", products)
     other, ref = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
@@ -334,15 +334,21 @@ def test_state_bwd_products(dev, monkeypatch, products, dtype):
     assert any(d > 0 for d in diffs)
     if not ON_GPU and products == "tf32":
         assert max(diffs) <= (5e-5 if dtype == torch.float32 else 5e-4), diffs
-    monkeypatch.setitem(tc.TUNING, "state_bwd_products", "fp16")
-    with pytest.raises(ValueError, match="state_bwd_products"):
-        run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
-    monkeypatch.setitem(tc.TUNING, "state_bwd_products", "split")
-    for key, value in (("state_bwd_warps", 8), ("state_bwd_stages", 1)):  # outside the H200's correct builds
-        with monkeypatch.context() as m:
-            m.setitem(tc.TUNING, key, value)
-            with pytest.raises(ValueError, match="at most 4 warps and 2-3 stages"):
-                run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("products,key,value,match", [
+    ("fp16", None, None, "state_bwd_products"),
+    ("split", "state_bwd_warps", 8, "at most 4 warps and 2-3 stages"),  # outside the H200's correct builds
+    ("bf16", "state_bwd_stages", 1, "at most 4 warps and 2-3 stages")])
+def test_state_bwd_products_refused(dev, monkeypatch, products, key, value, match):
+    """An unknown product mode, and split or bf16 products at launch settings the H200 built wrong, are refused."""
+    from k3.ops.kda import triton_chunk as tc
+
+    monkeypatch.setitem(tc.TUNING, "state_bwd_products", products)
+    if key is not None:
+        monkeypatch.setitem(tc.TUNING, key, value)
+    with pytest.raises(ValueError, match=match):
+        run_both(make_raw(1, 17, 1, 16, 16, seed=44), dev)
 
 
 def test_inference_forward_state_products(dev, monkeypatch):
