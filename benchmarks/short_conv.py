@@ -93,14 +93,14 @@ def backward_tilings(device, tilings, iters=10, shapes=((32768, 1024, 4240), (81
     program, STAGES-deep prefetch, default 1; kernel 2 at the current tiles)."""
     from benchmarks.kernel_profile import kernel_times
 
-    keys = ("_CONV_BWD_BT", "_CONV_BWD_BC", "_CONV_BWD_WARPS", "_CONV_GRAD_BLOCKS")
+    keys = ("_CONV_BWD_BT", "_CONV_BWD_BC", "_CONV_BWD_WARPS", "_CONV_GRAD_BLOCKS", "_CONV_GRAD_BLOCKS_INTERPRETED")
     default = tuple(getattr(short_conv_module, k) for k in keys)
     try:
         for tiling in [None, *tilings]:
             tiles = tuple(map(int, tiling.split("x"))) if tiling else default[:3]
             if len(tiles) not in (3, 4, 5):
                 raise SystemExit(f"--bwd-tiles: {tiling!r} is not BTxBCxWARPS or BTxBCxWARPSxBLOCKS[xSTAGES]")
-            settings = tiles + (None,) if len(tiles) == 3 else default[:3] + ((tiles + (1,))[:5],)
+            settings = tiles + (None, None) if len(tiles) == 3 else default[:3] + ((tiles + (1,))[:5],) * 2
             for key, value in zip(keys, settings):
                 setattr(short_conv_module, key, value)
             errs, ok = gate(device)

@@ -19,7 +19,7 @@ Two implementations of the same function:
 import torch
 import torch.nn.functional as F
 
-from k3.ops import triton_runs_on
+from k3.ops import interpreting, triton_runs_on
 
 
 def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -334,6 +334,9 @@ _CONV_BWD_BT, _CONV_BWD_BC, _CONV_BWD_WARPS = 64, 64, 4
 # 4 warps, 8 blocks: 201 → 187 µs at 32K tokens × 1024 channels, 584 → 532 µs at 8K × 12,288, the best of ten
 # settings (H200, session 12 run 2, docs/fast-paths.md); `benchmarks.short_conv --bwd-tiles` times them.
 _CONV_GRAD_BLOCKS: tuple[int, int, int, int, int] | None = (16, 64, 4, 8, 1)
+# The interpreter pays per tile operation, not per element: there kernel 1 takes one 128-row block per program
+# (the CPU suite's fused convs 1.9× faster than at the GPU's 16-row tiles; the same kernel, tested at both)
+_CONV_GRAD_BLOCKS_INTERPRETED: tuple[int, int, int, int, int] | None = (128, 64, 4, 1, 1)
 # g between the backward's two kernels, for bf16/fp16 input (fp32 input always keeps fp32 g): fp32 costs 14
 # bytes per element against 10 in x's dtype, but the bf16 dx of the small preset's shape is then 18% closer to
 # fp64 than the unfused path's instead of 2% (CPU emulation; the GPU test allows 5% further)
@@ -383,8 +386,9 @@ class _ShortConvSiLU(torch.autograd.Function):
         grid = _conv_grid(R, C, _CONV_BWD_BT, _CONV_BWD_BC)
         tiles = dict(W=W, BT=_CONV_BWD_BT, BC=_CONV_BWD_BC, num_warps=_CONV_BWD_WARPS)
         g = torch.empty(R, C, dtype=torch.float32 if _CONV_G_FP32 else xr.dtype, device=xr.device)
-        if _CONV_GRAD_BLOCKS is not None and W <= 4:
-            BT, BC, warps, blocks, stages = _CONV_GRAD_BLOCKS
+        blocks_setting = _CONV_GRAD_BLOCKS_INTERPRETED if interpreting() else _CONV_GRAD_BLOCKS
+        if blocks_setting is not None and W <= 4:
+            BT, BC, warps, blocks, stages = blocks_setting
             grad_kernel, block, grad_tiles = _conv_silu_grad_blocks_kernel, BT * blocks, dict(
                 W=W, BT=BT, BC=BC, BLOCKS=blocks, STAGES=stages, num_warps=warps)
         else:

@@ -318,8 +318,9 @@ class _Launches:
 
 
 @pytest.mark.parametrize("W", [4, 3])
-@pytest.mark.parametrize("blocks", [None, (8, 32, 4, 3, 1), (16, 32, 4, 2, 2)],
-                         ids=["per-block", "blocks3", "blocks2-staged"])
+@pytest.mark.parametrize("blocks", [None, (8, 32, 4, 3, 1), (16, 32, 4, 2, 2), short_conv._CONV_GRAD_BLOCKS,
+                                    short_conv._CONV_GRAD_BLOCKS_INTERPRETED],
+                         ids=["per-block", "blocks3", "blocks2-staged", "gpu-default", "interpreter-default"])
 def test_fused_backward_variants(blocks, W, monkeypatch):
     """short_conv_silu with kernel 1 as the per-block kernel and as the multi-block one (`_CONV_GRAD_BLOCKS`), fp32
     against the fp64 reference: output, dx and dw ≤ 1e-5 relative RMSE. Packed documents that end at, one before
@@ -331,6 +332,7 @@ def test_fused_backward_variants(blocks, W, monkeypatch):
 
     device = "cuda" if ON_GPU else "cpu"
     monkeypatch.setattr(short_conv, "_CONV_GRAD_BLOCKS", blocks)
+    monkeypatch.setattr(short_conv, "_CONV_GRAD_BLOCKS_INTERPRETED", blocks)
     launches = _Launches(short_conv._conv_silu_grad_blocks_kernel)
     monkeypatch.setattr(short_conv, "_conv_silu_grad_blocks_kernel", launches)
     g = torch.Generator().manual_seed(W)
