@@ -56,7 +56,9 @@ TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_
 _SK = chunk.TUNING["bwd_k_cols"]
 _SKV = chunk.TUNING["bwd_vk_cols"]
 KERNEL_CONSTEXPRS = {"_bwd_k": dict(SK=_SK), "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
-                     "_state_ut": dict(STORE_UT=True, SPLIT=chunk.TUNING["state_split"]), "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV)}
+                     "_state_ut": dict(STORE_UT=True, SPLIT=chunk.TUNING["state_split"]), "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV),
+                     "_state_bwd": dict(SPLIT=chunk.TUNING["state_bwd_products"] == "split",
+                                        BF16=chunk.TUNING["state_bwd_products"] == "bf16")}
 
 
 def kernel_fn(name: str):

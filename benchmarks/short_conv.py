@@ -96,7 +96,8 @@ def backward_tilings(device, tilings, iters=10, shapes=((32768, 1024, 4240), (81
     keys = ("_CONV_BWD_BT", "_CONV_BWD_BC", "_CONV_BWD_WARPS", "_CONV_GRAD_BLOCKS", "_CONV_GRAD_BLOCKS_INTERPRETED")
     default = tuple(getattr(short_conv_module, k) for k in keys)
     try:
-        for tiling in [None, *tilings]:
+        shipped = "x".join(map(str, default[3])) if default[3] else None  # the GPU's default kernel 1, timed too
+        for tiling in [None, *([shipped] if shipped and shipped not in tilings else []), *tilings]:
             tiles = tuple(map(int, tiling.split("x"))) if tiling else default[:3]
             if len(tiles) not in (3, 4, 5):
                 raise SystemExit(f"--bwd-tiles: {tiling!r} is not BTxBCxWARPS or BTxBCxWARPSxBLOCKS[xSTAGES]")

@@ -335,7 +335,8 @@ _CONV_BWD_BT, _CONV_BWD_BC, _CONV_BWD_WARPS = 64, 64, 4
 # settings (H200, session 12 run 2, docs/fast-paths.md); `benchmarks.short_conv --bwd-tiles` times them.
 _CONV_GRAD_BLOCKS: tuple[int, int, int, int, int] | None = (16, 64, 4, 8, 1)
 # The interpreter pays per tile operation, not per element: there kernel 1 takes one 128-row block per program
-# (the CPU suite's fused convs 1.9× faster than at the GPU's 16-row tiles; the same kernel, tested at both)
+# (a 2048-token fused conv forward + backward there: 7.6 s at the GPU's 16-row tiles, 3.0 s at 128 rows; the same
+# kernel, tested at both)
 _CONV_GRAD_BLOCKS_INTERPRETED: tuple[int, int, int, int, int] | None = (128, 64, 4, 1, 1)
 # g between the backward's two kernels, for bf16/fp16 input (fp32 input always keeps fp32 g): fp32 costs 14
 # bytes per element against 10 in x's dtype, but the bf16 dx of the small preset's shape is then 18% closer to

@@ -338,10 +338,12 @@ def test_state_bwd_products(dev, monkeypatch, products, dtype):
 
 @pytest.mark.parametrize("products,key,value,match", [
     ("fp16", None, None, "state_bwd_products"),
-    ("split", "state_bwd_warps", 8, "at most 4 warps and 2-3 stages"),  # outside the H200's correct builds
-    ("bf16", "state_bwd_stages", 1, "at most 4 warps and 2-3 stages")])
+    ("split", "state_bwd_warps", 8, "at 4 warps and 2-3 stages only"),  # outside the H200's measured builds
+    ("bf16", "state_bwd_stages", 1, "at 4 warps and 2-3 stages only"),
+    ("split", "state_bwd_stages", 4, "at 4 warps and 2-3 stages only")])
 def test_state_bwd_products_refused(dev, monkeypatch, products, key, value, match):
-    """An unknown product mode, and split or bf16 products at launch settings the H200 built wrong, are refused."""
+    """An unknown product mode, and split or bf16 products at launch settings the H200 built wrong or that were
+    never measured there, are refused."""
     from k3.ops.kda import triton_chunk as tc
 
     monkeypatch.setitem(tc.TUNING, "state_bwd_products", products)

@@ -74,8 +74,7 @@ TUNING = {
     "state_bwd_bv": 32, "state_bwd_warps": 4, "state_bwd_stages": 3, "state_bwd_maxnreg": None,
     # `_state`'s products in split bf16 (`_mm_split`: more accurate than tf32, and without tf32's conversion of the
     # bf16 tiles) unless state_bf16: the launch that stores Ũ 2.12 → 1.88 ms at 4 warps, the inference forward
-    # 3.231 → 3.255 ms (session 9 runs 3-4). Not in `_state_bwd`: bf16 dots there faulted on the H200 (session 9
-    # run 3, as the plain bf16 ones did in session 4, docs/kda-kernels.md §7 item 5)
+    # 3.231 → 3.255 ms (session 9 runs 3-4). `_state_bwd` has its own switch, `state_bwd_products` (below)
     "state_split": True,
     # the inference forward (no backward can follow) in split bf16 too, so its o is bit-identical to a training
     # forward's (which is the same whether or not it keeps Ũ). tf32 there: 3.134 → 3.102 ms at the K3 shape at 2
@@ -164,7 +163,7 @@ def _split(x, INTERP: tl.constexpr):
 
 @triton.jit
 def _mm_split(a, b, INTERP: tl.constexpr):
-    """a @ b on bf16 tensor cores to about 16 mantissa bits (`_state`): an fp32 operand goes in as
+    """a @ b on bf16 tensor cores to about 16 mantissa bits (the state passes): an fp32 operand goes in as
     bf16 hi + lo, and the products hi·hi + hi·lo + lo·hi are summed in fp32; a bf16 operand is exact as it is.
     More accurate than tf32 (10 bits), and the bf16 tiles reach the tensor cores as loaded, where tf32 first
     converts them to fp32 in shared memory (Nsight Compute, session 9: most of `_state`'s instructions)."""
@@ -182,7 +181,7 @@ def _mm_split(a, b, INTERP: tl.constexpr):
 
 @triton.jit
 def _state_mm(a, b, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
-    """`_state`'s products: `_mm_split` with SPLIT, else `_mm` (tf32, or plain bf16 with BF16)."""
+    """The state passes' products: `_mm_split` with SPLIT, else `_mm` (tf32, or plain bf16 with BF16)."""
     if SPLIT:
         return _mm_split(a, b, INTERP)
     return _mm(a, b, BF16, INTERP)
@@ -1180,10 +1179,10 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     if products not in ("tf32", "split", "bf16"):
         raise ValueError(f"TUNING['state_bwd_products'] is tf32, split or bf16, not {products!r}")
     launch = _launch_options("state_bwd")
-    if products != "tf32" and (launch["num_warps"] > 4 or launch.get("num_stages", 3) < 2):
-        raise ValueError(f"`_state_bwd` with {products} products is correct on the H200 at most 4 warps and 2-3 "
-                         f"stages, not {launch} (TUNING): with 1 stage the build computed wrong gradients or faulted "
-                         "(docs/kda-kernels.md §7 item 20)")
+    if products != "tf32" and (launch["num_warps"] != 4 or launch.get("num_stages", 3) not in (2, 3)):
+        raise ValueError(f"`_state_bwd` with {products} products was measured correct on the H200 at 4 warps and "
+                         f"2-3 stages only, not {launch} (TUNING): with 1 stage the build computed wrong gradients "
+                         "or faulted (docs/kda-kernels.md §7 item 20)")
     _state_bwd[(V // BV, plan.N * H)](Qg, Kd, Aqk, W, gc, do, dht if dht is not None else dh0, du, dse, dh0,
                                       plan.cu, plan.chunk_off, H=H, K=K, V=V, BV=BV, C=CHUNK,
                                       USE_DHT=dht is not None, BF16=products == "bf16", SPLIT=products == "split",
