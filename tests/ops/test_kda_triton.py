@@ -252,10 +252,10 @@ def test_saved_intermediates_match_recompute_bitwise(dev, monkeypatch, case):
     assert len(runs[True]) == len(runs[False])
     for a, b in zip(runs[True], runs[False]):
         assert a is not None and torch.equal(a, b)
-    # the default (None) saves when a backward follows
-    calls.clear()
-    _fwd_bwd(inputs, dev, **kw)
-    assert sum(name == "prepare" for name, _ in calls) == 1
+    if case == "bf16":  # the default (None) saves when a backward follows: a policy, checked once
+        calls.clear()
+        _fwd_bwd(inputs, dev, **kw)
+        assert sum(name == "prepare" for name, _ in calls) == 1
 
 
 @pytest.mark.parametrize("key", ["state_bv", "state_ut_bv", "state_bwd_bv"])
