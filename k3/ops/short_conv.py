@@ -206,16 +206,34 @@ def naive_short_conv_silu(x: torch.Tensor, weight: torch.Tensor,
 if triton is not None:
 
     @triton.jit
+    def _shifted(X, u, in_u, pos, lag, c, in_c, stride_x):
+        """x[u − lag] in fp32 on the tile's rows u and channels c; zero where u − lag is outside u's document."""
+        ok = in_u & (pos >= lag)
+        return tl.load(X + (u - lag)[:, None] * stride_x + c[None, :], mask=ok[:, None] & in_c[None, :],
+                       other=0.0).to(tl.float32)
+
+    @triton.jit
     def _conv_taps(X, Wt, pos, u, in_u, c, in_c, stride_x, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
         """The conv output a[u] = Σ_j w[j] · x[u − (W−1−j)] in fp32, each tap only inside u's document."""
         a = tl.zeros([BT, BC], dtype=tl.float32)
         for j in tl.static_range(W):
-            lag = W - 1 - j
-            ok = in_u & (pos >= lag)
-            xv = tl.load(X + (u - lag)[:, None] * stride_x + c[None, :], mask=ok[:, None] & in_c[None, :], other=0.0)
             wv = tl.load(Wt + c * W + j, mask=in_c, other=0.0)
-            a += xv.to(tl.float32) * wv[None, :]
+            a += _shifted(X, u, in_u, pos, W - 1 - j, c, in_c, stride_x) * wv[None, :]
         return a
+
+    @triton.jit
+    def _silu_grad_tile(X, Wt, POS, DY, G, t, c, in_c, R, C, stride_x, stride_dy, W: tl.constexpr,
+                        BT: tl.constexpr, BC: tl.constexpr):
+        """Kernel 1's per-tile part: g = dy · SiLU'(a) on tokens t (a recomputed from x), stored into G [R, C];
+        returns (g, the tokens' positions in their documents, the tokens' mask)."""
+        in_t = t < R
+        pos = tl.load(POS + t, mask=in_t, other=0)
+        a = _conv_taps(X, Wt, pos, t, in_t, c, in_c, stride_x, W, BT, BC)
+        dy = tl.load(DY + t[:, None] * stride_dy + c[None, :], mask=in_t[:, None] & in_c[None, :], other=0.0)
+        sig = tl.sigmoid(a)
+        g = dy.to(tl.float32) * sig * (1.0 + a * (1.0 - sig))  # zero outside the tile's rows and channels
+        tl.store(G + t[:, None] * C + c[None, :], g.to(G.dtype.element_ty), mask=in_t[:, None] & in_c[None, :])
+        return g, pos, in_t
 
     @triton.jit
     def _tile(BT: tl.constexpr, BC: tl.constexpr):
@@ -240,19 +258,12 @@ if triton is not None:
         dw[j] = Σ_t g[t] · x[t−(W−1−j)] over them (a row of partial sums [C, W] per token block, summed by the
         caller: deterministic, no atomics)."""
         tb, t, c = _tile(BT, BC)
-        in_t, in_c = t < R, c < C
-        pos = tl.load(POS + t, mask=in_t, other=0)
-        a = _conv_taps(X, Wt, pos, t, in_t, c, in_c, stride_x, W, BT, BC)
-        dy = tl.load(DY + t[:, None] * stride_dy + c[None, :], mask=in_t[:, None] & in_c[None, :], other=0.0)
-        sig = tl.sigmoid(a)
-        g = dy.to(tl.float32) * sig * (1.0 + a * (1.0 - sig))  # zero outside the tile's rows and channels
-        tl.store(G + t[:, None] * C + c[None, :], g.to(G.dtype.element_ty), mask=in_t[:, None] & in_c[None, :])
+        in_c = c < C
+        g, pos, in_t = _silu_grad_tile(X, Wt, POS, DY, G, t, c, in_c, R, C, stride_x, stride_dy, W, BT, BC)
         for j in tl.static_range(W):
-            lag = W - 1 - j
-            ok = in_t & (pos >= lag)
             # the same shifted tiles as the taps, again: from L1, and not held live across the SiLU
-            xv = tl.load(X + (t - lag)[:, None] * stride_x + c[None, :], mask=ok[:, None] & in_c[None, :], other=0.0)
-            tl.store(DW + (tb * C + c) * W + j, tl.sum(g * xv.to(tl.float32), axis=0), mask=in_c)
+            xv = _shifted(X, t, in_t, pos, W - 1 - j, c, in_c, stride_x)
+            tl.store(DW + (tb * C + c) * W + j, tl.sum(g * xv, axis=0), mask=in_c)
 
     @triton.jit
     def _conv_silu_grad_blocks_kernel(X, Wt, POS, DY, G, DW, R, C, stride_x, stride_dy, W: tl.constexpr,
@@ -274,26 +285,17 @@ if triton is not None:
         acc3 = tl.zeros([BT, BC], dtype=tl.float32)
         for i in tl.range(BLOCKS, num_stages=STAGES):
             t = ((pb * BLOCKS + i) * BT + tl.arange(0, BT)).to(tl.int64)
-            in_t = t < R
-            pos = tl.load(POS + t, mask=in_t, other=0)
-            a = _conv_taps(X, Wt, pos, t, in_t, c, in_c, stride_x, W, BT, BC)
-            dy = tl.load(DY + t[:, None] * stride_dy + c[None, :], mask=in_t[:, None] & in_c[None, :], other=0.0)
-            sig = tl.sigmoid(a)
-            g = dy.to(tl.float32) * sig * (1.0 + a * (1.0 - sig))  # zero outside the tile's rows and channels
-            tl.store(G + t[:, None] * C + c[None, :], g.to(G.dtype.element_ty), mask=in_t[:, None] & in_c[None, :])
+            g, pos, in_t = _silu_grad_tile(X, Wt, POS, DY, G, t, c, in_c, R, C, stride_x, stride_dy, W, BT, BC)
             for j in tl.static_range(W):
-                lag = W - 1 - j
-                ok = in_t & (pos >= lag)
-                xv = tl.load(X + (t - lag)[:, None] * stride_x + c[None, :], mask=ok[:, None] & in_c[None, :],
-                             other=0.0)
+                gx = g * _shifted(X, t, in_t, pos, W - 1 - j, c, in_c, stride_x)
                 if j == 0:
-                    acc0 += g * xv.to(tl.float32)
+                    acc0 += gx
                 elif j == 1:
-                    acc1 += g * xv.to(tl.float32)
+                    acc1 += gx
                 elif j == 2:
-                    acc2 += g * xv.to(tl.float32)
+                    acc2 += gx
                 else:
-                    acc3 += g * xv.to(tl.float32)
+                    acc3 += gx
         row = DW + (pb * C + c) * W
         tl.store(row, tl.sum(acc0, axis=0), mask=in_c)
         if W > 1:

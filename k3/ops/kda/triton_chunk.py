@@ -1159,6 +1159,15 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     TT, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
+    # checked first: a refused `_state_bwd` setting should not cost a recompute
+    products = TUNING["state_bwd_products"]
+    if products not in ("tf32", "split", "bf16"):
+        raise ValueError(f"TUNING['state_bwd_products'] is tf32, split or bf16, not {products!r}")
+    launch = _launch_options("state_bwd")
+    if products != "tf32" and (launch["num_warps"] != 4 or launch.get("num_stages", 3) not in (2, 3)):
+        raise ValueError(f"`_state_bwd` with {products} products was measured correct on the H200 at 4 warps and "
+                         f"2-3 stages only, not {launch} (TUNING): with 1 stage the build computed wrong gradients "
+                         "or faulted (docs/kda-kernels.md §7 item 20)")
     if inter is None:
         W, U, Qg, Kd, Aqk, gc, Tm, norms = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
                                                         store_t=True, store_norms=True)
@@ -1175,14 +1184,6 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     dh0 = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev)
     interp = interpreting()
     qn, kn = norms
-    products = TUNING["state_bwd_products"]
-    if products not in ("tf32", "split", "bf16"):
-        raise ValueError(f"TUNING['state_bwd_products'] is tf32, split or bf16, not {products!r}")
-    launch = _launch_options("state_bwd")
-    if products != "tf32" and (launch["num_warps"] != 4 or launch.get("num_stages", 3) not in (2, 3)):
-        raise ValueError(f"`_state_bwd` with {products} products was measured correct on the H200 at 4 warps and "
-                         f"2-3 stages only, not {launch} (TUNING): with 1 stage the build computed wrong gradients "
-                         "or faulted (docs/kda-kernels.md §7 item 20)")
     _state_bwd[(V // BV, plan.N * H)](Qg, Kd, Aqk, W, gc, do, dht if dht is not None else dh0, du, dse, dh0,
                                       plan.cu, plan.chunk_off, H=H, K=K, V=V, BV=BV, C=CHUNK,
                                       USE_DHT=dht is not None, BF16=products == "bf16", SPLIT=products == "split",
