@@ -99,6 +99,11 @@ TUNING = {
     # `_bwd_k` over key slices of bwd_k_cols columns, then `_bwd_norms` (docs/kda-kernels.md §7 item 11): 7.64 ms
     # for the whole-row kernel → 4.89 + 0.41 ms at 128 registers (run 7)
     "bwd_k_cols": 32, "bwd_k_warps": 4, "bwd_k_stages": None, "bwd_k_maxnreg": 128,
+    # the score backward's form: "chunk" (`_bwd_k`, one program per key slice and chunk, two sweeps over its four
+    # 16-row blocks) or "block" (`_bwd_k_block` per 16-row block and key slice, with G from `_bwd_vk`, then
+    # `_bwd_gate` per key slice and chunk for the reverse cumsum and the gate chain); bwd_k_* launch either
+    "bwd_k_form": "chunk",
+    "bwd_gate_cols": 32, "bwd_gate_warps": 4, "bwd_gate_stages": None, "bwd_gate_maxnreg": None,
     "bwd_norms_rows": 16, "bwd_norms_warps": 4, "bwd_norms_stages": None, "bwd_norms_maxnreg": None,
     "decode_bv": 64, "decode_warps": 4,
 }
@@ -668,9 +673,9 @@ def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
 
 @triton.jit
 def _bwd_vk(q, k, z, b, A_log, dt_bias, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do, du, ut,
-            dqh_out, dkh_out, dg_out, dtk_out, dbk_out,
+            dqh_out, dkh_out, dg_out, dtk_out, dbk_out, g_out,
             scale, H, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-            G_MIN: tl.constexpr, INTERP: tl.constexpr):
+            G_MIN: tl.constexpr, STORE_G: tl.constexpr, INTERP: tl.constexpr):
     """Value side, part 1: one (key slice of SK columns, chunk, head), the value-dim gradients that are
     elementwise in the key column, from the forward's Ũ = U − W·S (no W, no W·S).
 
@@ -679,6 +684,7 @@ def _bwd_vk(q, k, z, b, A_log, dt_bias, qn_in, kn_in, cu, chunk_idx, t_in, hs, d
     dk̂ = dKd⊙exp(G_C − G) + β·(Tᵀ·dW)⊙Γ and dG (with G_C's gradient on the last row) into the fp32 scratch
     `_bwd_k` reads. The two terms that sum over K leave as this slice's partials, for `_bwd_vv`:
     dT_k = dW·(β·K⊙Γ)ᵀ (dtk_out [NT, H, NS, C, C]) and dβ_k = Σ_k (Tᵀ·dW)⊙K⊙Γ (dbk_out [NT, H, NS, C]).
+    STORE_G: also the in-chunk cumulative gate G (g_out [NT, H, C, K] fp32) for `_bwd_k_block`.
     ‖q‖, ‖k‖ come from qn_in, kn_in ([TT, H], `_load_norm`), so the gate's small inputs (z, A_log, dt_bias, β) are
     loaded before the loop (their latency hidden behind it) and Tᵀ·dW is taken right after it, before q̂, k̂ and
     G are live (fewer spills offline).
@@ -715,6 +721,8 @@ def _bwd_vk(q, k, z, b, A_log, dt_bias, qn_in, kn_in, cu, chunk_idx, t_in, hs, d
     # the gate from the inputs loaded before the loop; one 64-row block from a zero carry: its end is G_C
     g, _ = _gate_from(z_raw, a_exp, bias, row0 + rows < L, G_MIN)
     G = tl.cumsum(g, 0)
+    if STORE_G:
+        tl.store(g_out + (i_c * H + i_h).to(tl.int64) * C * K + rows[:, None] * K + (c0 + cs)[None, :], G)
     gc = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)
     qh, kh = _unit_cols(q, k, qn_in, kn_in, bos, L, row0, c0, i_h, scale, H, K, SK, C)
     gam = tl.exp(G)
@@ -959,6 +967,128 @@ def _bwd_k(q, k, z, b, A_log, dt_bias, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_
 
 
 @triton.jit
+def _g_block(g_in, g_base, r0, c0, K: tl.constexpr, SK: tl.constexpr, BC: tl.constexpr):
+    """The BC rows at chunk row r0 of the in-chunk cumulative gate G that `_bwd_vk` stored ([NT, H, C, K] fp32,
+    all C rows of a chunk: constant past the document end), columns [c0, c0 + SK)."""
+    return tl.load(g_in + g_base + (r0 + tl.arange(0, BC))[:, None] * K + c0 + tl.arange(0, SK)[None, :])
+
+
+@triton.jit
+def _g_row(g_in, g_base, r, c0, K: tl.constexpr, SK: tl.constexpr):
+    """Chunk row r of that G, columns [c0, c0 + SK): a block's anchor or end, loaded rather than reduced."""
+    return tl.load(g_in + g_base + r * K + c0 + tl.arange(0, SK))
+
+
+@triton.jit
+def _bwd_k_block(q, k, b, qn_in, kn_in, cu, chunk_idx, g_in, dqh_in, dkh_in, dg_in, daqk_in, dakk_in, db_part,
+                 scale, H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    """The score backward of one (16-row block R, key slice of SK columns, chunk, head): everything that lands
+    on block R's rows, so no program waits for another and nothing is carried across blocks (the `block` form of
+    `_bwd_k`, TUNING["bwd_k_form"]).
+
+    Same factorisations as `_bwd_k`: the diagonal block around a_R (G at R's first row); a block (R, J < R) of
+    R's row side around a_R and e_J (G at J's last row), Σ_i dA[r, i]·k̂_i⊙exp(e_J − G_i), times exp(a_R − e_J);
+    a block (J > R, R) of R's column side around a_J and e_R, Σ_r dA[r, i]·(q̂_r or β_r k̂_r)⊙exp(G_r − a_J), times
+    exp(a_J − e_R), finished with exp(e_R − G_i) ≤ 1. G comes from `_bwd_vk` (g_in), not from the gate.
+
+    On top of the value side's dq̂, dk̂ and dG (fp32 scratch) it writes block R's finished dq̂ and dk̂, its dG
+    before the reverse cumsum (`_bwd_gate` does that and the gate chain) and this slice's dβ partial
+    (db_part: [TT, H, NS]).
+    """
+    NS: tl.constexpr = K // SK
+    NB: tl.constexpr = C // BC
+    pid = tl.program_id(0)
+    R = pid % NB
+    s = (pid // NB) % NS
+    i_c = pid // (NB * NS)
+    c0 = s * SK
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
+    g_base = (i_c * H + i_h).to(tl.int64) * C * K
+    rb = tl.arange(0, BC)
+    r0 = row0 + R * BC
+    qh, kh = _unit_cols(q, k, qn_in, kn_in, bos, L, r0, c0, i_h, scale, H, K, SK, BC)
+    beta = _load_beta(b, bos, L, r0, i_h, H, BC)
+    G = _g_block(g_in, g_base, R * BC, c0, K, SK, BC)
+    a = _g_row(g_in, g_base, R * BC, c0, K, SK)
+    e = _g_row(g_in, g_base, R * BC + BC - 1, c0, K, SK)
+    rf = tl.exp(G - a[None, :])
+    ec = tl.exp(a[None, :] - G)
+    qs = qh * rf
+    ks = kh * rf
+    kc = kh * ec
+    # the diagonal block; dAqk, dAkk arrive masked to their lower triangles
+    daq = _load_block(daqk_in, bos, L, i_h, r0, R * BC, H, C, BC)
+    dak = _load_block(dakk_in, bos, L, i_h, r0, R * BC, H, C, BC)
+    rowq = tl.dot(daq, kc)
+    rowk = tl.dot(dak, kc)
+    cs = tl.dot(tl.trans(daq), qs) + tl.dot(tl.trans(beta[:, None] * dak), ks)
+    co = tl.zeros([BC, SK], dtype=tl.float32)
+    for J in tl.static_range(NB):
+        if J < R:
+            # block (R, J): R's row side
+            _, kJ = _unit_cols(q, k, qn_in, kn_in, bos, L, row0 + J * BC, c0, i_h, scale, H, K, SK, BC)
+            eJ = _g_row(g_in, g_base, J * BC + BC - 1, c0, K, SK)
+            kend = kJ * tl.exp(eJ[None, :] - _g_block(g_in, g_base, J * BC, c0, K, SK, BC))
+            d = tl.exp(a - eJ)[None, :]
+            rowq += d * tl.dot(_load_block(daqk_in, bos, L, i_h, r0, J * BC, H, C, BC), kend)
+            rowk += d * tl.dot(_load_block(dakk_in, bos, L, i_h, r0, J * BC, H, C, BC), kend)
+        if J > R:
+            # block (J, R): R's column side
+            qJ, kJ = _unit_cols(q, k, qn_in, kn_in, bos, L, row0 + J * BC, c0, i_h, scale, H, K, SK, BC)
+            bJ = _load_beta(b, bos, L, row0 + J * BC, i_h, H, BC)
+            aJ = _g_row(g_in, g_base, J * BC, c0, K, SK)
+            fJ = tl.exp(_g_block(g_in, g_base, J * BC, c0, K, SK, BC) - aJ[None, :]) * tl.exp(aJ - e)[None, :]
+            daqJ = _load_block(daqk_in, bos, L, i_h, row0 + J * BC, R * BC, H, C, BC)
+            dakJ = _load_block(dakk_in, bos, L, i_h, row0 + J * BC, R * BC, H, C, BC)
+            co += tl.dot(tl.trans(daqJ), qJ * fJ) + tl.dot(tl.trans(bJ[:, None] * dakJ), kJ * fJ)
+    p_dqh = _bp(dqh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
+    p_dkh = _bp(dkh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
+    p_dg = dg_in + g_base + (R * BC + rb)[:, None] * K + c0 + tl.arange(0, SK)[None, :]
+    # rowk was taken with dAkk; Akk = diag(β)·Ã, so Σ_i dAkk·Ã = Σ_k ks⊙rowk, and Ã's own gradient is β·rowk
+    dbeta = tl.sum(ks * rowk, 1)
+    rowk = beta[:, None] * rowk
+    ce = tl.exp(e[None, :] - G) * co
+    dqh = tl.load(p_dqh, boundary_check=(0,), padding_option="zero") + rf * rowq
+    dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero") + rf * rowk + ec * cs
+    # padding rows keep their dG: the last row carries G_C's gradient into the chunk (`_bwd_vk`)
+    dG = tl.load(p_dg) + qs * rowq + ks * rowk - kc * cs - kh * ce
+    tl.store(p_dqh, dqh, boundary_check=(0,))
+    tl.store(p_dkh, dkh + ce, boundary_check=(0,))
+    tl.store(p_dg, dG)
+    tl.store(tl.make_block_ptr(db_part + (bos * H + i_h) * NS + s, (L,), (H * NS,), (r0,), (BC,), (0,)), dbeta,
+             boundary_check=(0,))
+
+
+@triton.jit
+def _bwd_gate(z, A_log, dt_bias, cu, chunk_idx, dg_in, dz, dA_part, dbias_part,
+              H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, G_MIN: tl.constexpr, INTERP: tl.constexpr):
+    """After `_bwd_k_block`, one (key slice of SK columns, chunk, head): dG → dg by the reverse cumsum over the
+    chunk, then the gate chain: dz, and this chunk's partial sums of dA_log (dA_part: [NT, H, NS]) and dt_bias
+    (dbias_part: [NT, H, K]), reduced by the caller."""
+    NS: tl.constexpr = K // SK
+    pid = tl.program_id(0)
+    i_c = pid // NS
+    s = pid % NS
+    c0 = s * SK
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
+    rows = tl.arange(0, C)
+    g_base = (i_c * H + i_h).to(tl.int64) * C * K
+    valid = row0 + rows < L
+    z_raw, a_exp, bias = _gate_inputs(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K, C, SK)
+    _, x = _gate_from(z_raw, a_exp, bias, valid, G_MIN)
+    dg = tl.cumsum(tl.load(dg_in + g_base + rows[:, None] * K + c0 + tl.arange(0, SK)[None, :]), 0, reverse=True)
+    sg = tl.sigmoid(x)
+    dx = tl.where(valid[:, None], dg * G_MIN * sg * (1.0 - sg), 0.0)
+    dzv = dx * a_exp
+    tl.store(_bp(dz, bos, L, i_h, row0, c0, H, K, C, SK), _cast(dzv, dz.dtype.element_ty, INTERP),
+             boundary_check=(0,))
+    tl.store(dA_part + (i_c * H + i_h) * NS + s, tl.sum(tl.sum(dx * x, 1), 0))
+    tl.store(dbias_part + (i_c * H + i_h).to(tl.int64) * K + c0 + tl.arange(0, SK), tl.sum(dzv, 0))
+
+
+@triton.jit
 def _norm_bwd_rows(x, dxh, dx, n_in, row_off, off, m, sc, INTERP: tl.constexpr):
     """dx = (dy − y·⟨y, dy⟩)/‖x‖ on a [BT, K] tile, y = x/‖x‖ and dy = sc·dx̂; ‖x‖ from n_in (the prepare's)."""
     xr = tl.load(x + off, mask=m[:, None], other=0.0).to(tl.float32)
@@ -1163,6 +1293,9 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     products = TUNING["state_bwd_products"]
     if products not in ("tf32", "split", "bf16"):
         raise ValueError(f"TUNING['state_bwd_products'] is tf32, split or bf16, not {products!r}")
+    form = TUNING["bwd_k_form"]
+    if form not in ("chunk", "block"):
+        raise ValueError(f"TUNING['bwd_k_form'] is chunk or block, not {form!r}")
     launch = _launch_options("state_bwd")
     if products != "tf32" and (launch["num_warps"] != 4 or launch.get("num_stages", 3) not in (2, 3)):
         raise ValueError(f"`_state_bwd` with {products} products was measured correct on the H200 at 4 warps and "
@@ -1200,7 +1333,9 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     db = torch.empty_like(b)
     SK = min(K, TUNING["bwd_k_cols"])
     NS = K // SK
-    dA_part = torch.zeros(NT, H, NS, dtype=torch.float32, device=dev)
+    SKG = min(K, TUNING["bwd_gate_cols"])
+    NSG = K // SKG
+    dA_part = torch.zeros(NT, H, NSG if form == "block" else NS, dtype=torch.float32, device=dev)
     dbias_part = torch.zeros(NT, H, K, dtype=torch.float32, device=dev)
     if plan.NT > 0:
         # the value side over key slices from Ũ (docs/kda-kernels.md §7 item 13); dT and dβ leave each slice as
@@ -1211,19 +1346,32 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         dbk = torch.empty(plan.NT, H, NSV, CHUNK, dtype=torch.float32, device=dev)
         # K = 16 with BV = 32 faulted (illegal address, in the value-side kernel of the time) on the H200; BV = 16
         # runs (docs/kda-kernels.md, runs 8-9)
+        by_block = form == "block"
+        G = torch.empty(plan.NT, H, CHUNK, K, dtype=torch.float32, device=dev) if by_block else dG
         _bwd_vk[(plan.NT * NSV, H)](q, k, z, b, A_log, dt_bias, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse, do,
-                                    du, ut, dqh, dkh, dG, dtk, dbk, scale, H=H, K=K, V=V, SK=SKV,
+                                    du, ut, dqh, dkh, dG, dtk, dbk, G, scale, H=H, K=K, V=V, SK=SKV,
                                     BV=min(V, TUNING["bwd_vk_bv"]) if K > 16 else 16,
-                                    C=CHUNK, G_MIN=g_min, INTERP=interp, **_launch_options("bwd_vk"))
+                                    C=CHUNK, G_MIN=g_min, STORE_G=by_block, INTERP=interp,
+                                    **_launch_options("bwd_vk"))
         _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, dtk, dbk, dv, daqk, dakk, dbeta,
                               H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, INTERP=interp,
                               **_launch_options("bwd_vv"))
         del dtk, dbk, ut
-        # key slices (docs/kda-kernels.md §7 item 11); then the row-wise norm and σ' chains
         db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
-        _bwd_k[(plan.NT * NS, H)](q, k, z, b, A_log, dt_bias, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG, daqk,
-                                  dakk, dz, db_part, dA_part, dbias_part, scale, H=H, K=K, SK=SK, C=CHUNK, BC=SUB,
-                                  G_MIN=g_min, INTERP=interp, **_launch_options("bwd_k"))
+        if by_block:
+            # per (16-row block, key slice): the score side, then the reverse cumsum and the gate chain
+            _bwd_k_block[(plan.NT * NS * (CHUNK // SUB), H)](q, k, b, qn, kn, plan.cu, plan.chunk_idx, G, dqh, dkh,
+                                                             dG, daqk, dakk, db_part, scale, H=H, K=K, SK=SK,
+                                                             C=CHUNK, BC=SUB, **_launch_options("bwd_k"))
+            del G
+            _bwd_gate[(plan.NT * NSG, H)](z, A_log, dt_bias, plan.cu, plan.chunk_idx, dG, dz, dA_part, dbias_part,
+                                          H=H, K=K, SK=SKG, C=CHUNK, G_MIN=g_min, INTERP=interp,
+                                          **_launch_options("bwd_gate"))
+        else:
+            # key slices (docs/kda-kernels.md §7 item 11); then the row-wise norm and σ' chains
+            _bwd_k[(plan.NT * NS, H)](q, k, z, b, A_log, dt_bias, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG,
+                                      daqk, dakk, dz, db_part, dA_part, dbias_part, scale, H=H, K=K, SK=SK, C=CHUNK,
+                                      BC=SUB, G_MIN=g_min, INTERP=interp, **_launch_options("bwd_k"))
         BT = TUNING["bwd_norms_rows"]
         _bwd_norms[(triton.cdiv(TT, BT), H)](q, k, b, qn, kn, dqh, dkh, dbeta, db_part, dq, dk, db, TT, scale, H=H,
                                              K=K, NS=NS, BT=BT, INTERP=interp,
