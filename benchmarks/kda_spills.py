@@ -8,7 +8,7 @@ speed, not a measurement of it: spills were not the main cost of the old fused p
 (docs/kda-kernels.md §7).
 
     python benchmarks/kda_spills.py                       # every kernel at its TUNING settings
-    python benchmarks/kda_spills.py _bwd_k --warps 4 8    # one kernel, several warp counts
+    python benchmarks/kda_spills.py _bwd_k_block --warps 2 4   # one kernel, several warp counts
     python benchmarks/kda_spills.py _prep_intra --maxnreg 128 168   # with a register cap (more programs per SM)
     python benchmarks/kda_spills.py _prep_intra _prep_wu --maxnreg 0 128 --sass   # 0: no cap; SASS counts
     python benchmarks/kda_spills.py _bwd_vk _bwd_vv --warps 4 8 --maxnreg 0 168 128 --stages 1 3 --sass
@@ -46,18 +46,18 @@ FP32_ARGS = {"A_log", "dt_bias", "t_in", "t_out", "hs", "dse", "du", "dqh_in", "
 INT32_ARGS = {"cu", "chunk_idx", "chunk_off"}
 CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
                   USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64,
-                  STORE_UT=False, SPLIT=chunk.TUNING["state_split_inference"], STORE_QN=False,
-                  STORE_G=chunk.TUNING["bwd_k_form"] == "block")
+                  STORE_UT=False, SPLIT=chunk.TUNING["state_split_inference"], STORE_QN=False)
 # kernel -> its TUNING key prefix, in launch order; "_state_ut" is `_state` when it also stores Ũ (the backward's
 # recompute launch; the training forward's adds WRITE_O), launched with the state_ut settings
 TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
                  "_prep_wu": "prep_wu", "_state": "state", "_state_ut": "state_ut", "_state_bwd": "state_bwd",
-                 "_bwd_vk": "bwd_vk", "_bwd_vv": "bwd_vv", "_bwd_k": "bwd_k", "_bwd_k_block": "bwd_k",
-                 "_bwd_gate": "bwd_gate", "_bwd_norms": "bwd_norms"}
+                 "_bwd_vk": "bwd_vk", "_bwd_vv": "bwd_vv", "_bwd_k_block": "bwd_k", "_bwd_gate": "bwd_gate",
+                 "_bwd_norms": "bwd_norms"}
 # per-kernel constexprs on top of CONSTEXPRS
 _SK = chunk.TUNING["bwd_k_cols"]
 _SKV = chunk.TUNING["bwd_vk_cols"]
-KERNEL_CONSTEXPRS = {"_bwd_k": dict(SK=_SK), "_bwd_k_block": dict(SK=_SK),
+KERNEL_CONSTEXPRS = {"_bwd_k_block": dict(SK=_SK, BF16=chunk.TUNING["bwd_k_bf16"],
+                                         FAST_EXP=chunk.TUNING["bwd_k_fast_exp"]),
                      "_bwd_gate": dict(SK=chunk.TUNING["bwd_gate_cols"]), "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
                      "_state_ut": dict(STORE_UT=True, SPLIT=chunk.TUNING["state_split"]), "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV),
                      "_state_bwd": dict(SPLIT=chunk.TUNING["state_bwd_products"] == "split",

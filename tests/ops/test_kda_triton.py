@@ -765,47 +765,6 @@ def test_backward_key_slices(dev, monkeypatch, case):
 
 
 
-@pytest.mark.parametrize("case", ["varlen_fp32_V64", "varlen_bf16_K16_V128", "recompute_varlen_bf16"])
-def test_backward_score_forms(dev, monkeypatch, case):
-    """The score backward per 16-row block (TUNING["bwd_k_form"] = "block": `_bwd_k_block` on G from `_bwd_vk`,
-    then `_bwd_gate`) against the fp64 recurrence at the file's tolerances and against the two-sweep `_bwd_k`
-    ("chunk"), at two key slices. Same products; the reverse cumsum over 64 rows instead of four 16-row blocks
-    with a carry, and G from `_bwd_vk`'s 64-row cumsum, round differently: interpreter measured ≤ 2.1e-6 (fp32,
-    dA_log) and ≤ 1.9e-6 (bf16, dz); tolerances as `test_backward_key_slices`. Outputs bit-identical."""
-    import functools
-
-    import k3.ops.kda
-    from k3.ops.kda import triton_chunk as tc
-
-    lengths, H, K, V, dtype, vk_cols, k_cols, kw = SLICE_CASES[case]
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    inputs = make_raw(1, cu[-1], H, K, V, seed=41, N=len(lengths), dtype=dtype)
-    monkeypatch.setattr(k3.ops.kda, "chunk_kda", functools.partial(tc.chunk_kda, **kw))
-    monkeypatch.setitem(tc.TUNING, "bwd_vk_cols", vk_cols)
-    monkeypatch.setitem(tc.TUNING, "bwd_k_cols", k_cols)
-    monkeypatch.setitem(tc.TUNING, "bwd_gate_cols", min(K, 2 * k_cols))
-    runs = {}
-    for form in ("block", "chunk"):
-        monkeypatch.setitem(tc.TUNING, "bwd_k_form", form)
-        runs[form] = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
-    check(*runs["block"], dtype, case)
-    (o, S, grads), _ = runs["block"]
-    (ro, rS, rgrads), _ = runs["chunk"]
-    assert torch.equal(o, ro) and torch.equal(S, rS)
-    tol = 1e-3 if ON_GPU else (1e-5 if dtype == torch.float32 else 1e-4)
-    for name, a, r in zip(NAMES, grads, rgrads):
-        assert rel_err(a.cpu(), r.cpu()) <= tol, (case, name, rel_err(a.cpu(), r.cpu()))
-
-
-def test_backward_score_form_refused(dev, monkeypatch):
-    from k3.ops.kda import triton_chunk as tc
-
-    monkeypatch.setitem(tc.TUNING, "bwd_k_form", "rows")
-    with pytest.raises(ValueError, match="bwd_k_form"):
-        run_both(make_raw(1, 20, 1, 16, 16), dev)
-
 # the row norms ‖q‖, ‖k‖ the prepare keeps for the backward (`_load_norm` in `_bwd_vk`, `_bwd_k`, `_bwd_norms`)
 
 

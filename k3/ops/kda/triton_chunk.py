@@ -43,6 +43,7 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from k3.ops import interpreting, triton_runs_on
 from k3.ops.kda.reference import document_offsets
@@ -99,10 +100,10 @@ TUNING = {
     # `_bwd_k` over key slices of bwd_k_cols columns, then `_bwd_norms` (docs/kda-kernels.md §7 item 11): 7.64 ms
     # for the whole-row kernel → 4.89 + 0.41 ms at 128 registers (run 7)
     "bwd_k_cols": 32, "bwd_k_warps": 4, "bwd_k_stages": None, "bwd_k_maxnreg": 128,
-    # the score backward's form: "chunk" (`_bwd_k`, one program per key slice and chunk, two sweeps over its four
-    # 16-row blocks) or "block" (`_bwd_k_block` per 16-row block and key slice, with G from `_bwd_vk`, then
-    # `_bwd_gate` per key slice and chunk for the reverse cumsum and the gate chain); bwd_k_* launch either
-    "bwd_k_form": "chunk",
+    # `_bwd_k_block`'s score products in bf16 instead of tf32 (untimed)
+    "bwd_k_bf16": False,
+    # `_bwd_k_block`'s exps flush-to-zero (`_exp`; untimed)
+    "bwd_k_fast_exp": False,
     "bwd_gate_cols": 32, "bwd_gate_warps": 4, "bwd_gate_stages": None, "bwd_gate_maxnreg": None,
     "bwd_norms_rows": 16, "bwd_norms_warps": 4, "bwd_norms_stages": None, "bwd_norms_maxnreg": None,
     "decode_bv": 64, "decode_warps": 4,
@@ -126,6 +127,16 @@ def _launch_options(kernel: str) -> dict:
 
 
 # device helpers
+
+
+@triton.jit
+def _exp(x, FAST: tl.constexpr):
+    """exp(x); FAST: ex2.approx.ftz (`libdevice.fast_expf`, not in the interpreter), which skips tl.exp's
+    denormal range scaling (three instructions per exp). For anchored arguments (≤ 0, or a factor within e^±80) a
+    result that flushes to zero is below fp32's normal range next to the ones kept."""
+    if FAST:
+        return libdevice.fast_expf(x)
+    return tl.exp(x)
 
 
 @triton.jit
@@ -604,23 +615,8 @@ def _unit_cols(q, k, qn_in, kn_in, bos, L, row0, c0, i_h, scale, H, K: tl.conste
     k_n = _load_norm(kn_in, bos, L, row0, i_h, H, BC)
     q_s = tl.load(_bp(q, bos, L, i_h, row0, c0, H, K, BC, SK), boundary_check=(0,), padding_option="zero")
     k_s = tl.load(_bp(k, bos, L, i_h, row0, c0, H, K, BC, SK), boundary_check=(0,), padding_option="zero")
-    return q_s.to(tl.float32) / q_n[:, None] * scale, k_s.to(tl.float32) / k_n[:, None]
-
-
-@triton.jit
-def _block_inputs_cols(q, k, z, b, A_log, dt_bias, qn_in, kn_in, bos, L, row0, c0, i_h, scale, carry,
-                       H, K: tl.constexpr, SK: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr):
-    """One 16-row block on the key columns [c0, c0 + SK) (`_bwd_k`): q̂, k̂, the cumulative gate G (continuing
-    from `carry`), its anchor a (G at the first row) and end e (G at the last row) on those columns, β, gate
-    pre-activation and valid mask. The L2 norms need whole rows: they are the prepare's ([TT, H], `_load_norm`)."""
-    qh, kh = _unit_cols(q, k, qn_in, kn_in, bos, L, row0, c0, i_h, scale, H, K, SK, BC)
-    beta = _load_beta(b, bos, L, row0, i_h, H, BC)
-    g, x, valid = _gate_tile(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K, BC, SK, G_MIN)
-    G = carry[None, :] + tl.cumsum(g, 0)
-    r = tl.arange(0, BC)
-    a = tl.sum(tl.where(r[:, None] == 0, G, 0.0), 0)
-    e = tl.sum(tl.where(r[:, None] == BC - 1, G, 0.0), 0)
-    return qh, kh, beta, G, a, e, x, valid
+    # one reciprocal per row, not a division per element
+    return q_s.to(tl.float32) * (scale / q_n)[:, None], k_s.to(tl.float32) * (1.0 / k_n)[:, None]
 
 
 @triton.jit
@@ -672,22 +668,20 @@ def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
 
 
 @triton.jit
-def _bwd_vk(q, k, z, b, A_log, dt_bias, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do, du, ut,
-            dqh_out, dkh_out, dg_out, dtk_out, dbk_out, g_out,
-            scale, H, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-            G_MIN: tl.constexpr, STORE_G: tl.constexpr, INTERP: tl.constexpr):
+def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do, du, ut,
+            dqh_out, dkh_out, dg_out, dtk_out, dbk_out,
+            scale, H, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):
     """Value side, part 1: one (key slice of SK columns, chunk, head), the value-dim gradients that are
     elementwise in the key column, from the forward's Ũ = U − W·S (no W, no W·S).
 
     Looping over value blocks, on the slice's rows of S and dS_end: dQg = dO·Sᵀ, dW = −dŨ·Sᵀ, dKd = Ũ·dS_endᵀ
     and dΓ_C = Σ_v S ⊙ dS_end. Then, per key column, the finished value-side dq̂ = dQg⊙Γ,
     dk̂ = dKd⊙exp(G_C − G) + β·(Tᵀ·dW)⊙Γ and dG (with G_C's gradient on the last row) into the fp32 scratch
-    `_bwd_k` reads. The two terms that sum over K leave as this slice's partials, for `_bwd_vv`:
+    `_bwd_k_block` reads. The two terms that sum over K leave as this slice's partials, for `_bwd_vv`:
     dT_k = dW·(β·K⊙Γ)ᵀ (dtk_out [NT, H, NS, C, C]) and dβ_k = Σ_k (Tᵀ·dW)⊙K⊙Γ (dbk_out [NT, H, NS, C]).
-    STORE_G: also the in-chunk cumulative gate G (g_out [NT, H, C, K] fp32) for `_bwd_k_block`.
-    ‖q‖, ‖k‖ come from qn_in, kn_in ([TT, H], `_load_norm`), so the gate's small inputs (z, A_log, dt_bias, β) are
-    loaded before the loop (their latency hidden behind it) and Tᵀ·dW is taken right after it, before q̂, k̂ and
-    G are live (fewer spills offline).
+    G and G_C are the prepare's (g_in [TT, H, K], gc_in [NT, H, K]; G reads 0 past the document end, where every
+    factor it enters multiplies a zero row). ‖q‖, ‖k‖ come from qn_in, kn_in ([TT, H], `_load_norm`); Tᵀ·dW is
+    taken right after the loop, before q̂, k̂ and G are live (fewer spills offline).
     """
     NS: tl.constexpr = K // SK
     pid = tl.program_id(0)
@@ -699,8 +693,8 @@ def _bwd_vk(q, k, z, b, A_log, dt_bias, qn_in, kn_in, cu, chunk_idx, t_in, hs, d
     rows = tl.arange(0, C)
     cs = tl.arange(0, SK)
     s_base = (i_c * H + i_h).to(tl.int64) * K * V
-    z_raw, a_exp, bias = _gate_inputs(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K, C, SK)
     beta = _load_beta(b, bos, L, row0, i_h, H, C)
+    gc = tl.load(gc_in + (i_c * H + i_h).to(tl.int64) * K + c0 + cs)
     dQg = tl.zeros([C, SK], dtype=tl.float32)
     dW = tl.zeros([C, SK], dtype=tl.float32)
     dKd = tl.zeros([C, SK], dtype=tl.float32)
@@ -718,12 +712,7 @@ def _bwd_vk(q, k, z, b, A_log, dt_bias, qn_in, kn_in, cu, chunk_idx, t_in, hs, d
         dgc += tl.sum(S * dSe, 1)
     Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
     dXk = tl.dot(tl.trans(Tm), dW)
-    # the gate from the inputs loaded before the loop; one 64-row block from a zero carry: its end is G_C
-    g, _ = _gate_from(z_raw, a_exp, bias, row0 + rows < L, G_MIN)
-    G = tl.cumsum(g, 0)
-    if STORE_G:
-        tl.store(g_out + (i_c * H + i_h).to(tl.int64) * C * K + rows[:, None] * K + (c0 + cs)[None, :], G)
-    gc = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)
+    G = tl.load(_bp(g_in, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
     qh, kh = _unit_cols(q, k, qn_in, kn_in, bos, L, row0, c0, i_h, scale, H, K, SK, C)
     gam = tl.exp(G)
     Kg = kh * gam
@@ -796,204 +785,40 @@ def _load_block(x, bos, L, i_h, row0, col0, H, W: tl.constexpr, BC: tl.constexpr
 
 
 @triton.jit
-def _score_bwd_off(daqk, dakk, bos, L, i_h, row0, col0, qs, ks, beta, a, kend_J, e_J, rowq, rowk, cs_J,
-                   H, C: tl.constexpr, BC: tl.constexpr):
-    """Block (R, J < R) of the score backward, factorised around block J's last row as well:
-    exp(G[r] − G[i]) = exp(G[r] − a_R)·d·exp(e_J − G[i]), every factor ≤ 1, d = exp(a_R − e_J).
-
-    Adds dAqk_RJ·(k̂⊙exp(e_J − G))·d to rowq and dAkk_RJ·(…)·d to rowk (the row side of block R), and
-    dAqk_RJᵀ·(qs⊙d) + dÃ_RJᵀ·(ks⊙d) to cs_J (block J's column side, scaled by exp(e_J − G) at the end).
-    """
-    d = tl.exp(a - e_J)[None, :]
-    daq = _load_block(daqk, bos, L, i_h, row0, col0, H, C, BC)
-    dak = _load_block(dakk, bos, L, i_h, row0, col0, H, C, BC)
-    rowq += d * tl.dot(daq, kend_J)
-    rowk += d * tl.dot(dak, kend_J)
-    cs_J += tl.dot(tl.trans(daq), qs * d) + tl.dot(tl.trans(beta[:, None] * dak), ks * d)
-    return rowq, rowk, cs_J
+def _g_block(g_in, bos, L, i_h, r0, c0, H, K: tl.constexpr, SK: tl.constexpr, BC: tl.constexpr):
+    """The prepare's G ([TT, H, K] fp32) on the BC rows at r0 of one document, columns [c0, c0 + SK), with its
+    anchor a (G at the first row) and end e (G at the last row before the document end): loaded, not reduced. Rows
+    past the end take G = a, so every factor exp(±(G − a)) there is 1 (q̂ = k̂ = 0 on them)."""
+    ck = c0 + tl.arange(0, SK)
+    G = tl.load(_bp(g_in, bos, L, i_h, r0, c0, H, K, BC, SK), boundary_check=(0,), padding_option="zero")
+    a = tl.load(g_in + ((bos + r0) * H + i_h).to(tl.int64) * K + ck)
+    e = tl.load(g_in + ((bos + tl.minimum(r0 + BC, L) - 1) * H + i_h).to(tl.int64) * K + ck)
+    return tl.where((r0 + tl.arange(0, BC) < L)[:, None], G, a[None, :]), a, e
 
 
 @triton.jit
-def _bwd_rows(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dqh_in, dkh_in, dg_in, daqk, dakk, db_part,
-              bos, L, row0, c0, s, R: tl.constexpr, g_base, i_h, scale, carry, kend0, e0, kend1, e1, kend2, e2,
-              cs0, cs1, cs2, H, K: tl.constexpr, SK: tl.constexpr, NS: tl.constexpr, C: tl.constexpr,
-              BC: tl.constexpr, G_MIN: tl.constexpr):
-    """Sweep 1 of `_bwd_k`, row block R on key columns [c0, c0 + SK) (slice s of NS): everything its rows of
-    the score matrices give.
+def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_in, daqk_in, dakk_in, db_part,
+                 scale, H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BF16: tl.constexpr,
+                 FAST_EXP: tl.constexpr, INTERP: tl.constexpr):
+    """The score backward of one (16-row block R, key slice of SK columns, chunk, head): everything that lands on
+    block R's rows, so no program waits for another and nothing is carried across blocks.
 
-    dq̂ and dβ only have row-side terms, so dq̂ is finished here and goes back to its scratch, and this slice's
-    part of dβ to the [TT, H, NS] partials (db_part); `_bwd_norms` finishes both (the norm backward and σ' need
-    whole rows). The partial dk̂ and dG (missing the column side of later row blocks) go back to their scratch
-    rows. Adds block R's column side to the cs of earlier blocks; returns (G at the block's end,
-    k̂⊙exp(e_R − G), cs0, cs1, cs2).
-    """
-    qh, kh, beta, G, a, e, x, valid = _block_inputs_cols(q, k, z, b, A_log, dt_bias, qn_in, kn_in, bos, L,
-                                                         row0 + R * BC, c0, i_h, scale, carry, H, K, SK, BC, G_MIN)
-    rf = tl.exp(G - a[None, :])
-    ec = tl.exp(a[None, :] - G)
-    qs = qh * rf
-    ks = kh * rf
-    kc = kh * ec
-    # diagonal block: exp(G[r] − G[i]) = exp(G[r] − a)·exp(a − G[i]); dAqk, dAkk arrive masked
-    daq = _load_block(daqk, bos, L, i_h, row0 + R * BC, R * BC, H, C, BC)
-    dak = _load_block(dakk, bos, L, i_h, row0 + R * BC, R * BC, H, C, BC)
-    rowq = tl.dot(daq, kc)
-    rowk = tl.dot(dak, kc)
-    cs = tl.dot(tl.trans(daq), qs) + tl.dot(tl.trans(beta[:, None] * dak), ks)
-    if R > 0:
-        rowq, rowk, cs0 = _score_bwd_off(daqk, dakk, bos, L, i_h, row0 + R * BC, 0, qs, ks, beta, a, kend0, e0,
-                                         rowq, rowk, cs0, H, C, BC)
-    if R > 1:
-        rowq, rowk, cs1 = _score_bwd_off(daqk, dakk, bos, L, i_h, row0 + R * BC, BC, qs, ks, beta, a, kend1, e1,
-                                         rowq, rowk, cs1, H, C, BC)
-    if R > 2:
-        rowq, rowk, cs2 = _score_bwd_off(daqk, dakk, bos, L, i_h, row0 + R * BC, 2 * BC, qs, ks, beta, a, kend2,
-                                         e2, rowq, rowk, cs2, H, C, BC)
-    r0 = row0 + R * BC
-    ck = tl.arange(0, SK)
-    p_dqh = _bp(dqh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
-    p_dkh = _bp(dkh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
-    p_dg = dg_in + g_base + (R * BC + tl.arange(0, BC))[:, None] * K + c0 + ck[None, :]
-    dqh = tl.load(p_dqh, boundary_check=(0,), padding_option="zero") + rf * rowq
-    # rowk was taken with dAkk; Akk = diag(β)·Ã, so Σ_i dAkk·Ã = Σ_k ks⊙rowk, and Ã's own gradient is β·rowk
-    dbeta = tl.sum(ks * rowk, 1)
-    rowk = beta[:, None] * rowk
-    dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero") + rf * rowk + ec * cs
-    dG = tl.load(p_dg) + qs * rowq + ks * rowk - kc * cs
-    tl.store(p_dkh, dkh, boundary_check=(0,))
-    tl.store(p_dg, dG)
-    tl.store(p_dqh, dqh, boundary_check=(0,))
-    p_part = tl.make_block_ptr(db_part + (bos * H + i_h) * NS + s, (L,), (H * NS,), (r0,), (BC,), (0,))
-    tl.store(p_part, dbeta, boundary_check=(0,))
-    return e, kh * tl.exp(e[None, :] - G), cs0, cs1, cs2
+    Block (R, J) of Aqk = Σ_k q̂[r]k̂[i]·exp(G[r] − G[i]) (and of Ã, Akk = diag(β)·Ã) is a product of 16-row tiles
+    around anchors, every factor within fp32's range because g ≥ −5 (docs/kda.md §4):
+    - the diagonal block around a_R (G at R's first row): row factor exp(G_r − a_R), column factor exp(a_R − G_i);
+    - a block (R, J < R), R's row side: Σ_i dA[r, i]·k̂_i⊙exp(e_J − G_i) (e_J: G at J's last row), times
+      exp(a_R − e_J) and the row factor;
+    - a block (J > R, R), R's column side: Σ_r dA[r, i]·(q̂_r or β_r k̂_r)⊙exp(G_r − a_J), times exp(a_J − e_R) and
+      finished with exp(e_R − G_i) ≤ 1.
+    dq̂, dk̂ and dG come out of 16×16 by 16×SK matmuls; the gate gets +x⊙dx on the row factor's side and −x⊙dx on
+    the column's (if a quantity depends on G only through x⊙exp(±G), dG = ±x⊙dx).
 
-
-@triton.jit
-def _bwd_cols(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dkh_in, dg_in, dz, bos, L, row0, c0, J: tl.constexpr,
-              g_base, i_h, scale, carry, e_J, cs_J, dg_after, dA_sum, dbias_sum,
-              H, K: tl.constexpr, SK: tl.constexpr, BC: tl.constexpr, G_MIN: tl.constexpr, HAS_CS: tl.constexpr,
-              INTERP: tl.constexpr):
-    """Sweep 2 of `_bwd_k`, block J (last block first) on key columns [c0, c0 + SK): the column side of the
-    later row blocks, the reverse cumsum dG → dg (dg_after = Σ dG over the later blocks) and the gate chain;
-    the finished dk̂ goes back to its scratch for `_bwd_norms`.
-
-    Returns dg_after, dA_sum and dbias_sum with this block added."""
-    qh, kh, beta, G, a, e, x, valid = _block_inputs_cols(q, k, z, b, A_log, dt_bias, qn_in, kn_in, bos, L,
-                                                         row0 + J * BC, c0, i_h, scale, carry, H, K, SK, BC, G_MIN)
-    r0 = row0 + J * BC
-    ck = tl.arange(0, SK)
-    p_dkh = _bp(dkh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
-    dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero")
-    # padding rows keep their dG: the last row carries G_C's gradient into the chunk (`_bwd_vk`)
-    dG = tl.load(dg_in + g_base + (J * BC + tl.arange(0, BC))[:, None] * K + c0 + ck[None, :])
-    if HAS_CS:
-        f = tl.exp(e_J[None, :] - G) * cs_J
-        dkh += f
-        dG -= kh * f
-    dg = tl.cumsum(dG, 0, reverse=True) + dg_after[None, :]
-    sg = tl.sigmoid(x)
-    dx = tl.where(valid[:, None], dg * G_MIN * sg * (1.0 - sg), 0.0)
-    dzv = dx * tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    tl.store(_bp(dz, bos, L, i_h, r0, c0, H, K, BC, SK), _cast(dzv, dz.dtype.element_ty, INTERP),
-             boundary_check=(0,))
-    tl.store(p_dkh, dkh, boundary_check=(0,))
-    return dg_after + tl.sum(dG, 0), dA_sum + tl.sum(tl.sum(dx * x, 1), 0), dbias_sum + tl.sum(dzv, 0)
-
-
-@triton.jit
-def _bwd_k(q, k, z, b, A_log, dt_bias, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_in, daqk_in, dakk_in,
-           dz, db_part, dA_part, dbias_part,
-           scale, H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-           G_MIN: tl.constexpr, INTERP: tl.constexpr):
-    """One (key slice of SK columns, chunk, head): the score-matrix, cumsum and gate chains back to the raw
-    inputs, on top of the value side's dq̂, dk̂, dG (fp32 scratch) and dAqk, dAkk.
-
-    The score backward uses the prepare's 16-row blocks and anchors, 2D tiles only. Block (R, J) of
-    Aqk = Σ_k q̂[r]k̂[i]·exp(G[r] − G[i]) (and of Ã, Akk = diag(β)·Ã) factorises into a row factor
-    exp(G[r] − a_R) and a column factor (exp(a_R − G[i]) on the diagonal, exp(a_R − e_J)·exp(e_J − G[i])
-    below it), so dq̂, dk̂ and dG come out of 16×16 by 16×SK matmuls: row side Σ_i dA[r, i]·col[i], column
-    side Σ_r dA[r, i]·row[r]; the gate gets +x⊙dx on the row factor's side and −x⊙dx on the column's.
-    Sweep 1 (R = 0…3) does each row block's row side, finishes dq̂ and its part of dβ, adds its column side to
-    the earlier blocks' accumulators and writes the partial dk̂, dG back to their scratch. Sweep 2 (J = 3…0)
-    adds the accumulated column sides, turns dG into dg by a reverse cumsum and finishes dk̂, dz and the
-    per-chunk partial sums of dA_log and dt_bias (reduced by the caller).
-
-    All of that is elementwise in the key column (the score dots contract over rows; gate, cumsum and dz are
-    per column) except the q/k norm backward and dβ, which reduce over K: each program leaves the finished
-    dq̂, dk̂ (scratch) and its dβ partial (db_part: [TT, H, NS]) to `_bwd_norms`. dA_part is [NT, H, NS].
-    ‖q‖, ‖k‖ come from qn_in, kn_in ([TT, H], `_load_norm`).
-    """
-    NS: tl.constexpr = K // SK
-    pid = tl.program_id(0)
-    i_c = pid // NS
-    s = pid % NS
-    c0 = s * SK
-    i_h = tl.program_id(1)
-    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
-    g_base = (i_c * H + i_h).to(tl.int64) * C * K
-    zero = tl.zeros([SK], dtype=tl.float32)
-    cs0 = tl.zeros([BC, SK], dtype=tl.float32)
-    cs1 = tl.zeros([BC, SK], dtype=tl.float32)
-    cs2 = tl.zeros([BC, SK], dtype=tl.float32)
-    # sweep 1; the kend/e arguments of blocks not reached yet are placeholders that the block R skips
-    e0, kend0, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dqh_in, dkh_in, dg_in, daqk_in,
-                                         dakk_in, db_part, bos, L, row0, c0, s, 0, g_base, i_h, scale, zero,
-                                         cs0, zero, cs0, zero, cs0, zero, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN)
-    e1, kend1, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dqh_in, dkh_in, dg_in, daqk_in,
-                                         dakk_in, db_part, bos, L, row0, c0, s, 1, g_base, i_h, scale, e0,
-                                         kend0, e0, cs0, zero, cs0, zero, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN)
-    e2, kend2, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dqh_in, dkh_in, dg_in, daqk_in,
-                                         dakk_in, db_part, bos, L, row0, c0, s, 2, g_base, i_h, scale, e1,
-                                         kend0, e0, kend1, e1, cs0, zero, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN)
-    e3, _, cs0, cs1, cs2 = _bwd_rows(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dqh_in, dkh_in, dg_in, daqk_in,
-                                     dakk_in, db_part, bos, L, row0, c0, s, 3, g_base, i_h, scale, e2,
-                                     kend0, e0, kend1, e1, kend2, e2, cs0, cs1, cs2, H, K, SK, NS, C, BC, G_MIN)
-    # sweep 2 reads the partial dk̂ and dG that other threads of this program just wrote
-    tl.debug_barrier()
-    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dkh_in, dg_in, dz, bos, L,
-                                            row0, c0, 3, g_base, i_h, scale, e2, e3, cs0, zero, 0.0, zero,
-                                            H, K, SK, BC, G_MIN, False, INTERP)
-    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dkh_in, dg_in, dz, bos, L,
-                                            row0, c0, 2, g_base, i_h, scale, e1, e2, cs2, dg_after, dA_sum,
-                                            dbias_sum, H, K, SK, BC, G_MIN, True, INTERP)
-    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dkh_in, dg_in, dz, bos, L,
-                                            row0, c0, 1, g_base, i_h, scale, e0, e1, cs1, dg_after, dA_sum,
-                                            dbias_sum, H, K, SK, BC, G_MIN, True, INTERP)
-    dg_after, dA_sum, dbias_sum = _bwd_cols(q, k, z, b, A_log, dt_bias, qn_in, kn_in, dkh_in, dg_in, dz, bos, L,
-                                            row0, c0, 0, g_base, i_h, scale, zero, e0, cs0, dg_after, dA_sum,
-                                            dbias_sum, H, K, SK, BC, G_MIN, True, INTERP)
-    tl.store(dA_part + (i_c * H + i_h) * NS + s, dA_sum)
-    tl.store(dbias_part + (i_c * H + i_h).to(tl.int64) * K + c0 + tl.arange(0, SK), dbias_sum)
-
-
-@triton.jit
-def _g_block(g_in, g_base, r0, c0, K: tl.constexpr, SK: tl.constexpr, BC: tl.constexpr):
-    """The BC rows at chunk row r0 of the in-chunk cumulative gate G that `_bwd_vk` stored ([NT, H, C, K] fp32,
-    all C rows of a chunk: constant past the document end), columns [c0, c0 + SK)."""
-    return tl.load(g_in + g_base + (r0 + tl.arange(0, BC))[:, None] * K + c0 + tl.arange(0, SK)[None, :])
-
-
-@triton.jit
-def _g_row(g_in, g_base, r, c0, K: tl.constexpr, SK: tl.constexpr):
-    """Chunk row r of that G, columns [c0, c0 + SK): a block's anchor or end, loaded rather than reduced."""
-    return tl.load(g_in + g_base + r * K + c0 + tl.arange(0, SK))
-
-
-@triton.jit
-def _bwd_k_block(q, k, b, qn_in, kn_in, cu, chunk_idx, g_in, dqh_in, dkh_in, dg_in, daqk_in, dakk_in, db_part,
-                 scale, H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
-    """The score backward of one (16-row block R, key slice of SK columns, chunk, head): everything that lands
-    on block R's rows, so no program waits for another and nothing is carried across blocks (the `block` form of
-    `_bwd_k`, TUNING["bwd_k_form"]).
-
-    Same factorisations as `_bwd_k`: the diagonal block around a_R (G at R's first row); a block (R, J < R) of
-    R's row side around a_R and e_J (G at J's last row), Σ_i dA[r, i]·k̂_i⊙exp(e_J − G_i), times exp(a_R − e_J);
-    a block (J > R, R) of R's column side around a_J and e_R, Σ_r dA[r, i]·(q̂_r or β_r k̂_r)⊙exp(G_r − a_J), times
-    exp(a_J − e_R), finished with exp(e_R − G_i) ≤ 1. G comes from `_bwd_vk` (g_in), not from the gate.
-
-    On top of the value side's dq̂, dk̂ and dG (fp32 scratch) it writes block R's finished dq̂ and dk̂, its dG
-    before the reverse cumsum (`_bwd_gate` does that and the gate chain) and this slice's dβ partial
-    (db_part: [TT, H, NS]).
+    On top of the value side's dq̂, dk̂ and dG (fp32 scratch, `_bwd_vk`) it writes block R's finished dq̂ and dk̂,
+    its dG before the reverse cumsum (`_bwd_gate` does that and the gate chain) and this slice's dβ partial
+    (db_part: [TT, H, NS]); `_bwd_norms` finishes dq̂, dk̂ and dβ, which reduce over K. G is the prepare's
+    ([TT, H, K], `_g_block`), ‖q‖ and ‖k‖ too (`_load_norm`). A block wholly past the document end does nothing:
+    its dG rows (G_C's gradient may sit on the chunk's last row) pass through unchanged. The products are tf32, or
+    bf16 with BF16 (`_mm`); FAST_EXP: flush-to-zero exps (`_exp`).
     """
     NS: tl.constexpr = K // SK
     NB: tl.constexpr = C // BC
@@ -1004,60 +829,60 @@ def _bwd_k_block(q, k, b, qn_in, kn_in, cu, chunk_idx, g_in, dqh_in, dkh_in, dg_
     c0 = s * SK
     i_h = tl.program_id(1)
     bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
-    g_base = (i_c * H + i_h).to(tl.int64) * C * K
-    rb = tl.arange(0, BC)
     r0 = row0 + R * BC
-    qh, kh = _unit_cols(q, k, qn_in, kn_in, bos, L, r0, c0, i_h, scale, H, K, SK, BC)
-    beta = _load_beta(b, bos, L, r0, i_h, H, BC)
-    G = _g_block(g_in, g_base, R * BC, c0, K, SK, BC)
-    a = _g_row(g_in, g_base, R * BC, c0, K, SK)
-    e = _g_row(g_in, g_base, R * BC + BC - 1, c0, K, SK)
-    rf = tl.exp(G - a[None, :])
-    ec = tl.exp(a[None, :] - G)
-    qs = qh * rf
-    ks = kh * rf
-    kc = kh * ec
-    # the diagonal block; dAqk, dAkk arrive masked to their lower triangles
-    daq = _load_block(daqk_in, bos, L, i_h, r0, R * BC, H, C, BC)
-    dak = _load_block(dakk_in, bos, L, i_h, r0, R * BC, H, C, BC)
-    rowq = tl.dot(daq, kc)
-    rowk = tl.dot(dak, kc)
-    cs = tl.dot(tl.trans(daq), qs) + tl.dot(tl.trans(beta[:, None] * dak), ks)
-    co = tl.zeros([BC, SK], dtype=tl.float32)
-    for J in tl.static_range(NB):
-        if J < R:
-            # block (R, J): R's row side
-            _, kJ = _unit_cols(q, k, qn_in, kn_in, bos, L, row0 + J * BC, c0, i_h, scale, H, K, SK, BC)
-            eJ = _g_row(g_in, g_base, J * BC + BC - 1, c0, K, SK)
-            kend = kJ * tl.exp(eJ[None, :] - _g_block(g_in, g_base, J * BC, c0, K, SK, BC))
-            d = tl.exp(a - eJ)[None, :]
-            rowq += d * tl.dot(_load_block(daqk_in, bos, L, i_h, r0, J * BC, H, C, BC), kend)
-            rowk += d * tl.dot(_load_block(dakk_in, bos, L, i_h, r0, J * BC, H, C, BC), kend)
-        if J > R:
-            # block (J, R): R's column side
-            qJ, kJ = _unit_cols(q, k, qn_in, kn_in, bos, L, row0 + J * BC, c0, i_h, scale, H, K, SK, BC)
-            bJ = _load_beta(b, bos, L, row0 + J * BC, i_h, H, BC)
-            aJ = _g_row(g_in, g_base, J * BC, c0, K, SK)
-            fJ = tl.exp(_g_block(g_in, g_base, J * BC, c0, K, SK, BC) - aJ[None, :]) * tl.exp(aJ - e)[None, :]
-            daqJ = _load_block(daqk_in, bos, L, i_h, row0 + J * BC, R * BC, H, C, BC)
-            dakJ = _load_block(dakk_in, bos, L, i_h, row0 + J * BC, R * BC, H, C, BC)
-            co += tl.dot(tl.trans(daqJ), qJ * fJ) + tl.dot(tl.trans(bJ[:, None] * dakJ), kJ * fJ)
-    p_dqh = _bp(dqh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
-    p_dkh = _bp(dkh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
-    p_dg = dg_in + g_base + (R * BC + rb)[:, None] * K + c0 + tl.arange(0, SK)[None, :]
-    # rowk was taken with dAkk; Akk = diag(β)·Ã, so Σ_i dAkk·Ã = Σ_k ks⊙rowk, and Ã's own gradient is β·rowk
-    dbeta = tl.sum(ks * rowk, 1)
-    rowk = beta[:, None] * rowk
-    ce = tl.exp(e[None, :] - G) * co
-    dqh = tl.load(p_dqh, boundary_check=(0,), padding_option="zero") + rf * rowq
-    dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero") + rf * rowk + ec * cs
-    # padding rows keep their dG: the last row carries G_C's gradient into the chunk (`_bwd_vk`)
-    dG = tl.load(p_dg) + qs * rowq + ks * rowk - kc * cs - kh * ce
-    tl.store(p_dqh, dqh, boundary_check=(0,))
-    tl.store(p_dkh, dkh + ce, boundary_check=(0,))
-    tl.store(p_dg, dG)
-    tl.store(tl.make_block_ptr(db_part + (bos * H + i_h) * NS + s, (L,), (H * NS,), (r0,), (BC,), (0,)), dbeta,
-             boundary_check=(0,))
+    if r0 < L:
+        qh, kh = _unit_cols(q, k, qn_in, kn_in, bos, L, r0, c0, i_h, scale, H, K, SK, BC)
+        beta = _load_beta(b, bos, L, r0, i_h, H, BC)
+        G, a, e = _g_block(g_in, bos, L, i_h, r0, c0, H, K, SK, BC)
+        rf = _exp(G - a[None, :], FAST_EXP)
+        ec = _exp(a[None, :] - G, FAST_EXP)
+        qs = qh * rf
+        ks = kh * rf
+        kc = kh * ec
+        # the diagonal block; dAqk, dAkk arrive masked to their lower triangles
+        daq = _load_block(daqk_in, bos, L, i_h, r0, R * BC, H, C, BC)
+        dak = _load_block(dakk_in, bos, L, i_h, r0, R * BC, H, C, BC)
+        rowq = _mm(daq, kc, BF16, INTERP)
+        rowk = _mm(dak, kc, BF16, INTERP)
+        cs = _mm(tl.trans(daq), qs, BF16, INTERP) + _mm(tl.trans(beta[:, None] * dak), ks, BF16, INTERP)
+        co = tl.zeros([BC, SK], dtype=tl.float32)
+        for J in tl.static_range(NB):
+            rJ = row0 + J * BC
+            if J < R:
+                # block (R, J): R's row side (J lies wholly before R, so inside the document)
+                _, kJ = _unit_cols(q, k, qn_in, kn_in, bos, L, rJ, c0, i_h, scale, H, K, SK, BC)
+                GJ, _, eJ = _g_block(g_in, bos, L, i_h, rJ, c0, H, K, SK, BC)
+                kend = kJ * _exp(eJ[None, :] - GJ, FAST_EXP)
+                d = _exp(a - eJ, FAST_EXP)[None, :]
+                rowq += d * _mm(_load_block(daqk_in, bos, L, i_h, r0, J * BC, H, C, BC), kend, BF16, INTERP)
+                rowk += d * _mm(_load_block(dakk_in, bos, L, i_h, r0, J * BC, H, C, BC), kend, BF16, INTERP)
+            if J > R and rJ < L:
+                # block (J, R): R's column side
+                qJ, kJ = _unit_cols(q, k, qn_in, kn_in, bos, L, rJ, c0, i_h, scale, H, K, SK, BC)
+                bJ = _load_beta(b, bos, L, rJ, i_h, H, BC)
+                GJ, aJ, _ = _g_block(g_in, bos, L, i_h, rJ, c0, H, K, SK, BC)
+                fJ = _exp(GJ - aJ[None, :], FAST_EXP) * _exp(aJ - e, FAST_EXP)[None, :]
+                daqJ = _load_block(daqk_in, bos, L, i_h, rJ, R * BC, H, C, BC)
+                dakJ = _load_block(dakk_in, bos, L, i_h, rJ, R * BC, H, C, BC)
+                co += _mm(tl.trans(daqJ), qJ * fJ, BF16, INTERP) + _mm(tl.trans(bJ[:, None] * dakJ), kJ * fJ, BF16,
+                                                                        INTERP)
+        p_dqh = _bp(dqh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
+        p_dkh = _bp(dkh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
+        p_dg = dg_in + (i_c * H + i_h).to(tl.int64) * C * K + (R * BC + tl.arange(0, BC))[:, None] * K + c0 + \
+            tl.arange(0, SK)[None, :]
+        # rowk was taken with dAkk; Akk = diag(β)·Ã, so Σ_i dAkk·Ã = Σ_k ks⊙rowk, and Ã's own gradient is β·rowk
+        dbeta = tl.sum(ks * rowk, 1)
+        rowk = beta[:, None] * rowk
+        ce = _exp(e[None, :] - G, FAST_EXP) * co
+        dqh = tl.load(p_dqh, boundary_check=(0,), padding_option="zero") + rf * rowq
+        dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero") + rf * rowk + ec * cs + ce
+        # padding rows keep their dG: the last row carries G_C's gradient into the chunk (`_bwd_vk`)
+        dG = tl.load(p_dg) + qs * rowq + ks * rowk - kc * cs - kh * ce
+        tl.store(p_dqh, dqh, boundary_check=(0,))
+        tl.store(p_dkh, dkh, boundary_check=(0,))
+        tl.store(p_dg, dG)
+        tl.store(tl.make_block_ptr(db_part + (bos * H + i_h) * NS + s, (L,), (H * NS,), (r0,), (BC,), (0,)), dbeta,
+                 boundary_check=(0,))
 
 
 @triton.jit
@@ -1195,8 +1020,9 @@ def inter_dtypes(dtype: torch.dtype, all_bf16: bool = False) -> tuple[torch.dtyp
 
 def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, store_t=False, store_norms=False):
     """Launch `_prep_gate`, `_prep_intra`, `_prep_solve` and `_prep_wu` on flattened [TT, H, ·] inputs; returns the
-    chunk-local operands (W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, T if store_t else None, and (‖q‖, ‖k‖) [TT, H]
-    fp32 if store_norms else None: the backward reads them, an inference forward does not store ‖q‖)."""
+    chunk-local operands (W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, T if store_t else None, (‖q‖, ‖k‖) [TT, H] fp32
+    if store_norms else None, and G [TT, H, K] fp32 if store_t else None: the backward reads T, the norms and G, an
+    inference forward does not store ‖q‖ and frees G before `_state`)."""
     TT, H, K = q.shape
     V = v.shape[-1]
     lo, hi = dtypes
@@ -1210,7 +1036,8 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
     qn = torch.empty_like(kn) if store_norms else None
     if plan.NT > 0:
         interp = interpreting()
-        # the in-chunk cumulative gate: 4·TT·H·K bytes (384 MiB at the K3 shape), freed before `_state`
+        # the in-chunk cumulative gate: 4·TT·H·K bytes (384 MiB at the K3 shape), freed before `_state` unless a
+        # backward reads it
         G = torch.empty(TT, H, K, dtype=torch.float32, device=q.device)
         _prep_gate[(plan.NT, H)](k, z, A_log, dt_bias, plan.cu, plan.chunk_idx, G, gc, kn, H=H, K=K, C=CHUNK, BC=SUB,
                                  G_MIN=g_min, **_launch_options("prep_gate"))
@@ -1225,8 +1052,10 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
         _prep_wu[(plan.NT * (K // SK + V // SV), H)](k, v, b, G, gc, plan.cu, plan.chunk_idx, Tm, kn, W, U, Kd,
                                                        H=H, K=K, V=V, C=CHUNK, SK=SK, SV=SV, INTERP=interp,
                                                        **_launch_options("prep_wu"))
-        del G
-    return W, U, Qg, Kd, Aqk, gc, (Tm if store_t else None), ((qn, kn) if store_norms else None)
+    else:
+        G = torch.empty(0, H, K, dtype=torch.float32, device=q.device)
+    return (W, U, Qg, Kd, Aqk, gc, (Tm if store_t else None), ((qn, kn) if store_norms else None),
+            (G if store_t else None))
 
 
 def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht=False, want_hs=False,
@@ -1261,25 +1090,25 @@ def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs
     """The forward: (o, final state or None, chunk-start states if want_hs else None, kept). training: a backward
     can follow (`_fwd_state`), so o is the same whether or not the forward keeps its operands.
 
-    keep: also return what the backward would recompute, (W, Qg, Kd, Aqk, gc, T, hs, Ũ, ‖q‖, ‖k‖), for
+    keep: also return what the backward would recompute, (W, Qg, Kd, Aqk, gc, T, hs, Ũ, G, ‖q‖, ‖k‖), for
     `_bwd(inter=…)`; else kept is None. The states and
     Ũ = U − W·S (U's dtype; the value-side backward reads it instead of recomputing W·S) come from the same
     `_state` launch as o, with the same `state_bf16`: storing them does not change the arithmetic (and `_bwd`
     recomputes them with `state_bf16` as well), so the gradients are bit-identical either way.
     """
-    W, U, Qg, Kd, Aqk, gc, Tm, norms = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
-                                                    store_t=keep, store_norms=keep)
+    W, U, Qg, Kd, Aqk, gc, Tm, norms, G = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
+                                                       store_t=keep, store_norms=keep)
     o, ht, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, want_ht=want_ht, want_hs=want_hs or keep,
                                state_bf16=state_bf16, want_ut=keep, training=training)
     # U is not needed by the backward
-    kept = (W, Qg, Kd, Aqk, gc, Tm, hs, ut) + norms if keep else None
+    kept = (W, Qg, Kd, Aqk, gc, Tm, hs, ut, G) + norms if keep else None
     return o, ht, (hs if want_hs else None), kept
 
 
 def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes, state_bf16, inter=None):
     """All gradients from the raw inputs and dO (and dht): recompute if needed, the state pass, the chunk passes.
 
-    inter: the forward's (W, Qg, Kd, Aqk, gc, T, hs, Ũ, ‖q‖, ‖k‖) (`_fwd(keep=True)`); then nothing is recomputed
+    inter: the forward's (W, Qg, Kd, Aqk, gc, T, hs, Ũ, G, ‖q‖, ‖k‖) (`_fwd(keep=True)`); then nothing is recomputed
     and h0 is not used. Without it the prepare kernels and `_state` (storing the chunk-start states, Ũ and the
     norms) run again here. Then `_state_bwd`, the value side over key slices (`_bwd_vk`, `_bwd_vv`), the score,
     gate and cumsum chains over key slices (`_bwd_k`) and the row-wise norm and σ' chains (`_bwd_norms`).
@@ -1293,22 +1122,19 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     products = TUNING["state_bwd_products"]
     if products not in ("tf32", "split", "bf16"):
         raise ValueError(f"TUNING['state_bwd_products'] is tf32, split or bf16, not {products!r}")
-    form = TUNING["bwd_k_form"]
-    if form not in ("chunk", "block"):
-        raise ValueError(f"TUNING['bwd_k_form'] is chunk or block, not {form!r}")
     launch = _launch_options("state_bwd")
     if products != "tf32" and (launch["num_warps"] != 4 or launch.get("num_stages", 3) not in (2, 3)):
         raise ValueError(f"`_state_bwd` with {products} products was measured correct on the H200 at 4 warps and "
                          f"2-3 stages only, not {launch} (TUNING): with 1 stage the build computed wrong gradients "
                          "or faulted (docs/kda-kernels.md §7 item 20)")
     if inter is None:
-        W, U, Qg, Kd, Aqk, gc, Tm, norms = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
-                                                        store_t=True, store_norms=True)
+        W, U, Qg, Kd, Aqk, gc, Tm, norms, G = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan,
+                                                           dtypes, store_t=True, store_norms=True)
         _, _, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, write_o=False, want_hs=True,
                                   state_bf16=state_bf16, want_ut=True, training=True)
         del U
     else:
-        W, Qg, Kd, Aqk, gc, Tm, hs, ut, *norms = inter
+        W, Qg, Kd, Aqk, gc, Tm, hs, ut, G, *norms = inter
         del inter
     BV = min(V, TUNING["state_bwd_bv"])
     NT = max(plan.NT, 1)
@@ -1335,7 +1161,7 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     NS = K // SK
     SKG = min(K, TUNING["bwd_gate_cols"])
     NSG = K // SKG
-    dA_part = torch.zeros(NT, H, NSG if form == "block" else NS, dtype=torch.float32, device=dev)
+    dA_part = torch.zeros(NT, H, NSG, dtype=torch.float32, device=dev)
     dbias_part = torch.zeros(NT, H, K, dtype=torch.float32, device=dev)
     if plan.NT > 0:
         # the value side over key slices from Ũ (docs/kda-kernels.md §7 item 13); dT and dβ leave each slice as
@@ -1346,32 +1172,26 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         dbk = torch.empty(plan.NT, H, NSV, CHUNK, dtype=torch.float32, device=dev)
         # K = 16 with BV = 32 faulted (illegal address, in the value-side kernel of the time) on the H200; BV = 16
         # runs (docs/kda-kernels.md, runs 8-9)
-        by_block = form == "block"
-        G = torch.empty(plan.NT, H, CHUNK, K, dtype=torch.float32, device=dev) if by_block else dG
-        _bwd_vk[(plan.NT * NSV, H)](q, k, z, b, A_log, dt_bias, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse, do,
-                                    du, ut, dqh, dkh, dG, dtk, dbk, G, scale, H=H, K=K, V=V, SK=SKV,
-                                    BV=min(V, TUNING["bwd_vk_bv"]) if K > 16 else 16,
-                                    C=CHUNK, G_MIN=g_min, STORE_G=by_block, INTERP=interp,
+        _bwd_vk[(plan.NT * NSV, H)](q, k, b, G, gc, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du, ut, dqh,
+                                    dkh, dG, dtk, dbk, scale, H=H, K=K, V=V, SK=SKV,
+                                    BV=min(V, TUNING["bwd_vk_bv"]) if K > 16 else 16, C=CHUNK,
                                     **_launch_options("bwd_vk"))
         _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, dtk, dbk, dv, daqk, dakk, dbeta,
                               H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, INTERP=interp,
                               **_launch_options("bwd_vv"))
         del dtk, dbk, ut
+        # per (16-row block, key slice): the score side (docs/kda-kernels.md §7 item 22); then per (key slice,
+        # chunk) the reverse cumsum and the gate chain, and per row the norm and σ' chains
         db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
-        if by_block:
-            # per (16-row block, key slice): the score side, then the reverse cumsum and the gate chain
-            _bwd_k_block[(plan.NT * NS * (CHUNK // SUB), H)](q, k, b, qn, kn, plan.cu, plan.chunk_idx, G, dqh, dkh,
-                                                             dG, daqk, dakk, db_part, scale, H=H, K=K, SK=SK,
-                                                             C=CHUNK, BC=SUB, **_launch_options("bwd_k"))
-            del G
-            _bwd_gate[(plan.NT * NSG, H)](z, A_log, dt_bias, plan.cu, plan.chunk_idx, dG, dz, dA_part, dbias_part,
-                                          H=H, K=K, SK=SKG, C=CHUNK, G_MIN=g_min, INTERP=interp,
-                                          **_launch_options("bwd_gate"))
-        else:
-            # key slices (docs/kda-kernels.md §7 item 11); then the row-wise norm and σ' chains
-            _bwd_k[(plan.NT * NS, H)](q, k, z, b, A_log, dt_bias, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG,
-                                      daqk, dakk, dz, db_part, dA_part, dbias_part, scale, H=H, K=K, SK=SK, C=CHUNK,
-                                      BC=SUB, G_MIN=g_min, INTERP=interp, **_launch_options("bwd_k"))
+        _bwd_k_block[(plan.NT * NS * (CHUNK // SUB), H)](q, k, b, G, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG,
+                                                         daqk, dakk, db_part, scale, H=H, K=K, SK=SK, C=CHUNK,
+                                                         BC=SUB, BF16=TUNING["bwd_k_bf16"],
+                                                         FAST_EXP=TUNING["bwd_k_fast_exp"] and not interp, INTERP=interp,
+                                                         **_launch_options("bwd_k"))
+        del G
+        _bwd_gate[(plan.NT * NSG, H)](z, A_log, dt_bias, plan.cu, plan.chunk_idx, dG, dz, dA_part, dbias_part,
+                                      H=H, K=K, SK=SKG, C=CHUNK, G_MIN=g_min, INTERP=interp,
+                                      **_launch_options("bwd_gate"))
         BT = TUNING["bwd_norms_rows"]
         _bwd_norms[(triton.cdiv(TT, BT), H)](q, k, b, qn, kn, dqh, dkh, dbeta, db_part, dq, dk, db, TT, scale, H=H,
                                              K=K, NS=NS, BT=BT, INTERP=interp,
