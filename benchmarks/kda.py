@@ -134,6 +134,41 @@ def small_gate(device, **kw):
     return errs, all(e <= TOL[n] for n, e in errs.items())
 
 
+def accuracy_table(configs, fla, device, quick):
+    """Relative RMSE against the fp64 recurrence, forward and every gradient, at T = 8192, H = 4 (dense, and the
+    issue's varlen mix; the fp64 autograd reference must fit), for each TUNING override set and for fla on the same
+    inputs: the issue's "never worse than 1.5× fla" beside the absolute limits. Prints one table, returns the rows."""
+    names = ("o", "S", "q", "k", "v", "z", "b", "A_log", "dt_bias", "h0")
+    T, H = (300, 2) if quick else (8192, 4)
+    base = dict(triton_chunk.TUNING)
+    rows = []
+    for lengths in (None, VARLEN_MIX if not quick else [100, 1, 199]):
+        cu = None if lengths is None else cu_tensor(lengths, device)
+        ins = raw_inputs(1, T, H, N=None if lengths is None else len(lengths), seed=11, device=device, h0=True)
+        gen = torch.Generator(device=device).manual_seed(12)
+        do = torch.randn(1, T, H, 128, generator=gen, device=device)
+        dS = torch.randn(ins[7].shape, generator=gen, device=device)
+        ref = grads_of(lambda x: reference_fn(x, cu), [x.double() for x in ins], do.double(), dS.double())
+        impls = [(json.dumps(cfg), cfg) for cfg in configs] + ([("fla", None)] if fla is not None else [])
+        for label, cfg in impls:
+            triton_chunk.TUNING.clear()
+            triton_chunk.TUNING.update(base, **(cfg or {}))
+            fn = (lambda x: fla_fn(fla, x, cu)) if cfg is None else (lambda x: ours_fn(x, cu))
+            out = grads_of(fn, ins, do, dS)
+            errs = [rel(out[0], ref[0]), rel(out[1], ref[1])] + [rel(a, r) for a, r in zip(out[2], ref[2])]
+            rows.append({"case": "dense" if lengths is None else "varlen", "impl": label, **dict(zip(names, errs))})
+            print(f"[accuracy] {rows[-1]['case']} {label}: " + ", ".join(f"{n} {e:.1e}" for n, e in zip(names, errs)),
+                  flush=True)
+    triton_chunk.TUNING.clear()
+    triton_chunk.TUNING.update(base)
+    print(f"relative RMSE vs fp64 at T={T} H={H} (limits: o, S 5e-3; q, k, v, h0, dt_bias 8e-3; z, b, A_log 2e-2)")
+    width = max(len(r["impl"]) for r in rows) + 8
+    print("case/impl".ljust(width) + "".join(n.rjust(9) for n in names))
+    for r in rows:
+        print(f"{r['case']} {r['impl']}".ljust(width) + "".join(f"{r[n]:9.1e}" for n in names))
+    return rows
+
+
 def cu_tensor(lengths, device):
     offs = [0]
     for n in lengths:
@@ -201,6 +236,8 @@ def main() -> int:
     ap.add_argument("--out", default="", help="also write the JSON here")
     ap.add_argument("--sweep", action="store_true", help="per-stage times under alternative launch configs")
     ap.add_argument("--variants", action="store_true", help="also time the bf16 storage variants (main shape)")
+    ap.add_argument("--accuracy", action="store_true",
+                    help="errors vs fp64 at T=8192 H=4 for each --compare config (or TUNING as it is) and fla")
     ap.add_argument("--profile", action="store_true", help="per-kernel CUDA times of fwd+bwd at B=1 T=8192 H=96")
     ap.add_argument("--fla-configs", type=int, default=0, help="keep this many configs per fla autotuner (0: all)")
     ap.add_argument("--fla-cases", default="", help="comma-separated case names: run fla only on these cases")
@@ -278,6 +315,7 @@ def main() -> int:
     shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.compare_shapes.split(";")]
     compared = [row for shape in shapes for row in compare_tunings(compare, device, args.quick, shape)] \
         if compare else None
+    accuracy = accuracy_table(compare or [{}], fla_all, device, args.quick) if args.accuracy else None
     result = {
         "benchmark": "kda", "command": " ".join([sys.executable, "-m", "benchmarks.kda"] + sys.argv[1:]),
         "git": {"sha": git_sha(), "dirty": None},
@@ -287,7 +325,7 @@ def main() -> int:
                 "FLA_FLASH_KDA": os.environ.get("FLA_FLASH_KDA")},
         "config": {"bandwidth": BANDWIDTH, "peak_flops": PEAK_FLOPS, "quick": args.quick,
                    "fla_configs_per_autotuner": args.fla_configs or "all", "tuning": dict(triton_chunk.TUNING)},
-        "gate": errs, "cases": rows, "compare": compared,
+        "gate": errs, "cases": rows, "compare": compared, "accuracy": accuracy,
     }
     text = json.dumps(result, indent=1)
     if not args.quick:

@@ -56,8 +56,7 @@ TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_
 # per-kernel constexprs on top of CONSTEXPRS
 _SK = chunk.TUNING["bwd_k_cols"]
 _SKV = chunk.TUNING["bwd_vk_cols"]
-KERNEL_CONSTEXPRS = {"_bwd_k_block": dict(SK=_SK, BF16=chunk.TUNING["bwd_k_bf16"],
-                                         FAST_EXP=chunk.TUNING["bwd_k_fast_exp"]),
+KERNEL_CONSTEXPRS = {"_bwd_k_block": dict(SK=_SK),
                      "_bwd_gate": dict(SK=chunk.TUNING["bwd_gate_cols"]), "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
                      "_state_ut": dict(STORE_UT=True, SPLIT=chunk.TUNING["state_split"]), "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV),
                      "_state_bwd": dict(SPLIT=chunk.TUNING["state_bwd_products"] == "split",

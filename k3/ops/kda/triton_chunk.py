@@ -97,13 +97,12 @@ TUNING = {
     # partials summed first 1.18 → 1.02 ms (session 9 run 4)
     "bwd_vk_cols": 32, "bwd_vk_bv": 32, "bwd_vk_warps": 8, "bwd_vk_stages": 3, "bwd_vk_maxnreg": 128,
     "bwd_vv_bv": 32, "bwd_vv_warps": 8, "bwd_vv_stages": 3, "bwd_vv_maxnreg": 128,
+    # storage for the value side (untimed): the chunk-start states and their gradients (`_state`'s hs for the
+    # backward, `_state_bwd`'s dS_end) in bf16 instead of fp32, and dŨ in bf16
+    "bwd_states_bf16": False, "du_bf16": False,
     # `_bwd_k` over key slices of bwd_k_cols columns, then `_bwd_norms` (docs/kda-kernels.md §7 item 11): 7.64 ms
     # for the whole-row kernel → 4.89 + 0.41 ms at 128 registers (run 7)
     "bwd_k_cols": 32, "bwd_k_warps": 4, "bwd_k_stages": None, "bwd_k_maxnreg": 128,
-    # `_bwd_k_block`'s score products in bf16 instead of tf32 (untimed)
-    "bwd_k_bf16": False,
-    # `_bwd_k_block`'s exps flush-to-zero (`_exp`; untimed)
-    "bwd_k_fast_exp": False,
     "bwd_gate_cols": 32, "bwd_gate_warps": 4, "bwd_gate_stages": None, "bwd_gate_maxnreg": None,
     "bwd_norms_rows": 16, "bwd_norms_warps": 4, "bwd_norms_stages": None, "bwd_norms_maxnreg": None,
     "decode_bv": 64, "decode_warps": 4,
@@ -130,13 +129,14 @@ def _launch_options(kernel: str) -> dict:
 
 
 @triton.jit
-def _exp(x, FAST: tl.constexpr):
-    """exp(x); FAST: ex2.approx.ftz (`libdevice.fast_expf`, not in the interpreter), which skips tl.exp's
-    denormal range scaling (three instructions per exp). For anchored arguments (≤ 0, or a factor within e^±80) a
-    result that flushes to zero is below fp32's normal range next to the ones kept."""
-    if FAST:
-        return libdevice.fast_expf(x)
-    return tl.exp(x)
+def _exp(x, INTERP: tl.constexpr):
+    """exp(x) flushed to zero below fp32's normal range (ex2.approx.ftz, `libdevice.fast_expf`; tl.exp in the
+    interpreter): it skips tl.exp's denormal scaling, three of its five instructions. The anchored factors are
+    within e^±80, so a flushed result is a product that is below fp32's range anyway. `_bwd_k_block` 3.51 → 3.46
+    ms, `_prep_intra` 0.88 → 0.85 at the K3 shape (session 13 run 2, session 9 run 4)."""
+    if INTERP:
+        return tl.exp(x)
+    return libdevice.fast_expf(x)
 
 
 @triton.jit
@@ -362,11 +362,11 @@ def _intra_row_block(qh, kh, beta, G, a, bos, L, i_h, r0, R, qg_out, aqk_out, t_
     ((I + Akk_RR)⁻¹), zeros right of them; returns the anchored qs = q̂⊙exp(G − a), ks = k̂⊙exp(G − a) for the
     off-diagonal blocks."""
     tl.store(_bp(qg_out, bos, L, i_h, r0, 0, H, K, BC, K),
-             _cast(qh * tl.exp(G), qg_out.dtype.element_ty, INTERP), boundary_check=(0,))
-    rf = tl.exp(G - a[None, :])
+             _cast(qh * _exp(G, INTERP), qg_out.dtype.element_ty, INTERP), boundary_check=(0,))
+    rf = _exp(G - a[None, :], INTERP)
     qs = qh * rf
     ks = kh * rf
-    Add, Qdd = _diag_scores(qs, ks, kh * tl.exp(a[None, :] - G), beta, BC, SCORES_BF16, INTERP)
+    Add, Qdd = _diag_scores(qs, ks, kh * _exp(a[None, :] - G, INTERP), beta, BC, SCORES_BF16, INTERP)
     _store_block(Qdd, aqk_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
     _store_block(_inv16(Add, BC), t_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
     # zeros right of the diagonal block (Aqk and T are read back as 64×64 tiles), one masked store each
@@ -406,7 +406,7 @@ def _intra_off_step(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, a
     GJ, _, knJ = _gate_rows(g_in, kn_in, bos, L, rJ, i_h, H, K, BC)
     k_raw = tl.load(_bp(k, bos, L, i_h, rJ, 0, H, K, BC, K), boundary_check=(0,), padding_option="zero")
     kJ = k_raw.to(tl.float32) / knJ[:, None]
-    kT = tl.trans(kJ * tl.exp(a[None, :] - GJ))
+    kT = tl.trans(kJ * _exp(a[None, :] - GJ, INTERP))
     Akk = beta[:, None] * _mm(ks, kT, SCORES_BF16, INTERP)
     Aqk = _mm(qs, kT, SCORES_BF16, INTERP)
     _store_block(Aqk, aqk_out, bos, L, i_h, r0, J * BC, H, C, BC, INTERP)
@@ -555,7 +555,7 @@ def _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, ut, bos, L, c0, i_h, i_v, of
         # the chunk-start state, stored last and through a block pointer: at the start, through the offset tile,
         # the forward that also writes o spilled 796 B (offline sm_90 report; here 156 B)
         tl.store(tl.make_block_ptr(hs + ((c0 + j) * H + i_h).to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV),
-                                   (K, BV), (1, 0)), S)
+                                   (K, BV), (1, 0)), _cast(S, hs.dtype.element_ty, INTERP))
     return tl.exp(g_end)[:, None] * S + _state_mm(tl.trans(Kd), Ut, BF16, SPLIT, INTERP)
 
 
@@ -631,9 +631,10 @@ def _state_bwd_step(dS, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v
     W = tl.load(_bp(w, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
     g_end = tl.load(gc + ((c0 + j) * H + i_h) * K + tl.arange(0, K))
-    tl.store(dse + ((c0 + j) * H + i_h) * K * V + off_s, dS)
+    tl.store(dse + ((c0 + j) * H + i_h) * K * V + off_s, _cast(dS, dse.dtype.element_ty, INTERP))
     dUt = _state_mm(tl.trans(Aq), dO, BF16, SPLIT, INTERP) + _state_mm(Kd, dS, BF16, SPLIT, INTERP)
-    tl.store(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), dUt, boundary_check=(0,))
+    tl.store(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(dUt, du.dtype.element_ty, INTERP),
+             boundary_check=(0,))
     return (_state_mm(tl.trans(Qg), dO, BF16, SPLIT, INTERP) + tl.exp(g_end)[:, None] * dS
             - _state_mm(tl.trans(W), dUt, BF16, SPLIT, INTERP))
 
@@ -670,7 +671,8 @@ def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
 @triton.jit
 def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do, du, ut,
             dqh_out, dkh_out, dg_out, dtk_out, dbk_out,
-            scale, H, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):
+            scale, H, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+            INTERP: tl.constexpr):
     """Value side, part 1: one (key slice of SK columns, chunk, head), the value-dim gradients that are
     elementwise in the key column, from the forward's Ũ = U − W·S (no W, no W·S).
 
@@ -681,7 +683,9 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
     dT_k = dW·(β·K⊙Γ)ᵀ (dtk_out [NT, H, NS, C, C]) and dβ_k = Σ_k (Tᵀ·dW)⊙K⊙Γ (dbk_out [NT, H, NS, C]).
     G and G_C are the prepare's (g_in [TT, H, K], gc_in [NT, H, K]; G reads 0 past the document end, where every
     factor it enters multiplies a zero row). ‖q‖, ‖k‖ come from qn_in, kn_in ([TT, H], `_load_norm`); Tᵀ·dW is
-    taken right after the loop, before q̂, k̂ and G are live (fewer spills offline).
+    taken right after the loop, before q̂, k̂ and G are live (fewer spills offline). With fp32 states and dŨ the loop's
+    products are tf32; where one operand is stored in bf16 (TUNING["bwd_states_bf16"], ["du_bf16"]) they are split
+    bf16 (`_mm_split`: a bf16 pair exact, an fp32 operand to about 16 bits).
     """
     NS: tl.constexpr = K // SK
     pid = tl.program_id(0)
@@ -706,10 +710,19 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
         dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
         dU = tl.load(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
         Ut = tl.load(_bp(ut, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-        dQg += tl.dot(dO.to(tl.float32), tl.trans(S))
-        dW -= tl.dot(dU, tl.trans(S))
-        dKd += tl.dot(Ut.to(tl.float32), tl.trans(dSe))
-        dgc += tl.sum(S * dSe, 1)
+        if S.dtype.is_bf16():
+            dQg += _mm_split(dO, tl.trans(S), INTERP)
+        else:
+            dQg += tl.dot(dO.to(tl.float32), tl.trans(S))
+        if S.dtype.is_bf16() or dU.dtype.is_bf16():
+            dW -= _mm_split(dU, tl.trans(S), INTERP)
+        else:
+            dW -= tl.dot(dU, tl.trans(S))
+        if dSe.dtype.is_bf16():
+            dKd += _mm_split(Ut, tl.trans(dSe), INTERP)
+        else:
+            dKd += tl.dot(Ut.to(tl.float32), tl.trans(dSe))
+        dgc += tl.sum(S.to(tl.float32) * dSe.to(tl.float32), 1)
     Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
     dXk = tl.dot(tl.trans(Tm), dW)
     G = tl.load(_bp(g_in, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
@@ -765,6 +778,7 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dtk_in, dbk_in,
         vb = tl.load(_bp(v, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
         vb = vb.to(tl.float32)
         dAqk += tl.dot(dO.to(tl.float32), tl.trans(Ut.to(tl.float32)))
+        dU = dU.to(tl.float32)
         dXv = tl.dot(TmT, dU)
         tl.store(_bp(dv, bos, L, i_h, row0, i_v * BV, H, V, C, BV),
                  _cast(beta[:, None] * dXv, dv.dtype.element_ty, INTERP), boundary_check=(0,))
@@ -798,8 +812,7 @@ def _g_block(g_in, bos, L, i_h, r0, c0, H, K: tl.constexpr, SK: tl.constexpr, BC
 
 @triton.jit
 def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_in, daqk_in, dakk_in, db_part,
-                 scale, H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BF16: tl.constexpr,
-                 FAST_EXP: tl.constexpr, INTERP: tl.constexpr):
+                 scale, H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, INTERP: tl.constexpr):
     """The score backward of one (16-row block R, key slice of SK columns, chunk, head): everything that lands on
     block R's rows, so no program waits for another and nothing is carried across blocks.
 
@@ -817,8 +830,9 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
     its dG before the reverse cumsum (`_bwd_gate` does that and the gate chain) and this slice's dβ partial
     (db_part: [TT, H, NS]); `_bwd_norms` finishes dq̂, dk̂ and dβ, which reduce over K. G is the prepare's
     ([TT, H, K], `_g_block`), ‖q‖ and ‖k‖ too (`_load_norm`). A block wholly past the document end does nothing:
-    its dG rows (G_C's gradient may sit on the chunk's last row) pass through unchanged. The products are tf32, or
-    bf16 with BF16 (`_mm`); FAST_EXP: flush-to-zero exps (`_exp`).
+    its dG rows (G_C's gradient may sit on the chunk's last row) pass through unchanged. The products are tf32
+    (bf16 operands: 3.51 → 3.40 ms at the K3 shape, but ddt_bias 4.0e-4 → 6.5e-3 from fp64 in the interpreter, near
+    its 8e-3 limit; session 13 run 2).
     """
     NS: tl.constexpr = K // SK
     NB: tl.constexpr = C // BC
@@ -834,17 +848,17 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
         qh, kh = _unit_cols(q, k, qn_in, kn_in, bos, L, r0, c0, i_h, scale, H, K, SK, BC)
         beta = _load_beta(b, bos, L, r0, i_h, H, BC)
         G, a, e = _g_block(g_in, bos, L, i_h, r0, c0, H, K, SK, BC)
-        rf = _exp(G - a[None, :], FAST_EXP)
-        ec = _exp(a[None, :] - G, FAST_EXP)
+        rf = _exp(G - a[None, :], INTERP)
+        ec = _exp(a[None, :] - G, INTERP)
         qs = qh * rf
         ks = kh * rf
         kc = kh * ec
         # the diagonal block; dAqk, dAkk arrive masked to their lower triangles
         daq = _load_block(daqk_in, bos, L, i_h, r0, R * BC, H, C, BC)
         dak = _load_block(dakk_in, bos, L, i_h, r0, R * BC, H, C, BC)
-        rowq = _mm(daq, kc, BF16, INTERP)
-        rowk = _mm(dak, kc, BF16, INTERP)
-        cs = _mm(tl.trans(daq), qs, BF16, INTERP) + _mm(tl.trans(beta[:, None] * dak), ks, BF16, INTERP)
+        rowq = tl.dot(daq, kc)
+        rowk = tl.dot(dak, kc)
+        cs = tl.dot(tl.trans(daq), qs) + tl.dot(tl.trans(beta[:, None] * dak), ks)
         co = tl.zeros([BC, SK], dtype=tl.float32)
         for J in tl.static_range(NB):
             rJ = row0 + J * BC
@@ -852,20 +866,19 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
                 # block (R, J): R's row side (J lies wholly before R, so inside the document)
                 _, kJ = _unit_cols(q, k, qn_in, kn_in, bos, L, rJ, c0, i_h, scale, H, K, SK, BC)
                 GJ, _, eJ = _g_block(g_in, bos, L, i_h, rJ, c0, H, K, SK, BC)
-                kend = kJ * _exp(eJ[None, :] - GJ, FAST_EXP)
-                d = _exp(a - eJ, FAST_EXP)[None, :]
-                rowq += d * _mm(_load_block(daqk_in, bos, L, i_h, r0, J * BC, H, C, BC), kend, BF16, INTERP)
-                rowk += d * _mm(_load_block(dakk_in, bos, L, i_h, r0, J * BC, H, C, BC), kend, BF16, INTERP)
+                kend = kJ * _exp(eJ[None, :] - GJ, INTERP)
+                d = _exp(a - eJ, INTERP)[None, :]
+                rowq += d * tl.dot(_load_block(daqk_in, bos, L, i_h, r0, J * BC, H, C, BC), kend)
+                rowk += d * tl.dot(_load_block(dakk_in, bos, L, i_h, r0, J * BC, H, C, BC), kend)
             if J > R and rJ < L:
                 # block (J, R): R's column side
                 qJ, kJ = _unit_cols(q, k, qn_in, kn_in, bos, L, rJ, c0, i_h, scale, H, K, SK, BC)
                 bJ = _load_beta(b, bos, L, rJ, i_h, H, BC)
                 GJ, aJ, _ = _g_block(g_in, bos, L, i_h, rJ, c0, H, K, SK, BC)
-                fJ = _exp(GJ - aJ[None, :], FAST_EXP) * _exp(aJ - e, FAST_EXP)[None, :]
+                fJ = _exp(GJ - aJ[None, :], INTERP) * _exp(aJ - e, INTERP)[None, :]
                 daqJ = _load_block(daqk_in, bos, L, i_h, rJ, R * BC, H, C, BC)
                 dakJ = _load_block(dakk_in, bos, L, i_h, rJ, R * BC, H, C, BC)
-                co += _mm(tl.trans(daqJ), qJ * fJ, BF16, INTERP) + _mm(tl.trans(bJ[:, None] * dakJ), kJ * fJ, BF16,
-                                                                        INTERP)
+                co += tl.dot(tl.trans(daqJ), qJ * fJ) + tl.dot(tl.trans(bJ[:, None] * dakJ), kJ * fJ)
         p_dqh = _bp(dqh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
         p_dkh = _bp(dkh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
         p_dg = dg_in + (i_c * H + i_h).to(tl.int64) * C * K + (R * BC + tl.arange(0, BC))[:, None] * K + c0 + \
@@ -873,7 +886,7 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
         # rowk was taken with dAkk; Akk = diag(β)·Ã, so Σ_i dAkk·Ã = Σ_k ks⊙rowk, and Ã's own gradient is β·rowk
         dbeta = tl.sum(ks * rowk, 1)
         rowk = beta[:, None] * rowk
-        ce = _exp(e[None, :] - G, FAST_EXP) * co
+        ce = _exp(e[None, :] - G, INTERP) * co
         dqh = tl.load(p_dqh, boundary_check=(0,), padding_option="zero") + rf * rowq
         dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero") + rf * rowk + ec * cs + ce
         # padding rows keep their dG: the last row carries G_C's gradient into the chunk (`_bwd_vk`)
@@ -1059,7 +1072,7 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
 
 
 def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht=False, want_hs=False,
-               state_bf16=False, want_ut=False, training=False):
+               state_bf16=False, want_ut=False, training=False, hs_dtype=torch.float32):
     """Launch `_state`; returns (o [TT, H, V] or None, final state [N, H, K, V] or None, chunk-start states or None,
     Ũ = U − W·S [TT, H, V] in U's dtype if want_ut else None). training: a backward can follow (a training
     forward, the backward's recompute), so the products are the `state_split` ones (else `state_split_inference`)."""
@@ -1070,7 +1083,7 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
     BV = min(V, TUNING[f"{key}_bv"])
     o = torch.empty(TT, H, V, dtype=out_dtype, device=dev) if write_o else None
     ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
-    hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=torch.float32, device=dev) if want_hs else None
+    hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=hs_dtype, device=dev) if want_hs else None
     ut = torch.empty_like(U) if want_ut else None
     state_bf16 = state_bf16 or TUNING["state_bf16"]
     split = TUNING["state_split" if training else "state_split_inference"] and not state_bf16
@@ -1098,8 +1111,10 @@ def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs
     """
     W, U, Qg, Kd, Aqk, gc, Tm, norms, G = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
                                                        store_t=keep, store_norms=keep)
+    # the chunk-start states only the backward reads may be bf16 (TUNING["bwd_states_bf16"]); asked-for ones are fp32
+    hs_dtype = torch.bfloat16 if keep and not want_hs and TUNING["bwd_states_bf16"] else torch.float32
     o, ht, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, want_ht=want_ht, want_hs=want_hs or keep,
-                               state_bf16=state_bf16, want_ut=keep, training=training)
+                               state_bf16=state_bf16, want_ut=keep, training=training, hs_dtype=hs_dtype)
     # U is not needed by the backward
     kept = (W, Qg, Kd, Aqk, gc, Tm, hs, ut, G) + norms if keep else None
     return o, ht, (hs if want_hs else None), kept
@@ -1131,15 +1146,16 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         W, U, Qg, Kd, Aqk, gc, Tm, norms, G = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan,
                                                            dtypes, store_t=True, store_norms=True)
         _, _, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, write_o=False, want_hs=True,
-                                  state_bf16=state_bf16, want_ut=True, training=True)
+                                  state_bf16=state_bf16, want_ut=True, training=True,
+                                  hs_dtype=torch.bfloat16 if TUNING["bwd_states_bf16"] else torch.float32)
         del U
     else:
         W, Qg, Kd, Aqk, gc, Tm, hs, ut, G, *norms = inter
         del inter
     BV = min(V, TUNING["state_bwd_bv"])
     NT = max(plan.NT, 1)
-    du = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
-    dse = torch.empty(NT, H, K, V, dtype=torch.float32, device=dev)
+    du = torch.empty(TT, H, V, dtype=torch.bfloat16 if TUNING["du_bf16"] else torch.float32, device=dev)
+    dse = torch.empty(NT, H, K, V, dtype=torch.bfloat16 if TUNING["bwd_states_bf16"] else torch.float32, device=dev)
     dh0 = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev)
     interp = interpreting()
     qn, kn = norms
@@ -1174,7 +1190,7 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         # runs (docs/kda-kernels.md, runs 8-9)
         _bwd_vk[(plan.NT * NSV, H)](q, k, b, G, gc, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du, ut, dqh,
                                     dkh, dG, dtk, dbk, scale, H=H, K=K, V=V, SK=SKV,
-                                    BV=min(V, TUNING["bwd_vk_bv"]) if K > 16 else 16, C=CHUNK,
+                                    BV=min(V, TUNING["bwd_vk_bv"]) if K > 16 else 16, C=CHUNK, INTERP=interp,
                                     **_launch_options("bwd_vk"))
         _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, dtk, dbk, dv, daqk, dakk, dbeta,
                               H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, INTERP=interp,
@@ -1185,8 +1201,7 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
         _bwd_k_block[(plan.NT * NS * (CHUNK // SUB), H)](q, k, b, G, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG,
                                                          daqk, dakk, db_part, scale, H=H, K=K, SK=SK, C=CHUNK,
-                                                         BC=SUB, BF16=TUNING["bwd_k_bf16"],
-                                                         FAST_EXP=TUNING["bwd_k_fast_exp"] and not interp, INTERP=interp,
+                                                         BC=SUB, INTERP=interp,
                                                          **_launch_options("bwd_k"))
         del G
         _bwd_gate[(plan.NT * NSG, H)](z, A_log, dt_bias, plan.cu, plan.chunk_idx, dG, dz, dA_part, dbias_part,
