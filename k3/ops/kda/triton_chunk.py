@@ -95,14 +95,15 @@ TUNING = {
     # shape with bwd_vk_maxnreg 168 (session 8, run 1). 8 warps, 3 stages, 128 registers: every loop tile an async
     # copy, `_bwd_vk` 3.66 → 3.40 ms, 3.09 with the kept norms (`_load_norm`); `_bwd_vv` at 3 stages with its
     # partials summed first 1.18 → 1.02 ms (session 9 run 4)
-    "bwd_vk_cols": 32, "bwd_vk_bv": 32, "bwd_vk_warps": 8, "bwd_vk_stages": 3, "bwd_vk_maxnreg": 128,
+    # (session 13: 64-column slices without the register cap, one program of 255 registers per SM, `_bwd_vk` 2.91 →
+    # 2.65 ms and `_bwd_vv` 1.02 → 0.94 (half the partials) at the K3 shape, run 3)
+    "bwd_vk_cols": 64, "bwd_vk_bv": 32, "bwd_vk_warps": 8, "bwd_vk_stages": 3, "bwd_vk_maxnreg": None,
     "bwd_vv_bv": 32, "bwd_vv_warps": 8, "bwd_vv_stages": 3, "bwd_vv_maxnreg": 128,
-    # storage for the value side (untimed): the chunk-start states and their gradients (`_state`'s hs for the
-    # backward, `_state_bwd`'s dS_end) in bf16 instead of fp32, and dŨ in bf16
-    "bwd_states_bf16": False, "du_bf16": False,
     # `_bwd_k` over key slices of bwd_k_cols columns, then `_bwd_norms` (docs/kda-kernels.md §7 item 11): 7.64 ms
     # for the whole-row kernel → 4.89 + 0.41 ms at 128 registers (run 7)
-    "bwd_k_cols": 32, "bwd_k_warps": 4, "bwd_k_stages": None, "bwd_k_maxnreg": 128,
+    # `_bwd_k_block` (session 13) per (16-row block, key slice of 32): capped at 80 registers (72 B of spills) for six
+    # programs per SM, 3.54 → 3.01 ms at the K3 shape (96: 3.26; run 3)
+    "bwd_k_cols": 32, "bwd_k_warps": 4, "bwd_k_stages": None, "bwd_k_maxnreg": 80,
     "bwd_gate_cols": 32, "bwd_gate_warps": 4, "bwd_gate_stages": None, "bwd_gate_maxnreg": None,
     "bwd_norms_rows": 16, "bwd_norms_warps": 4, "bwd_norms_stages": None, "bwd_norms_maxnreg": None,
     "decode_bv": 64, "decode_warps": 4,
@@ -555,7 +556,7 @@ def _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, ut, bos, L, c0, i_h, i_v, of
         # the chunk-start state, stored last and through a block pointer: at the start, through the offset tile,
         # the forward that also writes o spilled 796 B (offline sm_90 report; here 156 B)
         tl.store(tl.make_block_ptr(hs + ((c0 + j) * H + i_h).to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV),
-                                   (K, BV), (1, 0)), _cast(S, hs.dtype.element_ty, INTERP))
+                                   (K, BV), (1, 0)), S)
     return tl.exp(g_end)[:, None] * S + _state_mm(tl.trans(Kd), Ut, BF16, SPLIT, INTERP)
 
 
@@ -631,10 +632,9 @@ def _state_bwd_step(dS, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v
     W = tl.load(_bp(w, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
     g_end = tl.load(gc + ((c0 + j) * H + i_h) * K + tl.arange(0, K))
-    tl.store(dse + ((c0 + j) * H + i_h) * K * V + off_s, _cast(dS, dse.dtype.element_ty, INTERP))
+    tl.store(dse + ((c0 + j) * H + i_h) * K * V + off_s, dS)
     dUt = _state_mm(tl.trans(Aq), dO, BF16, SPLIT, INTERP) + _state_mm(Kd, dS, BF16, SPLIT, INTERP)
-    tl.store(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(dUt, du.dtype.element_ty, INTERP),
-             boundary_check=(0,))
+    tl.store(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), dUt, boundary_check=(0,))
     return (_state_mm(tl.trans(Qg), dO, BF16, SPLIT, INTERP) + tl.exp(g_end)[:, None] * dS
             - _state_mm(tl.trans(W), dUt, BF16, SPLIT, INTERP))
 
@@ -671,8 +671,7 @@ def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
 @triton.jit
 def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do, du, ut,
             dqh_out, dkh_out, dg_out, dtk_out, dbk_out,
-            scale, H, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-            INTERP: tl.constexpr):
+            scale, H, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):
     """Value side, part 1: one (key slice of SK columns, chunk, head), the value-dim gradients that are
     elementwise in the key column, from the forward's Ũ = U − W·S (no W, no W·S).
 
@@ -683,9 +682,9 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
     dT_k = dW·(β·K⊙Γ)ᵀ (dtk_out [NT, H, NS, C, C]) and dβ_k = Σ_k (Tᵀ·dW)⊙K⊙Γ (dbk_out [NT, H, NS, C]).
     G and G_C are the prepare's (g_in [TT, H, K], gc_in [NT, H, K]; G reads 0 past the document end, where every
     factor it enters multiplies a zero row). ‖q‖, ‖k‖ come from qn_in, kn_in ([TT, H], `_load_norm`); Tᵀ·dW is
-    taken right after the loop, before q̂, k̂ and G are live (fewer spills offline). With fp32 states and dŨ the loop's
-    products are tf32; where one operand is stored in bf16 (TUNING["bwd_states_bf16"], ["du_bf16"]) they are split
-    bf16 (`_mm_split`: a bf16 pair exact, an fp32 operand to about 16 bits).
+    taken right after the loop, before q̂, k̂ and G are live (fewer spills offline). (States, their gradients and dŨ
+    stored in bf16, with split-bf16 products here: slower, `_bwd_vk` 2.91 → 2.99 ms at the K3 shape with all three,
+    session 13 run 3.)
     """
     NS: tl.constexpr = K // SK
     pid = tl.program_id(0)
@@ -710,19 +709,10 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
         dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
         dU = tl.load(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
         Ut = tl.load(_bp(ut, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-        if S.dtype.is_bf16():
-            dQg += _mm_split(dO, tl.trans(S), INTERP)
-        else:
-            dQg += tl.dot(dO.to(tl.float32), tl.trans(S))
-        if S.dtype.is_bf16() or dU.dtype.is_bf16():
-            dW -= _mm_split(dU, tl.trans(S), INTERP)
-        else:
-            dW -= tl.dot(dU, tl.trans(S))
-        if dSe.dtype.is_bf16():
-            dKd += _mm_split(Ut, tl.trans(dSe), INTERP)
-        else:
-            dKd += tl.dot(Ut.to(tl.float32), tl.trans(dSe))
-        dgc += tl.sum(S.to(tl.float32) * dSe.to(tl.float32), 1)
+        dQg += tl.dot(dO.to(tl.float32), tl.trans(S))
+        dW -= tl.dot(dU, tl.trans(S))
+        dKd += tl.dot(Ut.to(tl.float32), tl.trans(dSe))
+        dgc += tl.sum(S * dSe, 1)
     Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
     dXk = tl.dot(tl.trans(Tm), dW)
     G = tl.load(_bp(g_in, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
@@ -778,7 +768,6 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dtk_in, dbk_in,
         vb = tl.load(_bp(v, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
         vb = vb.to(tl.float32)
         dAqk += tl.dot(dO.to(tl.float32), tl.trans(Ut.to(tl.float32)))
-        dU = dU.to(tl.float32)
         dXv = tl.dot(TmT, dU)
         tl.store(_bp(dv, bos, L, i_h, row0, i_v * BV, H, V, C, BV),
                  _cast(beta[:, None] * dXv, dv.dtype.element_ty, INTERP), boundary_check=(0,))
@@ -1072,7 +1061,7 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
 
 
 def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht=False, want_hs=False,
-               state_bf16=False, want_ut=False, training=False, hs_dtype=torch.float32):
+               state_bf16=False, want_ut=False, training=False):
     """Launch `_state`; returns (o [TT, H, V] or None, final state [N, H, K, V] or None, chunk-start states or None,
     Ũ = U − W·S [TT, H, V] in U's dtype if want_ut else None). training: a backward can follow (a training
     forward, the backward's recompute), so the products are the `state_split` ones (else `state_split_inference`)."""
@@ -1083,7 +1072,7 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
     BV = min(V, TUNING[f"{key}_bv"])
     o = torch.empty(TT, H, V, dtype=out_dtype, device=dev) if write_o else None
     ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
-    hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=hs_dtype, device=dev) if want_hs else None
+    hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=torch.float32, device=dev) if want_hs else None
     ut = torch.empty_like(U) if want_ut else None
     state_bf16 = state_bf16 or TUNING["state_bf16"]
     split = TUNING["state_split" if training else "state_split_inference"] and not state_bf16
@@ -1111,10 +1100,8 @@ def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs
     """
     W, U, Qg, Kd, Aqk, gc, Tm, norms, G = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
                                                        store_t=keep, store_norms=keep)
-    # the chunk-start states only the backward reads may be bf16 (TUNING["bwd_states_bf16"]); asked-for ones are fp32
-    hs_dtype = torch.bfloat16 if keep and not want_hs and TUNING["bwd_states_bf16"] else torch.float32
     o, ht, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, want_ht=want_ht, want_hs=want_hs or keep,
-                               state_bf16=state_bf16, want_ut=keep, training=training, hs_dtype=hs_dtype)
+                               state_bf16=state_bf16, want_ut=keep, training=training)
     # U is not needed by the backward
     kept = (W, Qg, Kd, Aqk, gc, Tm, hs, ut, G) + norms if keep else None
     return o, ht, (hs if want_hs else None), kept
@@ -1146,16 +1133,15 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         W, U, Qg, Kd, Aqk, gc, Tm, norms, G = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan,
                                                            dtypes, store_t=True, store_norms=True)
         _, _, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, write_o=False, want_hs=True,
-                                  state_bf16=state_bf16, want_ut=True, training=True,
-                                  hs_dtype=torch.bfloat16 if TUNING["bwd_states_bf16"] else torch.float32)
+                                  state_bf16=state_bf16, want_ut=True, training=True)
         del U
     else:
         W, Qg, Kd, Aqk, gc, Tm, hs, ut, G, *norms = inter
         del inter
     BV = min(V, TUNING["state_bwd_bv"])
     NT = max(plan.NT, 1)
-    du = torch.empty(TT, H, V, dtype=torch.bfloat16 if TUNING["du_bf16"] else torch.float32, device=dev)
-    dse = torch.empty(NT, H, K, V, dtype=torch.bfloat16 if TUNING["bwd_states_bf16"] else torch.float32, device=dev)
+    du = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
+    dse = torch.empty(NT, H, K, V, dtype=torch.float32, device=dev)
     dh0 = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev)
     interp = interpreting()
     qn, kn = norms
@@ -1190,7 +1176,7 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         # runs (docs/kda-kernels.md, runs 8-9)
         _bwd_vk[(plan.NT * NSV, H)](q, k, b, G, gc, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du, ut, dqh,
                                     dkh, dG, dtk, dbk, scale, H=H, K=K, V=V, SK=SKV,
-                                    BV=min(V, TUNING["bwd_vk_bv"]) if K > 16 else 16, C=CHUNK, INTERP=interp,
+                                    BV=min(V, TUNING["bwd_vk_bv"]) if K > 16 else 16, C=CHUNK,
                                     **_launch_options("bwd_vk"))
         _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, dtk, dbk, dv, daqk, dakk, dbeta,
                               H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, INTERP=interp,
