@@ -101,9 +101,9 @@ TUNING = {
     "bwd_vv_bv": 32, "bwd_vv_warps": 8, "bwd_vv_stages": 3, "bwd_vv_maxnreg": 128,
     # `_bwd_k` over key slices of bwd_k_cols columns, then `_bwd_norms` (docs/kda-kernels.md §7 item 11): 7.64 ms
     # for the whole-row kernel → 4.89 + 0.41 ms at 128 registers (run 7)
-    # `_bwd_k_block` (session 13) per (16-row block, key slice of 32): capped at 80 registers (72 B of spills) for six
-    # programs per SM, 3.54 → 3.01 ms at the K3 shape (96: 3.26; run 3)
-    "bwd_k_cols": 32, "bwd_k_warps": 4, "bwd_k_stages": None, "bwd_k_maxnreg": 80,
+    # `_bwd_k_block` (session 13) per (16-row block, key slice of 32): capped at 72 registers (92 B of spills) for seven
+    # programs per SM, 3.54 → 2.75 ms at the K3 shape (96: 3.26, 80: 2.96, 64: 2.77; runs 3-4)
+    "bwd_k_cols": 32, "bwd_k_warps": 4, "bwd_k_stages": None, "bwd_k_maxnreg": 72,
     "bwd_gate_cols": 32, "bwd_gate_warps": 4, "bwd_gate_stages": None, "bwd_gate_maxnreg": None,
     "bwd_norms_rows": 16, "bwd_norms_warps": 4, "bwd_norms_stages": None, "bwd_norms_maxnreg": None,
     "decode_bv": 64, "decode_warps": 4,
