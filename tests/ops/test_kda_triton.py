@@ -701,8 +701,8 @@ def test_prepare_matches_fp64_chunk_operands(dev, case):
     assert tc._fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, K ** -0.5, plan, dtypes)[6] is None
 
 
-# the backward over key slices: `_bwd_vk` (value side, slices of TUNING["bwd_vk_cols"]) + `_bwd_vv`, and `_bwd_k`
-# (slices of TUNING["bwd_k_cols"]) + `_bwd_norms`
+# the backward over key slices: `_bwd_vk` (value side, slices of TUNING["bwd_vk_cols"]) + `_bwd_vv`, and
+# `_bwd_k_block` (slices of TUNING["bwd_k_cols"]) + `_bwd_gate` + `_bwd_norms`
 
 SLICE_CASES = {
     # name: (document lengths or None for a dense [2, 70] batch, H, K, V, input dtype, bwd_vk_cols, bwd_k_cols,
@@ -724,7 +724,7 @@ def test_backward_key_slices(dev, monkeypatch, case):
     """Every gradient of `chunk_kda` with the backward split into several key slices against the fp64 recurrence
     at the file's tolerances (initial state and dht included), and against one slice per kernel (bwd_vk_cols =
     bwd_k_cols = K). The slices do the same per-column arithmetic; only the sums over K run in another order:
-    dT and dβ (`_bwd_vk`'s partials, added in `_bwd_vv`), dβ again (`_bwd_k`'s partials, in `_bwd_norms`) and
+    dT and dβ (`_bwd_vk`'s partials, added in `_bwd_vv`), dβ again (`_bwd_k_block`'s partials, in `_bwd_norms`) and
     dA_log (over the slices' partial sums). Tolerance, relative RMSE, in the interpreter: 1e-5 for fp32 inputs
     (measured ≤ 1.2e-6, dA_log; the rest ≤ 4.9e-7) and 1e-4 for bf16 inputs, whose gradients are stored in bf16:
     an fp32 difference of ~1e-7 can flip a rounding by one bf16 ulp (measured: dq 2.3e-5 in dense_bf16, three
@@ -765,15 +765,16 @@ def test_backward_key_slices(dev, monkeypatch, case):
 
 
 
-# the row norms ‖q‖, ‖k‖ the prepare keeps for the backward (`_load_norm` in `_bwd_vk`, `_bwd_k`, `_bwd_norms`)
+# the row norms ‖q‖, ‖k‖ the prepare keeps for the backward (`_load_norm` in `_bwd_vk`, `_bwd_k_block`, `_bwd_norms`)
 
 
 @pytest.mark.parametrize("save", [True, False])
-def test_kept_norms_are_read(dev, monkeypatch, save):
-    """The backward reads the norms the prepare stored, not full-row reloads: scaling the stored ‖q‖ (or ‖k‖) after
-    the prepare leaves o, the final state and dv bit-identical and changes dq (dk). They are stored by the forward
-    that keeps its intermediates, or by the backward's recompute (save_intermediates off), and never by an inference
-    forward. Two key slices in each backward kernel."""
+def test_kept_norms_and_gate_are_read(dev, monkeypatch, save):
+    """The backward reads the norms and the cumulative gate G the prepare stored, not full-row reloads or a gate of
+    its own: scaling the stored ‖q‖ (or ‖k‖), or shifting G, after the prepare leaves o, the final state and dv
+    bit-identical and changes dq (dk; dq through exp(G) in `_bwd_vk`). They are stored by the forward that keeps its
+    intermediates, or by the backward's recompute (save_intermediates off), and never by an inference forward (G is
+    freed before `_state`). Two key slices in each backward kernel."""
     from k3.ops.kda import triton_chunk as tc
 
     cu = [0, 1, 1, 18, 88]
@@ -786,21 +787,24 @@ def test_kept_norms_are_read(dev, monkeypatch, save):
     def spy(*a, **k):
         out = prepare(*a, **k)
         stored.append(k.get("store_norms", False))
-        assert (out[7] is not None) == stored[-1]
+        assert (out[7] is not None) == stored[-1] and (out[8] is not None) == stored[-1]
         for i in corrupt if stored[-1] else ():
-            out[7][i].mul_(2.0)
+            if i < 2:
+                out[7][i].mul_(2.0)
+            else:
+                out[8].add_(0.5)
         return out
 
     monkeypatch.setattr(tc, "_fwd_prepare", spy)
     kw = dict(cu_seqlens=torch.tensor(cu, device=dev), save_intermediates=save)
     base = _fwd_bwd([x.clone() for x in inputs], dev, **kw)  # fresh leaves per run (CPU .to)
     assert stored == ([True] if save else [False, True]), stored
-    for i, name in enumerate("qk"):
+    for i, name in enumerate(("q", "k", "G")):
         corrupt[:] = [i]
         bad = _fwd_bwd([x.clone() for x in inputs], dev, **kw)
         o, S, dq, dk, dv = (bad[j] for j in (0, 1, 2, 3, 4))
         assert torch.equal(o, base[0]) and torch.equal(S, base[1]) and torch.equal(dv, base[4]), name
-        assert rel_err((dq, dk)[i].cpu(), base[2 + i].cpu()) > 0.1, name
+        assert rel_err((dq, dk, dq)[i].cpu(), base[(2, 3, 2)[i]].cpu()) > 0.1, name
     stored.clear()
     with torch.no_grad():
         x = [t.to(dev) for t in inputs]

@@ -16,13 +16,14 @@ measured variant are in docs/kda-kernels.md. In short:
   that into T in place; `_prep_wu` (column slices) writes W, U and K⊙exp(G_C − G). All run over every chunk in
   parallel. `_state` then walks each sequence's chunks in order with the state in registers, split over value
   blocks, and writes the output (and, on request, the state at every chunk start and Ũ = U − W·S).
-- Backward: by default (`save_intermediates`) the forward keeps W, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, T, the
-  chunk-start states and Ũ, at ~2.1 GiB per layer at the K3 shape (`chunk_kda`'s docstring); with the switch
+- Backward: by default (`save_intermediates`) the forward keeps W, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, G, T, the
+  chunk-start states and Ũ, at ~2.4 GiB per layer at the K3 shape (`chunk_kda`'s docstring); with the switch
   off only the raw inputs are saved and the prepare kernels and `_state` run again. Then `_state_bwd` walks the
   chunks backwards for the state gradient; `_bwd_vk` (per key slice) and `_bwd_vv` (per chunk: the sums over
-  K, dT and dβ) gather everything that contracts over the value dim; `_bwd_k` (per key slice) finishes the
-  score (in the same 16-row blocks), cumsum and gate chains; `_bwd_norms` (per row) the two sums over K that
-  remain, the q/k norm backward and dβ's σ'.
+  K, dT and dβ) gather everything that contracts over the value dim; `_bwd_k_block` (per 16-row block and key
+  slice) the score backward, in the prepare's blocks and anchors; `_bwd_gate` (per key slice and chunk) the
+  reverse cumsum and the gate chain; `_bwd_norms` (per row) the two sums over K that remain, the q/k norm
+  backward and dβ's σ'.
 
 Intermediates are stored in bf16 for bf16 inputs except U, Ũ and Aqk (fp32 unless all_bf16) and G and T
 (fp32); states and accumulators are fp32; the state passes' products (`_state`, `_state_bwd`) are split bf16
@@ -99,11 +100,10 @@ TUNING = {
     # 2.65 ms and `_bwd_vv` 1.02 → 0.94 (half the partials) at the K3 shape, run 3)
     "bwd_vk_cols": 64, "bwd_vk_bv": 32, "bwd_vk_warps": 8, "bwd_vk_stages": 3, "bwd_vk_maxnreg": None,
     "bwd_vv_bv": 32, "bwd_vv_warps": 8, "bwd_vv_stages": 3, "bwd_vv_maxnreg": 128,
-    # `_bwd_k` over key slices of bwd_k_cols columns, then `_bwd_norms` (docs/kda-kernels.md §7 item 11): 7.64 ms
-    # for the whole-row kernel → 4.89 + 0.41 ms at 128 registers (run 7)
     # `_bwd_k_block` (session 13) per (16-row block, key slice of 32): capped at 72 registers (92 B of spills) for seven
     # programs per SM, 3.54 → 2.75 ms at the K3 shape (96: 3.26, 80: 2.96, 64: 2.77; runs 3-4)
     "bwd_k_cols": 32, "bwd_k_warps": 4, "bwd_k_stages": None, "bwd_k_maxnreg": 72,
+    # `_bwd_gate` per (key slice of bwd_gate_cols, chunk, head): 0.38 ms at the K3 shape (128 columns: 0.51; run 1)
     "bwd_gate_cols": 32, "bwd_gate_warps": 4, "bwd_gate_stages": None, "bwd_gate_maxnreg": None,
     "bwd_norms_rows": 16, "bwd_norms_warps": 4, "bwd_norms_stages": None, "bwd_norms_maxnreg": None,
     "decode_bv": 64, "decode_warps": 4,
@@ -114,7 +114,11 @@ TUNING = {
 # The code variants of the session-9 Nsight Compute analysis (docs/kda-ncu-session9.md), timed in session 9 run 4 at
 # the K3 shape (docs/kda-kernels.md §6), are the only code now: the kept norms (`_load_norm`), `_bwd_vv`'s partials
 # summed first, `_prep_intra`'s one anchor; with the launch settings above fwd+bwd 16.41 → 15.21 ms. A flush-to-zero
-# exp (`libdevice.fast_expf`) in `_prep_intra`, `_bwd_vk` and `_bwd_k` lost (15.27 ms with it) and was deleted.
+# exp (`libdevice.fast_expf`) in `_prep_intra`, `_bwd_vk` and `_bwd_k` lost (15.27 ms with it) and was deleted;
+# session 13 brought it back (`_exp`) in `_prep_intra` and the new `_bwd_k_block` only, where it wins.
+# Session 13 replaced the two-sweep `_bwd_k` (one program per key slice and chunk; commit 965a25b has it) by
+# `_bwd_k_block` + `_bwd_gate`: fwd+bwd 14.01 → 11.65 ms at the K3 shape with the caps above (docs/kda-kernels.md
+# §7 items 22-25).
 
 
 def _launch_options(kernel: str) -> dict:
@@ -402,7 +406,7 @@ def _intra_off_step(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, a
     both ≤ 1 (G does not increase and i < r0), so the row operands qs, ks are the same for every J (with bf16 scores
     `_prep_intra` rounds them once); a factor that underflows to 0 (a_R − G[i] down to −5·48) bounds a true product
     that is below fp32's range anyway. (Two anchors, exp(a_R − e_J)·exp(e_J − G[i]) around block J's last row as
-    `_bwd_k` does: 0.98 ms against 0.88, session 9 run 4.)"""
+    `_bwd_k_block` does: 0.98 ms against 0.88, session 9 run 4.)"""
     rJ = row0 + J * BC
     GJ, _, knJ = _gate_rows(g_in, kn_in, bos, L, rJ, i_h, H, K, BC)
     k_raw = tl.load(_bp(k, bos, L, i_h, rJ, 0, H, K, BC, K), boundary_check=(0,), padding_option="zero")
@@ -600,7 +604,7 @@ def _state(w, u, qg, kd, aqk, gc, h0, o, ht, hs, ut, cu, chunk_off,
 def _load_norm(n_in, bos, L, row0, i_h, H, BC: tl.constexpr):
     """The prepare's row norms ‖q‖ or ‖k‖ ([TT, H] fp32) of the BC rows at row0; 1 past the document end.
 
-    Kept from the prepare (+8 bytes per token and head) for `_bwd_vk`, `_bwd_k` and `_bwd_norms`, instead of a
+    Kept from the prepare (+8 bytes per token and head) for `_bwd_vk`, `_bwd_k_block` and `_bwd_norms`, instead of a
     full-row load per key slice: `_bwd_k` 4.88 → 4.77 ms, `_bwd_vk` 3.40 → 3.09 at the K3 shape (session 9 run 4)."""
     n = tl.load(tl.make_block_ptr(n_in + bos * H + i_h, (L,), (H,), (row0,), (BC,), (0,)), boundary_check=(0,),
                 padding_option="zero")
@@ -744,7 +748,7 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dtk_in, dbk_in,
     dβ_v = Σ_v (Tᵀ·dŨ)⊙V, on top of `_bwd_vk`'s NS partials of dT and dβ, summed first (in slice order:
     deterministic) in a pipelined loop: their loads in flight together, not one exposed load and layout conversion
     each after the value loop (1.18 → 1.02 ms at the K3 shape with 3 stages, session 9 run 4). Then
-    dAkk = −Tᵀ·dT·Tᵀ. Writes dv, and dAqk, dAkk (masked to their lower triangles) and dβ for `_bwd_k` /
+    dAkk = −Tᵀ·dT·Tᵀ. Writes dv, and dAqk, dAkk (masked to their lower triangles) and dβ for `_bwd_k_block` /
     `_bwd_norms`.
     """
     i_c = tl.program_id(0)
@@ -929,7 +933,7 @@ def _norm_bwd_rows(x, dxh, dx, n_in, row_off, off, m, sc, INTERP: tl.constexpr):
 @triton.jit
 def _bwd_norms(q, k, b, qn_in, kn_in, dqh, dkh, db_in, db_part, dq, dk, dbl, TT, scale,
                H, K: tl.constexpr, NS: tl.constexpr, BT: tl.constexpr, INTERP: tl.constexpr):
-    """After `_bwd_k`, per (BT tokens, head): the L2-norm backward of q and k from the finished
+    """After `_bwd_k_block`, per (BT tokens, head): the L2-norm backward of q and k from the finished
     dq̂, dk̂ (y = x/‖x‖ → dx = (dy − y·⟨y, dy⟩)/‖x‖; q̂ = scale·y) and dβ's logit (the value side's dβ
     plus the NS slices' partials, times σ')."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -1111,9 +1115,10 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     """All gradients from the raw inputs and dO (and dht): recompute if needed, the state pass, the chunk passes.
 
     inter: the forward's (W, Qg, Kd, Aqk, gc, T, hs, Ũ, G, ‖q‖, ‖k‖) (`_fwd(keep=True)`); then nothing is recomputed
-    and h0 is not used. Without it the prepare kernels and `_state` (storing the chunk-start states, Ũ and the
+    and h0 is not used. Without it the prepare kernels and `_state` (storing G, the chunk-start states, Ũ and the
     norms) run again here. Then `_state_bwd`, the value side over key slices (`_bwd_vk`, `_bwd_vv`), the score,
-    gate and cumsum chains over key slices (`_bwd_k`) and the row-wise norm and σ' chains (`_bwd_norms`).
+    score backward per 16-row block and key slice (`_bwd_k_block`), the cumsum and gate chains per key slice and
+    chunk (`_bwd_gate`) and the row-wise norm and σ' chains (`_bwd_norms`).
     The backward state pass multiplies as TUNING["state_bwd_products"] says (split bf16), whatever
     state_bf16 is: state_bf16 only changes the forward and the recomputed states.
     """
@@ -1278,12 +1283,14 @@ def chunk_kda(
       Aqk                      [TT, H, 64]       fp32 (bf16 with all_bf16)
       T = (I + Akk)⁻¹          [TT, H, 64]       fp32
       G_C                      [NT, H, K]        fp32
+      G (in-chunk cumsum)      [TT, H, K]        fp32
       chunk-start states       [NT, H, K, V]     fp32 (shared with the returned ones if return_chunk_states)
       Ũ = U − W·S              [TT, H, V]        U's dtype (fp32 unless all_bf16)
       ‖q‖, ‖k‖                 2 × [TT, H]       fp32
-    At the K3 shape (T = 8192, H = 96, K = V = 128, bf16, no all_bf16) that is 576 + 192 + 192 + 6 + 768 + 384
-    MiB ≈ 2.07 GiB per layer (the states are the largest part: 4·K·V/64 = 1 KiB per token and head), in
+    At the K3 shape (T = 8192, H = 96, K = V = 128, bf16, no all_bf16) that is 576 + 192 + 192 + 6 + 384 + 768 +
+    384 MiB ≈ 2.44 GiB per layer (the states are the largest part: 4·K·V/64 = 1 KiB per token and head), in
     exchange for the recompute: ~6.5 ms of the then ~32 ms forward + backward (docs/kda-kernels.md §7 item 9).
+    (G since session 13: the backward reads it instead of recomputing the gate, §7 item 23.)
     initial_state is then not saved. The kept W, Q⊙Γ, K⊙exp(G_C − G), Aqk and Ũ are released when the
     backward returns (autograd frees saved tensors only then), not after the state pass as the recomputed ones
     are. With return_chunk_states the returned states are the saved ones: modifying them in place before the
