@@ -4,7 +4,8 @@
 # fastest forward+backward config. Logs to $OUT/log.txt, JSON to $OUT/compare.jsonl and $OUT/kda.json (at most 8
 # files come back from a device call). Pass the commit in (the GPU machine's .git copy can be stale):
 #     K3_GIT_SHA=$(git rev-parse HEAD) OUT=/tmp/out bash benchmarks/kda_session.sh [configs file]
-# Default configs: benchmarks/kda_next_configs.txt (docs/kda-kernels.md §8, status after session 9). The state_bv 16
+# Default configs: benchmarks/kda_next_configs.txt (docs/kda-kernels.md §8: launch settings of the session-13
+# kernels not yet timed, from the offline report). The state_bv 16
 # fault (an illegal address, reproducible in the T = 300 gate) goes under compute-sanitizer first.
 set -u
 OUT=${OUT:-benchmarks/results}
