@@ -56,11 +56,12 @@ TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_
 # per-kernel constexprs on top of CONSTEXPRS
 _SK = chunk.TUNING["bwd_k_cols"]
 _SKV = chunk.TUNING["bwd_vk_cols"]
-KERNEL_CONSTEXPRS = {"_bwd_k_block": dict(SK=_SK),
-                     "_bwd_gate": dict(SK=chunk.TUNING["bwd_gate_cols"]), "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
-                     "_state_ut": dict(STORE_UT=True, SPLIT=chunk.TUNING["state_split"]), "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV),
+KERNEL_CONSTEXPRS = {"_state_ut": dict(STORE_UT=True, SPLIT=chunk.TUNING["state_split"]),
                      "_state_bwd": dict(SPLIT=chunk.TUNING["state_bwd_products"] == "split",
-                                        BF16=chunk.TUNING["state_bwd_products"] == "bf16")}
+                                        BF16=chunk.TUNING["state_bwd_products"] == "bf16"),
+                     "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV), "_bwd_k_block": dict(SK=_SK),
+                     "_bwd_gate": dict(SK=chunk.TUNING["bwd_gate_cols"]),
+                     "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"])}
 
 
 def kernel_fn(name: str):
