@@ -386,9 +386,23 @@ def _intra_row_block(qh, kh, beta, G, a, bos, L, i_h, r0, R, qg_out, aqk_out, t_
 
 
 @triton.jit
+def _g_block(g_in, bos, L, i_h, r0, c0, H, K: tl.constexpr, SK: tl.constexpr, BC: tl.constexpr):
+    """The prepare's G ([TT, H, K] fp32) on the BC rows at r0 of one document, columns [c0, c0 + SK), with its
+    anchor a (G at the first row) and end e (G at the last row before the document end): loaded, not reduced. Rows
+    past the end take G = a, so every factor exp(±(G − a)) there is 1 (q̂ = k̂ = 0 on them)."""
+    ck = c0 + tl.arange(0, SK)
+    G = tl.load(_bp(g_in, bos, L, i_h, r0, c0, H, K, BC, SK), boundary_check=(0,), padding_option="zero")
+    a = tl.load(g_in + ((bos + r0) * H + i_h).to(tl.int64) * K + ck)
+    e = tl.load(g_in + ((bos + tl.minimum(r0 + BC, L) - 1) * H + i_h).to(tl.int64) * K + ck)
+    return tl.where((r0 + tl.arange(0, BC) < L)[:, None], G, a[None, :]), a, e
+
+
+@triton.jit
 def _gate_rows(g_in, kn_in, bos, L, row0, i_h, H, K: tl.constexpr, BC: tl.constexpr):
     """The 16 rows at row0 of G (zeros past the document end), G at their first row (zeros past the end) and
-    ‖k‖ (1 past the end: k there is zero, and k̂ must be too)."""
+    ‖k‖ (1 past the end: k there is zero, and k̂ must be too). (`_g_block` is the backward's column-slice form with
+    the past-the-end rows set and the block's end; used here it cost `_prep_intra` 87 SASS instructions and 4 B of
+    spills offline, in the off-diagonal walk that needs neither, so the forward keeps this one.)"""
     r = row0 + tl.arange(0, BC)
     G = tl.load(_bp(g_in, bos, L, i_h, row0, 0, H, K, BC, K), boundary_check=(0,), padding_option="zero")
     first = tl.load(g_in + ((bos + row0) * H + i_h) * K + tl.arange(0, K), mask=row0 < L, other=0.0)
@@ -792,18 +806,6 @@ def _load_block(x, bos, L, i_h, row0, col0, H, W: tl.constexpr, BC: tl.constexpr
 
 
 @triton.jit
-def _g_block(g_in, bos, L, i_h, r0, c0, H, K: tl.constexpr, SK: tl.constexpr, BC: tl.constexpr):
-    """The prepare's G ([TT, H, K] fp32) on the BC rows at r0 of one document, columns [c0, c0 + SK), with its
-    anchor a (G at the first row) and end e (G at the last row before the document end): loaded, not reduced. Rows
-    past the end take G = a, so every factor exp(±(G − a)) there is 1 (q̂ = k̂ = 0 on them)."""
-    ck = c0 + tl.arange(0, SK)
-    G = tl.load(_bp(g_in, bos, L, i_h, r0, c0, H, K, BC, SK), boundary_check=(0,), padding_option="zero")
-    a = tl.load(g_in + ((bos + r0) * H + i_h).to(tl.int64) * K + ck)
-    e = tl.load(g_in + ((bos + tl.minimum(r0 + BC, L) - 1) * H + i_h).to(tl.int64) * K + ck)
-    return tl.where((r0 + tl.arange(0, BC) < L)[:, None], G, a[None, :]), a, e
-
-
-@triton.jit
 def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_in, daqk_in, dakk_in, db_part,
                  scale, H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, INTERP: tl.constexpr):
     """The score backward of one (16-row block R, key slice of SK columns, chunk, head): everything that lands on
@@ -1040,6 +1042,7 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
     Tm = torch.empty(TT, H, CHUNK, dtype=torch.float32, device=q.device)
     kn = torch.empty(TT, H, dtype=torch.float32, device=q.device)  # ‖k‖ per row
     qn = torch.empty_like(kn) if store_norms else None
+    G = None
     if plan.NT > 0:
         interp = interpreting()
         # the in-chunk cumulative gate: 4·TT·H·K bytes (384 MiB at the K3 shape), freed before `_state` unless a
@@ -1058,8 +1061,6 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
         _prep_wu[(plan.NT * (K // SK + V // SV), H)](k, v, b, G, gc, plan.cu, plan.chunk_idx, Tm, kn, W, U, Kd,
                                                        H=H, K=K, V=V, C=CHUNK, SK=SK, SV=SV, INTERP=interp,
                                                        **_launch_options("prep_wu"))
-    else:
-        G = torch.empty(0, H, K, dtype=torch.float32, device=q.device)
     return (W, U, Qg, Kd, Aqk, gc, (Tm if store_t else None), ((qn, kn) if store_norms else None),
             (G if store_t else None))
 
@@ -1116,7 +1117,7 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
 
     inter: the forward's (W, Qg, Kd, Aqk, gc, T, hs, Ũ, G, ‖q‖, ‖k‖) (`_fwd(keep=True)`); then nothing is recomputed
     and h0 is not used. Without it the prepare kernels and `_state` (storing G, the chunk-start states, Ũ and the
-    norms) run again here. Then `_state_bwd`, the value side over key slices (`_bwd_vk`, `_bwd_vv`), the score,
+    norms) run again here. Then `_state_bwd`, the value side over key slices (`_bwd_vk`, `_bwd_vv`), the
     score backward per 16-row block and key slice (`_bwd_k_block`), the cumsum and gate chains per key slice and
     chunk (`_bwd_gate`) and the row-wise norm and σ' chains (`_bwd_norms`).
     The backward state pass multiplies as TUNING["state_bwd_products"] says (split bf16), whatever
