@@ -131,14 +131,18 @@ def small_gate(device, **kw):
     ref = grads_of(lambda x: reference_fn(x, None), [x.double() for x in ins], do.double(), dS.double())
     errs = {"o": rel(tri[0], ref[0]), "S": rel(tri[1], ref[1])}
     errs.update({n: rel(a, r) for n, a, r in zip(("q", "k", "v", "z", "b", "A_log", "dt_bias", "h0"), tri[2], ref[2])})
-    return errs, all(e <= TOL[n] for n, e in errs.items())
+    # the inference forward (no backward can follow) is its own kernels (`triton_prefill`, TUNING["prefill"])
+    with torch.no_grad():
+        o, S = ours_fn(ins, None, **kw)
+    errs.update({"o_inference": rel(o, ref[0]), "S_inference": rel(S, ref[1])})
+    return errs, all(e <= TOL[n.removesuffix("_inference")] for n, e in errs.items())
 
 
 def accuracy_table(configs, fla, device, quick):
     """Relative RMSE against the fp64 recurrence, forward and every gradient, at T = 8192, H = 4 (dense, and the
     issue's varlen mix; the fp64 autograd reference must fit), for each TUNING override set and for fla on the same
     inputs: the issue's "never worse than 1.5× fla" beside the absolute limits. Prints one table, returns the rows."""
-    names = ("o", "S", "q", "k", "v", "z", "b", "A_log", "dt_bias", "h0")
+    names = ("o", "S", "q", "k", "v", "z", "b", "A_log", "dt_bias", "h0", "o_inf", "S_inf")
     T, H = (300, 2) if quick else (8192, 4)
     base = dict(triton_chunk.TUNING)
     rows = []
@@ -156,6 +160,9 @@ def accuracy_table(configs, fla, device, quick):
             fn = (lambda x: fla_fn(fla, x, cu)) if cfg is None else (lambda x: ours_fn(x, cu))
             out = grads_of(fn, ins, do, dS)
             errs = [rel(out[0], ref[0]), rel(out[1], ref[1])] + [rel(a, r) for a, r in zip(out[2], ref[2])]
+            with torch.no_grad():  # ours: the inference forward's own kernels (fla: the same forward)
+                o, S = fn(ins)
+            errs += [rel(o, ref[0]), rel(S, ref[1])]
             rows.append({"case": "dense" if lengths is None else "varlen", "impl": label, **dict(zip(names, errs))})
             print(f"[accuracy] {rows[-1]['case']} {label}: " + ", ".join(f"{n} {e:.1e}" for n, e in zip(names, errs)),
                   flush=True)
@@ -518,9 +525,12 @@ def compare_tunings(configs, device, quick, shape=(1, 8192, 96)):
                 row.update(fwd_ms=times["fwd"]["ms_median"], fwd_bwd_ms=times["fwd+bwd"]["ms_median"])
                 if device == "cuda":
                     row["kernels_ms"] = {k: ms for k, (ms, _) in kernel_times(fwd_bwd).items()}
+                    row["fwd_kernels_ms"] = {k: ms for k, (ms, _) in kernel_times(fwd).items()}
             rows.append(row)
             # per config as it finishes, kernels included: a run cut short by its time limit keeps them
             top = ", ".join(f"{k.split('(')[0][:14]} {ms:.2f}" for k, ms in list(row.get("kernels_ms", {}).items())[:8])
+            top += "; fwd: " + ", ".join(f"{k.split('(')[0][:18]} {ms:.3f}"
+                                         for k, ms in list(row.get("fwd_kernels_ms", {}).items())[:6])
             print(f"[compare] B={B} T={T} H={H} {json.dumps(cfg)}: " + ("gate FAILED " + str(errs) if not ok else
                   f"fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwd_bwd_ms']:.3f} ms; {top}"), flush=True)
     finally:

@@ -262,12 +262,13 @@ def test_saved_intermediates_match_recompute_bitwise(dev, monkeypatch, case):
 def test_state_value_blocks_do_not_change_results(dev, monkeypatch, key):
     """The state passes' value block (a launch setting, swept by benchmarks) splits independent value columns:
     64 against the default 32 gives the same results up to the matmul's summation order (BLAS blocking in the
-    interpreter, tile shapes on a GPU). state_bv is the inference forward's launch, state_ut_bv the training
+    interpreter, tile shapes on a GPU). state_bv is the 64-token inference forward's launch, state_ut_bv the training
     forward's (it also stores Ũ), state_bwd_bv the backward state pass."""
     from k3.ops.kda import chunk_kda
     from k3.ops.kda import triton_chunk as tc
 
     inputs = make_raw(1, 80, 2, 32, 64, seed=31, dtype=torch.float32)
+    monkeypatch.setitem(tc.TUNING, "prefill", False)  # the inference forward in 64-token chunks
 
     def run():
         if key == "state_bv":
@@ -354,7 +355,7 @@ def test_state_bwd_products_refused(dev, monkeypatch, products, key, value, matc
 
 
 def test_inference_forward_state_products(dev, monkeypatch):
-    """The inference forward (no backward can follow) multiplies in split bf16 like the training forward
+    """The 64-token inference forward (no backward can follow; `prefill` off) multiplies in split bf16 like the training forward
     (`state_split_inference`, the default since session 12), so their outputs are bit-identical, whether or not
     the training forward keeps its operands; with it off the inference forward is tf32: both within fp64 tolerance,
     within 5e-5 of each other in the interpreter."""
@@ -363,6 +364,7 @@ def test_inference_forward_state_products(dev, monkeypatch):
 
     inputs = [x.to(dev) for x in make_raw(1, 150, 2, 32, 64, seed=43, dtype=torch.float32)]
     ref, _ = reference(*[x.double() for x in inputs])
+    monkeypatch.setitem(tc.TUNING, "prefill", False)  # the inference forward in 64-token chunks
 
     def forwards():
         with torch.no_grad():
@@ -383,11 +385,96 @@ def test_inference_forward_state_products(dev, monkeypatch):
         assert rel_err(infer, train) <= 5e-5 and not torch.equal(infer, train)
 
 
-def test_saved_intermediates_only_when_a_backward_follows(dev, monkeypatch):
-    """No grad mode or no input that requires grad: nothing extra is computed or kept."""
+def _infer(inputs, dev, **kw):
+    """chunk_kda under no_grad (the inference forward) with the initial state and the final state returned."""
+    from k3.ops.kda import chunk_kda
+
+    x = [t.to(dev) for t in inputs]
+    with torch.no_grad():
+        return chunk_kda(*x[:7], initial_state=x[7], output_final_state=True, **kw)
+
+
+def _check_forward(out, ref, dtype, what=""):
+    shrink = 1.0 if dtype == torch.bfloat16 else (1.5 if ON_GPU else 0.2)
+    errs = {"o": rel_err(out[0].cpu(), ref[0]), "S": rel_err(out[1].cpu(), ref[1])}
+    assert all(e <= shrink * TOL[n] for n, e in errs.items()), (what, errs)
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all(), what
+
+
+@pytest.mark.parametrize("T", [1, 15, 16, 17, 63, 65, 150])
+def test_prefill_forward_matches_fp64_recurrence(dev, T):
+    """The 16-token inference forward (`triton_prefill`, what chunk_kda runs when no backward can follow) against the
+    fp64 recurrence, bf16 and fp32, at lengths around the 16- and 64-token chunk edges; and beside the 64-token
+    inference forward (`prefill` off): fp32 inputs agree to 2e-5 in the interpreter (split-bf16 products in both)."""
+    from k3.ops.kda import triton_chunk as tc
+
+    for dtype in (torch.bfloat16, torch.float32):
+        inputs = make_raw(2, T, 2, 32, 32, seed=50 + T, dtype=dtype)
+        out = _infer(inputs, dev)
+        _check_forward(out, reference(*inputs), dtype, (T, dtype))
+    tc.TUNING["prefill"] = False
+    try:
+        old = _infer(inputs, dev)
+    finally:
+        tc.TUNING["prefill"] = True
+    if not ON_GPU:
+        assert rel_err(out[0], old[0]) <= 2e-5 and rel_err(out[1], old[1]) <= 2e-5
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's σ(±1e4)
+@pytest.mark.parametrize("g_min", [-5.0, -1.0, -0.1])
+def test_prefill_forward_varlen_and_extreme_gates(dev, g_min):
+    """Packed documents of 0-70 tokens (16-token chunks never cross one), and gate inputs at ±1e4 with large biases:
+    at g_min = −5 whole chunks decay at the bound, where exp(−G) reaches e^80 in the score operands."""
+    lengths = [1, 0, 2, 16, 64, 3, 1, 70, 17]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    inputs = make_raw(1, cu[-1], 2, 16, 32, seed=52, N=len(lengths), bias=30.0)
+    z = inputs[3].float()
+    z[:, ::3] = 1e4
+    z[:, 1::4] = -1e4
+    inputs[3] = z.to(inputs[3].dtype)
+    out = _infer(inputs, dev, gate_lower_bound=g_min, cu_seqlens=torch.tensor(cu, device=dev))
+    _check_forward(out, reference(*inputs, g_min=g_min, cu_seqlens=torch.tensor(cu)), torch.bfloat16, g_min)
+    inputs[3] = torch.full_like(inputs[3], 1e4)  # every g = g_min
+    out = _infer(inputs, dev, gate_lower_bound=g_min, cu_seqlens=torch.tensor(cu, device=dev))
+    _check_forward(out, reference(*inputs, g_min=g_min, cu_seqlens=torch.tensor(cu)), torch.bfloat16, g_min)
+
+
+def test_prefill_forward_head_dims_value_blocks_and_bf16_products(dev, monkeypatch):
+    """K = V = 128 (the model's head), V split into value blocks of 16 (the value columns are independent: the same
+    results up to a product's summation order), and `state_bf16` (plain bf16 products) within the bf16 limits."""
+    from k3.ops.kda import triton_chunk as tc
+
+    inputs = make_raw(1, 40, 1, 128, 128, seed=53, bias=2.0)
+    _check_forward(_infer(inputs, dev), reference(*inputs), torch.bfloat16, "K = V = 128")
+    inputs = make_raw(1, 70, 2, 32, 64, seed=54, dtype=torch.float32)
+    base = _infer(inputs, dev)
+    monkeypatch.setitem(tc.TUNING, "prefill_state_bv", 16)
+    launched = []
+    state = tc.prefill_forward.__globals__["_prefill_state"]
+    monkeypatch.setitem(tc.prefill_forward.__globals__, "_prefill_state",
+                        type("Spy", (), {"__getitem__": lambda self, grid: launched.append(grid) or state[grid]})())
+    narrow = _infer(inputs, dev)
+    assert launched == [(4, 2)], launched  # V // 16 value blocks, N·H sequences and heads
+    for a, b in zip(base, narrow):
+        torch.testing.assert_close(a, b, rtol=5e-5, atol=1e-5)
+    inputs = make_raw(2, 100, 2, 32, 32, seed=55)
+    _check_forward(_infer(inputs, dev, state_bf16=True), reference(*inputs), torch.bfloat16, "state_bf16")
+
+
+@pytest.mark.parametrize("prefill", [True, False])
+def test_saved_intermediates_only_when_a_backward_follows(dev, monkeypatch, prefill):
+    """No grad mode or no input that requires grad: nothing extra is computed or kept. With `prefill` (the default)
+    such a forward runs the 16-token kernels of `triton_prefill` alone, none of the training forward's."""
     from k3.ops.kda import chunk_kda
     from k3.ops.kda import triton_chunk as tc
 
+    monkeypatch.setitem(tc.TUNING, "prefill", prefill)
+    prefills = []
+    prefill_forward = tc.prefill_forward
+    monkeypatch.setattr(tc, "prefill_forward", lambda *a, **k: prefills.append(1) or prefill_forward(*a, **k))
     calls = []
     prepare, state = tc._fwd_prepare, tc._fwd_state
     monkeypatch.setattr(tc, "_fwd_prepare", lambda *a, **k: calls.append(k) or prepare(*a, **k))
@@ -397,12 +484,18 @@ def test_saved_intermediates_only_when_a_backward_follows(dev, monkeypatch):
         o, _ = chunk_kda(*(x.clone().requires_grad_() for x in inputs[:7]), save_intermediates=True)
     o2, _ = chunk_kda(*inputs[:7], save_intermediates=True)
     assert o.grad_fn is None and o2.grad_fn is None and torch.equal(o, o2)
-    assert len(calls) == 4 and not any(k.get("store_t") or k.get("want_hs") or k.get("want_ut") for k in calls), calls
+    if prefill:
+        assert calls == [] and len(prefills) == 2, calls
+    else:
+        assert len(calls) == 4 and not any(k.get("store_t") or k.get("want_hs") or k.get("want_ut") for k in calls), \
+            calls
+    prefills.clear()
     # switched off, a training forward keeps nothing and the backward recomputes (Ũ included)
     calls.clear()
     leaves = [x.clone().requires_grad_() for x in inputs[:7]]
     chunk_kda(*leaves, save_intermediates=False)[0].sum().backward()
     assert len(calls) == 4 and not calls[0].get("store_t") and not calls[1].get("want_ut") and calls[3]["want_ut"]
+    assert prefills == []
 
 
 def test_saved_intermediates_survive_retain_graph(dev):
@@ -437,9 +530,14 @@ def test_saved_intermediates_under_activation_checkpointing(dev):
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-def test_chunk_states_for_prefix_caching(dev):
+@pytest.mark.parametrize("prefill", [True, False])
+def test_chunk_states_for_prefix_caching(dev, monkeypatch, prefill):
+    """The states at every 64-token chunk start (chunk_kda's return_chunk_states), from the 16-token inference
+    forward (every fourth of its chunks) and from the 64-token one."""
     from k3.ops.kda import chunk_kda
+    from k3.ops.kda import triton_chunk as tc
 
+    monkeypatch.setitem(tc.TUNING, "prefill", prefill)
     cu = [0, 150, 170]
     inputs = make_raw(1, 170, 2, 32, 32, seed=13, N=2, dtype=torch.float32)
     o, ht, hs = chunk_kda(*(x.to(dev) for x in inputs[:7]), initial_state=inputs[7].to(dev),
@@ -667,6 +765,7 @@ def test_prepare_matches_fp64_chunk_operands(dev, case):
     factors exp(a_R − G) underflow to zero across up to 48 rows (measured: the same errors as the two-anchor
     factorisation it replaced, ±1e-8)."""
     from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda.triton_common import _Plan
 
     lengths, H, K, V, dtype, all_bf16, g_min = PREPARE_CASES[case]
     offsets = [0]
@@ -675,7 +774,7 @@ def test_prepare_matches_fp64_chunk_operands(dev, case):
     q, k, v, z, b, A_log, dt_bias, _ = (x.to(dev) for x in make_raw(1, offsets[-1], H, K, V, seed=31, N=1,
                                                                     dtype=dtype, bias=2.0))
     q, k, v, z, b = (x[0] for x in (q, k, v, z, b))
-    plan = tc._Plan(tuple(offsets), torch.device(dev))
+    plan = _Plan(tuple(offsets), torch.device(dev))
     dtypes = tc.inter_dtypes(dtype, all_bf16)
     out = tc._fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, K ** -0.5, plan, dtypes, store_t=True)
     ref = chunk_operands_fp64(*(x.cpu() for x in (q, k, v, z, b, A_log, dt_bias)), g_min, K ** -0.5, offsets)
@@ -774,7 +873,8 @@ def test_kept_norms_and_gate_are_read(dev, monkeypatch, save):
     its own: scaling the stored ‖q‖ (or ‖k‖), or shifting G, after the prepare leaves o, the final state and dv
     bit-identical and changes dq (dk; dq through exp(G) in `_bwd_vk`). They are stored by the forward that keeps its
     intermediates, or by the backward's recompute (save_intermediates off), and never by an inference forward (G is
-    freed before `_state`). Two key slices in each backward kernel."""
+    freed before `_state`; the default inference forward, `triton_prefill`'s, calls no prepare of this file). Two key
+    slices in each backward kernel."""
     from k3.ops.kda import triton_chunk as tc
 
     cu = [0, 1, 1, 18, 88]
@@ -809,4 +909,4 @@ def test_kept_norms_and_gate_are_read(dev, monkeypatch, save):
     with torch.no_grad():
         x = [t.to(dev) for t in inputs]
         tc.chunk_kda(*x[:7], initial_state=x[7], cu_seqlens=kw["cu_seqlens"])
-    assert stored == [False], stored
+    assert stored == ([] if tc.TUNING["prefill"] else [False]), stored

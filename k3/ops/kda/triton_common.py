@@ -1,0 +1,347 @@
+"""Shared by the chunked KDA kernels (`triton_chunk.py`, 64-token chunks, training and prefill; `triton_prefill.py`,
+16-token chunks, the inference forward): launch settings, device helpers, the chunk plan.
+
+The numerics of the helpers (round-to-nearest casts, split-bf16 products, flush-to-zero exps) are described in
+docs/kda-kernels.md §4; the launch settings' measurements beside each entry of TUNING.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import libdevice
+
+from k3.ops import triton_runs_on
+from k3.ops.kda.reference import document_offsets
+
+CHUNK = 64
+SUB = 16
+# Launch configurations for K = V = 128 on an H200 (docs/kda-kernels.md: chosen from the compiler's register
+# and spill report and the measured variants). Benchmarks may override entries (`benchmarks/kda.py --tuning`).
+# For each chunk kernel "<name>_warps", and optionally "<name>_stages" and "<name>_maxnreg" (a register cap per
+# thread, so that more programs share an SM; None: Triton's default).
+TUNING = {
+    # the prepare (docs/kda-kernels.md §7 items 10 and 12): `_prep_gate`, `_prep_intra`, `_prep_solve`, `_prep_wu`;
+    # forward 4.64 → 3.31 ms at the K3 shape with the gate pre-pass (session 8, run 1)
+    "prep_gate_warps": 1, "prep_gate_stages": None, "prep_gate_maxnreg": None,  # 0.28 ms at 4 warps, 0.25 at 1 (run 3)
+    "prep_intra_warps": 4, "prep_intra_stages": None, "prep_intra_maxnreg": 128,  # 2.57 ms at 168, 2.43 at 128 (run 7)
+    # (`_prep_intra` with one anchor per row block, `_intra_off_step`: 0.98 → 0.88 ms, session 9 run 4)
+    "prep_solve_warps": 4, "prep_solve_stages": None, "prep_solve_maxnreg": None,
+    "prep_wu_warps": 4, "prep_wu_stages": None, "prep_wu_maxnreg": 128,  # 0.96 → 0.84 ms, 0 spills (run 7)
+    # the inference `_state` (no stores for a backward): split products at 3 stages, forward 2.995 → 2.884 ms at
+    # the K3 shape, 0.979 → 0.998 at the small preset's (session 12 run 4; tf32 at 3 stages: 3.14 → 4.08, run 3)
+    "state_bv": 32, "state_warps": 4, "state_stages": 3, "state_maxnreg": None,
+    # `_state` when it also stores Ũ (the training forward, the backward's recompute): tf32 products at 8 warps
+    # (2.12 ms at the K3 shape); split-bf16 products at 4 warps 1.88 ms (session 9 run 4), 1.29 ms at 3 stages
+    # (session 12 run 3)
+    "state_ut_bv": 32, "state_ut_warps": 4, "state_ut_stages": 3, "state_ut_maxnreg": None,
+    # `_state_bwd` in split-bf16 products at 4 warps, 3 stages: 2.15 → 1.37 ms at the K3 shape, 0.67 → 0.46 at the
+    # small preset's, and closer to fp64 than tf32 at 8 warps, 1 stage (2 stages: 1.58 and 0.52 ms; session 12
+    # runs 1-2; `state_bwd_products`)
+    "state_bwd_bv": 32, "state_bwd_warps": 4, "state_bwd_stages": 3, "state_bwd_maxnreg": None,
+    # `_state`'s products in split bf16 (`_mm_split`: more accurate than tf32, and without tf32's conversion of the
+    # bf16 tiles) unless state_bf16: the launch that stores Ũ 2.12 → 1.88 ms at 4 warps, the inference forward
+    # 3.231 → 3.255 ms (session 9 runs 3-4). `_state_bwd` has its own switch, `state_bwd_products` (below)
+    "state_split": True,
+    # the inference forward (no backward can follow) in split bf16 too, so its o is bit-identical to a training
+    # forward's (which is the same whether or not it keeps Ũ). tf32 there: 3.134 → 3.102 ms at the K3 shape at 2
+    # stages (session 10 run 1), the default until session 12, whose 3-stage split launch took 2.884 ms
+    "state_split_inference": True,
+    # every `_state` launch in plain bf16 products (as `chunk_kda(state_bf16=True)`; fla's choice), for timing:
+    # with bf16 `_state_bwd` products, fwd+bwd 13.98 ms at the K3 shape, but dA_log 2.0e-2 from fp64 (session 12)
+    "state_bf16": False,
+    # `_state_bwd`'s products: "split" (as `_state`'s), "tf32" or "bf16" (1.38 ms at the K3 shape, dA_log 1.0e-2
+    # from fp64 against split's 5.6e-3). Split and bf16 are correct on the H200 at 4 warps with 2 or 3 stages;
+    # with 1 stage the build computed wrong gradients (bf16 at 8 warps, split at 4) or faulted (split at 8): a
+    # miscompile of the unpipelined loads, as in sessions 4 and 9 (session 12 runs 1-2); 8 warps at 2-3 stages is
+    # untimed. Launches outside the measured region are refused.
+    "state_bwd_products": "split",
+    # the value-side backward over key slices from the forward's Ũ (docs/kda-kernels.md §7 item 13): `_bwd_vk` per
+    # (key slice of bwd_vk_cols, chunk, head), then `_bwd_vv` per (chunk, head); fwd+bwd 19.95 → 18.53 ms at the K3
+    # shape with bwd_vk_maxnreg 168 (session 8, run 1). 8 warps, 3 stages, 128 registers: every loop tile an async
+    # copy, `_bwd_vk` 3.66 → 3.40 ms, 3.09 with the kept norms (`_load_norm`); `_bwd_vv` at 3 stages with its
+    # partials summed first 1.18 → 1.02 ms (session 9 run 4)
+    # (session 13: 64-column slices without the register cap, one program of 255 registers per SM, `_bwd_vk` 2.91 →
+    # 2.65 ms and `_bwd_vv` 1.02 → 0.94 (half the partials) at the K3 shape, run 3)
+    "bwd_vk_cols": 64, "bwd_vk_bv": 32, "bwd_vk_warps": 8, "bwd_vk_stages": 3, "bwd_vk_maxnreg": None,
+    "bwd_vv_bv": 32, "bwd_vv_warps": 8, "bwd_vv_stages": 3, "bwd_vv_maxnreg": 128,
+    # `_bwd_k_block` (session 13) per (16-row block, key slice of 32): capped at 72 registers (92 B of spills) for seven
+    # programs per SM, 3.54 → 2.75 ms at the K3 shape (96: 3.26, 80: 2.96, 64: 2.77; runs 3-4)
+    "bwd_k_cols": 32, "bwd_k_warps": 4, "bwd_k_stages": None, "bwd_k_maxnreg": 72,
+    # `_bwd_gate` per (key slice of bwd_gate_cols, chunk, head): 0.38 ms at the K3 shape (128 columns: 0.51; run 1)
+    "bwd_gate_cols": 32, "bwd_gate_warps": 4, "bwd_gate_stages": None, "bwd_gate_maxnreg": None,
+    "bwd_norms_rows": 16, "bwd_norms_warps": 4, "bwd_norms_stages": None, "bwd_norms_maxnreg": None,
+    "decode_bv": 64, "decode_warps": 4,
+    # the inference forward (no backward can follow) in 16-token chunks (`triton_prefill.py`, session 14); False:
+    # the training forward's kernels without their stores for a backward
+    "prefill": True,
+    "prefill_prepare_warps": 4, "prefill_prepare_stages": None, "prefill_prepare_maxnreg": None,
+    "prefill_state_bv": 64, "prefill_state_warps": 4, "prefill_state_stages": 2, "prefill_state_maxnreg": None,
+}
+# (Sessions 11-12 had a "few programs" rule: BV 64 for the Ũ launch and 4-warp `_state_bwd` where the state passes
+# had one to two programs per SM. The 3-stage launches above beat it there too, `_state` 0.52 → 0.43 ms at 8 × 4096,
+# H = 8 (session 12 run 4), so the rule was deleted; commit 2f816f6 has it.)
+# The code variants of the session-9 Nsight Compute analysis (docs/kda-ncu-session9.md), timed in session 9 run 4 at
+# the K3 shape (docs/kda-kernels.md §6), are the only code now: the kept norms (`_load_norm`), `_bwd_vv`'s partials
+# summed first, `_prep_intra`'s one anchor; with the launch settings above fwd+bwd 16.41 → 15.21 ms. A flush-to-zero
+# exp (`libdevice.fast_expf`) in `_prep_intra`, `_bwd_vk` and `_bwd_k` lost (15.27 ms with it) and was deleted;
+# session 13 brought it back (`_exp`) in `_prep_intra` and the new `_bwd_k_block` only, where it wins.
+# Session 13 replaced the two-sweep `_bwd_k` (one program per key slice and chunk; commit 965a25b has it) by
+# `_bwd_k_block` + `_bwd_gate`: fwd+bwd 14.01 → 11.65 ms at the K3 shape with the caps above (docs/kda-kernels.md
+# §7 items 22-25).
+
+
+def _launch_options(kernel: str) -> dict:
+    """num_warps, and num_stages / maxnreg where TUNING sets them, for one chunk kernel's launch."""
+    options = {"num_warps": TUNING[f"{kernel}_warps"]}
+    for key, option in (("stages", "num_stages"), ("maxnreg", "maxnreg")):
+        if TUNING.get(f"{kernel}_{key}") is not None:
+            options[option] = TUNING[f"{kernel}_{key}"]
+    return options
+
+
+@triton.jit
+def _exp(x, INTERP: tl.constexpr):
+    """exp(x) flushed to zero below fp32's normal range (ex2.approx.ftz, `libdevice.fast_expf`; tl.exp in the
+    interpreter): it skips tl.exp's denormal scaling, three of its five instructions. The anchored factors are
+    within e^±80, so a flushed result is a product that is below fp32's range anyway. `_bwd_k_block` 3.51 → 3.46
+    ms, `_prep_intra` 0.88 → 0.85 at the K3 shape (session 13 run 2, session 9 run 4)."""
+    if INTERP:
+        return tl.exp(x)
+    return libdevice.fast_expf(x)
+
+
+@triton.jit
+def _cast(x, dt: tl.constexpr, INTERP: tl.constexpr):
+    """x.to(dt) with round-to-nearest-even; the interpreter truncates to bf16, so there it is done by hand."""
+    if INTERP and dt == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dt)
+
+
+@triton.jit
+def _mm(a, b, BF16: tl.constexpr, INTERP: tl.constexpr):
+    """a @ b with fp32 accumulation: tf32 tensor cores on fp32 operands, or bf16 operands when BF16.
+
+    The interpreter's bf16 dot is unusable, so there the bf16 rounding is emulated in fp32.
+    """
+    if BF16:
+        if INTERP:
+            return tl.dot(_cast(a, tl.bfloat16, INTERP).to(tl.float32), _cast(b, tl.bfloat16, INTERP).to(tl.float32))
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    return tl.dot(a.to(tl.float32), b.to(tl.float32))
+
+
+@triton.jit
+def _dot16(a, b, INTERP: tl.constexpr):
+    """a @ b of two bf16 operands, fp32 accumulation (the interpreter has no bf16 dot: exact in fp32 there)."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _split(x, INTERP: tl.constexpr):
+    """x = hi + lo to about 16 mantissa bits, both bf16 (hi = x rounded to nearest)."""
+    hi = _cast(x, tl.bfloat16, INTERP)
+    return hi, _cast(x.to(tl.float32) - hi.to(tl.float32), tl.bfloat16, INTERP)
+
+
+@triton.jit
+def _mm_split(a, b, INTERP: tl.constexpr):
+    """a @ b on bf16 tensor cores to about 16 mantissa bits (the state passes): an fp32 operand goes in as
+    bf16 hi + lo, and the products hi·hi + hi·lo + lo·hi are summed in fp32; a bf16 operand is exact as it is.
+    More accurate than tf32 (10 bits), and the bf16 tiles reach the tensor cores as loaded, where tf32 first
+    converts them to fp32 in shared memory (Nsight Compute, session 9: most of `_state`'s instructions)."""
+    if a.dtype.is_bf16():
+        if b.dtype.is_bf16():
+            return _dot16(a, b, INTERP)
+        b_hi, b_lo = _split(b, INTERP)
+        return _dot16(a, b_hi, INTERP) + _dot16(a, b_lo, INTERP)
+    a_hi, a_lo = _split(a, INTERP)
+    if b.dtype.is_bf16():
+        return _dot16(a_hi, b, INTERP) + _dot16(a_lo, b, INTERP)
+    b_hi, b_lo = _split(b, INTERP)
+    return _dot16(a_hi, b_hi, INTERP) + (_dot16(a_hi, b_lo, INTERP) + _dot16(a_lo, b_hi, INTERP))
+
+
+@triton.jit
+def _state_mm(a, b, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+    """The state passes' products: `_mm_split` with SPLIT, else `_mm` (tf32, or plain bf16 with BF16)."""
+    if SPLIT:
+        return _mm_split(a, b, INTERP)
+    return _mm(a, b, BF16, INTERP)
+
+
+@triton.jit
+def _bp(x, bos, L, i_h, row0, col0, H, W: tl.constexpr, C: tl.constexpr, BW: tl.constexpr):
+    """Block pointer to rows row0 … row0+C−1 (of one document of length L starting at token bos), columns
+    col0 … col0+BW−1, head i_h, of a [TT, H, W] tensor. Rows past L read as zero and are not written."""
+    return tl.make_block_ptr(x + (bos * H + i_h) * W, (L, W), (H * W, 1), (row0, col0), (C, BW), (1, 0))
+
+
+@triton.jit
+def _chunk_coords(cu, chunk_idx, i_c, C: tl.constexpr):
+    """Chunk i_c of the plan → (its document's first token, the document's length, the chunk's first row)."""
+    n = tl.load(chunk_idx + 2 * i_c)
+    row0 = tl.load(chunk_idx + 2 * i_c + 1) * C
+    bos = tl.load(cu + n).to(tl.int64)
+    return bos, tl.load(cu + n + 1) - tl.load(cu + n), row0
+
+
+@triton.jit
+def _sequence_coords(cu, chunk_off, i_nh, H, C: tl.constexpr):
+    """(document, head) program i_nh → (head, first token, length, first chunk's index, number of chunks)."""
+    n = i_nh // H
+    bos = tl.load(cu + n).to(tl.int64)
+    L = tl.load(cu + n + 1) - tl.load(cu + n)
+    return i_nh % H, bos, L, tl.load(chunk_off + n).to(tl.int64), tl.cdiv(L, C)
+
+
+@triton.jit
+def _load_beta(b, bos, L, row0, i_h, H, C: tl.constexpr):
+    """β = σ(b) for rows row0 … row0+C−1 of one document; 0 past its end."""
+    p_b = tl.make_block_ptr(b + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,))
+    b_raw = tl.load(p_b, boundary_check=(0,), padding_option="zero").to(tl.float32)
+    return tl.where(row0 + tl.arange(0, C) < L, tl.sigmoid(b_raw), 0.0)
+
+
+@triton.jit
+def _gate_inputs(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K: tl.constexpr, R: tl.constexpr, NC: tl.constexpr):
+    """The gate's inputs on rows [row0, +R) and columns [c0, +NC) of one head: (z, exp(A), dt_bias slice);
+    `_bwd_vk` loads them ahead of its value loop, `_gate_tile` right where it needs them."""
+    z_raw = tl.load(_bp(z, bos, L, i_h, row0, c0, H, K, R, NC), boundary_check=(0,), padding_option="zero")
+    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    bias = tl.load(dt_bias + i_h * K + c0 + tl.arange(0, NC)).to(tl.float32)
+    return z_raw, a, bias
+
+
+@triton.jit
+def _gate_from(z_raw, a, bias, valid, G_MIN: tl.constexpr):
+    """(g, pre-activation x) from `_gate_inputs`: g = g_min·σ(exp(A)·(z + dt_bias)), zero on rows not valid."""
+    x = a * (z_raw.to(tl.float32) + bias[None, :])
+    return tl.where(valid[:, None], G_MIN * tl.sigmoid(x), 0.0), x
+
+
+@triton.jit
+def _gate_tile(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K: tl.constexpr, R: tl.constexpr, NC: tl.constexpr,
+               G_MIN: tl.constexpr):
+    """The lower-bounded gate on rows [row0, +R) and columns [c0, +NC) of one head: (g, pre-activation x,
+    valid rows); g = g_min·σ(exp(A)·(z + dt_bias)), zero past the document end."""
+    valid = row0 + tl.arange(0, R) < L
+    z_raw, a, bias = _gate_inputs(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K, R, NC)
+    g, x = _gate_from(z_raw, a, bias, valid, G_MIN)
+    return g, x, valid
+
+
+@triton.jit
+def _mm32(a, b):
+    """Exact-fp32 product of two 16×16 blocks (FMA; the blocks of (I + Akk)⁻¹ need no tf32 rounding)."""
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _inv16(A, BC: tl.constexpr):
+    """(I + A)⁻¹ for a strictly lower BC×BC block: A is nilpotent, so (I − A)(I + A²)(I + A⁴)(I + A⁸)."""
+    r = tl.arange(0, BC)
+    eye = (r[:, None] == r[None, :]).to(tl.float32)
+    A2 = _mm32(A, A)
+    A4 = _mm32(A2, A2)
+    return _mm32(_mm32(_mm32(eye - A, eye + A2), eye + A4), eye + _mm32(A4, A4))
+
+
+@triton.jit
+def _store_block(x, ptr, bos, L, i_h, row0, col0, H, W: tl.constexpr, BC: tl.constexpr, INTERP: tl.constexpr):
+    tl.store(_bp(ptr, bos, L, i_h, row0, col0, H, W, BC, BC), _cast(x, ptr.dtype.element_ty, INTERP),
+             boundary_check=(0,))
+
+
+@triton.jit
+def _load_block(x, bos, L, i_h, row0, col0, H, W: tl.constexpr, BC: tl.constexpr):
+    """The BC×BC block at (row0, col0) of a [TT, H, W] tensor; rows past the document end read as zero."""
+    return tl.load(_bp(x, bos, L, i_h, row0, col0, H, W, BC, BC), boundary_check=(0,), padding_option="zero")
+
+
+class _Plan:
+    """Chunk bookkeeping for packed documents: offsets, (document, chunk) per global chunk, first chunk per document.
+
+    Built on the host from ints and sent to the device in one non-blocking copy: planning never waits for
+    the GPU. Plans are cached by their offsets (`make_plan`), so the layers of one forward share one.
+    """
+
+    def __init__(self, offsets: tuple[int, ...], device: torch.device, chunk: int = CHUNK):
+        self.offsets = offsets
+        self.chunk = chunk
+        self.N = len(offsets) - 1
+        counts = [-(-(e - s) // chunk) for s, e in zip(offsets[:-1], offsets[1:])]
+        first = [0]
+        for c in counts:
+            first.append(first[-1] + c)
+        self.NT = first[-1]
+        pairs = [x for n, c in enumerate(counts) for j in range(c) for x in (n, j)] or [0, 0]
+        # each table starts on a 16-byte boundary: Triton specialises kernels on pointer alignment
+        pad = -(self.N + 1) % 4
+        host = torch.tensor(list(offsets) + [0] * pad + first + [0] * pad + pairs, dtype=torch.int32)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        packed = host.to(device, non_blocking=True)
+        self._host = host  # kept: a CUDA graph captured with this plan copies from it at every replay
+        n = self.N + 1 + pad
+        self.cu = packed[: self.N + 1]
+        self.chunk_off = packed[n: n + self.N + 1]  # [N+1]
+        self.chunk_idx = packed[2 * n:].view(-1, 2)  # [NT, 2]
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_plan(offsets: tuple[int, ...], device: torch.device, chunk: int) -> _Plan:
+    return _Plan(offsets, device, chunk)
+
+
+def plan_for(offsets: tuple[int, ...], device: torch.device, chunk: int = CHUNK) -> _Plan:
+    """The plan of these document offsets in chunks of `chunk` tokens: cached, except while a CUDA graph is being
+    captured (a graph keeps its own copy; a shared cached one could be freed under it)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _Plan(offsets, device, chunk)
+    return _cached_plan(offsets, device, chunk)
+
+
+def make_plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device,
+              cu_seqlens_host: Sequence[int] | None = None) -> _Plan:
+    """The plan for a [B, T] input, dense or packed by `cu_seqlens`. `cu_seqlens_host` (the same offsets as
+    host ints, e.g. `SequenceLayout.offsets`) spares reading `cu_seqlens` back, which waits for the GPU."""
+    if cu_seqlens is None:
+        offsets = tuple(i * T for i in range(B + 1))
+    elif cu_seqlens_host is not None:
+        offsets = tuple(int(x) for x in cu_seqlens_host)
+        if len(offsets) != cu_seqlens.numel():
+            raise ValueError(f"cu_seqlens_host has {len(offsets)} offsets, cu_seqlens {cu_seqlens.numel()}")
+        if B != 1 or offsets[0] != 0 or offsets[-1] != T or any(b < a for a, b in zip(offsets, offsets[1:])):
+            raise ValueError(f"cu_seqlens_host must be non-decreasing from 0 to T={T} with B = 1, got B={B}, "
+                             f"{offsets[0]} … {offsets[-1]}")
+    else:
+        offsets = tuple(document_offsets(cu_seqlens, B, T))
+    return plan_for(offsets, device)
+
+
+def _check_device(*xs: torch.Tensor) -> None:
+    if not triton_runs_on(xs[0]):
+        raise RuntimeError("chunk_kda runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1")
+    if any(x.device != xs[0].device for x in xs):
+        raise ValueError("all inputs must be on one device")
+
+
+def inter_dtypes(dtype: torch.dtype, all_bf16: bool = False) -> tuple[torch.dtype, torch.dtype]:
+    """Storage dtypes of the chunk operands: (W, Q⊙Γ, K⊙exp(G_C − G)) and (U, Aqk).
+
+    U and Aqk multiply the state's corrections directly; rounding them to bf16 costs the most accuracy
+    (docs/kda-kernels.md), so they stay fp32 unless `all_bf16` (a measured variant).
+    """
+    if dtype in (torch.bfloat16, torch.float16):
+        return torch.bfloat16, (torch.bfloat16 if all_bf16 else torch.float32)
+    return torch.float32, torch.float32

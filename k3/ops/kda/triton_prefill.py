@@ -1,0 +1,178 @@
+"""The inference forward of `chunk_kda` (no backward can follow: prefill, `torch.no_grad` forwards) in 16-token chunks.
+
+Why a second forward: the training forward (`triton_chunk.py`, 64-token chunks) writes what its backward reads: W,
+U, T, Aqk and G, ~5.8 GB of intermediates at the K3 shape, 2.9 ms where the memory floor is 0.24 ms. An
+inference forward keeps none of it, and the lower-bounded gate allows a smaller chunk: over C = 16 tokens with
+g ≥ −5 the in-chunk decay exp(G_r − G_i) lies in [e^−80, e^80], inside fp32's and bf16's range, so one anchor, the
+chunk's start, serves every score of the chunk (no sub-blocks, no 64×64 solve). The design is the one of Moonshot's
+FlashKDA forward (CUDA; docs/kda-kernels.md §9 says what was taken over and what differs):
+
+- `_prefill_prepare`, one program per (16-token chunk, head), all chunks in parallel: the gate, its in-chunk
+  cumulative sum G (inclusive), the q/k L2 norms and β. It writes Q_d = q̂⊙Γ, K_d = k̂⊙Γ and K_r = k̂⊙Γ_C/Γ
+  (Γ = exp(G), Γ_C its last row), Γ_C, M = lower(Q_d·(k̂/Γ)ᵀ) (the in-chunk scores, diagonal included) and
+  P = (I + diag(β)·strict_lower(K_d·(k̂/Γ)ᵀ))⁻¹·diag(β) (the 16×16 inverse is exact fp32, `_inv16`).
+- `_prefill_state`, one program per (value block, sequence, head), the chunks of a sequence in order. With S the
+  state at the chunk's start: Ũ = P·(V − K_d·S), O = Q_d·S + M·Ũ, S ← Diag(Γ_C)·S + K_rᵀ·Ũ. W = P·K_d and U = P·V
+  are never formed: P·(V − K_d·S) regroups them.
+
+The state is kept transposed, X = Sᵀ [BV, K] fp32 in registers, so that it is the left operand of both products
+that read it (X·K_dᵀ, X·Q_dᵀ) and the accumulator of the one that writes it (X·Γ_C + Ũᵀ·K_r): its update never
+goes through shared memory. Products with an fp32 operand are split bf16 (`_state_mm`, as the training forward's
+state pass) unless `state_bf16`.
+
+Legend as in triton_chunk.py; here C = 16 and NT counts 16-token chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3.ops import interpreting
+from k3.ops.kda.triton_common import (CHUNK, TUNING, _bp, _cast, _chunk_coords, _exp, _gate_tile, _inv16,
+                                      _launch_options, _load_beta, _mm, _sequence_coords, _state_mm, plan_for)
+
+PREFILL_CHUNK = 16
+STATES_EVERY = CHUNK // PREFILL_CHUNK  # `return_chunk_states` keeps the state at every 64-token chunk start
+
+
+@triton.jit
+def _prefill_prepare(q, k, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, kd_out, kr_out, p_out, m_out, gc_out,
+                     scale, H, K: tl.constexpr, C: tl.constexpr, G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr,
+                     INTERP: tl.constexpr):
+    """One (16-token chunk, head): Q_d, K_d, K_r ([TT, H, K]), P and M ([TT, H, C], row r holds row r of the
+    chunk's 16×16 block) and Γ_C ([NT, H, K]). Rows past the document end have g = 0 and q̂ = k̂ = β = 0, so their
+    rows of every output are zero (not written) and their columns of P and M are zero."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
+    g, _, _ = _gate_tile(z, A_log, dt_bias, bos, L, row0, 0, i_h, H, K, C, K, G_MIN)
+    G = tl.cumsum(g, 0)
+    r = tl.arange(0, C)
+    # G at the chunk's last row is G at its last valid row (g = 0 past the document end)
+    g_end = tl.sum(tl.where((r == C - 1)[:, None], G, 0.0), 0)
+    q_raw = tl.load(_bp(q, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    k_raw = tl.load(_bp(k, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    q_raw = q_raw.to(tl.float32)
+    k_raw = k_raw.to(tl.float32)
+    qh = q_raw * (scale / tl.sqrt(tl.sum(q_raw * q_raw, 1) + 1e-6))[:, None]
+    kh = k_raw * (1.0 / tl.sqrt(tl.sum(k_raw * k_raw, 1) + 1e-6))[:, None]
+    beta = _load_beta(b, bos, L, row0, i_h, H, C)
+    # G ∈ [−80, 0] (16 rows of g ≥ −5): every factor below is within e^±80
+    gamma = _exp(G, INTERP)
+    qd = _cast(qh * gamma, qd_out.dtype.element_ty, INTERP)
+    kd = _cast(kh * gamma, kd_out.dtype.element_ty, INTERP)
+    ki = tl.trans(kh * _exp(-G, INTERP))
+    kr = kh * _exp(g_end[None, :] - G, INTERP)
+    A = tl.where(r[:, None] > r[None, :], beta[:, None] * _mm(kd, ki, SCORES_BF16, INTERP), 0.0)
+    M = tl.where(r[:, None] >= r[None, :], _mm(qd, ki, SCORES_BF16, INTERP), 0.0)
+    P = _inv16(A, C) * beta[None, :]
+    tl.store(_bp(qd_out, bos, L, i_h, row0, 0, H, K, C, K), qd, boundary_check=(0,))
+    tl.store(_bp(kd_out, bos, L, i_h, row0, 0, H, K, C, K), kd, boundary_check=(0,))
+    tl.store(_bp(kr_out, bos, L, i_h, row0, 0, H, K, C, K), _cast(kr, kr_out.dtype.element_ty, INTERP),
+             boundary_check=(0,))
+    tl.store(_bp(p_out, bos, L, i_h, row0, 0, H, C, C, C), _cast(P, p_out.dtype.element_ty, INTERP),
+             boundary_check=(0,))
+    tl.store(_bp(m_out, bos, L, i_h, row0, 0, H, C, C, C), _cast(M, m_out.dtype.element_ty, INTERP),
+             boundary_check=(0,))
+    tl.store(gc_out + (i_c * H + i_h).to(tl.int64) * K + tl.arange(0, K), _exp(g_end, INTERP))
+
+
+@triton.jit
+def _prefill_step(X, j, qd, kd, kr, v, p_in, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
+                  H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, STORE_HS: tl.constexpr,
+                  EVERY: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+    """Chunk j of one sequence in `_prefill_state`, on the transposed state X = Sᵀ [BV, K]; returns X after it."""
+    row0 = j * C
+    Kd = tl.load(_bp(kd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    Qd = tl.load(_bp(qd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    Kr = tl.load(_bp(kr, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    Vt = tl.load(_bp(v, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+    P = tl.load(_bp(p_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    M = tl.load(_bp(m_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    g_end = tl.load(gc + ((c0 + j) * H + i_h).to(tl.int64) * K + tl.arange(0, K))
+    if STORE_HS:
+        # the state at every 64-token chunk start (prefix caching), numbered as the training forward's chunks
+        if j % EVERY == 0:
+            tl.store(hs + ((hs0 + j // EVERY) * H + i_h).to(tl.int64) * K * V + off_x, X)
+    # Ũᵀ = (Vᵀ − X·K_dᵀ)·Pᵀ, Oᵀ = X·Q_dᵀ + Ũᵀ·Mᵀ, X ← X·Diag(Γ_C) + Ũᵀ·K_r
+    Ut = _state_mm(tl.trans(Vt).to(tl.float32) - _state_mm(X, tl.trans(Kd), BF16, SPLIT, INTERP), tl.trans(P),
+                   BF16, SPLIT, INTERP)
+    out = _state_mm(X, tl.trans(Qd), BF16, SPLIT, INTERP) + _state_mm(Ut, tl.trans(M), BF16, SPLIT, INTERP)
+    tl.store(_bp(o, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(tl.trans(out), o.dtype.element_ty, INTERP),
+             boundary_check=(0,))
+    return X * g_end[None, :] + _state_mm(Ut, Kr, BF16, SPLIT, INTERP)
+
+
+@triton.jit
+def _prefill_state(qd, kd, kr, v, p_in, m_in, gc, h0, o, ht, hs, cu, chunk_off, hs_off,
+                   H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                   USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_HS: tl.constexpr, EVERY: tl.constexpr,
+                   BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+    """One (value block, sequence, head): the 16-token chunks in order, the transposed state in registers. Writes o,
+    the final state (ht) and, with STORE_HS, the state at every 64-token chunk start (hs, indexed by hs_off, the
+    64-token plan's first chunk per document)."""
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_h, bos, L, c0, n_chunks = _sequence_coords(cu, chunk_off, i_nh, H, C)
+    hs0 = tl.load(hs_off + i_nh // H).to(tl.int64)
+    # X[v, k] = S[k, i_v·BV + v] in the [N, H, K, V] state layout
+    off_x = (i_v * BV + tl.arange(0, BV))[:, None] + tl.arange(0, K)[None, :] * V
+    if USE_H0:
+        X = tl.load(h0 + i_nh.to(tl.int64) * K * V + off_x).to(tl.float32)
+    else:
+        X = tl.zeros([BV, K], dtype=tl.float32)
+    # The interpreter cannot take a loaded scalar as a `range` bound; compiled code needs `for` to pipeline loads.
+    if INTERP:
+        j = 0
+        while j < n_chunks:
+            X = _prefill_step(X, j, qd, kd, kr, v, p_in, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
+                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, INTERP)
+            j += 1
+    else:
+        for j in range(n_chunks):
+            X = _prefill_step(X, j, qd, kd, kr, v, p_in, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
+                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, INTERP)
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + off_x, X)
+
+
+def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes,
+                    state_bf16=False):
+    """The inference forward on flattened [TT, H, ·] inputs: (o [TT, H, V] in v's dtype, the final state
+    [N, H, K, V] fp32 or None, the states at every 64-token chunk start [max(NT, 1), H, K, V] fp32 or None).
+
+    plan: the 64-token plan of `chunk_kda` (its chunk numbering is the one of the returned states); the 16-token
+    plan of the same offsets is built here. dtypes: `inter_dtypes`, (Q_d, K_d, K_r storage) and (P, M storage).
+    The intermediates take 3·TT·H·K·2 + 2·TT·H·16·4 bytes (bf16 inputs) and are freed on return.
+    """
+    TT, H, K = q.shape
+    V = v.shape[-1]
+    dev = q.device
+    plan16 = plan_for(plan.offsets, dev, PREFILL_CHUNK)
+    lo, hi = dtypes
+    qd = torch.empty(TT, H, K, dtype=lo, device=dev)
+    kd, kr = torch.empty_like(qd), torch.empty_like(qd)
+    P = torch.empty(TT, H, PREFILL_CHUNK, dtype=hi, device=dev)
+    M = torch.empty_like(P)
+    gc = torch.empty(max(plan16.NT, 1), H, K, dtype=torch.float32, device=dev)
+    o = torch.empty(TT, H, V, dtype=v.dtype, device=dev)
+    ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
+    hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=torch.float32, device=dev) if want_hs else None
+    interp = interpreting()
+    if plan16.NT > 0:
+        _prefill_prepare[(plan16.NT, H)](q, k, z, b, A_log, dt_bias, plan16.cu, plan16.chunk_idx, qd, kd, kr, P, M,
+                                         gc, scale, H=H, K=K, C=PREFILL_CHUNK, G_MIN=g_min,
+                                         SCORES_BF16=lo == torch.bfloat16, INTERP=interp,
+                                         **_launch_options("prefill_prepare"))
+    BV = min(V, TUNING["prefill_state_bv"])
+    state_bf16 = state_bf16 or TUNING["state_bf16"]
+    dummy = gc
+    _prefill_state[(V // BV, plan.N * H)](qd, kd, kr, v, P, M, gc, h0 if h0 is not None else dummy, o,
+                                          ht if ht is not None else dummy, hs if hs is not None else dummy,
+                                          plan16.cu, plan16.chunk_off, plan.chunk_off,
+                                          H=H, K=K, V=V, BV=BV, C=PREFILL_CHUNK, USE_H0=h0 is not None,
+                                          STORE_HT=want_ht, STORE_HS=want_hs, EVERY=STATES_EVERY, BF16=state_bf16,
+                                          SPLIT=not state_bf16, INTERP=interp, **_launch_options("prefill_state"))
+    return o, ht, hs
