@@ -1,8 +1,8 @@
 """Registers, spill bytes and shared memory of the KDA chunk kernels for an H100/H200 (sm_90), compiled offline.
 
-No GPU needed: each kernel of `k3/ops/kda/triton_chunk.py` is compiled by `triton.compile` for
+No GPU needed: each kernel of `k3/ops/kda/triton_chunk.py` and `triton_prefill.py` is compiled by `triton.compile` for
 GPUTarget("cuda", 90, 64) with the launch settings of `TUNING` (or the ones given), bf16 inputs,
-K = V = 128, C = 64, divisibility 16 on pointers and H like the real JIT; the PTX then goes through the
+K = V = 128, C = 64 (16 for the prefill kernels), divisibility 16 on pointers and H like the real JIT; the PTX then goes through the
 ptxas bundled with Triton (`-v -arch=sm_90a`), whose report gives registers and spills. A proxy for
 speed, not a measurement of it: spills were not the main cost of the old fused prepare kernel
 (docs/kda-kernels.md §7).
@@ -36,14 +36,15 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import k3.ops.kda.triton_chunk as chunk  # noqa: E402
+import k3.ops.kda.triton_prefill as prefill  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 FP32_ARGS = {"A_log", "dt_bias", "t_in", "t_out", "hs", "dse", "du", "dqh_in", "dkh_in", "dg_in", "daqk_in",
              "dakk_in", "db_in", "dqh_out", "dkh_out", "dg_out", "daqk_out", "dakk_out", "db_out", "dA_part",
              "dbias_part", "aqk_out", "u_out", "gc_out", "gc", "h0", "ht", "aqk", "u", "dht", "dh0", "kn_out", "kn_in",
              "dqh", "dkh", "db_part", "g_in", "g_out", "gc_in", "ut", "dtk_out", "dbk_out", "dtk_in", "dbk_in",
-             "qn_in", "qn_out"}
-INT32_ARGS = {"cu", "chunk_idx", "chunk_off"}
+             "qn_in", "qn_out", "p_out", "m_out", "p_in", "m_in"}
+INT32_ARGS = {"cu", "chunk_idx", "chunk_off", "hs_off"}
 CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
                   USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64,
                   STORE_UT=False, SPLIT=chunk.TUNING["state_split_inference"], STORE_QN=False)
@@ -52,7 +53,7 @@ CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF
 TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
                  "_prep_wu": "prep_wu", "_state": "state", "_state_ut": "state_ut", "_state_bwd": "state_bwd",
                  "_bwd_vk": "bwd_vk", "_bwd_vv": "bwd_vv", "_bwd_k_block": "bwd_k", "_bwd_gate": "bwd_gate",
-                 "_bwd_norms": "bwd_norms"}
+                 "_bwd_norms": "bwd_norms", "_prefill_prepare": "prefill_prepare", "_prefill_state": "prefill_state"}
 # per-kernel constexprs on top of CONSTEXPRS
 _SK = chunk.TUNING["bwd_k_cols"]
 _SKV = chunk.TUNING["bwd_vk_cols"]
@@ -61,11 +62,14 @@ KERNEL_CONSTEXPRS = {"_state_ut": dict(STORE_UT=True, SPLIT=chunk.TUNING["state_
                                         BF16=chunk.TUNING["state_bwd_products"] == "bf16"),
                      "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV), "_bwd_k_block": dict(SK=_SK),
                      "_bwd_gate": dict(SK=chunk.TUNING["bwd_gate_cols"]),
-                     "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"])}
+                     "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
+                     "_prefill_prepare": dict(C=prefill.PREFILL_CHUNK),
+                     "_prefill_state": dict(C=prefill.PREFILL_CHUNK, STORE_HS=False, EVERY=prefill.STATES_EVERY,
+                                            SPLIT=True)}
 
 
 def kernel_fn(name: str):
-    return {"_state_ut": chunk._state}.get(name) or getattr(chunk, name)
+    return {"_state_ut": chunk._state}.get(name) or getattr(chunk, name, None) or getattr(prefill, name)
 
 
 def compile_report(fn, num_warps: int, num_stages: int = 3, maxnreg: int | None = None, sass: bool = False,
