@@ -405,18 +405,23 @@ def _check_forward(out, ref, dtype, what=""):
 def test_prefill_forward_matches_fp64_recurrence(dev, T):
     """The 16-token inference forward (`triton_prefill`, what chunk_kda runs when no backward can follow) against the
     fp64 recurrence, bf16 and fp32, at lengths around the 16- and 64-token chunk edges; and beside the 64-token
-    inference forward (`prefill` off): fp32 inputs agree to 2e-5 in the interpreter (split-bf16 products in both)."""
+    inference forward (`prefill` off): fp32 inputs agree to 2e-5 in the interpreter (split-bf16 products in both);
+    the fused kernel (`prefill_fused`, the default) and the two-kernel form compute the same products."""
     from k3.ops.kda import triton_chunk as tc
 
     for dtype in (torch.bfloat16, torch.float32):
         inputs = make_raw(2, T, 2, 32, 32, seed=50 + T, dtype=dtype)
         out = _infer(inputs, dev)
         _check_forward(out, reference(*inputs), dtype, (T, dtype))
-    tc.TUNING["prefill"] = False
+    tc.TUNING["prefill_fused"] = False
     try:
+        unfused = _infer(inputs, dev)
+        tc.TUNING["prefill"] = False
         old = _infer(inputs, dev)
     finally:
-        tc.TUNING["prefill"] = True
+        tc.TUNING.update(prefill=True, prefill_fused=True)
+    # the same products in the same order, whether the prepare runs inside the state pass or before it
+    assert rel_err(out[0], unfused[0]) <= 1e-6 and rel_err(out[1], unfused[1]) <= 1e-6
     if not ON_GPU:
         assert rel_err(out[0], old[0]) <= 2e-5 and rel_err(out[1], old[1]) <= 2e-5
 
@@ -452,14 +457,16 @@ def test_prefill_forward_head_dims_value_blocks_and_bf16_products(dev, monkeypat
     inputs = make_raw(1, 70, 2, 32, 64, seed=54, dtype=torch.float32)
     base = _infer(inputs, dev)
     monkeypatch.setitem(tc.TUNING, "prefill_state_bv", 16)
-    launched = []
-    state = tc.prefill_forward.__globals__["_prefill_state"]
-    monkeypatch.setitem(tc.prefill_forward.__globals__, "_prefill_state",
-                        type("Spy", (), {"__getitem__": lambda self, grid: launched.append(grid) or state[grid]})())
-    narrow = _infer(inputs, dev)
-    assert launched == [(4, 2)], launched  # V // 16 value blocks, N·H sequences and heads
-    for a, b in zip(base, narrow):
-        torch.testing.assert_close(a, b, rtol=5e-5, atol=1e-5)
+    for fused, kernel in ((True, "_prefill_fused"), (False, "_prefill_state")):
+        monkeypatch.setitem(tc.TUNING, "prefill_fused", fused)
+        launched = []
+        state = tc.prefill_forward.__globals__[kernel]
+        monkeypatch.setitem(tc.prefill_forward.__globals__, kernel,
+                            type("Spy", (), {"__getitem__": lambda self, grid: launched.append(grid) or state[grid]})())
+        narrow = _infer(inputs, dev)
+        assert launched == [(4, 2)], (kernel, launched)  # V // 16 value blocks, N·H sequences and heads
+        for a, b in zip(base, narrow):
+            torch.testing.assert_close(a, b, rtol=5e-5, atol=1e-5)
     inputs = make_raw(2, 100, 2, 32, 32, seed=55)
     _check_forward(_infer(inputs, dev, state_bf16=True), reference(*inputs), torch.bfloat16, "state_bf16")
 

@@ -79,6 +79,9 @@ TUNING = {
     # the inference forward (no backward can follow) in 16-token chunks (`triton_prefill.py`, session 14); False:
     # the training forward's kernels without their stores for a backward
     "prefill": True,
+    # the prepare computed inside the state pass (`_prefill_fused`, one kernel, launched with the prefill_state_*
+    # settings) or in its own kernel before it (`_prefill_prepare`, then `_prefill_state`)
+    "prefill_fused": True,
     "prefill_prepare_warps": 4, "prefill_prepare_stages": None, "prefill_prepare_maxnreg": None,
     "prefill_state_bv": 64, "prefill_state_warps": 4, "prefill_state_stages": 2, "prefill_state_maxnreg": None,
 }
