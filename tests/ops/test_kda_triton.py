@@ -37,6 +37,16 @@ def test_in_triton_interpreter():
     run_module_in_interpreter(__file__)
 
 
+@pytest.fixture(autouse=True)
+def _prefill_at_every_size(monkeypatch):
+    """Forwards no backward follows take the 16-token kernels (`triton_prefill`) at these tests' small shapes too:
+    chunk_kda picks them only with enough programs to fill a GPU (`prefill_applies`, tested on its own)."""
+    if ON_GPU or INTERPRETING:
+        from k3.ops.kda import triton_chunk as tc
+
+        monkeypatch.setitem(tc.TUNING, "prefill_min_programs", 0)
+
+
 @pytest.fixture
 def dev():
     if not (ON_GPU or INTERPRETING):
@@ -405,23 +415,18 @@ def _check_forward(out, ref, dtype, what=""):
 def test_prefill_forward_matches_fp64_recurrence(dev, T):
     """The 16-token inference forward (`triton_prefill`, what chunk_kda runs when no backward can follow) against the
     fp64 recurrence, bf16 and fp32, at lengths around the 16- and 64-token chunk edges; and beside the 64-token
-    inference forward (`prefill` off): fp32 inputs agree to 2e-5 in the interpreter (split-bf16 products in both);
-    the fused kernel (`prefill_fused`, the default) and the two-kernel form compute the same products."""
+    inference forward (`prefill` off): fp32 inputs agree to 2e-5 in the interpreter (split-bf16 products in both)."""
     from k3.ops.kda import triton_chunk as tc
 
     for dtype in (torch.bfloat16, torch.float32):
         inputs = make_raw(2, T, 2, 32, 32, seed=50 + T, dtype=dtype)
         out = _infer(inputs, dev)
         _check_forward(out, reference(*inputs), dtype, (T, dtype))
-    tc.TUNING["prefill_fused"] = False
+    tc.TUNING["prefill"] = False
     try:
-        unfused = _infer(inputs, dev)
-        tc.TUNING["prefill"] = False
         old = _infer(inputs, dev)
     finally:
-        tc.TUNING.update(prefill=True, prefill_fused=True)
-    # the same products in the same order, whether the prepare runs inside the state pass or before it
-    assert rel_err(out[0], unfused[0]) <= 1e-6 and rel_err(out[1], unfused[1]) <= 1e-6
+        tc.TUNING["prefill"] = True
     if not ON_GPU:
         assert rel_err(out[0], old[0]) <= 2e-5 and rel_err(out[1], old[1]) <= 2e-5
 
@@ -457,18 +462,36 @@ def test_prefill_forward_head_dims_value_blocks_and_bf16_products(dev, monkeypat
     inputs = make_raw(1, 70, 2, 32, 64, seed=54, dtype=torch.float32)
     base = _infer(inputs, dev)
     monkeypatch.setitem(tc.TUNING, "prefill_state_bv", 16)
-    for fused, kernel in ((True, "_prefill_fused"), (False, "_prefill_state")):
-        monkeypatch.setitem(tc.TUNING, "prefill_fused", fused)
-        launched = []
-        state = tc.prefill_forward.__globals__[kernel]
-        monkeypatch.setitem(tc.prefill_forward.__globals__, kernel,
-                            type("Spy", (), {"__getitem__": lambda self, grid: launched.append(grid) or state[grid]})())
-        narrow = _infer(inputs, dev)
-        assert launched == [(4, 2)], (kernel, launched)  # V // 16 value blocks, N·H sequences and heads
-        for a, b in zip(base, narrow):
-            torch.testing.assert_close(a, b, rtol=5e-5, atol=1e-5)
+    launched = []
+    state = tc.prefill_forward.__globals__["_prefill_state"]
+    monkeypatch.setitem(tc.prefill_forward.__globals__, "_prefill_state",
+                        type("Spy", (), {"__getitem__": lambda self, grid: launched.append(grid) or state[grid]})())
+    narrow = _infer(inputs, dev)
+    assert launched == [(4, 2)], launched  # V // 16 value blocks, N·H sequences and heads
+    for a, b in zip(base, narrow):
+        torch.testing.assert_close(a, b, rtol=5e-5, atol=1e-5)
     inputs = make_raw(2, 100, 2, 32, 32, seed=55)
     _check_forward(_infer(inputs, dev, state_bf16=True), reference(*inputs), torch.bfloat16, "state_bf16")
+
+
+def test_prefill_applies_with_enough_programs(dev, monkeypatch):
+    """chunk_kda's inference forward is the 16-token one where its state pass has at least prefill_min_programs
+    (value block, sequence, head) programs, else the 64-token one; a training forward never is."""
+    from k3.ops.kda import triton_chunk as tc
+
+    prefills = []
+    prefill_forward = tc.prefill_forward
+    monkeypatch.setattr(tc, "prefill_forward", lambda *a, **k: prefills.append(1) or prefill_forward(*a, **k))
+    inputs = make_raw(2, 20, 2, 32, 64, seed=56)  # N·H = 4 sequences and heads; V = 64: one value block of 64
+    for threshold, want in ((4, 1), (5, 0)):
+        monkeypatch.setitem(tc.TUNING, "prefill_min_programs", threshold)
+        prefills.clear()
+        _infer(inputs, dev)
+        assert len(prefills) == want, threshold
+    monkeypatch.setitem(tc.TUNING, "prefill_min_programs", 0)
+    prefills.clear()
+    tc.chunk_kda(*(x.to(dev).requires_grad_() for x in inputs[:7]))
+    assert prefills == []
 
 
 @pytest.mark.parametrize("prefill", [True, False])

@@ -49,7 +49,7 @@ from k3.ops.kda.triton_common import (CHUNK, SUB, TUNING, _bp, _cast, _check_dev
                                       _gate_from, _gate_inputs, _gate_tile, _inv16, _launch_options, _load_beta,
                                       _load_block, _mm, _mm32, _sequence_coords, _state_mm, _store_block,
                                       inter_dtypes, make_plan)
-from k3.ops.kda.triton_prefill import prefill_forward
+from k3.ops.kda.triton_prefill import prefill_applies, prefill_forward
 
 
 # device helpers
@@ -1014,7 +1014,7 @@ def chunk_kda(
     training = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, z, beta_logits, A_log, dt_bias, initial_state))
     keep = bool(save_intermediates) and training
-    if not training and TUNING["prefill"]:
+    if not training and prefill_applies(plan, H, V):
         o, ht, hs = prefill_forward(flat(q), flat(k), flat(v), flat(z), flat(beta_logits), A_log.contiguous(),
                                     dt_bias.reshape(-1).contiguous(), float(gate_lower_bound), scale, h0, plan,
                                     output_final_state, return_chunk_states, inter_dtypes(q.dtype, all_bf16),

@@ -79,10 +79,14 @@ TUNING = {
     # the inference forward (no backward can follow) in 16-token chunks (`triton_prefill.py`, session 14); False:
     # the training forward's kernels without their stores for a backward
     "prefill": True,
-    # the prepare computed inside the state pass (`_prefill_fused`, one kernel, launched with the prefill_state_*
-    # settings) or in its own kernel before it (`_prefill_prepare`, then `_prefill_state`)
-    "prefill_fused": True,
-    "prefill_prepare_warps": 4, "prefill_prepare_stages": None, "prefill_prepare_maxnreg": None,
+    # ... where the state pass has at least this many (value block, sequence, head) programs (`prefill_applies`)
+    "prefill_min_programs": 128,
+    # the state pass reads W = P·K_d and U = P·V (the prepare forms them) instead of P, K_d and V: one product less
+    # on its chain from one chunk's state to the next
+    "prefill_wu": True,
+    # `_prefill_prepare` at 96 registers: 0.93 → 0.87 ms at the K3 shape (session 14 run 2; the one-prepare-kernel
+    # form it had then, K_d and P stored)
+    "prefill_prepare_warps": 4, "prefill_prepare_stages": None, "prefill_prepare_maxnreg": 96,
     "prefill_state_bv": 64, "prefill_state_warps": 4, "prefill_state_stages": 2, "prefill_state_maxnreg": None,
 }
 # (Sessions 11-12 had a "few programs" rule: BV 64 for the Ũ launch and 4-warp `_state_bwd` where the state passes

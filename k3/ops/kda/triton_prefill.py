@@ -31,19 +31,20 @@ import triton.language as tl
 
 from k3.ops import interpreting
 from k3.ops.kda.triton_common import (CHUNK, TUNING, _bp, _cast, _chunk_coords, _exp, _gate_tile, _inv16,
-                                      _launch_options, _load_beta, _mm, _sequence_coords, _state_mm, plan_for)
+                                      _launch_options, _load_beta, _mm, _mm_split, _sequence_coords, _state_mm,
+                                      plan_for)
 
 PREFILL_CHUNK = 16
 STATES_EVERY = CHUNK // PREFILL_CHUNK  # `return_chunk_states` keeps the state at every 64-token chunk start
 
 
 @triton.jit
-def _prep_chunk(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: tl.constexpr, C: tl.constexpr,
-                G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
+def _prep_chunk(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: tl.constexpr, V: tl.constexpr,
+                C: tl.constexpr, G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr, WU: tl.constexpr, INTERP: tl.constexpr):
     """The 16-token chunk at row0 of one document and head: (Q_d, K_d, K_r in bf16 for bf16 inputs (SCORES_BF16)
-    else fp32, P and M fp32 [C, C], Γ_C [K]). Rows past the document end have g = 0 and q̂ = k̂ = β = 0, so their
-    rows of Q_d, K_d, K_r, P and M are zero and so are their columns of P and M; a chunk wholly past the end is
-    all zeros (Γ_C = 1)."""
+    else fp32, P and M fp32 [C, C], Γ_C [K]); with WU, W = P·K_d (as K_d) in K_d's place and U = P·V ([C, V]
+    fp32) in P's. Rows past the document end have g = 0 and q̂ = k̂ = β = 0, so their rows of every output are zero
+    and so are their columns of P and M."""
     g, _, _ = _gate_tile(z, A_log, dt_bias, bos, L, row0, 0, i_h, H, K, C, K, G_MIN)
     G = tl.cumsum(g, 0)
     r = tl.arange(0, C)
@@ -70,7 +71,14 @@ def _prep_chunk(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: tl.c
     kiT = tl.trans(ki)
     A = tl.where(r[:, None] > r[None, :], beta[:, None] * _mm(kd, kiT, SCORES_BF16, INTERP), 0.0)
     M = tl.where(r[:, None] >= r[None, :], _mm(qd, kiT, SCORES_BF16, INTERP), 0.0)
-    return qd, kd, kr, _inv16(A, C) * beta[None, :], M, gamma_end
+    P = _inv16(A, C) * beta[None, :]
+    if WU:
+        v_t = tl.load(_bp(v, bos, L, i_h, row0, 0, H, V, C, V), boundary_check=(0,), padding_option="zero")
+        kd = _mm_split(P, kd, INTERP)  # W
+        if SCORES_BF16:
+            kd = _cast(kd, tl.bfloat16, INTERP)
+        P = _mm_split(P, v_t, INTERP)  # U
+    return qd, kd, kr, P, M, gamma_end
 
 
 @triton.jit
@@ -80,31 +88,39 @@ def _store_rows(x, out, bos, L, i_h, row0, H, W: tl.constexpr, C: tl.constexpr, 
 
 
 @triton.jit
-def _prefill_prepare(q, k, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, kd_out, kr_out, p_out, m_out, gc_out,
-                     scale, H, K: tl.constexpr, C: tl.constexpr, G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr,
-                     INTERP: tl.constexpr):
+def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, kd_out, kr_out, p_out, m_out, gc_out,
+                     scale, H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, G_MIN: tl.constexpr,
+                     SCORES_BF16: tl.constexpr, WU: tl.constexpr, INTERP: tl.constexpr):
     """One (16-token chunk, head): `_prep_chunk` into Q_d, K_d, K_r ([TT, H, K]), P and M ([TT, H, C], row r holds
     row r of the chunk's 16×16 block) and Γ_C ([NT, H, K]); rows past the document end are not written."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
-    qd, kd, kr, P, M, gamma_end = _prep_chunk(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K, C, G_MIN,
-                                              SCORES_BF16, INTERP)
+    qd, kd, kr, P, M, gamma_end = _prep_chunk(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K, V, C,
+                                              G_MIN, SCORES_BF16, WU, INTERP)
     _store_rows(qd, qd_out, bos, L, i_h, row0, H, K, C, INTERP)
     _store_rows(kd, kd_out, bos, L, i_h, row0, H, K, C, INTERP)
     _store_rows(kr, kr_out, bos, L, i_h, row0, H, K, C, INTERP)
-    _store_rows(P, p_out, bos, L, i_h, row0, H, C, C, INTERP)
+    if WU:
+        _store_rows(P, p_out, bos, L, i_h, row0, H, V, C, INTERP)
+    else:
+        _store_rows(P, p_out, bos, L, i_h, row0, H, C, C, INTERP)
     _store_rows(M, m_out, bos, L, i_h, row0, H, C, C, INTERP)
     tl.store(gc_out + (i_c * H + i_h).to(tl.int64) * K + tl.arange(0, K), gamma_end)
 
 
 @triton.jit
-def _state_chunk(X, Qd, Kd, Kr, Vt, P, M, gamma_end, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+def _state_chunk(X, Qd, Kd, Kr, Vt, P, M, gamma_end, BF16: tl.constexpr, SPLIT: tl.constexpr, WU: tl.constexpr,
+                 INTERP: tl.constexpr):
     """One 16-token chunk on the transposed state X = Sᵀ [BV, K] (Vt: the chunk's value block [C, BV]): returns (X
     after the chunk, the chunk's output transposed [BV, C]). Ũᵀ = (Vᵀ − X·K_dᵀ)·Pᵀ, Oᵀ = X·Q_dᵀ + Ũᵀ·Mᵀ,
-    X ← X·Diag(Γ_C) + Ũᵀ·K_r."""
-    Ut = _state_mm(tl.trans(Vt).to(tl.float32) - _state_mm(X, tl.trans(Kd), BF16, SPLIT, INTERP), tl.trans(P),
-                   BF16, SPLIT, INTERP)
+    X ← X·Diag(Γ_C) + Ũᵀ·K_r. With WU, Kd is W and Vt is U's value block: Ũᵀ = Uᵀ − X·Wᵀ, one product less on the
+    chain from X to X."""
+    if WU:
+        Ut = tl.trans(Vt).to(tl.float32) - _state_mm(X, tl.trans(Kd), BF16, SPLIT, INTERP)
+    else:
+        Ut = _state_mm(tl.trans(Vt).to(tl.float32) - _state_mm(X, tl.trans(Kd), BF16, SPLIT, INTERP), tl.trans(P),
+                       BF16, SPLIT, INTERP)
     out = _state_mm(X, tl.trans(Qd), BF16, SPLIT, INTERP) + _state_mm(Ut, tl.trans(M), BF16, SPLIT, INTERP)
     return X * gamma_end[None, :] + _state_mm(Ut, Kr, BF16, SPLIT, INTERP), out
 
@@ -112,21 +128,26 @@ def _state_chunk(X, Qd, Kd, Kr, Vt, P, M, gamma_end, BF16: tl.constexpr, SPLIT: 
 @triton.jit
 def _prefill_step(X, j, qd, kd, kr, v, p_in, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
                   H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, STORE_HS: tl.constexpr,
-                  EVERY: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+                  EVERY: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, WU: tl.constexpr,
+                  INTERP: tl.constexpr):
     """Chunk j of one sequence in `_prefill_state`, on the transposed state X = Sᵀ [BV, K]; returns X after it."""
     row0 = j * C
     Kd = tl.load(_bp(kd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     Qd = tl.load(_bp(qd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     Kr = tl.load(_bp(kr, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
-    Vt = tl.load(_bp(v, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-    P = tl.load(_bp(p_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    if WU:  # U's value block in place of V's; no P
+        Vt = tl.load(_bp(p_in, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+        P = Vt
+    else:
+        Vt = tl.load(_bp(v, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+        P = tl.load(_bp(p_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
     M = tl.load(_bp(m_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
     g_end = tl.load(gc + ((c0 + j) * H + i_h).to(tl.int64) * K + tl.arange(0, K))
     if STORE_HS:
         # the state at every 64-token chunk start (prefix caching), numbered as the training forward's chunks
         if j % EVERY == 0:
             tl.store(hs + ((hs0 + j // EVERY) * H + i_h).to(tl.int64) * K * V + off_x, X)
-    X, out = _state_chunk(X, Qd, Kd, Kr, Vt, P, M, g_end, BF16, SPLIT, INTERP)
+    X, out = _state_chunk(X, Qd, Kd, Kr, Vt, P, M, g_end, BF16, SPLIT, WU, INTERP)
     tl.store(_bp(o, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(tl.trans(out), o.dtype.element_ty, INTERP),
              boundary_check=(0,))
     return X
@@ -136,7 +157,7 @@ def _prefill_step(X, j, qd, kd, kr, v, p_in, m_in, gc, o, hs, bos, L, c0, hs0, i
 def _prefill_state(qd, kd, kr, v, p_in, m_in, gc, h0, o, ht, hs, cu, chunk_off, hs_off,
                    H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_HS: tl.constexpr, EVERY: tl.constexpr,
-                   BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+                   BF16: tl.constexpr, SPLIT: tl.constexpr, WU: tl.constexpr, INTERP: tl.constexpr):
     """One (value block, sequence, head): the 16-token chunks in order, the transposed state in registers. Writes o,
     the final state (ht) and, with STORE_HS, the state at every 64-token chunk start (hs, indexed by hs_off, the
     64-token plan's first chunk per document)."""
@@ -155,74 +176,21 @@ def _prefill_state(qd, kd, kr, v, p_in, m_in, gc, h0, o, ht, hs, cu, chunk_off, 
         j = 0
         while j < n_chunks:
             X = _prefill_step(X, j, qd, kd, kr, v, p_in, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
-                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, INTERP)
+                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, WU, INTERP)
             j += 1
     else:
         for j in range(n_chunks):
             X = _prefill_step(X, j, qd, kd, kr, v, p_in, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
-                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, INTERP)
+                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, WU, INTERP)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + off_x, X)
 
 
-@triton.jit
-def _fused_step(X, Qd, Kd, Kr, P, M, gamma_end, j, q, k, v, z, b, A_log, dt_bias, o, hs, bos, L, hs0, i_h, i_v, off_x,
-                scale, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, G_MIN: tl.constexpr,
-                SCORES_BF16: tl.constexpr, STORE_HS: tl.constexpr, EVERY: tl.constexpr, BF16: tl.constexpr,
-                SPLIT: tl.constexpr, INTERP: tl.constexpr):
-    """Chunk j of `_prefill_fused` on its operands (Qd … gamma_end, from the previous step); returns X after it and
-    chunk j + 1's operands (all zeros past the document end), which do not depend on this chunk's products."""
-    row0 = j * C
-    nxt = _prep_chunk(q, k, z, b, A_log, dt_bias, bos, L, row0 + C, i_h, scale, H, K, C, G_MIN, SCORES_BF16, INTERP)
-    if STORE_HS:
-        if j % EVERY == 0:
-            tl.store(hs + ((hs0 + j // EVERY) * H + i_h).to(tl.int64) * K * V + off_x, X)
-    Vt = tl.load(_bp(v, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-    X, out = _state_chunk(X, Qd, Kd, Kr, Vt, P, M, gamma_end, BF16, SPLIT, INTERP)
-    tl.store(_bp(o, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(tl.trans(out), o.dtype.element_ty, INTERP),
-             boundary_check=(0,))
-    return (X,) + nxt
-
-
-@triton.jit
-def _prefill_fused(q, k, v, z, b, A_log, dt_bias, h0, o, ht, hs, cu, hs_off, scale,
-                   H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, G_MIN: tl.constexpr,
-                   SCORES_BF16: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_HS: tl.constexpr,
-                   EVERY: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
-    """`_prefill_prepare` and `_prefill_state` in one program per (value block, sequence, head): chunk j + 1's
-    `_prep_chunk` is computed while chunk j's state products are in flight (it does not depend on them, so the
-    compiler can interleave the two), and none of the chunk operands goes to memory. The state pass alone is bound
-    by the latency of its chain of small products, not by issue slots or bytes: the prepare fills its gaps."""
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_h = i_nh % H
-    n = i_nh // H
-    bos = tl.load(cu + n).to(tl.int64)
-    L = tl.load(cu + n + 1) - tl.load(cu + n)
-    n_chunks = tl.cdiv(L, C)
-    hs0 = tl.load(hs_off + n).to(tl.int64)
-    off_x = (i_v * BV + tl.arange(0, BV))[:, None] + tl.arange(0, K)[None, :] * V
-    if USE_H0:
-        X = tl.load(h0 + i_nh.to(tl.int64) * K * V + off_x).to(tl.float32)
-    else:
-        X = tl.zeros([BV, K], dtype=tl.float32)
-    Qd, Kd, Kr, P, M, gamma_end = _prep_chunk(q, k, z, b, A_log, dt_bias, bos, L, 0, i_h, scale, H, K, C, G_MIN,
-                                              SCORES_BF16, INTERP)
-    # The interpreter cannot take a loaded scalar as a `range` bound; compiled code needs `for` to pipeline loads.
-    if INTERP:
-        j = 0
-        while j < n_chunks:
-            X, Qd, Kd, Kr, P, M, gamma_end = _fused_step(
-                X, Qd, Kd, Kr, P, M, gamma_end, j, q, k, v, z, b, A_log, dt_bias, o, hs, bos, L, hs0, i_h, i_v,
-                off_x, scale, H, K, V, BV, C, G_MIN, SCORES_BF16, STORE_HS, EVERY, BF16, SPLIT, INTERP)
-            j += 1
-    else:
-        for j in range(n_chunks):
-            X, Qd, Kd, Kr, P, M, gamma_end = _fused_step(
-                X, Qd, Kd, Kr, P, M, gamma_end, j, q, k, v, z, b, A_log, dt_bias, o, hs, bos, L, hs0, i_h, i_v,
-                off_x, scale, H, K, V, BV, C, G_MIN, SCORES_BF16, STORE_HS, EVERY, BF16, SPLIT, INTERP)
-    if STORE_HT:
-        tl.store(ht + i_nh.to(tl.int64) * K * V + off_x, X)
+def prefill_applies(plan, H: int, V: int) -> bool:
+    """Whether the 16-token forward is the faster inference forward here: its state pass walks each sequence in 4×
+    the steps of the 64-token one with half its value blocks, so it needs enough (value block, sequence, head)
+    programs to fill the GPU (session 14: 1.20-1.31× faster at 192 and 128 programs, 0.64× at 64)."""
+    return TUNING["prefill"] and plan.N * H * max(V // TUNING["prefill_state_bv"], 1) >= TUNING["prefill_min_programs"]
 
 
 def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes,
@@ -244,29 +212,23 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     interp = interpreting()
     BV = min(V, TUNING["prefill_state_bv"])
     state_bf16 = state_bf16 or TUNING["state_bf16"]
-    state_args = dict(USE_H0=h0 is not None, STORE_HT=want_ht, STORE_HS=want_hs, EVERY=STATES_EVERY, BF16=state_bf16,
-                      SPLIT=not state_bf16, INTERP=interp, **_launch_options("prefill_state"))
-    if TUNING["prefill_fused"]:
-        dummy = o
-        _prefill_fused[(V // BV, plan.N * H)](q, k, v, z, b, A_log, dt_bias, h0 if h0 is not None else dummy, o,
-                                              ht if ht is not None else dummy, hs if hs is not None else dummy,
-                                              plan.cu, plan.chunk_off, scale, H=H, K=K, V=V, BV=BV, C=PREFILL_CHUNK,
-                                              G_MIN=g_min, SCORES_BF16=lo == torch.bfloat16, **state_args)
-        return o, ht, hs
+    wu = TUNING["prefill_wu"]
     plan16 = plan_for(plan.offsets, dev, PREFILL_CHUNK)
     qd = torch.empty(TT, H, K, dtype=lo, device=dev)
     kd, kr = torch.empty_like(qd), torch.empty_like(qd)
-    P = torch.empty(TT, H, PREFILL_CHUNK, dtype=hi, device=dev)
-    M = torch.empty_like(P)
+    M = torch.empty(TT, H, PREFILL_CHUNK, dtype=hi, device=dev)
+    P = torch.empty(TT, H, V, dtype=hi, device=dev) if wu else torch.empty_like(M)  # U or P
     gc = torch.empty(max(plan16.NT, 1), H, K, dtype=torch.float32, device=dev)
     if plan16.NT > 0:
-        _prefill_prepare[(plan16.NT, H)](q, k, z, b, A_log, dt_bias, plan16.cu, plan16.chunk_idx, qd, kd, kr, P, M,
-                                         gc, scale, H=H, K=K, C=PREFILL_CHUNK, G_MIN=g_min,
-                                         SCORES_BF16=lo == torch.bfloat16, INTERP=interp,
+        _prefill_prepare[(plan16.NT, H)](q, k, v, z, b, A_log, dt_bias, plan16.cu, plan16.chunk_idx, qd, kd, kr, P,
+                                         M, gc, scale, H=H, K=K, V=V, C=PREFILL_CHUNK, G_MIN=g_min,
+                                         SCORES_BF16=lo == torch.bfloat16, WU=wu, INTERP=interp,
                                          **_launch_options("prefill_prepare"))
     dummy = gc
     _prefill_state[(V // BV, plan.N * H)](qd, kd, kr, v, P, M, gc, h0 if h0 is not None else dummy, o,
                                           ht if ht is not None else dummy, hs if hs is not None else dummy,
                                           plan16.cu, plan16.chunk_off, plan.chunk_off, H=H, K=K, V=V, BV=BV,
-                                          C=PREFILL_CHUNK, **state_args)
+                                          C=PREFILL_CHUNK, USE_H0=h0 is not None, STORE_HT=want_ht,
+                                          STORE_HS=want_hs, EVERY=STATES_EVERY, BF16=state_bf16, SPLIT=not state_bf16,
+                                          WU=wu, INTERP=interp, **_launch_options("prefill_state"))
     return o, ht, hs
