@@ -84,10 +84,15 @@ TUNING = {
     # the state pass reads W = P·K_d and U = P·V (the prepare forms them) instead of P, K_d and V: one product less
     # on its chain from one chunk's state to the next
     "prefill_wu": True,
-    # `_prefill_prepare` at 96 registers: 0.93 → 0.87 ms at the K3 shape (session 14 run 2; the one-prepare-kernel
-    # form it had then, K_d and P stored)
-    "prefill_prepare_warps": 4, "prefill_prepare_stages": None, "prefill_prepare_maxnreg": 96,
-    "prefill_state_bv": 64, "prefill_state_warps": 4, "prefill_state_stages": 2, "prefill_state_maxnreg": None,
+    # `_prefill_prepare`: 0.92 ms at the K3 shape uncapped (128 registers), 0.99 at 96 (session 14 run 3; before
+    # prefill_wu, 96 registers won: 0.93 → 0.87, run 2)
+    "prefill_prepare_warps": 4, "prefill_prepare_stages": None, "prefill_prepare_maxnreg": None,
+    # `_prefill_state` per (value block of 64, sequence, head): 1.26 ms at 2 stages, 1.08 at 3 (run 3); BV 32 2.64
+    # and 8 warps 4.04 (run 1, before prefill_wu)
+    "prefill_state_bv": 64, "prefill_state_warps": 4, "prefill_state_stages": 3, "prefill_state_maxnreg": None,
+    # the prefill state pass in plain bf16 products (its state rounded to bf16 as an operand, FlashKDA's choice):
+    # a measured variant
+    "prefill_state_bf16": False,
 }
 # (Sessions 11-12 had a "few programs" rule: BV 64 for the Ũ launch and 4-warp `_state_bwd` where the state passes
 # had one to two programs per SM. The 3-stage launches above beat it there too, `_state` 0.52 → 0.43 ms at 8 × 4096,

@@ -211,7 +211,7 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=torch.float32, device=dev) if want_hs else None
     interp = interpreting()
     BV = min(V, TUNING["prefill_state_bv"])
-    state_bf16 = state_bf16 or TUNING["state_bf16"]
+    state_bf16 = state_bf16 or TUNING["state_bf16"] or TUNING["prefill_state_bf16"]
     wu = TUNING["prefill_wu"]
     plan16 = plan_for(plan.offsets, dev, PREFILL_CHUNK)
     qd = torch.empty(TT, H, K, dtype=lo, device=dev)
