@@ -17,6 +17,7 @@ Legend: B batch, T tokens, H heads, K = V = 128 head dims.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -121,6 +122,18 @@ def reference_fn(ins, cu):
                                cu_seqlens=None if cu is None else cu.cpu())
 
 
+@contextlib.contextmanager
+def prefill_at_every_size():
+    """chunk_kda's inference forward in the 16-token kernels whatever the shape (`prefill_applies`), if TUNING["prefill"]
+    is on: the accuracy checks run at small head counts, where chunk_kda would take the 64-token ones."""
+    saved = triton_chunk.TUNING["prefill_min_programs"]
+    triton_chunk.TUNING["prefill_min_programs"] = 0
+    try:
+        yield
+    finally:
+        triton_chunk.TUNING["prefill_min_programs"] = saved
+
+
 def small_gate(device, **kw):
     """Small shape against the fp64 recurrence with the test tolerances (forward and every gradient)."""
     ins = raw_inputs(1, 300, 2, seed=7, device=device, h0=True)
@@ -131,8 +144,9 @@ def small_gate(device, **kw):
     ref = grads_of(lambda x: reference_fn(x, None), [x.double() for x in ins], do.double(), dS.double())
     errs = {"o": rel(tri[0], ref[0]), "S": rel(tri[1], ref[1])}
     errs.update({n: rel(a, r) for n, a, r in zip(("q", "k", "v", "z", "b", "A_log", "dt_bias", "h0"), tri[2], ref[2])})
-    # the inference forward (no backward can follow) is its own kernels (`triton_prefill`, TUNING["prefill"])
-    with torch.no_grad():
+    # the inference forward (no backward can follow) is its own kernels (`triton_prefill`, TUNING["prefill"]), which
+    # chunk_kda picks only with enough programs to fill the GPU: here at this small shape too
+    with torch.no_grad(), prefill_at_every_size():
         o, S = ours_fn(ins, None, **kw)
     errs.update({"o_inference": rel(o, ref[0]), "S_inference": rel(S, ref[1])})
     return errs, all(e <= TOL[n.removesuffix("_inference")] for n, e in errs.items())
@@ -160,7 +174,7 @@ def accuracy_table(configs, fla, device, quick):
             fn = (lambda x: fla_fn(fla, x, cu)) if cfg is None else (lambda x: ours_fn(x, cu))
             out = grads_of(fn, ins, do, dS)
             errs = [rel(out[0], ref[0]), rel(out[1], ref[1])] + [rel(a, r) for a, r in zip(out[2], ref[2])]
-            with torch.no_grad():  # ours: the inference forward's own kernels (fla: the same forward)
+            with torch.no_grad(), prefill_at_every_size():  # ours: the inference forward's kernels (fla: the same)
                 o, S = fn(ins)
             errs += [rel(o, ref[0]), rel(S, ref[1])]
             rows.append({"case": "dense" if lengths is None else "varlen", "impl": label, **dict(zip(names, errs))})
