@@ -43,7 +43,7 @@ FP32_ARGS = {"A_log", "dt_bias", "t_in", "t_out", "hs", "dse", "du", "dqh_in", "
              "dakk_in", "db_in", "dqh_out", "dkh_out", "dg_out", "daqk_out", "dakk_out", "db_out", "dA_part",
              "dbias_part", "aqk_out", "u_out", "gc_out", "gc", "h0", "ht", "aqk", "u", "dht", "dh0", "kn_out", "kn_in",
              "dqh", "dkh", "db_part", "g_in", "g_out", "gc_in", "ut", "dtk_out", "dbk_out", "dtk_in", "dbk_in",
-             "qn_in", "qn_out", "p_out", "m_out", "p_in", "m_in"}  # (p_*: P, or U with WU)
+             "qn_in", "qn_out", "u_out", "m_out", "m_in"}
 INT32_ARGS = {"cu", "chunk_idx", "chunk_off", "hs_off"}
 CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
                   USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64,
@@ -63,9 +63,9 @@ KERNEL_CONSTEXPRS = {"_state_ut": dict(STORE_UT=True, SPLIT=chunk.TUNING["state_
                      "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV), "_bwd_k_block": dict(SK=_SK),
                      "_bwd_gate": dict(SK=chunk.TUNING["bwd_gate_cols"]),
                      "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
-                     "_prefill_prepare": dict(C=prefill.PREFILL_CHUNK, WU=chunk.TUNING["prefill_wu"]),
+                     "_prefill_prepare": dict(C=prefill.PREFILL_CHUNK),
                      "_prefill_state": dict(C=prefill.PREFILL_CHUNK, STORE_HS=False, EVERY=prefill.STATES_EVERY,
-                                            SPLIT=True, WU=chunk.TUNING["prefill_wu"])}
+                                            SPLIT=True)}
 
 
 def kernel_fn(name: str):

@@ -81,14 +81,11 @@ TUNING = {
     "prefill": True,
     # ... where the state pass has at least this many (value block, sequence, head) programs (`prefill_applies`)
     "prefill_min_programs": 128,
-    # the state pass reads W = P·K_d and U = P·V (the prepare forms them) instead of P, K_d and V: one product less
-    # on its chain from one chunk's state to the next
-    "prefill_wu": True,
-    # `_prefill_prepare`: 0.92 ms at the K3 shape uncapped (128 registers), 0.99 at 96 (session 14 run 3; before
-    # prefill_wu, 96 registers won: 0.93 → 0.87, run 2)
+    # `_prefill_prepare`: 0.92 ms at the K3 shape uncapped (128 registers), 0.99 at 96 (session 14 run 3; before it
+    # formed W and U, 96 registers won: 0.93 → 0.87, run 2)
     "prefill_prepare_warps": 4, "prefill_prepare_stages": None, "prefill_prepare_maxnreg": None,
     # `_prefill_state` per (value block of 64, sequence, head): 1.26 ms at 2 stages, 1.08 at 3 (run 3); BV 32 2.64
-    # and 8 warps 4.04 (run 1, before prefill_wu)
+    # and 8 warps 4.04 (run 1, then on P, K_d and V instead of W and U)
     "prefill_state_bv": 64, "prefill_state_warps": 4, "prefill_state_stages": 3, "prefill_state_maxnreg": None,
     # the prefill state pass in plain bf16 products (its state rounded to bf16 as an operand, FlashKDA's choice):
     # a measured variant

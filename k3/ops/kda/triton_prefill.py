@@ -4,21 +4,21 @@ Why a second forward: the training forward (`triton_chunk.py`, 64-token chunks) 
 U, T, Aqk and G, ~5.8 GB of intermediates at the K3 shape, 2.9 ms where the memory floor is 0.24 ms. An
 inference forward keeps none of it, and the lower-bounded gate allows a smaller chunk: over C = 16 tokens with
 g ≥ −5 the in-chunk decay exp(G_r − G_i) lies in [e^−80, e^80], inside fp32's and bf16's range, so one anchor, the
-chunk's start, serves every score of the chunk (no sub-blocks, no 64×64 solve). The design is the one of Moonshot's
-FlashKDA forward (CUDA; docs/kda-kernels.md §9 says what was taken over and what differs):
+chunk's start, serves every score of the chunk (no sub-blocks, no 64×64 solve). The design follows Moonshot's
+FlashKDA forward (CUDA); docs/kda-kernels.md §9 says what was taken over and what differs, §6-§7 what was measured:
 
 - `_prefill_prepare`, one program per (16-token chunk, head), all chunks in parallel: the gate, its in-chunk
-  cumulative sum G (inclusive), the q/k L2 norms and β. It writes Q_d = q̂⊙Γ, K_d = k̂⊙Γ and K_r = k̂⊙Γ_C/Γ
-  (Γ = exp(G), Γ_C its last row), Γ_C, M = lower(Q_d·(k̂/Γ)ᵀ) (the in-chunk scores, diagonal included) and
-  P = (I + diag(β)·strict_lower(K_d·(k̂/Γ)ᵀ))⁻¹·diag(β) (the 16×16 inverse is exact fp32, `_inv16`).
+  cumulative sum G (inclusive), the q/k L2 norms and β; then, with Γ = exp(G) and Γ_C its last row,
+  Q_d = q̂⊙Γ, K_d = k̂⊙Γ, K_r = k̂⊙Γ_C/Γ, the in-chunk scores M = lower(Q_d·(k̂/Γ)ᵀ) (diagonal included),
+  P = (I + diag(β)·strict_lower(K_d·(k̂/Γ)ᵀ))⁻¹·diag(β) (the 16×16 inverse in exact fp32, `_inv16`), W = P·K_d and
+  U = P·V. It stores Q_d, W, K_r, U, M and Γ_C.
 - `_prefill_state`, one program per (value block, sequence, head), the chunks of a sequence in order. With S the
-  state at the chunk's start: Ũ = P·(V − K_d·S), O = Q_d·S + M·Ũ, S ← Diag(Γ_C)·S + K_rᵀ·Ũ. W = P·K_d and U = P·V
-  are never formed: P·(V − K_d·S) regroups them.
+  state at the chunk's start: Ũ = U − W·S, O = Q_d·S + M·Ũ, S ← Diag(Γ_C)·S + K_rᵀ·Ũ.
 
 The state is kept transposed, X = Sᵀ [BV, K] fp32 in registers, so that it is the left operand of both products
-that read it (X·K_dᵀ, X·Q_dᵀ) and the accumulator of the one that writes it (X·Γ_C + Ũᵀ·K_r): its update never
-goes through shared memory. Products with an fp32 operand are split bf16 (`_state_mm`, as the training forward's
-state pass) unless `state_bf16`.
+that read it (X·Wᵀ, X·Q_dᵀ) and the accumulator of the one that writes it (X·Γ_C + Ũᵀ·K_r): it never goes through
+shared memory. Products with an fp32 operand are split bf16 (`_state_mm`, as the training forward's state pass)
+unless `state_bf16`.
 
 Legend as in triton_chunk.py; here C = 16 and NT counts 16-token chunks.
 """
@@ -40,11 +40,10 @@ STATES_EVERY = CHUNK // PREFILL_CHUNK  # `return_chunk_states` keeps the state a
 
 @triton.jit
 def _prep_chunk(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: tl.constexpr, V: tl.constexpr,
-                C: tl.constexpr, G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr, WU: tl.constexpr, INTERP: tl.constexpr):
-    """The 16-token chunk at row0 of one document and head: (Q_d, K_d, K_r in bf16 for bf16 inputs (SCORES_BF16)
-    else fp32, P and M fp32 [C, C], Γ_C [K]); with WU, W = P·K_d (as K_d) in K_d's place and U = P·V ([C, V]
-    fp32) in P's. Rows past the document end have g = 0 and q̂ = k̂ = β = 0, so their rows of every output are zero
-    and so are their columns of P and M."""
+                C: tl.constexpr, G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
+    """The 16-token chunk at row0 of one document and head: (Q_d, W, K_r [C, K] in bf16 for bf16 inputs
+    (SCORES_BF16) else fp32, U [C, V] fp32, M [C, C] fp32, Γ_C [K]). Rows past the document end have g = 0 and
+    q̂ = k̂ = β = 0, so their rows of every output are zero."""
     g, _, _ = _gate_tile(z, A_log, dt_bias, bos, L, row0, 0, i_h, H, K, C, K, G_MIN)
     G = tl.cumsum(g, 0)
     r = tl.arange(0, C)
@@ -72,13 +71,12 @@ def _prep_chunk(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: t
     A = tl.where(r[:, None] > r[None, :], beta[:, None] * _mm(kd, kiT, SCORES_BF16, INTERP), 0.0)
     M = tl.where(r[:, None] >= r[None, :], _mm(qd, kiT, SCORES_BF16, INTERP), 0.0)
     P = _inv16(A, C) * beta[None, :]
-    if WU:
-        v_t = tl.load(_bp(v, bos, L, i_h, row0, 0, H, V, C, V), boundary_check=(0,), padding_option="zero")
-        kd = _mm_split(P, kd, INTERP)  # W
-        if SCORES_BF16:
-            kd = _cast(kd, tl.bfloat16, INTERP)
-        P = _mm_split(P, v_t, INTERP)  # U
-    return qd, kd, kr, P, M, gamma_end
+    # W and U formed here, not P·(V − K_d·S) in the state pass: one product less on its chain (docs §7 item 30)
+    v_t = tl.load(_bp(v, bos, L, i_h, row0, 0, H, V, C, V), boundary_check=(0,), padding_option="zero")
+    W = _mm_split(P, kd, INTERP)
+    if SCORES_BF16:
+        W = _cast(W, tl.bfloat16, INTERP)
+    return qd, W, kr, _mm_split(P, v_t, INTERP), M, gamma_end
 
 
 @triton.jit
@@ -88,76 +86,54 @@ def _store_rows(x, out, bos, L, i_h, row0, H, W: tl.constexpr, C: tl.constexpr, 
 
 
 @triton.jit
-def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, kd_out, kr_out, p_out, m_out, gc_out,
+def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out, kr_out, u_out, m_out, gc_out,
                      scale, H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, G_MIN: tl.constexpr,
-                     SCORES_BF16: tl.constexpr, WU: tl.constexpr, INTERP: tl.constexpr):
-    """One (16-token chunk, head): `_prep_chunk` into Q_d, K_d, K_r ([TT, H, K]), P and M ([TT, H, C], row r holds
-    row r of the chunk's 16×16 block) and Γ_C ([NT, H, K]); rows past the document end are not written."""
+                     SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
+    """One (16-token chunk, head): `_prep_chunk` into Q_d, W, K_r ([TT, H, K]), U ([TT, H, V]), M ([TT, H, C], row r
+    holds row r of the chunk's 16×16 block) and Γ_C ([NT, H, K]); rows past the document end are not written."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
-    qd, kd, kr, P, M, gamma_end = _prep_chunk(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K, V, C,
-                                              G_MIN, SCORES_BF16, WU, INTERP)
+    qd, W, kr, U, M, gamma_end = _prep_chunk(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K, V, C,
+                                             G_MIN, SCORES_BF16, INTERP)
     _store_rows(qd, qd_out, bos, L, i_h, row0, H, K, C, INTERP)
-    _store_rows(kd, kd_out, bos, L, i_h, row0, H, K, C, INTERP)
+    _store_rows(W, w_out, bos, L, i_h, row0, H, K, C, INTERP)
     _store_rows(kr, kr_out, bos, L, i_h, row0, H, K, C, INTERP)
-    if WU:
-        _store_rows(P, p_out, bos, L, i_h, row0, H, V, C, INTERP)
-    else:
-        _store_rows(P, p_out, bos, L, i_h, row0, H, C, C, INTERP)
+    _store_rows(U, u_out, bos, L, i_h, row0, H, V, C, INTERP)
     _store_rows(M, m_out, bos, L, i_h, row0, H, C, C, INTERP)
     tl.store(gc_out + (i_c * H + i_h).to(tl.int64) * K + tl.arange(0, K), gamma_end)
 
 
 @triton.jit
-def _state_chunk(X, Qd, Kd, Kr, Vt, P, M, gamma_end, BF16: tl.constexpr, SPLIT: tl.constexpr, WU: tl.constexpr,
-                 INTERP: tl.constexpr):
-    """One 16-token chunk on the transposed state X = Sᵀ [BV, K] (Vt: the chunk's value block [C, BV]): returns (X
-    after the chunk, the chunk's output transposed [BV, C]). Ũᵀ = (Vᵀ − X·K_dᵀ)·Pᵀ, Oᵀ = X·Q_dᵀ + Ũᵀ·Mᵀ,
-    X ← X·Diag(Γ_C) + Ũᵀ·K_r. With WU, Kd is W and Vt is U's value block: Ũᵀ = Uᵀ − X·Wᵀ, one product less on the
-    chain from X to X."""
-    if WU:
-        Ut = tl.trans(Vt).to(tl.float32) - _state_mm(X, tl.trans(Kd), BF16, SPLIT, INTERP)
-    else:
-        Ut = _state_mm(tl.trans(Vt).to(tl.float32) - _state_mm(X, tl.trans(Kd), BF16, SPLIT, INTERP), tl.trans(P),
-                       BF16, SPLIT, INTERP)
-    out = _state_mm(X, tl.trans(Qd), BF16, SPLIT, INTERP) + _state_mm(Ut, tl.trans(M), BF16, SPLIT, INTERP)
-    return X * gamma_end[None, :] + _state_mm(Ut, Kr, BF16, SPLIT, INTERP), out
-
-
-@triton.jit
-def _prefill_step(X, j, qd, kd, kr, v, p_in, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
+def _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
                   H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, STORE_HS: tl.constexpr,
-                  EVERY: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, WU: tl.constexpr,
-                  INTERP: tl.constexpr):
-    """Chunk j of one sequence in `_prefill_state`, on the transposed state X = Sᵀ [BV, K]; returns X after it."""
+                  EVERY: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+    """Chunk j of one sequence in `_prefill_state`, on the transposed state X = Sᵀ [BV, K]; returns X after it:
+    Ũᵀ = Uᵀ − X·Wᵀ, Oᵀ = X·Q_dᵀ + Ũᵀ·Mᵀ, X ← X·Diag(Γ_C) + Ũᵀ·K_r."""
     row0 = j * C
-    Kd = tl.load(_bp(kd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    W = tl.load(_bp(w, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     Qd = tl.load(_bp(qd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     Kr = tl.load(_bp(kr, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
-    if WU:  # U's value block in place of V's; no P
-        Vt = tl.load(_bp(p_in, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-        P = Vt
-    else:
-        Vt = tl.load(_bp(v, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-        P = tl.load(_bp(p_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    U = tl.load(_bp(u, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
     M = tl.load(_bp(m_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
     g_end = tl.load(gc + ((c0 + j) * H + i_h).to(tl.int64) * K + tl.arange(0, K))
     if STORE_HS:
         # the state at every 64-token chunk start (prefix caching), numbered as the training forward's chunks
         if j % EVERY == 0:
             tl.store(hs + ((hs0 + j // EVERY) * H + i_h).to(tl.int64) * K * V + off_x, X)
-    X, out = _state_chunk(X, Qd, Kd, Kr, Vt, P, M, g_end, BF16, SPLIT, WU, INTERP)
+    Ut = tl.trans(U).to(tl.float32) - _state_mm(X, tl.trans(W), BF16, SPLIT, INTERP)
+    out = _state_mm(X, tl.trans(Qd), BF16, SPLIT, INTERP) + _state_mm(Ut, tl.trans(M), BF16, SPLIT, INTERP)
+    X = X * g_end[None, :] + _state_mm(Ut, Kr, BF16, SPLIT, INTERP)
     tl.store(_bp(o, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(tl.trans(out), o.dtype.element_ty, INTERP),
              boundary_check=(0,))
     return X
 
 
 @triton.jit
-def _prefill_state(qd, kd, kr, v, p_in, m_in, gc, h0, o, ht, hs, cu, chunk_off, hs_off,
+def _prefill_state(qd, w, kr, u, m_in, gc, h0, o, ht, hs, cu, chunk_off, hs_off,
                    H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_HS: tl.constexpr, EVERY: tl.constexpr,
-                   BF16: tl.constexpr, SPLIT: tl.constexpr, WU: tl.constexpr, INTERP: tl.constexpr):
+                   BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """One (value block, sequence, head): the 16-token chunks in order, the transposed state in registers. Writes o,
     the final state (ht) and, with STORE_HS, the state at every 64-token chunk start (hs, indexed by hs_off, the
     64-token plan's first chunk per document)."""
@@ -175,13 +151,13 @@ def _prefill_state(qd, kd, kr, v, p_in, m_in, gc, h0, o, ht, hs, cu, chunk_off, 
     if INTERP:
         j = 0
         while j < n_chunks:
-            X = _prefill_step(X, j, qd, kd, kr, v, p_in, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
-                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, WU, INTERP)
+            X = _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
+                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, INTERP)
             j += 1
     else:
         for j in range(n_chunks):
-            X = _prefill_step(X, j, qd, kd, kr, v, p_in, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
-                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, WU, INTERP)
+            X = _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
+                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, INTERP)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + off_x, X)
 
@@ -199,8 +175,9 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     [N, H, K, V] fp32 or None, the states at every 64-token chunk start [max(NT, 1), H, K, V] fp32 or None).
 
     plan: the 64-token plan of `chunk_kda` (its chunk numbering is the one of the returned states); the 16-token
-    plan of the same offsets is built here. dtypes: `inter_dtypes`, (Q_d, K_d, K_r storage) and (P, M storage).
-    The intermediates take 3·TT·H·K·2 + 2·TT·H·16·4 bytes (bf16 inputs) and are freed on return.
+    plan of the same offsets is built here. dtypes: `inter_dtypes`, (Q_d, W, K_r storage) and (M storage); U is
+    fp32. The intermediates take TT·H·(3·K·2 + V·4 + 16·4) bytes (bf16 inputs; 2.6 GB at the K3 shape) and are freed
+    on return.
     """
     TT, H, K = q.shape
     V = v.shape[-1]
@@ -212,23 +189,22 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     interp = interpreting()
     BV = min(V, TUNING["prefill_state_bv"])
     state_bf16 = state_bf16 or TUNING["state_bf16"] or TUNING["prefill_state_bf16"]
-    wu = TUNING["prefill_wu"]
     plan16 = plan_for(plan.offsets, dev, PREFILL_CHUNK)
     qd = torch.empty(TT, H, K, dtype=lo, device=dev)
-    kd, kr = torch.empty_like(qd), torch.empty_like(qd)
+    W, kr = torch.empty_like(qd), torch.empty_like(qd)
+    U = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
     M = torch.empty(TT, H, PREFILL_CHUNK, dtype=hi, device=dev)
-    P = torch.empty(TT, H, V, dtype=hi, device=dev) if wu else torch.empty_like(M)  # U or P
     gc = torch.empty(max(plan16.NT, 1), H, K, dtype=torch.float32, device=dev)
     if plan16.NT > 0:
-        _prefill_prepare[(plan16.NT, H)](q, k, v, z, b, A_log, dt_bias, plan16.cu, plan16.chunk_idx, qd, kd, kr, P,
+        _prefill_prepare[(plan16.NT, H)](q, k, v, z, b, A_log, dt_bias, plan16.cu, plan16.chunk_idx, qd, W, kr, U,
                                          M, gc, scale, H=H, K=K, V=V, C=PREFILL_CHUNK, G_MIN=g_min,
-                                         SCORES_BF16=lo == torch.bfloat16, WU=wu, INTERP=interp,
+                                         SCORES_BF16=lo == torch.bfloat16, INTERP=interp,
                                          **_launch_options("prefill_prepare"))
     dummy = gc
-    _prefill_state[(V // BV, plan.N * H)](qd, kd, kr, v, P, M, gc, h0 if h0 is not None else dummy, o,
+    _prefill_state[(V // BV, plan.N * H)](qd, W, kr, U, M, gc, h0 if h0 is not None else dummy, o,
                                           ht if ht is not None else dummy, hs if hs is not None else dummy,
                                           plan16.cu, plan16.chunk_off, plan.chunk_off, H=H, K=K, V=V, BV=BV,
                                           C=PREFILL_CHUNK, USE_H0=h0 is not None, STORE_HT=want_ht,
                                           STORE_HS=want_hs, EVERY=STATES_EVERY, BF16=state_bf16, SPLIT=not state_bf16,
-                                          WU=wu, INTERP=interp, **_launch_options("prefill_state"))
+                                          INTERP=interp, **_launch_options("prefill_state"))
     return o, ht, hs
