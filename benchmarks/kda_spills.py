@@ -53,7 +53,8 @@ CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF
 TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
                  "_prep_wu": "prep_wu", "_state": "state", "_state_ut": "state_ut", "_state_bwd": "state_bwd",
                  "_bwd_vk": "bwd_vk", "_bwd_vv": "bwd_vv", "_bwd_k_block": "bwd_k", "_bwd_gate": "bwd_gate",
-                 "_bwd_norms": "bwd_norms", "_prefill_prepare": "prefill_prepare", "_prefill_state": "prefill_state"}
+                 "_bwd_norms": "bwd_norms", "_prefill_prepare": "prefill_prepare", "_prefill_state": "prefill_state",
+                 "_prefill_prepare32": "prefill_prepare"}
 # per-kernel constexprs on top of CONSTEXPRS
 _SK = chunk.TUNING["bwd_k_cols"]
 _SKV = chunk.TUNING["bwd_vk_cols"]
@@ -64,8 +65,9 @@ KERNEL_CONSTEXPRS = {"_state_ut": dict(STORE_UT=True, SPLIT=chunk.TUNING["state_
                      "_bwd_gate": dict(SK=chunk.TUNING["bwd_gate_cols"]),
                      "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
                      "_prefill_prepare": dict(C=prefill.PREFILL_CHUNK),
-                     "_prefill_state": dict(C=prefill.PREFILL_CHUNK, STORE_HS=False, EVERY=prefill.STATES_EVERY,
-                                            SPLIT=True)}
+                     "_prefill_state": dict(C=chunk.TUNING["prefill_chunk"], STORE_HS=False,
+                                            EVERY=64 // chunk.TUNING["prefill_chunk"], SPLIT=True),
+                     "_prefill_prepare32": {}}
 
 
 def kernel_fn(name: str):

@@ -474,6 +474,41 @@ def test_prefill_forward_head_dims_value_blocks_and_bf16_products(dev, monkeypat
     _check_forward(_infer(inputs, dev, state_bf16=True), reference(*inputs), torch.bfloat16, "state_bf16")
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's σ(±1e4)
+def test_prefill_forward_32_token_chunks(dev, monkeypatch):
+    """`TUNING["prefill_chunk"]` 32 (`_prefill_prepare32`: two anchors per chunk, T from two 16×16 inverses) against
+    fp64 at lengths around 32 and 64, bf16 and fp32, beside the 16-token chunks (fp32: 2e-5 in the interpreter);
+    packed documents with every decay at the bound, where G reaches −160 inside a chunk; the states for prefix
+    caching (every second 32-token chunk)."""
+    from k3.ops.kda import triton_chunk as tc
+
+    for T, dtype in ((1, torch.float32), (31, torch.bfloat16), (33, torch.float32), (65, torch.bfloat16),
+                     (150, torch.float32)):
+        inputs = make_raw(2, T, 2, 32, 32, seed=60 + T, dtype=dtype)
+        monkeypatch.setitem(tc.TUNING, "prefill_chunk", 16)
+        out16 = _infer(inputs, dev)
+        monkeypatch.setitem(tc.TUNING, "prefill_chunk", 32)
+        out = _infer(inputs, dev)
+        _check_forward(out, reference(*inputs), dtype, (T, dtype))
+        if dtype == torch.float32 and not ON_GPU:
+            assert rel_err(out[0], out16[0]) <= 2e-5 and rel_err(out[1], out16[1]) <= 2e-5, T
+    lengths = [1, 0, 32, 3, 70, 33]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    inputs = make_raw(1, cu[-1], 2, 16, 32, seed=61, N=len(lengths))
+    inputs[3] = torch.full_like(inputs[3], 1e4)  # every g = −5
+    cu_dev = torch.tensor(cu, device=dev)
+    out = _infer(inputs, dev, cu_seqlens=cu_dev)
+    _check_forward(out, reference(*inputs, cu_seqlens=torch.tensor(cu)), torch.bfloat16, "varlen at the bound")
+    x = [t.to(dev) for t in inputs]
+    with torch.no_grad():
+        _, _, hs = tc.chunk_kda(*x[:7], initial_state=x[7], cu_seqlens=cu_dev, return_chunk_states=True)
+        monkeypatch.setitem(tc.TUNING, "prefill_chunk", 16)
+        _, _, hs16 = tc.chunk_kda(*x[:7], initial_state=x[7], cu_seqlens=cu_dev, return_chunk_states=True)
+    assert hs.shape == hs16.shape and rel_err(hs.cpu(), hs16.cpu()) <= 5e-3
+
+
 def test_prefill_applies_with_enough_programs(dev, monkeypatch):
     """chunk_kda's inference forward is the 16-token one where its state pass has at least prefill_min_programs
     (value block, sequence, head) programs, else the 64-token one; a training forward never is."""

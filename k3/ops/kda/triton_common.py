@@ -81,6 +81,9 @@ TUNING = {
     "prefill": True,
     # ... where the state pass has at least this many (value block, sequence, head) programs (`prefill_applies`)
     "prefill_min_programs": 128,
+    # its chunk: 16 tokens, or 32 (`_prefill_prepare32`: half the state pass's sequential steps, two anchors per
+    # chunk in the prepare; session 14, untimed)
+    "prefill_chunk": 16,
     # `_prefill_prepare`: 0.92 ms at the K3 shape uncapped (128 registers), 0.99 at 96 (session 14 run 3; before it
     # formed W and U, 96 registers won: 0.93 → 0.87, run 2)
     "prefill_prepare_warps": 4, "prefill_prepare_stages": None, "prefill_prepare_maxnreg": None,

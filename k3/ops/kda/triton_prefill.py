@@ -31,11 +31,10 @@ import triton.language as tl
 
 from k3.ops import interpreting
 from k3.ops.kda.triton_common import (CHUNK, TUNING, _bp, _cast, _chunk_coords, _exp, _gate_tile, _inv16,
-                                      _launch_options, _load_beta, _mm, _mm_split, _sequence_coords, _state_mm,
-                                      plan_for)
+                                      _launch_options, _load_beta, _mm, _mm32, _mm_split, _sequence_coords, _state_mm,
+                                      _store_block, plan_for)
 
-PREFILL_CHUNK = 16
-STATES_EVERY = CHUNK // PREFILL_CHUNK  # `return_chunk_states` keeps the state at every 64-token chunk start
+PREFILL_CHUNK = 16  # the default chunk (`TUNING["prefill_chunk"]`: 16, or 32 with `_prefill_prepare32`)
 
 
 @triton.jit
@@ -102,6 +101,97 @@ def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out
     _store_rows(U, u_out, bos, L, i_h, row0, H, V, C, INTERP)
     _store_rows(M, m_out, bos, L, i_h, row0, H, C, C, INTERP)
     tl.store(gc_out + (i_c * H + i_h).to(tl.int64) * K + tl.arange(0, K), gamma_end)
+
+
+@triton.jit
+def _rows16(q, k, z, b, A_log, dt_bias, bos, L, r0, i_h, scale, carry, H, K: tl.constexpr, G_MIN: tl.constexpr):
+    """The 16 rows at r0 of one document and head: (G continued from `carry`, q̂·scale, k̂, β, G at the last row)."""
+    g, _, _ = _gate_tile(z, A_log, dt_bias, bos, L, r0, 0, i_h, H, K, 16, K, G_MIN)
+    G = carry[None, :] + tl.cumsum(g, 0)
+    q_raw = tl.load(_bp(q, bos, L, i_h, r0, 0, H, K, 16, K), boundary_check=(0,), padding_option="zero")
+    k_raw = tl.load(_bp(k, bos, L, i_h, r0, 0, H, K, 16, K), boundary_check=(0,), padding_option="zero")
+    q_raw = q_raw.to(tl.float32)
+    k_raw = k_raw.to(tl.float32)
+    qh = q_raw * (scale / tl.sqrt(tl.sum(q_raw * q_raw, 1) + 1e-6))[:, None]
+    kh = k_raw * (1.0 / tl.sqrt(tl.sum(k_raw * k_raw, 1) + 1e-6))[:, None]
+    last = tl.sum(tl.where((tl.arange(0, 16) == 15)[:, None], G, 0.0), 0)
+    return G, qh, kh, _load_beta(b, bos, L, r0, i_h, H, 16), last
+
+
+@triton.jit
+def _prefill_prepare32(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out, kr_out, u_out, m_out, gc_out,
+                       scale, H, K: tl.constexpr, V: tl.constexpr, G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr,
+                       INTERP: tl.constexpr):
+    """`_prefill_prepare` for 32-token chunks (`TUNING["prefill_chunk"]` 32: half the state pass's steps), as two
+    16-row blocks. Over 32 rows G reaches −160, so the scores cannot share one anchor: block row 0 is anchored at
+    the chunk's start, block row 1 at its own first row a (G there), which keeps every factor within e^±80: the
+    diagonal block (1, 1) as block (0, 0), and block (1, 0) as exp(G_r − a)·exp(a − G_i), both ≤ 1. Q_d, K_d and
+    K_r stay relative to the chunk's start (a factor below fp32's range there multiplies a state contribution that
+    is below it too). T = (I + A)⁻¹ from the two 16×16 inverses: T10 = −T11·A10·T00."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, 32)
+    zero = tl.zeros([K], dtype=tl.float32)
+    G0, qh0, kh0, b0, e0 = _rows16(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, zero, H, K, G_MIN)
+    G1, qh1, kh1, b1, e1 = _rows16(q, k, z, b, A_log, dt_bias, bos, L, row0 + 16, i_h, scale, e0, H, K, G_MIN)
+    r = tl.arange(0, 16)
+    strict = r[:, None] > r[None, :]
+    diag = r[:, None] >= r[None, :]
+    # the state operands, relative to the chunk's start
+    qd0 = qh0 * _exp(G0, INTERP)
+    qd1 = qh1 * _exp(G1, INTERP)
+    kd0 = kh0 * _exp(G0, INTERP)
+    kd1 = kh1 * _exp(G1, INTERP)
+    kr0 = kh0 * _exp(e1[None, :] - G0, INTERP)
+    kr1 = kh1 * _exp(e1[None, :] - G1, INTERP)
+    if SCORES_BF16:
+        qd0 = _cast(qd0, tl.bfloat16, INTERP)
+        qd1 = _cast(qd1, tl.bfloat16, INTERP)
+        kd0 = _cast(kd0, tl.bfloat16, INTERP)
+        kd1 = _cast(kd1, tl.bfloat16, INTERP)
+    # block row 0 around the chunk's start
+    ki0 = tl.trans(kh0 * _exp(-G0, INTERP))
+    A00 = tl.where(strict, b0[:, None] * _mm(kd0, ki0, SCORES_BF16, INTERP), 0.0)
+    M00 = tl.where(diag, _mm(qd0, ki0, SCORES_BF16, INTERP), 0.0)
+    # block row 1 around its first row
+    a = tl.sum(tl.where((r == 0)[:, None], G1, 0.0), 0)
+    rf = _exp(G1 - a[None, :], INTERP)
+    ks1 = kh1 * rf
+    qs1 = qh1 * rf
+    kc1 = tl.trans(kh1 * _exp(a[None, :] - G1, INTERP))
+    kc0 = tl.trans(kh0 * _exp(a[None, :] - G0, INTERP))
+    A11 = tl.where(strict, b1[:, None] * _mm(ks1, kc1, SCORES_BF16, INTERP), 0.0)
+    M11 = tl.where(diag, _mm(qs1, kc1, SCORES_BF16, INTERP), 0.0)
+    A10 = b1[:, None] * _mm(ks1, kc0, SCORES_BF16, INTERP)
+    M10 = _mm(qs1, kc0, SCORES_BF16, INTERP)
+    T00 = _inv16(A00, 16)
+    T11 = _inv16(A11, 16)
+    T10 = -_mm32(T11, _mm32(A10, T00))
+    # P = T·diag(β), then W = P·K_d and U = P·V by row blocks
+    P00 = T00 * b0[None, :]
+    P10 = T10 * b0[None, :]
+    P11 = T11 * b1[None, :]
+    v0 = tl.load(_bp(v, bos, L, i_h, row0, 0, H, V, 16, V), boundary_check=(0,), padding_option="zero")
+    v1 = tl.load(_bp(v, bos, L, i_h, row0 + 16, 0, H, V, 16, V), boundary_check=(0,), padding_option="zero")
+    W0 = _mm_split(P00, kd0, INTERP)
+    W1 = _mm_split(P10, kd0, INTERP) + _mm_split(P11, kd1, INTERP)
+    U0 = _mm_split(P00, v0, INTERP)
+    U1 = _mm_split(P10, v0, INTERP) + _mm_split(P11, v1, INTERP)
+    r1 = row0 + 16
+    _store_rows(qd0, qd_out, bos, L, i_h, row0, H, K, 16, INTERP)
+    _store_rows(qd1, qd_out, bos, L, i_h, r1, H, K, 16, INTERP)
+    _store_rows(W0, w_out, bos, L, i_h, row0, H, K, 16, INTERP)
+    _store_rows(W1, w_out, bos, L, i_h, r1, H, K, 16, INTERP)
+    _store_rows(kr0, kr_out, bos, L, i_h, row0, H, K, 16, INTERP)
+    _store_rows(kr1, kr_out, bos, L, i_h, r1, H, K, 16, INTERP)
+    _store_rows(U0, u_out, bos, L, i_h, row0, H, V, 16, INTERP)
+    _store_rows(U1, u_out, bos, L, i_h, r1, H, V, 16, INTERP)
+    # M [TT, H, 32]: row r holds M[r, 0:32]; block (0, 1) is zero
+    _store_block(M00, m_out, bos, L, i_h, row0, 0, H, 32, 16, INTERP)
+    _store_block(tl.zeros([16, 16], dtype=tl.float32), m_out, bos, L, i_h, row0, 16, H, 32, 16, INTERP)
+    _store_block(M10, m_out, bos, L, i_h, r1, 0, H, 32, 16, INTERP)
+    _store_block(M11, m_out, bos, L, i_h, r1, 16, H, 32, 16, INTERP)
+    tl.store(gc_out + (i_c * H + i_h).to(tl.int64) * K + tl.arange(0, K), _exp(e1, INTERP))
 
 
 @triton.jit
@@ -189,22 +279,28 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     interp = interpreting()
     BV = min(V, TUNING["prefill_state_bv"])
     state_bf16 = state_bf16 or TUNING["state_bf16"] or TUNING["prefill_state_bf16"]
-    plan16 = plan_for(plan.offsets, dev, PREFILL_CHUNK)
+    C = TUNING["prefill_chunk"]
+    if C not in (16, 32):
+        raise ValueError(f"TUNING['prefill_chunk'] must be 16 or 32, got {C}")
+    plan_c = plan_for(plan.offsets, dev, C)
     qd = torch.empty(TT, H, K, dtype=lo, device=dev)
     W, kr = torch.empty_like(qd), torch.empty_like(qd)
     U = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
-    M = torch.empty(TT, H, PREFILL_CHUNK, dtype=hi, device=dev)
-    gc = torch.empty(max(plan16.NT, 1), H, K, dtype=torch.float32, device=dev)
-    if plan16.NT > 0:
-        _prefill_prepare[(plan16.NT, H)](q, k, v, z, b, A_log, dt_bias, plan16.cu, plan16.chunk_idx, qd, W, kr, U,
-                                         M, gc, scale, H=H, K=K, V=V, C=PREFILL_CHUNK, G_MIN=g_min,
-                                         SCORES_BF16=lo == torch.bfloat16, INTERP=interp,
-                                         **_launch_options("prefill_prepare"))
+    M = torch.empty(TT, H, C, dtype=hi, device=dev)
+    gc = torch.empty(max(plan_c.NT, 1), H, K, dtype=torch.float32, device=dev)
+    if plan_c.NT > 0:
+        args = (q, k, v, z, b, A_log, dt_bias, plan_c.cu, plan_c.chunk_idx, qd, W, kr, U, M, gc, scale)
+        common = dict(H=H, K=K, V=V, G_MIN=g_min, SCORES_BF16=lo == torch.bfloat16, INTERP=interp,
+                      **_launch_options("prefill_prepare"))
+        if C == 16:
+            _prefill_prepare[(plan_c.NT, H)](*args, C=C, **common)
+        else:
+            _prefill_prepare32[(plan_c.NT, H)](*args, **common)
     dummy = gc
     _prefill_state[(V // BV, plan.N * H)](qd, W, kr, U, M, gc, h0 if h0 is not None else dummy, o,
                                           ht if ht is not None else dummy, hs if hs is not None else dummy,
-                                          plan16.cu, plan16.chunk_off, plan.chunk_off, H=H, K=K, V=V, BV=BV,
-                                          C=PREFILL_CHUNK, USE_H0=h0 is not None, STORE_HT=want_ht,
-                                          STORE_HS=want_hs, EVERY=STATES_EVERY, BF16=state_bf16, SPLIT=not state_bf16,
+                                          plan_c.cu, plan_c.chunk_off, plan.chunk_off, H=H, K=K, V=V, BV=BV,
+                                          C=C, USE_H0=h0 is not None, STORE_HT=want_ht,
+                                          STORE_HS=want_hs, EVERY=CHUNK // C, BF16=state_bf16, SPLIT=not state_bf16,
                                           INTERP=interp, **_launch_options("prefill_state"))
     return o, ht, hs
