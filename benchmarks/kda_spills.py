@@ -64,7 +64,7 @@ KERNEL_CONSTEXPRS = {"_state_ut": dict(STORE_UT=True, SPLIT=chunk.TUNING["state_
                      "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV), "_bwd_k_block": dict(SK=_SK),
                      "_bwd_gate": dict(SK=chunk.TUNING["bwd_gate_cols"]),
                      "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
-                     "_prefill_prepare": dict(C=prefill.PREFILL_CHUNK),
+                     "_prefill_prepare": {},
                      "_prefill_state": dict(C=chunk.TUNING["prefill_chunk"], STORE_HS=False,
                                             EVERY=64 // chunk.TUNING["prefill_chunk"], SPLIT=True),
                      "_prefill_prepare32": {}}

@@ -38,69 +38,9 @@ PREFILL_CHUNK = 16  # the default chunk (`TUNING["prefill_chunk"]`: 16, or 32 wi
 
 
 @triton.jit
-def _prep_chunk(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: tl.constexpr, V: tl.constexpr,
-                C: tl.constexpr, G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
-    """The 16-token chunk at row0 of one document and head: (Q_d, W, K_r [C, K] in bf16 for bf16 inputs
-    (SCORES_BF16) else fp32, U [C, V] fp32, M [C, C] fp32, Γ_C [K]). Rows past the document end have g = 0 and
-    q̂ = k̂ = β = 0, so their rows of every output are zero."""
-    g, _, _ = _gate_tile(z, A_log, dt_bias, bos, L, row0, 0, i_h, H, K, C, K, G_MIN)
-    G = tl.cumsum(g, 0)
-    r = tl.arange(0, C)
-    # G at the chunk's last row is G at its last valid row (g = 0 past the document end)
-    g_end = tl.sum(tl.where((r == C - 1)[:, None], G, 0.0), 0)
-    q_raw = tl.load(_bp(q, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
-    k_raw = tl.load(_bp(k, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
-    q_raw = q_raw.to(tl.float32)
-    k_raw = k_raw.to(tl.float32)
-    qh = q_raw * (scale / tl.sqrt(tl.sum(q_raw * q_raw, 1) + 1e-6))[:, None]
-    kh = k_raw * (1.0 / tl.sqrt(tl.sum(k_raw * k_raw, 1) + 1e-6))[:, None]
-    beta = _load_beta(b, bos, L, row0, i_h, H, C)
-    # G ∈ [−80, 0] (16 rows of g ≥ −5): every factor below is within e^±80; K_r = k̂⊙exp(−G)·Γ_C, one exp less
-    gamma_end = _exp(g_end, INTERP)
-    gamma = _exp(G, INTERP)
-    ki = kh * _exp(-G, INTERP)
-    kr = ki * gamma_end[None, :]
-    qd = qh * gamma
-    kd = kh * gamma
-    if SCORES_BF16:
-        qd = _cast(qd, tl.bfloat16, INTERP)
-        kd = _cast(kd, tl.bfloat16, INTERP)
-        kr = _cast(kr, tl.bfloat16, INTERP)
-    kiT = tl.trans(ki)
-    A = tl.where(r[:, None] > r[None, :], beta[:, None] * _mm(kd, kiT, SCORES_BF16, INTERP), 0.0)
-    M = tl.where(r[:, None] >= r[None, :], _mm(qd, kiT, SCORES_BF16, INTERP), 0.0)
-    P = _inv16(A, C) * beta[None, :]
-    # W and U formed here, not P·(V − K_d·S) in the state pass: one product less on its chain (docs §7 item 30)
-    v_t = tl.load(_bp(v, bos, L, i_h, row0, 0, H, V, C, V), boundary_check=(0,), padding_option="zero")
-    W = _mm_split(P, kd, INTERP)
-    if SCORES_BF16:
-        W = _cast(W, tl.bfloat16, INTERP)
-    return qd, W, kr, _mm_split(P, v_t, INTERP), M, gamma_end
-
-
-@triton.jit
 def _store_rows(x, out, bos, L, i_h, row0, H, W: tl.constexpr, C: tl.constexpr, INTERP: tl.constexpr):
     """x [C, W] into rows row0 … row0+C−1 of one document in out [TT, H, W], in out's dtype; none past its end."""
     tl.store(_bp(out, bos, L, i_h, row0, 0, H, W, C, W), _cast(x, out.dtype.element_ty, INTERP), boundary_check=(0,))
-
-
-@triton.jit
-def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out, kr_out, u_out, m_out, gc_out,
-                     scale, H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, G_MIN: tl.constexpr,
-                     SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
-    """One (16-token chunk, head): `_prep_chunk` into Q_d, W, K_r ([TT, H, K]), U ([TT, H, V]), M ([TT, H, C], row r
-    holds row r of the chunk's 16×16 block) and Γ_C ([NT, H, K]); rows past the document end are not written."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
-    qd, W, kr, U, M, gamma_end = _prep_chunk(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K, V, C,
-                                             G_MIN, SCORES_BF16, INTERP)
-    _store_rows(qd, qd_out, bos, L, i_h, row0, H, K, C, INTERP)
-    _store_rows(W, w_out, bos, L, i_h, row0, H, K, C, INTERP)
-    _store_rows(kr, kr_out, bos, L, i_h, row0, H, K, C, INTERP)
-    _store_rows(U, u_out, bos, L, i_h, row0, H, V, C, INTERP)
-    _store_rows(M, m_out, bos, L, i_h, row0, H, C, C, INTERP)
-    tl.store(gc_out + (i_c * H + i_h).to(tl.int64) * K + tl.arange(0, K), gamma_end)
 
 
 @triton.jit
@@ -116,6 +56,44 @@ def _rows16(q, k, z, b, A_log, dt_bias, bos, L, r0, i_h, scale, carry, H, K: tl.
     kh = k_raw * (1.0 / tl.sqrt(tl.sum(k_raw * k_raw, 1) + 1e-6))[:, None]
     last = tl.sum(tl.where((tl.arange(0, 16) == 15)[:, None], G, 0.0), 0)
     return G, qh, kh, _load_beta(b, bos, L, r0, i_h, H, 16), last
+
+
+@triton.jit
+def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out, kr_out, u_out, m_out, gc_out,
+                     scale, H, K: tl.constexpr, V: tl.constexpr, G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr,
+                     INTERP: tl.constexpr):
+    """One (16-token chunk, head): Q_d, W, K_r ([TT, H, K]; bf16 for bf16 inputs (SCORES_BF16), else fp32), U
+    ([TT, H, V] fp32), M ([TT, H, 16], row r holds row r of the chunk's 16×16 block) and Γ_C ([NT, H, K]). Rows
+    past the document end have g = 0 and q̂ = k̂ = β = 0: their rows of every output are zero (not written)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, 16)
+    # G at the chunk's last row (g_end) is G at its last valid row (g = 0 past the document end)
+    G, qh, kh, beta, g_end = _rows16(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
+                                     tl.zeros([K], dtype=tl.float32), H, K, G_MIN)
+    r = tl.arange(0, 16)
+    # G ∈ [−80, 0] (16 rows of g ≥ −5): every factor below is within e^±80; K_r = k̂⊙exp(−G)·Γ_C, one exp less
+    gamma_end = _exp(g_end, INTERP)
+    gamma = _exp(G, INTERP)
+    ki = kh * _exp(-G, INTERP)
+    kr = ki * gamma_end[None, :]
+    qd = qh * gamma
+    kd = kh * gamma
+    if SCORES_BF16:
+        qd = _cast(qd, tl.bfloat16, INTERP)
+        kd = _cast(kd, tl.bfloat16, INTERP)
+    kiT = tl.trans(ki)
+    A = tl.where(r[:, None] > r[None, :], beta[:, None] * _mm(kd, kiT, SCORES_BF16, INTERP), 0.0)
+    M = tl.where(r[:, None] >= r[None, :], _mm(qd, kiT, SCORES_BF16, INTERP), 0.0)
+    P = _inv16(A, 16) * beta[None, :]
+    # W and U formed here, not P·(V − K_d·S) in the state pass: one product less on its chain (docs §7 item 30)
+    v_t = tl.load(_bp(v, bos, L, i_h, row0, 0, H, V, 16, V), boundary_check=(0,), padding_option="zero")
+    _store_rows(qd, qd_out, bos, L, i_h, row0, H, K, 16, INTERP)
+    _store_rows(_mm_split(P, kd, INTERP), w_out, bos, L, i_h, row0, H, K, 16, INTERP)
+    _store_rows(kr, kr_out, bos, L, i_h, row0, H, K, 16, INTERP)
+    _store_rows(_mm_split(P, v_t, INTERP), u_out, bos, L, i_h, row0, H, V, 16, INTERP)
+    _store_rows(M, m_out, bos, L, i_h, row0, H, 16, 16, INTERP)
+    tl.store(gc_out + (i_c * H + i_h).to(tl.int64) * K + tl.arange(0, K), gamma_end)
 
 
 @triton.jit
@@ -293,7 +271,7 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
         common = dict(H=H, K=K, V=V, G_MIN=g_min, SCORES_BF16=lo == torch.bfloat16, INTERP=interp,
                       **_launch_options("prefill_prepare"))
         if C == 16:
-            _prefill_prepare[(plan_c.NT, H)](*args, C=C, **common)
+            _prefill_prepare[(plan_c.NT, H)](*args, **common)
         else:
             _prefill_prepare32[(plan_c.NT, H)](*args, **common)
     dummy = gc
