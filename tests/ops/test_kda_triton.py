@@ -412,7 +412,7 @@ def _check_forward(out, ref, dtype, what=""):
 
 
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 63, 65, 150])
-def test_prefill_forward_matches_fp64_recurrence(dev, T):
+def test_prefill_forward_matches_fp64_recurrence(dev, monkeypatch, T):
     """The 16-token inference forward (`triton_prefill`, what chunk_kda runs when no backward can follow) against the
     fp64 recurrence, bf16 and fp32, at lengths around the 16- and 64-token chunk edges; and beside the 64-token
     inference forward (`prefill` off): fp32 inputs agree to 2e-5 in the interpreter (split-bf16 products in both)."""
@@ -422,11 +422,8 @@ def test_prefill_forward_matches_fp64_recurrence(dev, T):
         inputs = make_raw(2, T, 2, 32, 32, seed=50 + T, dtype=dtype)
         out = _infer(inputs, dev)
         _check_forward(out, reference(*inputs), dtype, (T, dtype))
-    tc.TUNING["prefill"] = False
-    try:
-        old = _infer(inputs, dev)
-    finally:
-        tc.TUNING["prefill"] = True
+    monkeypatch.setitem(tc.TUNING, "prefill", False)
+    old = _infer(inputs, dev)
     if not ON_GPU:
         assert rel_err(out[0], old[0]) <= 2e-5 and rel_err(out[1], old[1]) <= 2e-5
 

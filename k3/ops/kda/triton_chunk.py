@@ -1,5 +1,9 @@
 """`chunk_kda`: Triton kernels for chunked KDA on raw layer inputs (training and prefill), forward and backward.
 
+A forward that no backward can follow goes to `triton_prefill.py` (16-token chunks) where it fills the GPU
+(`prefill_applies`); the kernels here serve training, and inference at few (value block, sequence, head) programs.
+Launch settings (`TUNING`), the shared device helpers and the chunk plan live in `triton_common.py`.
+
 The math is the UT-transform chunked form of docs/kda.md §3; the kernel design, the numerics and every
 measured variant are in docs/kda-kernels.md. In short:
 
@@ -50,9 +54,6 @@ from k3.ops.kda.triton_common import (CHUNK, SUB, TUNING, _bp, _cast, _check_dev
                                       _load_block, _mm, _mm32, _sequence_coords, _state_mm, _store_block,
                                       inter_dtypes, make_plan)
 from k3.ops.kda.triton_prefill import prefill_applies, prefill_forward
-
-
-# device helpers
 
 
 @triton.jit
@@ -960,6 +961,8 @@ def chunk_kda(
     cu_seqlens_host: the same offsets as host ints when the caller has them (`SequenceLayout.offsets`):
     planning then never reads `cu_seqlens` back from the GPU (a sync per call).
     all_bf16 / state_bf16 select the faster, less accurate variants measured in docs/kda-kernels.md.
+    When no backward can follow, the forward runs the 16-token inference kernels (`triton_prefill`, docs §9) if
+    `prefill_applies` (enough programs to fill the GPU), else the 64-token ones; both return the same things.
 
     save_intermediates (the model's `kda_save_intermediates`) trades memory for
     backward time. Only when a backward can follow (grad mode on and some input requires grad; never for
@@ -1014,17 +1017,14 @@ def chunk_kda(
     training = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, z, beta_logits, A_log, dt_bias, initial_state))
     keep = bool(save_intermediates) and training
-    if not training and prefill_applies(plan, H, V):
-        o, ht, hs = prefill_forward(flat(q), flat(k), flat(v), flat(z), flat(beta_logits), A_log.contiguous(),
-                                    dt_bias.reshape(-1).contiguous(), float(gate_lower_bound), scale, h0, plan,
-                                    output_final_state, return_chunk_states, inter_dtypes(q.dtype, all_bf16),
-                                    state_bf16)
-        o = o.view(B, T, H, V)
-        return (o, ht, hs[: plan.NT]) if return_chunk_states else (o, ht)
-    o, ht, hs = ChunkKDAFunction.apply(flat(q), flat(k), flat(v), flat(z), flat(beta_logits), A_log.contiguous(),
-                                       dt_bias.reshape(-1).contiguous(), h0, float(gate_lower_bound), scale, plan,
-                                       output_final_state, return_chunk_states,
-                                       inter_dtypes(q.dtype, all_bf16), state_bf16, keep, training)
+    raw = (flat(q), flat(k), flat(v), flat(z), flat(beta_logits), A_log.contiguous(), dt_bias.reshape(-1).contiguous())
+    dtypes = inter_dtypes(q.dtype, all_bf16)
+    if not training and prefill_applies(plan, H, V):  # the inference forward in 16-token chunks (docs §9)
+        o, ht, hs = prefill_forward(*raw, float(gate_lower_bound), scale, h0, plan, output_final_state,
+                                    return_chunk_states, dtypes, state_bf16)
+    else:
+        o, ht, hs = ChunkKDAFunction.apply(*raw, h0, float(gate_lower_bound), scale, plan, output_final_state,
+                                           return_chunk_states, dtypes, state_bf16, keep, training)
     o = o.view(B, T, H, V)
     if return_chunk_states:
         return o, ht, hs[: plan.NT]

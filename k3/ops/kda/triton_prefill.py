@@ -34,9 +34,6 @@ from k3.ops.kda.triton_common import (CHUNK, TUNING, _bp, _cast, _chunk_coords, 
                                       _launch_options, _load_beta, _mm, _mm32, _mm_split, _sequence_coords, _state_mm,
                                       _store_block, plan_for)
 
-PREFILL_CHUNK = 16  # the default chunk (`TUNING["prefill_chunk"]`: 16, or 32 with `_prefill_prepare32`)
-
-
 @triton.jit
 def _store_rows(x, out, bos, L, i_h, row0, H, W: tl.constexpr, C: tl.constexpr, INTERP: tl.constexpr):
     """x [C, W] into rows row0 … row0+C−1 of one document in out [TT, H, W], in out's dtype; none past its end."""
@@ -116,10 +113,12 @@ def _prefill_prepare32(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_o
     strict = r[:, None] > r[None, :]
     diag = r[:, None] >= r[None, :]
     # the state operands, relative to the chunk's start
-    qd0 = qh0 * _exp(G0, INTERP)
-    qd1 = qh1 * _exp(G1, INTERP)
-    kd0 = kh0 * _exp(G0, INTERP)
-    kd1 = kh1 * _exp(G1, INTERP)
+    gamma0 = _exp(G0, INTERP)
+    gamma1 = _exp(G1, INTERP)
+    qd0 = qh0 * gamma0
+    qd1 = qh1 * gamma1
+    kd0 = kh0 * gamma0
+    kd1 = kh1 * gamma1
     kr0 = kh0 * _exp(e1[None, :] - G0, INTERP)
     kr1 = kh1 * _exp(e1[None, :] - G1, INTERP)
     if SCORES_BF16:
