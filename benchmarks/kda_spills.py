@@ -54,7 +54,8 @@ TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_
                  "_prep_wu": "prep_wu", "_state": "state", "_state_ut": "state_ut", "_state_bwd": "state_bwd",
                  "_bwd_vk": "bwd_vk", "_bwd_vv": "bwd_vv", "_bwd_k_block": "bwd_k", "_bwd_gate": "bwd_gate",
                  "_bwd_norms": "bwd_norms", "_prefill_prepare": "prefill_prepare", "_prefill_state": "prefill_state",
-                 "_prefill_prepare32": "prefill_prepare"}
+                 "_prefill_prepare32": "prefill_prepare", "_prefill_prepare_half1": "prefill_prepare",
+                 "_prefill_prepare_half2": "prefill_join"}
 # per-kernel constexprs on top of CONSTEXPRS
 _SK = chunk.TUNING["bwd_k_cols"]
 _SKV = chunk.TUNING["bwd_vk_cols"]
@@ -64,14 +65,17 @@ KERNEL_CONSTEXPRS = {"_state_ut": dict(STORE_UT=True, SPLIT=chunk.TUNING["state_
                      "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV), "_bwd_k_block": dict(SK=_SK),
                      "_bwd_gate": dict(SK=chunk.TUNING["bwd_gate_cols"]),
                      "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
-                     "_prefill_prepare": {},
+                     "_prefill_prepare": dict(HALF=0),
+                     "_prefill_prepare_half1": dict(HALF=1), "_prefill_prepare_half2": dict(HALF=2),
                      "_prefill_state": dict(C=chunk.TUNING["prefill_chunk"], STORE_HS=False,
                                             EVERY=64 // chunk.TUNING["prefill_chunk"], SPLIT=True),
                      "_prefill_prepare32": {}}
 
 
 def kernel_fn(name: str):
-    return {"_state_ut": chunk._state}.get(name) or getattr(chunk, name, None) or getattr(prefill, name)
+    aliases = {"_state_ut": chunk._state, "_prefill_prepare_half1": prefill._prefill_prepare,
+               "_prefill_prepare_half2": prefill._prefill_prepare}
+    return aliases.get(name) or getattr(chunk, name, None) or getattr(prefill, name)
 
 
 def compile_report(fn, num_warps: int, num_stages: int = 3, maxnreg: int | None = None, sass: bool = False,

@@ -472,13 +472,15 @@ def test_prefill_forward_head_dims_value_blocks_and_bf16_products(dev, monkeypat
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's σ(±1e4)
-def test_prefill_forward_32_token_chunks(dev, monkeypatch):
-    """`TUNING["prefill_chunk"]` 32 (`_prefill_prepare32`: two anchors per chunk, T from two 16×16 inverses) against
-    fp64 at lengths around 32 and 64, bf16 and fp32, beside the 16-token chunks (fp32: 2e-5 in the interpreter);
-    packed documents with every decay at the bound, where G reaches −160 inside a chunk; the states for prefix
-    caching (every second 32-token chunk)."""
+@pytest.mark.parametrize("pair", [True, False], ids=["two_launches", "prepare32"])
+def test_prefill_forward_32_token_chunks(dev, monkeypatch, pair):
+    """`TUNING["prefill_chunk"]` 32 (two launches of `_prefill_prepare` per chunk half, or `_prefill_prepare32`)
+    against fp64 at lengths around 32 and 64, bf16 and fp32, beside the 16-token chunks (fp32: 2e-5 in the
+    interpreter); packed documents with every decay at the bound, where G reaches −160 inside a chunk; the states
+    for prefix caching (every second 32-token chunk)."""
     from k3.ops.kda import triton_chunk as tc
 
+    monkeypatch.setitem(tc.TUNING, "prefill_pair", pair)
     for T, dtype in ((1, torch.float32), (31, torch.bfloat16), (33, torch.float32), (65, torch.bfloat16),
                      (150, torch.float32)):
         inputs = make_raw(2, T, 2, 32, 32, seed=60 + T, dtype=dtype)

@@ -84,9 +84,13 @@ TUNING = {
     # its chunk: 16 tokens, or 32 (`_prefill_prepare32`: half the state pass's sequential steps, two anchors per
     # chunk in the prepare; session 14, untimed)
     "prefill_chunk": 16,
+    # ... at 32: two launches of `_prefill_prepare` per chunk half (True), or `_prefill_prepare32` (False)
+    "prefill_pair": True,
     # `_prefill_prepare`: 0.92 ms at the K3 shape uncapped (128 registers), 0.99 at 96 (session 14 run 3; before it
     # formed W and U, 96 registers won: 0.93 → 0.87, run 2)
     "prefill_prepare_warps": 4, "prefill_prepare_stages": None, "prefill_prepare_maxnreg": None,
+    # ... its second launch at 32-token chunks (HALF 2, the join; offline sm_90: 168 registers, no spills)
+    "prefill_join_warps": 4, "prefill_join_stages": None, "prefill_join_maxnreg": None,
     # `_prefill_state` per (value block of 64, sequence, head): 1.26 ms at 2 stages, 1.08 at 3 (run 3); BV 32 2.64
     # and 8 warps 4.04 (run 1, then on P, K_d and V instead of W and U)
     "prefill_state_bv": 64, "prefill_state_warps": 4, "prefill_state_stages": 3, "prefill_state_maxnreg": None,

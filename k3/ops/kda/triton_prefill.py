@@ -56,15 +56,10 @@ def _rows16(q, k, z, b, A_log, dt_bias, bos, L, r0, i_h, scale, carry, H, K: tl.
 
 
 @triton.jit
-def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out, kr_out, u_out, m_out, gc_out,
-                     scale, H, K: tl.constexpr, V: tl.constexpr, G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr,
-                     INTERP: tl.constexpr):
-    """One (16-token chunk, head): Q_d, W, K_r ([TT, H, K]; bf16 for bf16 inputs (SCORES_BF16), else fp32), U
-    ([TT, H, V] fp32), M ([TT, H, 16], row r holds row r of the chunk's 16×16 block) and Γ_C ([NT, H, K]). Rows
-    past the document end have g = 0 and q̂ = k̂ = β = 0: their rows of every output are zero (not written)."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, 16)
+def _block16(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: tl.constexpr, V: tl.constexpr,
+             G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
+    """The 16 rows at row0 as a chunk of their own (anchored at its start): (Q_d fp32, Q_d as the score operand,
+    W, K_r, U (fp32), M, Γ_C). Rows past the document end have g = 0 and q̂ = k̂ = β = 0: their rows are zero."""
     # G at the chunk's last row (g_end) is G at its last valid row (g = 0 past the document end)
     G, qh, kh, beta, g_end = _rows16(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
                                      tl.zeros([K], dtype=tl.float32), H, K, G_MIN)
@@ -74,7 +69,8 @@ def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out
     gamma = _exp(G, INTERP)
     ki = kh * _exp(-G, INTERP)
     kr = ki * gamma_end[None, :]
-    qd = qh * gamma
+    qd32 = qh * gamma
+    qd = qd32
     kd = kh * gamma
     if SCORES_BF16:
         qd = _cast(qd, tl.bfloat16, INTERP)
@@ -85,12 +81,67 @@ def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out
     P = _inv16(A, 16) * beta[None, :]
     # W and U formed here, not P·(V − K_d·S) in the state pass: one product less on its chain (docs §7 item 30)
     v_t = tl.load(_bp(v, bos, L, i_h, row0, 0, H, V, 16, V), boundary_check=(0,), padding_option="zero")
-    _store_rows(qd, qd_out, bos, L, i_h, row0, H, K, 16, INTERP)
-    _store_rows(_mm_split(P, kd, INTERP), w_out, bos, L, i_h, row0, H, K, 16, INTERP)
-    _store_rows(kr, kr_out, bos, L, i_h, row0, H, K, 16, INTERP)
-    _store_rows(_mm_split(P, v_t, INTERP), u_out, bos, L, i_h, row0, H, V, 16, INTERP)
-    _store_rows(M, m_out, bos, L, i_h, row0, H, 16, 16, INTERP)
-    tl.store(gc_out + (i_c * H + i_h).to(tl.int64) * K + tl.arange(0, K), gamma_end)
+    return qd32, qd, _mm_split(P, kd, INTERP), kr, _mm_split(P, v_t, INTERP), M, gamma_end
+
+
+@triton.jit
+def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out, kr_out, u_out, m_out, gc_out,
+                     scale, H, K: tl.constexpr, V: tl.constexpr, G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr,
+                     HALF: tl.constexpr, INTERP: tl.constexpr):
+    """One (16-token chunk, head), or one half of a (32-token chunk, head): Q_d, W, K_r ([TT, H, K]; bf16 for bf16
+    inputs (SCORES_BF16), else fp32), U ([TT, H, V] fp32), M ([TT, H, C]: row r holds row r of the chunk's C×C
+    block) and Γ_C ([NT, H, K]).
+
+    HALF 0: 16-token chunks. HALF 1 and 2 (`TUNING["prefill_chunk"]` 32: half the state pass's steps), two launches:
+    HALF 1 writes each 32-token chunk's first 16 rows as a 16-token chunk; HALF 2 its last 16 rows as a 16-token
+    chunk of their own, then joins them to the first from what HALF 1 wrote. With ' for a half taken alone
+    (anchored at its own start) and S the state at the 32-token chunk's start, the half-step
+    S₁ = Diag(Γ_C0')·S + K_r0'ᵀ·(U0' − W0'·S) gives
+        W1 = W1'·Diag(Γ_C0') − X·W0',  U1 = U1' − X·U0',  with X = W1'·K_r0'ᵀ (16×16),
+        Q_d1 = Q_d1'·Diag(Γ_C0'),  M = [[M0', 0], [Q_d1'·K_r0'ᵀ, M1']],
+        K_r0 = K_r0'·Diag(Γ_C1'),  K_r1 = K_r1',  Γ_C = Γ_C0'·Γ_C1'.
+    Every factor stays within e^±80 (each half is anchored at its own start), and a 32-token chunk's program
+    holds one half's tiles at a time: the register pressure of the 16-token prepare."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    if HALF == 0:
+        bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, 16)
+    else:
+        bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, 32)
+    r1 = row0
+    if HALF == 2:
+        r1 = row0 + 16
+    qd32, qd, W, kr, U, M, gamma_end = _block16(q, k, v, z, b, A_log, dt_bias, bos, L, r1, i_h, scale, H, K, V,
+                                                G_MIN, SCORES_BF16, INTERP)
+    gc_ptr = gc_out + (i_c * H + i_h).to(tl.int64) * K + tl.arange(0, K)
+    if HALF == 2:
+        # each input of the join loaded where it is first used and each output stored when done: a short
+        # live range per tile (250 registers when the loads come first)
+        gamma0 = tl.load(gc_ptr)
+        _store_rows(kr, kr_out, bos, L, i_h, r1, H, K, 16, INTERP)
+        _store_block(M, m_out, bos, L, i_h, r1, 16, H, 32, 16, INTERP)
+        _store_rows(qd32 * gamma0[None, :], qd_out, bos, L, i_h, r1, H, K, 16, INTERP)
+        tl.store(gc_ptr, gamma_end * gamma0)
+        kr0 = tl.load(_bp(kr_out, bos, L, i_h, row0, 0, H, K, 16, K), boundary_check=(0,), padding_option="zero")
+        kr0T = tl.trans(kr0)
+        _store_block(_mm(qd, kr0T, SCORES_BF16, INTERP), m_out, bos, L, i_h, r1, 0, H, 32, 16, INTERP)
+        X = _mm_split(W, kr0T, INTERP)
+        _store_rows(kr0.to(tl.float32) * gamma_end[None, :], kr_out, bos, L, i_h, row0, H, K, 16, INTERP)
+        W0 = tl.load(_bp(w_out, bos, L, i_h, row0, 0, H, K, 16, K), boundary_check=(0,), padding_option="zero")
+        _store_rows(W * gamma0[None, :] - _mm_split(X, W0, INTERP), w_out, bos, L, i_h, r1, H, K, 16, INTERP)
+        U0 = tl.load(_bp(u_out, bos, L, i_h, row0, 0, H, V, 16, V), boundary_check=(0,), padding_option="zero")
+        _store_rows(U - _mm_split(X, U0, INTERP), u_out, bos, L, i_h, r1, H, V, 16, INTERP)
+    else:
+        if HALF == 1:
+            _store_block(M, m_out, bos, L, i_h, row0, 0, H, 32, 16, INTERP)
+            _store_block(tl.zeros([16, 16], dtype=tl.float32), m_out, bos, L, i_h, row0, 16, H, 32, 16, INTERP)
+        else:
+            _store_block(M, m_out, bos, L, i_h, row0, 0, H, 16, 16, INTERP)
+        _store_rows(qd32, qd_out, bos, L, i_h, row0, H, K, 16, INTERP)
+        _store_rows(W, w_out, bos, L, i_h, row0, H, K, 16, INTERP)
+        _store_rows(kr, kr_out, bos, L, i_h, row0, H, K, 16, INTERP)
+        _store_rows(U, u_out, bos, L, i_h, row0, H, V, 16, INTERP)
+        tl.store(gc_ptr, gamma_end)
 
 
 @triton.jit
@@ -267,12 +318,15 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     gc = torch.empty(max(plan_c.NT, 1), H, K, dtype=torch.float32, device=dev)
     if plan_c.NT > 0:
         args = (q, k, v, z, b, A_log, dt_bias, plan_c.cu, plan_c.chunk_idx, qd, W, kr, U, M, gc, scale)
-        common = dict(H=H, K=K, V=V, G_MIN=g_min, SCORES_BF16=lo == torch.bfloat16, INTERP=interp,
-                      **_launch_options("prefill_prepare"))
+        common = dict(H=H, K=K, V=V, G_MIN=g_min, SCORES_BF16=lo == torch.bfloat16, INTERP=interp)
+        prepare = _launch_options("prefill_prepare")
         if C == 16:
-            _prefill_prepare[(plan_c.NT, H)](*args, **common)
+            _prefill_prepare[(plan_c.NT, H)](*args, HALF=0, **common, **prepare)
+        elif TUNING["prefill_pair"]:
+            _prefill_prepare[(plan_c.NT, H)](*args, HALF=1, **common, **prepare)
+            _prefill_prepare[(plan_c.NT, H)](*args, HALF=2, **common, **_launch_options("prefill_join"))
         else:
-            _prefill_prepare32[(plan_c.NT, H)](*args, **common)
+            _prefill_prepare32[(plan_c.NT, H)](*args, **common, **prepare)
     dummy = gc
     _prefill_state[(V // BV, plan.N * H)](qd, W, kr, U, M, gc, h0 if h0 is not None else dummy, o,
                                           ht if ht is not None else dummy, hs if hs is not None else dummy,
