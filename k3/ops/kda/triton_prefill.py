@@ -57,7 +57,7 @@ def _rows16(q, k, z, b, A_log, dt_bias, bos, L, r0, i_h, scale, carry, H, K: tl.
 
 @triton.jit
 def _block16(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: tl.constexpr, V: tl.constexpr,
-             G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
+             G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr, INV_MMA: tl.constexpr, INTERP: tl.constexpr):
     """The 16 rows at row0 as a chunk of their own (anchored at its start): (Q_d fp32, Q_d as the score operand,
     W, K_r, U (fp32), M, Γ_C). Rows past the document end have g = 0 and q̂ = k̂ = β = 0: their rows are zero."""
     # G at the chunk's last row (g_end) is G at its last valid row (g = 0 past the document end)
@@ -78,7 +78,7 @@ def _block16(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: tl.c
     kiT = tl.trans(ki)
     A = tl.where(r[:, None] > r[None, :], beta[:, None] * _mm(kd, kiT, SCORES_BF16, INTERP), 0.0)
     M = tl.where(r[:, None] >= r[None, :], _mm(qd, kiT, SCORES_BF16, INTERP), 0.0)
-    P = _inv16(A, 16) * beta[None, :]
+    P = _inv16(A, 16, INV_MMA) * beta[None, :]
     # W and U formed here, not P·(V − K_d·S) in the state pass: one product less on its chain (docs §7 item 30)
     v_t = tl.load(_bp(v, bos, L, i_h, row0, 0, H, V, 16, V), boundary_check=(0,), padding_option="zero")
     return qd32, qd, _mm_split(P, kd, INTERP), kr, _mm_split(P, v_t, INTERP), M, gamma_end
@@ -87,7 +87,7 @@ def _block16(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: tl.c
 @triton.jit
 def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out, kr_out, u_out, m_out, gc_out,
                      scale, H, K: tl.constexpr, V: tl.constexpr, G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr,
-                     HALF: tl.constexpr, INTERP: tl.constexpr):
+                     HALF: tl.constexpr, INV_MMA: tl.constexpr, INTERP: tl.constexpr):
     """One (16-token chunk, head), or one half of a (32-token chunk, head): Q_d, W, K_r ([TT, H, K]; bf16 for bf16
     inputs (SCORES_BF16), else fp32), U ([TT, H, V] fp32), M ([TT, H, C]: row r holds row r of the chunk's C×C
     block) and Γ_C ([NT, H, K]).
@@ -112,7 +112,7 @@ def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out
     if HALF == 2:
         r1 = row0 + 16
     qd32, qd, W, kr, U, M, gamma_end = _block16(q, k, v, z, b, A_log, dt_bias, bos, L, r1, i_h, scale, H, K, V,
-                                                G_MIN, SCORES_BF16, INTERP)
+                                                G_MIN, SCORES_BF16, INV_MMA, INTERP)
     gc_ptr = gc_out + (i_c * H + i_h).to(tl.int64) * K + tl.arange(0, K)
     if HALF == 2:
         # each input of the join loaded where it is first used and each output stored when done: a short
@@ -320,11 +320,12 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
         args = (q, k, v, z, b, A_log, dt_bias, plan_c.cu, plan_c.chunk_idx, qd, W, kr, U, M, gc, scale)
         common = dict(H=H, K=K, V=V, G_MIN=g_min, SCORES_BF16=lo == torch.bfloat16, INTERP=interp)
         prepare = _launch_options("prefill_prepare")
+        inv = dict(INV_MMA=TUNING["prefill_inverse_mma"])
         if C == 16:
-            _prefill_prepare[(plan_c.NT, H)](*args, HALF=0, **common, **prepare)
+            _prefill_prepare[(plan_c.NT, H)](*args, HALF=0, **inv, **common, **prepare)
         elif TUNING["prefill_pair"]:
-            _prefill_prepare[(plan_c.NT, H)](*args, HALF=1, **common, **prepare)
-            _prefill_prepare[(plan_c.NT, H)](*args, HALF=2, **common, **_launch_options("prefill_join"))
+            _prefill_prepare[(plan_c.NT, H)](*args, HALF=1, **inv, **common, **prepare)
+            _prefill_prepare[(plan_c.NT, H)](*args, HALF=2, **inv, **common, **_launch_options("prefill_join"))
         else:
             _prefill_prepare32[(plan_c.NT, H)](*args, **common, **prepare)
     dummy = gc
