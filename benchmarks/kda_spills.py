@@ -43,9 +43,9 @@ FP32_ARGS = {"A_log", "dt_bias", "t_in", "t_out", "hs", "dse", "du", "dqh_in", "
              "dakk_in", "db_in", "dqh_out", "dkh_out", "dg_out", "daqk_out", "dakk_out", "db_out", "dA_part",
              "dbias_part", "aqk_out", "u_out", "gc_out", "gc", "h0", "ht", "aqk", "u", "dht", "dh0", "kn_out", "kn_in",
              "dqh", "dkh", "db_part", "g_in", "g_out", "gc_in", "ut", "dtk_out", "dbk_out", "dtk_in", "dbk_in",
-             "qn_in", "qn_out", "u_out", "m_out", "m_in"}
+             "qn_in", "qn_out", "u_out"}
 INT32_ARGS = {"cu", "chunk_idx", "chunk_off", "hs_off"}
-CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False, INV_MMA=False,
+CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
                   USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64,
                   STORE_UT=False, SPLIT=chunk.TUNING["state_split_inference"], STORE_QN=False, HALF=0)
 # kernel -> its TUNING key prefix, in launch order; "_state_ut" is `_state` when it also stores Ũ (the backward's
@@ -54,7 +54,7 @@ TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_
                  "_prep_wu": "prep_wu", "_state": "state", "_state_ut": "state_ut", "_state_bwd": "state_bwd",
                  "_bwd_vk": "bwd_vk", "_bwd_vv": "bwd_vv", "_bwd_k_block": "bwd_k", "_bwd_gate": "bwd_gate",
                  "_bwd_norms": "bwd_norms", "_prefill_prepare": "prefill_prepare", "_prefill_state": "prefill_state",
-                 "_prefill_prepare32": "prefill_prepare", "_prefill_prepare_half1": "prefill_prepare",
+                 "_prefill_prepare_half1": "prefill_prepare",
                  "_prefill_prepare_half2": "prefill_join"}
 # per-kernel constexprs on top of CONSTEXPRS
 _SK = chunk.TUNING["bwd_k_cols"]
@@ -68,8 +68,7 @@ KERNEL_CONSTEXPRS = {"_state_ut": dict(STORE_UT=True, SPLIT=chunk.TUNING["state_
                      "_prefill_prepare": dict(HALF=0),
                      "_prefill_prepare_half1": dict(HALF=1), "_prefill_prepare_half2": dict(HALF=2),
                      "_prefill_state": dict(C=chunk.TUNING["prefill_chunk"], STORE_HS=False,
-                                            EVERY=64 // chunk.TUNING["prefill_chunk"], SPLIT=True),
-                     "_prefill_prepare32": {}}
+                                            EVERY=64 // chunk.TUNING["prefill_chunk"], SPLIT=True)}
 
 
 def kernel_fn(name: str):

@@ -39,7 +39,7 @@ def test_in_triton_interpreter():
 
 @pytest.fixture(autouse=True)
 def _prefill_at_every_size(monkeypatch):
-    """Forwards no backward follows take the 16-token kernels (`triton_prefill`) at these tests' small shapes too:
+    """Forwards no backward follows take the inference kernels (`triton_prefill`) at these tests' small shapes too:
     chunk_kda picks them only with enough programs to fill a GPU (`prefill_applies`, tested on its own)."""
     if ON_GPU or INTERPRETING:
         from k3.ops.kda import triton_chunk as tc
@@ -413,8 +413,9 @@ def _check_forward(out, ref, dtype, what=""):
 
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 63, 65, 150])
 def test_prefill_forward_matches_fp64_recurrence(dev, monkeypatch, T):
-    """The 16-token inference forward (`triton_prefill`, what chunk_kda runs when no backward can follow) against the
-    fp64 recurrence, bf16 and fp32, at lengths around the 16- and 64-token chunk edges; and beside the 64-token
+    """The inference forward in 32-token chunks (`triton_prefill`, what chunk_kda runs when no backward can follow)
+    against the fp64 recurrence, bf16 and fp32, at lengths around the 16-, 32- and 64-token chunk edges; and beside
+    the 64-token
     inference forward (`prefill` off): fp32 inputs agree to 2e-5 in the interpreter (split-bf16 products in both)."""
     from k3.ops.kda import triton_chunk as tc
 
@@ -430,9 +431,14 @@ def test_prefill_forward_matches_fp64_recurrence(dev, monkeypatch, T):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's σ(±1e4)
 @pytest.mark.parametrize("g_min", [-5.0, -1.0, -0.1])
-def test_prefill_forward_varlen_and_extreme_gates(dev, g_min):
-    """Packed documents of 0-70 tokens (16-token chunks never cross one), and gate inputs at ±1e4 with large biases:
-    at g_min = −5 whole chunks decay at the bound, where exp(−G) reaches e^80 in the score operands."""
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_prefill_forward_varlen_and_extreme_gates(dev, monkeypatch, g_min, chunk):
+    """Packed documents of 0-70 tokens (chunks never cross one), and gate inputs at ±1e4 with large biases: at
+    g_min = −5 whole chunks decay at the bound, where exp(−G) reaches e^80 in the score operands; 16- and 32-token
+    chunks (the 32-token join multiplies factors of both halves)."""
+    from k3.ops.kda import triton_chunk as tc
+
+    monkeypatch.setitem(tc.TUNING, "prefill_chunk", chunk)
     lengths = [1, 0, 2, 16, 64, 3, 1, 70, 17]
     cu = [0]
     for n in lengths:
@@ -472,15 +478,13 @@ def test_prefill_forward_head_dims_value_blocks_and_bf16_products(dev, monkeypat
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's σ(±1e4)
-@pytest.mark.parametrize("pair", [True, False], ids=["two_launches", "prepare32"])
-def test_prefill_forward_32_token_chunks(dev, monkeypatch, pair):
-    """`TUNING["prefill_chunk"]` 32 (two launches of `_prefill_prepare` per chunk half, or `_prefill_prepare32`)
-    against fp64 at lengths around 32 and 64, bf16 and fp32, beside the 16-token chunks (fp32: 2e-5 in the
+def test_prefill_forward_32_token_chunks(dev, monkeypatch):
+    """`TUNING["prefill_chunk"]` 32 (the default: two launches of `_prefill_prepare`, one per chunk half) against
+    fp64 at lengths around 32 and 64, bf16 and fp32, beside the 16-token chunks (fp32: 2e-5 in the
     interpreter); packed documents with every decay at the bound, where G reaches −160 inside a chunk; the states
     for prefix caching (every second 32-token chunk)."""
     from k3.ops.kda import triton_chunk as tc
 
-    monkeypatch.setitem(tc.TUNING, "prefill_pair", pair)
     for T, dtype in ((1, torch.float32), (31, torch.bfloat16), (33, torch.float32), (65, torch.bfloat16),
                      (150, torch.float32)):
         inputs = make_raw(2, T, 2, 32, 32, seed=60 + T, dtype=dtype)

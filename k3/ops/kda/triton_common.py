@@ -30,8 +30,6 @@ TUNING = {
     "prep_gate_warps": 1, "prep_gate_stages": None, "prep_gate_maxnreg": None,  # 0.28 ms at 4 warps, 0.25 at 1 (run 3)
     "prep_intra_warps": 4, "prep_intra_stages": None, "prep_intra_maxnreg": 128,  # 2.57 ms at 168, 2.43 at 128 (run 7)
     # (`_prep_intra` with one anchor per row block, `_intra_off_step`: 0.98 → 0.88 ms, session 9 run 4)
-    # its diagonal blocks' 16×16 inverses as tf32x3 tensor-core products (True) or exact FMA products (False)
-    "prep_inverse_mma": False,
     "prep_solve_warps": 4, "prep_solve_stages": None, "prep_solve_maxnreg": None,
     "prep_wu_warps": 4, "prep_wu_stages": None, "prep_wu_maxnreg": 128,  # 0.96 → 0.84 ms, 0 spills (run 7)
     # the inference `_state` (no stores for a backward): split products at 3 stages, forward 2.995 → 2.884 ms at
@@ -83,18 +81,16 @@ TUNING = {
     "prefill": True,
     # ... where the state pass has at least this many (value block, sequence, head) programs (`prefill_applies`)
     "prefill_min_programs": 128,
-    # its chunk: 16 tokens, or 32 (`_prefill_prepare32`: half the state pass's sequential steps, two anchors per
-    # chunk in the prepare; session 14, untimed)
-    "prefill_chunk": 16,
-    # ... at 32: two launches of `_prefill_prepare` per chunk half (True), or `_prefill_prepare32` (False)
-    "prefill_pair": True,
+    # its chunk: 32 tokens (two launches of `_prefill_prepare`, HALF 1 and 2), or 16; at the K3 shape 1.97 against
+    # 2.02 ms, at H = 64 1.44 against 1.56 (session 15 run 3; `_prefill_prepare32`, one program per 32-token chunk
+    # with two anchors, 2.64 ms: run 2)
+    "prefill_chunk": 32,
     # `_prefill_prepare`: 0.92 ms at the K3 shape uncapped (128 registers), 0.99 at 96 (session 14 run 3; before it
     # formed W and U, 96 registers won: 0.93 → 0.87, run 2)
     "prefill_prepare_warps": 4, "prefill_prepare_stages": None, "prefill_prepare_maxnreg": None,
-    # ... its 16×16 inverse as tf32x3 tensor-core products (True) or exact FMA products (False)
-    "prefill_inverse_mma": False,
-    # ... its second launch at 32-token chunks (HALF 2, the join; offline sm_90: 168 registers, no spills)
-    "prefill_join_warps": 4, "prefill_join_stages": None, "prefill_join_maxnreg": None,
+    # ... its second launch at 32-token chunks (HALF 2, the join): 128 registers (68 B of spills offline, 4
+    # programs per SM) 1.19 ms for both launches, uncapped (168, 3 per SM) 1.24, 8 warps 1.59 (session 15 run 2)
+    "prefill_join_warps": 4, "prefill_join_stages": None, "prefill_join_maxnreg": 128,
     # `_prefill_state` per (value block of 64, sequence, head): 1.26 ms at 2 stages, 1.08 at 3 (run 3); BV 32 2.64
     # and 8 warps 4.04 (run 1, then on P, K_d and V instead of W and U)
     "prefill_state_bv": 64, "prefill_state_warps": 4, "prefill_state_stages": 3, "prefill_state_maxnreg": None,
@@ -261,23 +257,21 @@ def _gate_tile(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K: tl.constexpr, R: 
 
 
 @triton.jit
-def _mm32(a, b, MMA: tl.constexpr = False):
-    """fp32 product of two 16×16 blocks (the blocks of (I + Akk)⁻¹ need no tf32 rounding): exact on the FMA path,
-    or with MMA as three tf32 tensor-core products (tf32x3, ~fp32 accuracy): the FMA path reads its operands from
-    unswizzled shared memory with 3-5-way bank conflicts (Nsight Compute on `_prefill_prepare`, session 15)."""
-    if MMA:
-        return tl.dot(a, b, input_precision="tf32x3")
+def _mm32(a, b):
+    """Exact-fp32 product of two 16×16 blocks (FMA; the blocks of (I + Akk)⁻¹ need no tf32 rounding). tf32x3
+    tensor-core products lost here (session 15 run 3: `_prefill_prepare` 0.92 → 0.98-1.13 ms, `_prep_intra` 0.85 →
+    1.03), though Nsight Compute finds the FMA path's unswizzled operand reads 3-5-way bank-conflicted."""
     return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
-def _inv16(A, BC: tl.constexpr, MMA: tl.constexpr = False):
+def _inv16(A, BC: tl.constexpr):
     """(I + A)⁻¹ for a strictly lower BC×BC block: A is nilpotent, so (I − A)(I + A²)(I + A⁴)(I + A⁸)."""
     r = tl.arange(0, BC)
     eye = (r[:, None] == r[None, :]).to(tl.float32)
-    A2 = _mm32(A, A, MMA)
-    A4 = _mm32(A2, A2, MMA)
-    return _mm32(_mm32(_mm32(eye - A, eye + A2, MMA), eye + A4, MMA), eye + _mm32(A4, A4, MMA), MMA)
+    A2 = _mm32(A, A)
+    A4 = _mm32(A2, A2)
+    return _mm32(_mm32(_mm32(eye - A, eye + A2), eye + A4), eye + _mm32(A4, A4))
 
 
 @triton.jit

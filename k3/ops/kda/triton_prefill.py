@@ -1,8 +1,9 @@
-"""The inference forward of `chunk_kda` (no backward can follow: prefill, `torch.no_grad` forwards) in 16-token chunks.
+"""The inference forward of `chunk_kda` (no backward can follow: prefill, `torch.no_grad` forwards) in 32-token
+chunks made of 16-token halves (or 16-token chunks: `TUNING["prefill_chunk"]`).
 
 Why a second forward: the training forward (`triton_chunk.py`, 64-token chunks) writes what its backward reads: W,
 U, T, Aqk and G, ~5.8 GB of intermediates at the K3 shape, 2.9 ms where the memory floor is 0.24 ms. An
-inference forward keeps none of it, and the lower-bounded gate allows a smaller chunk: over C = 16 tokens with
+inference forward keeps none of it, and the lower-bounded gate allows a smaller chunk: over 16 tokens with
 g ≥ −5 the in-chunk decay exp(G_r − G_i) lies in [e^−80, e^80], inside fp32's and bf16's range, so one anchor, the
 chunk's start, serves every score of the chunk (no sub-blocks, no 64×64 solve). The design follows Moonshot's
 FlashKDA forward (CUDA); docs/kda-kernels.md §9 says what was taken over and what differs, §6-§7 what was measured:
@@ -11,16 +12,19 @@ FlashKDA forward (CUDA); docs/kda-kernels.md §9 says what was taken over and wh
   cumulative sum G (inclusive), the q/k L2 norms and β; then, with Γ = exp(G) and Γ_C its last row,
   Q_d = q̂⊙Γ, K_d = k̂⊙Γ, K_r = k̂⊙Γ_C/Γ, the in-chunk scores M = lower(Q_d·(k̂/Γ)ᵀ) (diagonal included),
   P = (I + diag(β)·strict_lower(K_d·(k̂/Γ)ᵀ))⁻¹·diag(β) (the 16×16 inverse in exact fp32, `_inv16`), W = P·K_d and
-  U = P·V. It stores Q_d, W, K_r, U, M and Γ_C.
+  U = P·V. It stores Q_d, W, K_r, U, M and Γ_C. For 32-token chunks it runs twice, once per half: the second
+  launch joins each chunk's second half to its first (the algebra is in its docstring), so no program holds
+  more than one half and no factor leaves e^±80.
 - `_prefill_state`, one program per (value block, sequence, head), the chunks of a sequence in order. With S the
-  state at the chunk's start: Ũ = U − W·S, O = Q_d·S + M·Ũ, S ← Diag(Γ_C)·S + K_rᵀ·Ũ.
+  state at the chunk's start: Ũ = U − W·S, O = Q_d·S + M·Ũ, S ← Diag(Γ_C)·S + K_rᵀ·Ũ. 32-token chunks halve its
+  sequential steps (1.08 → 0.78 ms at the K3 shape, session 15).
 
 The state is kept transposed, X = Sᵀ [BV, K] fp32 in registers, so that it is the left operand of both products
 that read it (X·Wᵀ, X·Q_dᵀ) and the accumulator of the one that writes it (X·Γ_C + Ũᵀ·K_r): it never goes through
 shared memory. Products with an fp32 operand are split bf16 (`_state_mm`, as the training forward's state pass)
 unless `state_bf16`.
 
-Legend as in triton_chunk.py; here C = 16 and NT counts 16-token chunks.
+Legend as in triton_chunk.py; here C = 32 or 16 and NT counts C-token chunks.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ import triton
 import triton.language as tl
 
 from k3.ops import interpreting
-from k3.ops.kda.triton_common import (CHUNK, TUNING, _bp, _cast, _chunk_coords, _exp, _gate_tile, _inv16,
-                                      _launch_options, _load_beta, _mm, _mm32, _mm_split, _sequence_coords, _state_mm,
-                                      _store_block, plan_for)
+from k3.ops.kda.triton_common import (CHUNK, TUNING, _bp, _cast, _chunk_coords, _dot16, _exp, _gate_tile,
+                                      _inv16, _launch_options, _load_beta, _mm, _mm_split, _sequence_coords, _split,
+                                      _state_mm, _store_block, plan_for)
 
 @triton.jit
 def _store_rows(x, out, bos, L, i_h, row0, H, W: tl.constexpr, C: tl.constexpr, INTERP: tl.constexpr):
@@ -57,7 +61,7 @@ def _rows16(q, k, z, b, A_log, dt_bias, bos, L, r0, i_h, scale, carry, H, K: tl.
 
 @triton.jit
 def _block16(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: tl.constexpr, V: tl.constexpr,
-             G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr, INV_MMA: tl.constexpr, INTERP: tl.constexpr):
+             G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
     """The 16 rows at row0 as a chunk of their own (anchored at its start): (Q_d fp32, Q_d as the score operand,
     W, K_r, U (fp32), M, Γ_C). Rows past the document end have g = 0 and q̂ = k̂ = β = 0: their rows are zero."""
     # G at the chunk's last row (g_end) is G at its last valid row (g = 0 past the document end)
@@ -78,18 +82,28 @@ def _block16(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: tl.c
     kiT = tl.trans(ki)
     A = tl.where(r[:, None] > r[None, :], beta[:, None] * _mm(kd, kiT, SCORES_BF16, INTERP), 0.0)
     M = tl.where(r[:, None] >= r[None, :], _mm(qd, kiT, SCORES_BF16, INTERP), 0.0)
-    P = _inv16(A, 16, INV_MMA) * beta[None, :]
+    P = _inv16(A, 16) * beta[None, :]
     # W and U formed here, not P·(V − K_d·S) in the state pass: one product less on its chain (docs §7 item 30)
     v_t = tl.load(_bp(v, bos, L, i_h, row0, 0, H, V, 16, V), boundary_check=(0,), padding_option="zero")
     return qd32, qd, _mm_split(P, kd, INTERP), kr, _mm_split(P, v_t, INTERP), M, gamma_end
 
 
 @triton.jit
+def _store_m(x, m_out, bos, L, i_h, row0, col0, H, C: tl.constexpr, INTERP: tl.constexpr):
+    """A 16×16 block of M (fp32) at (row0, col0) of m_out [TT, H, 2C] as its bf16 split: hi at column col0, lo at
+    col0 + C. The state pass's split product Ũ·Mᵀ then reads both as loaded (no split and shared-memory round
+    trip per step); the same hi and lo as `_split` in the loop, so the products are bit-identical."""
+    hi, lo = _split(x, INTERP)
+    _store_block(hi, m_out, bos, L, i_h, row0, col0, H, 2 * C, 16, INTERP)
+    _store_block(lo, m_out, bos, L, i_h, row0, col0 + C, H, 2 * C, 16, INTERP)
+
+
+@triton.jit
 def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out, kr_out, u_out, m_out, gc_out,
                      scale, H, K: tl.constexpr, V: tl.constexpr, G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr,
-                     HALF: tl.constexpr, INV_MMA: tl.constexpr, INTERP: tl.constexpr):
+                     HALF: tl.constexpr, INTERP: tl.constexpr):
     """One (16-token chunk, head), or one half of a (32-token chunk, head): Q_d, W, K_r ([TT, H, K]; bf16 for bf16
-    inputs (SCORES_BF16), else fp32), U ([TT, H, V] fp32), M ([TT, H, C]: row r holds row r of the chunk's C×C
+    inputs (SCORES_BF16), else fp32), U ([TT, H, V] fp32), M ([TT, H, 2C] bf16, its split (`_store_m`): row r holds row r of the chunk's C×C
     block) and Γ_C ([NT, H, K]).
 
     HALF 0: 16-token chunks. HALF 1 and 2 (`TUNING["prefill_chunk"]` 32: half the state pass's steps), two launches:
@@ -112,19 +126,19 @@ def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out
     if HALF == 2:
         r1 = row0 + 16
     qd32, qd, W, kr, U, M, gamma_end = _block16(q, k, v, z, b, A_log, dt_bias, bos, L, r1, i_h, scale, H, K, V,
-                                                G_MIN, SCORES_BF16, INV_MMA, INTERP)
+                                                G_MIN, SCORES_BF16, INTERP)
     gc_ptr = gc_out + (i_c * H + i_h).to(tl.int64) * K + tl.arange(0, K)
     if HALF == 2:
         # each input of the join loaded where it is first used and each output stored when done: a short
         # live range per tile (250 registers when the loads come first)
         gamma0 = tl.load(gc_ptr)
         _store_rows(kr, kr_out, bos, L, i_h, r1, H, K, 16, INTERP)
-        _store_block(M, m_out, bos, L, i_h, r1, 16, H, 32, 16, INTERP)
+        _store_m(M, m_out, bos, L, i_h, r1, 16, H, 32, INTERP)
         _store_rows(qd32 * gamma0[None, :], qd_out, bos, L, i_h, r1, H, K, 16, INTERP)
         tl.store(gc_ptr, gamma_end * gamma0)
         kr0 = tl.load(_bp(kr_out, bos, L, i_h, row0, 0, H, K, 16, K), boundary_check=(0,), padding_option="zero")
         kr0T = tl.trans(kr0)
-        _store_block(_mm(qd, kr0T, SCORES_BF16, INTERP), m_out, bos, L, i_h, r1, 0, H, 32, 16, INTERP)
+        _store_m(_mm(qd, kr0T, SCORES_BF16, INTERP), m_out, bos, L, i_h, r1, 0, H, 32, INTERP)
         X = _mm_split(W, kr0T, INTERP)
         _store_rows(kr0.to(tl.float32) * gamma_end[None, :], kr_out, bos, L, i_h, row0, H, K, 16, INTERP)
         W0 = tl.load(_bp(w_out, bos, L, i_h, row0, 0, H, K, 16, K), boundary_check=(0,), padding_option="zero")
@@ -133,93 +147,15 @@ def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out
         _store_rows(U - _mm_split(X, U0, INTERP), u_out, bos, L, i_h, r1, H, V, 16, INTERP)
     else:
         if HALF == 1:
-            _store_block(M, m_out, bos, L, i_h, row0, 0, H, 32, 16, INTERP)
-            _store_block(tl.zeros([16, 16], dtype=tl.float32), m_out, bos, L, i_h, row0, 16, H, 32, 16, INTERP)
+            _store_m(M, m_out, bos, L, i_h, row0, 0, H, 32, INTERP)
+            _store_m(tl.zeros([16, 16], dtype=tl.float32), m_out, bos, L, i_h, row0, 16, H, 32, INTERP)
         else:
-            _store_block(M, m_out, bos, L, i_h, row0, 0, H, 16, 16, INTERP)
+            _store_m(M, m_out, bos, L, i_h, row0, 0, H, 16, INTERP)
         _store_rows(qd32, qd_out, bos, L, i_h, row0, H, K, 16, INTERP)
         _store_rows(W, w_out, bos, L, i_h, row0, H, K, 16, INTERP)
         _store_rows(kr, kr_out, bos, L, i_h, row0, H, K, 16, INTERP)
         _store_rows(U, u_out, bos, L, i_h, row0, H, V, 16, INTERP)
         tl.store(gc_ptr, gamma_end)
-
-
-@triton.jit
-def _prefill_prepare32(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out, kr_out, u_out, m_out, gc_out,
-                       scale, H, K: tl.constexpr, V: tl.constexpr, G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr,
-                       INTERP: tl.constexpr):
-    """`_prefill_prepare` for 32-token chunks (`TUNING["prefill_chunk"]` 32: half the state pass's steps), as two
-    16-row blocks. Over 32 rows G reaches −160, so the scores cannot share one anchor: block row 0 is anchored at
-    the chunk's start, block row 1 at its own first row a (G there), which keeps every factor within e^±80: the
-    diagonal block (1, 1) as block (0, 0), and block (1, 0) as exp(G_r − a)·exp(a − G_i), both ≤ 1. Q_d, K_d and
-    K_r stay relative to the chunk's start (a factor below fp32's range there multiplies a state contribution that
-    is below it too). T = (I + A)⁻¹ from the two 16×16 inverses: T10 = −T11·A10·T00."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, 32)
-    zero = tl.zeros([K], dtype=tl.float32)
-    G0, qh0, kh0, b0, e0 = _rows16(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, zero, H, K, G_MIN)
-    G1, qh1, kh1, b1, e1 = _rows16(q, k, z, b, A_log, dt_bias, bos, L, row0 + 16, i_h, scale, e0, H, K, G_MIN)
-    r = tl.arange(0, 16)
-    strict = r[:, None] > r[None, :]
-    diag = r[:, None] >= r[None, :]
-    # the state operands, relative to the chunk's start
-    gamma0 = _exp(G0, INTERP)
-    gamma1 = _exp(G1, INTERP)
-    qd0 = qh0 * gamma0
-    qd1 = qh1 * gamma1
-    kd0 = kh0 * gamma0
-    kd1 = kh1 * gamma1
-    kr0 = kh0 * _exp(e1[None, :] - G0, INTERP)
-    kr1 = kh1 * _exp(e1[None, :] - G1, INTERP)
-    if SCORES_BF16:
-        qd0 = _cast(qd0, tl.bfloat16, INTERP)
-        qd1 = _cast(qd1, tl.bfloat16, INTERP)
-        kd0 = _cast(kd0, tl.bfloat16, INTERP)
-        kd1 = _cast(kd1, tl.bfloat16, INTERP)
-    # block row 0 around the chunk's start
-    ki0 = tl.trans(kh0 * _exp(-G0, INTERP))
-    A00 = tl.where(strict, b0[:, None] * _mm(kd0, ki0, SCORES_BF16, INTERP), 0.0)
-    M00 = tl.where(diag, _mm(qd0, ki0, SCORES_BF16, INTERP), 0.0)
-    # block row 1 around its first row
-    a = tl.sum(tl.where((r == 0)[:, None], G1, 0.0), 0)
-    rf = _exp(G1 - a[None, :], INTERP)
-    ks1 = kh1 * rf
-    qs1 = qh1 * rf
-    kc1 = tl.trans(kh1 * _exp(a[None, :] - G1, INTERP))
-    kc0 = tl.trans(kh0 * _exp(a[None, :] - G0, INTERP))
-    A11 = tl.where(strict, b1[:, None] * _mm(ks1, kc1, SCORES_BF16, INTERP), 0.0)
-    M11 = tl.where(diag, _mm(qs1, kc1, SCORES_BF16, INTERP), 0.0)
-    A10 = b1[:, None] * _mm(ks1, kc0, SCORES_BF16, INTERP)
-    M10 = _mm(qs1, kc0, SCORES_BF16, INTERP)
-    T00 = _inv16(A00, 16)
-    T11 = _inv16(A11, 16)
-    T10 = -_mm32(T11, _mm32(A10, T00))
-    # P = T·diag(β), then W = P·K_d and U = P·V by row blocks
-    P00 = T00 * b0[None, :]
-    P10 = T10 * b0[None, :]
-    P11 = T11 * b1[None, :]
-    v0 = tl.load(_bp(v, bos, L, i_h, row0, 0, H, V, 16, V), boundary_check=(0,), padding_option="zero")
-    v1 = tl.load(_bp(v, bos, L, i_h, row0 + 16, 0, H, V, 16, V), boundary_check=(0,), padding_option="zero")
-    W0 = _mm_split(P00, kd0, INTERP)
-    W1 = _mm_split(P10, kd0, INTERP) + _mm_split(P11, kd1, INTERP)
-    U0 = _mm_split(P00, v0, INTERP)
-    U1 = _mm_split(P10, v0, INTERP) + _mm_split(P11, v1, INTERP)
-    r1 = row0 + 16
-    _store_rows(qd0, qd_out, bos, L, i_h, row0, H, K, 16, INTERP)
-    _store_rows(qd1, qd_out, bos, L, i_h, r1, H, K, 16, INTERP)
-    _store_rows(W0, w_out, bos, L, i_h, row0, H, K, 16, INTERP)
-    _store_rows(W1, w_out, bos, L, i_h, r1, H, K, 16, INTERP)
-    _store_rows(kr0, kr_out, bos, L, i_h, row0, H, K, 16, INTERP)
-    _store_rows(kr1, kr_out, bos, L, i_h, r1, H, K, 16, INTERP)
-    _store_rows(U0, u_out, bos, L, i_h, row0, H, V, 16, INTERP)
-    _store_rows(U1, u_out, bos, L, i_h, r1, H, V, 16, INTERP)
-    # M [TT, H, 32]: row r holds M[r, 0:32]; block (0, 1) is zero
-    _store_block(M00, m_out, bos, L, i_h, row0, 0, H, 32, 16, INTERP)
-    _store_block(tl.zeros([16, 16], dtype=tl.float32), m_out, bos, L, i_h, row0, 16, H, 32, 16, INTERP)
-    _store_block(M10, m_out, bos, L, i_h, r1, 0, H, 32, 16, INTERP)
-    _store_block(M11, m_out, bos, L, i_h, r1, 16, H, 32, 16, INTERP)
-    tl.store(gc_out + (i_c * H + i_h).to(tl.int64) * K + tl.arange(0, K), _exp(e1, INTERP))
 
 
 @triton.jit
@@ -233,14 +169,23 @@ def _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v
     Qd = tl.load(_bp(qd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     Kr = tl.load(_bp(kr, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     U = tl.load(_bp(u, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-    M = tl.load(_bp(m_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    # M [TT, H, 2C] bf16: its split, hi in columns 0 … C−1 and lo in C … 2C−1 (`_store_m`)
+    M_hi = tl.load(_bp(m_in, bos, L, i_h, row0, 0, H, 2 * C, C, C), boundary_check=(0,), padding_option="zero")
     g_end = tl.load(gc + ((c0 + j) * H + i_h).to(tl.int64) * K + tl.arange(0, K))
     if STORE_HS:
         # the state at every 64-token chunk start (prefix caching), numbered as the training forward's chunks
         if j % EVERY == 0:
             tl.store(hs + ((hs0 + j // EVERY) * H + i_h).to(tl.int64) * K * V + off_x, X)
     Ut = tl.trans(U).to(tl.float32) - _state_mm(X, tl.trans(W), BF16, SPLIT, INTERP)
-    out = _state_mm(X, tl.trans(Qd), BF16, SPLIT, INTERP) + _state_mm(Ut, tl.trans(M), BF16, SPLIT, INTERP)
+    if SPLIT:
+        M_lo = tl.load(_bp(m_in, bos, L, i_h, row0, C, H, 2 * C, C, C), boundary_check=(0,), padding_option="zero")
+        u_hi, u_lo = _split(Ut, INTERP)
+        # `_mm_split`'s three products in its order, on the stored split
+        UM = _dot16(u_hi, tl.trans(M_hi), INTERP) + (_dot16(u_hi, tl.trans(M_lo), INTERP)
+                                                     + _dot16(u_lo, tl.trans(M_hi), INTERP))
+    else:
+        UM = _mm(Ut, tl.trans(M_hi), BF16, INTERP)
+    out = _state_mm(X, tl.trans(Qd), BF16, SPLIT, INTERP) + UM
     X = X * g_end[None, :] + _state_mm(Ut, Kr, BF16, SPLIT, INTERP)
     tl.store(_bp(o, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(tl.trans(out), o.dtype.element_ty, INTERP),
              boundary_check=(0,))
@@ -252,7 +197,7 @@ def _prefill_state(qd, w, kr, u, m_in, gc, h0, o, ht, hs, cu, chunk_off, hs_off,
                    H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_HS: tl.constexpr, EVERY: tl.constexpr,
                    BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
-    """One (value block, sequence, head): the 16-token chunks in order, the transposed state in registers. Writes o,
+    """One (value block, sequence, head): the C-token chunks in order, the transposed state in registers. Writes o,
     the final state (ht) and, with STORE_HS, the state at every 64-token chunk start (hs, indexed by hs_off, the
     64-token plan's first chunk per document)."""
     i_v = tl.program_id(0)
@@ -281,9 +226,10 @@ def _prefill_state(qd, w, kr, u, m_in, gc, h0, o, ht, hs, cu, chunk_off, hs_off,
 
 
 def prefill_applies(plan, H: int, V: int) -> bool:
-    """Whether the 16-token forward is the faster inference forward here: its state pass walks each sequence in 4×
-    the steps of the 64-token one with half its value blocks, so it needs enough (value block, sequence, head)
-    programs to fill the GPU (session 14: 1.20-1.31× faster at 192 and 128 programs, 0.64× at 64)."""
+    """Whether these kernels are the faster inference forward here: their state pass walks each sequence in 2× (4×
+    at 16-token chunks) the steps of the 64-token one with half its value blocks, so it needs enough (value block,
+    sequence, head) programs to fill the GPU (session 14, 16-token chunks: 1.20-1.31× faster at 192 and 128
+    programs, 0.64× at 64)."""
     return TUNING["prefill"] and plan.N * H * max(V // TUNING["prefill_state_bv"], 1) >= TUNING["prefill_min_programs"]
 
 
@@ -292,15 +238,15 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     """The inference forward on flattened [TT, H, ·] inputs: (o [TT, H, V] in v's dtype, the final state
     [N, H, K, V] fp32 or None, the states at every 64-token chunk start [max(NT, 1), H, K, V] fp32 or None).
 
-    plan: the 64-token plan of `chunk_kda` (its chunk numbering is the one of the returned states); the 16-token
-    plan of the same offsets is built here. dtypes: `inter_dtypes`, (Q_d, W, K_r storage) and (M storage); U is
-    fp32. The intermediates take TT·H·(3·K·2 + V·4 + 16·4) bytes (bf16 inputs; 2.6 GB at the K3 shape) and are freed
-    on return.
+    plan: the 64-token plan of `chunk_kda` (its chunk numbering is the one of the returned states); the C-token
+    plan of the same offsets is built here. dtypes: `inter_dtypes`, (Q_d, W, K_r storage) and (unused here); U is
+    fp32 and M its bf16 split. The intermediates take TT·H·(3·K·2 + V·4 + C·4) bytes (bf16 inputs; 2.7 GB at the K3 shape, C = 32) and
+    are freed on return.
     """
     TT, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
-    lo, hi = dtypes
+    lo = dtypes[0]
     o = torch.empty(TT, H, V, dtype=v.dtype, device=dev)
     ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
     hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=torch.float32, device=dev) if want_hs else None
@@ -314,20 +260,17 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     qd = torch.empty(TT, H, K, dtype=lo, device=dev)
     W, kr = torch.empty_like(qd), torch.empty_like(qd)
     U = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
-    M = torch.empty(TT, H, C, dtype=hi, device=dev)
+    M = torch.empty(TT, H, 2 * C, dtype=torch.bfloat16, device=dev)
     gc = torch.empty(max(plan_c.NT, 1), H, K, dtype=torch.float32, device=dev)
     if plan_c.NT > 0:
         args = (q, k, v, z, b, A_log, dt_bias, plan_c.cu, plan_c.chunk_idx, qd, W, kr, U, M, gc, scale)
         common = dict(H=H, K=K, V=V, G_MIN=g_min, SCORES_BF16=lo == torch.bfloat16, INTERP=interp)
         prepare = _launch_options("prefill_prepare")
-        inv = dict(INV_MMA=TUNING["prefill_inverse_mma"])
         if C == 16:
-            _prefill_prepare[(plan_c.NT, H)](*args, HALF=0, **inv, **common, **prepare)
-        elif TUNING["prefill_pair"]:
-            _prefill_prepare[(plan_c.NT, H)](*args, HALF=1, **inv, **common, **prepare)
-            _prefill_prepare[(plan_c.NT, H)](*args, HALF=2, **inv, **common, **_launch_options("prefill_join"))
+            _prefill_prepare[(plan_c.NT, H)](*args, HALF=0, **common, **prepare)
         else:
-            _prefill_prepare32[(plan_c.NT, H)](*args, **common, **prepare)
+            _prefill_prepare[(plan_c.NT, H)](*args, HALF=1, **common, **prepare)
+            _prefill_prepare[(plan_c.NT, H)](*args, HALF=2, **common, **_launch_options("prefill_join"))
     dummy = gc
     _prefill_state[(V // BV, plan.N * H)](qd, W, kr, U, M, gc, h0 if h0 is not None else dummy, o,
                                           ht if ht is not None else dummy, hs if hs is not None else dummy,
