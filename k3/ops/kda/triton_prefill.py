@@ -34,9 +34,9 @@ import triton
 import triton.language as tl
 
 from k3.ops import interpreting
-from k3.ops.kda.triton_common import (CHUNK, TUNING, _bp, _cast, _chunk_coords, _dot16, _exp, _gate_tile,
-                                      _inv16, _launch_options, _load_beta, _mm, _mm_split, _sequence_coords, _split,
-                                      _state_mm, _store_block, plan_for)
+from k3.ops.kda.triton_common import (CHUNK, TUNING, _bp, _cast, _chunk_coords, _exp, _gate_tile, _inv16,
+                                      _launch_options, _load_beta, _mm, _mm_split, _sequence_coords, _state_mm,
+                                      _store_block, plan_for)
 
 @triton.jit
 def _store_rows(x, out, bos, L, i_h, row0, H, W: tl.constexpr, C: tl.constexpr, INTERP: tl.constexpr):
@@ -89,21 +89,11 @@ def _block16(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: tl.c
 
 
 @triton.jit
-def _store_m(x, m_out, bos, L, i_h, row0, col0, H, C: tl.constexpr, INTERP: tl.constexpr):
-    """A 16×16 block of M (fp32) at (row0, col0) of m_out [TT, H, 2C] as its bf16 split: hi at column col0, lo at
-    col0 + C. The state pass's split product Ũ·Mᵀ then reads both as loaded (no split and shared-memory round
-    trip per step); the same hi and lo as `_split` in the loop, so the products are bit-identical."""
-    hi, lo = _split(x, INTERP)
-    _store_block(hi, m_out, bos, L, i_h, row0, col0, H, 2 * C, 16, INTERP)
-    _store_block(lo, m_out, bos, L, i_h, row0, col0 + C, H, 2 * C, 16, INTERP)
-
-
-@triton.jit
 def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out, kr_out, u_out, m_out, gc_out,
                      scale, H, K: tl.constexpr, V: tl.constexpr, G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr,
                      HALF: tl.constexpr, INTERP: tl.constexpr):
     """One (16-token chunk, head), or one half of a (32-token chunk, head): Q_d, W, K_r ([TT, H, K]; bf16 for bf16
-    inputs (SCORES_BF16), else fp32), U ([TT, H, V] fp32), M ([TT, H, 2C] bf16, its split (`_store_m`): row r holds row r of the chunk's C×C
+    inputs (SCORES_BF16), else fp32), U ([TT, H, V] fp32), M ([TT, H, C]: row r holds row r of the chunk's C×C
     block) and Γ_C ([NT, H, K]).
 
     HALF 0: 16-token chunks. HALF 1 and 2 (`TUNING["prefill_chunk"]` 32: half the state pass's steps), two launches:
@@ -133,12 +123,12 @@ def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out
         # live range per tile (250 registers when the loads come first)
         gamma0 = tl.load(gc_ptr)
         _store_rows(kr, kr_out, bos, L, i_h, r1, H, K, 16, INTERP)
-        _store_m(M, m_out, bos, L, i_h, r1, 16, H, 32, INTERP)
+        _store_block(M, m_out, bos, L, i_h, r1, 16, H, 32, 16, INTERP)
         _store_rows(qd32 * gamma0[None, :], qd_out, bos, L, i_h, r1, H, K, 16, INTERP)
         tl.store(gc_ptr, gamma_end * gamma0)
         kr0 = tl.load(_bp(kr_out, bos, L, i_h, row0, 0, H, K, 16, K), boundary_check=(0,), padding_option="zero")
         kr0T = tl.trans(kr0)
-        _store_m(_mm(qd, kr0T, SCORES_BF16, INTERP), m_out, bos, L, i_h, r1, 0, H, 32, INTERP)
+        _store_block(_mm(qd, kr0T, SCORES_BF16, INTERP), m_out, bos, L, i_h, r1, 0, H, 32, 16, INTERP)
         X = _mm_split(W, kr0T, INTERP)
         _store_rows(kr0.to(tl.float32) * gamma_end[None, :], kr_out, bos, L, i_h, row0, H, K, 16, INTERP)
         W0 = tl.load(_bp(w_out, bos, L, i_h, row0, 0, H, K, 16, K), boundary_check=(0,), padding_option="zero")
@@ -147,10 +137,10 @@ def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out
         _store_rows(U - _mm_split(X, U0, INTERP), u_out, bos, L, i_h, r1, H, V, 16, INTERP)
     else:
         if HALF == 1:
-            _store_m(M, m_out, bos, L, i_h, row0, 0, H, 32, INTERP)
-            _store_m(tl.zeros([16, 16], dtype=tl.float32), m_out, bos, L, i_h, row0, 16, H, 32, INTERP)
+            _store_block(M, m_out, bos, L, i_h, row0, 0, H, 32, 16, INTERP)
+            _store_block(tl.zeros([16, 16], dtype=tl.float32), m_out, bos, L, i_h, row0, 16, H, 32, 16, INTERP)
         else:
-            _store_m(M, m_out, bos, L, i_h, row0, 0, H, 16, INTERP)
+            _store_block(M, m_out, bos, L, i_h, row0, 0, H, 16, 16, INTERP)
         _store_rows(qd32, qd_out, bos, L, i_h, row0, H, K, 16, INTERP)
         _store_rows(W, w_out, bos, L, i_h, row0, H, K, 16, INTERP)
         _store_rows(kr, kr_out, bos, L, i_h, row0, H, K, 16, INTERP)
@@ -169,23 +159,14 @@ def _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v
     Qd = tl.load(_bp(qd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     Kr = tl.load(_bp(kr, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     U = tl.load(_bp(u, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-    # M [TT, H, 2C] bf16: its split, hi in columns 0 … C−1 and lo in C … 2C−1 (`_store_m`)
-    M_hi = tl.load(_bp(m_in, bos, L, i_h, row0, 0, H, 2 * C, C, C), boundary_check=(0,), padding_option="zero")
+    M = tl.load(_bp(m_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
     g_end = tl.load(gc + ((c0 + j) * H + i_h).to(tl.int64) * K + tl.arange(0, K))
     if STORE_HS:
         # the state at every 64-token chunk start (prefix caching), numbered as the training forward's chunks
         if j % EVERY == 0:
             tl.store(hs + ((hs0 + j // EVERY) * H + i_h).to(tl.int64) * K * V + off_x, X)
     Ut = tl.trans(U).to(tl.float32) - _state_mm(X, tl.trans(W), BF16, SPLIT, INTERP)
-    if SPLIT:
-        M_lo = tl.load(_bp(m_in, bos, L, i_h, row0, C, H, 2 * C, C, C), boundary_check=(0,), padding_option="zero")
-        u_hi, u_lo = _split(Ut, INTERP)
-        # `_mm_split`'s three products in its order, on the stored split
-        UM = _dot16(u_hi, tl.trans(M_hi), INTERP) + (_dot16(u_hi, tl.trans(M_lo), INTERP)
-                                                     + _dot16(u_lo, tl.trans(M_hi), INTERP))
-    else:
-        UM = _mm(Ut, tl.trans(M_hi), BF16, INTERP)
-    out = _state_mm(X, tl.trans(Qd), BF16, SPLIT, INTERP) + UM
+    out = _state_mm(X, tl.trans(Qd), BF16, SPLIT, INTERP) + _state_mm(Ut, tl.trans(M), BF16, SPLIT, INTERP)
     X = X * g_end[None, :] + _state_mm(Ut, Kr, BF16, SPLIT, INTERP)
     tl.store(_bp(o, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(tl.trans(out), o.dtype.element_ty, INTERP),
              boundary_check=(0,))
@@ -239,14 +220,14 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     [N, H, K, V] fp32 or None, the states at every 64-token chunk start [max(NT, 1), H, K, V] fp32 or None).
 
     plan: the 64-token plan of `chunk_kda` (its chunk numbering is the one of the returned states); the C-token
-    plan of the same offsets is built here. dtypes: `inter_dtypes`, (Q_d, W, K_r storage) and (unused here); U is
-    fp32 and M its bf16 split. The intermediates take TT·H·(3·K·2 + V·4 + C·4) bytes (bf16 inputs; 2.7 GB at the K3 shape, C = 32) and
+    plan of the same offsets is built here. dtypes: `inter_dtypes`, (Q_d, W, K_r storage) and (M storage); U is
+    fp32. The intermediates take TT·H·(3·K·2 + V·4 + C·4) bytes (bf16 inputs; 2.7 GB at the K3 shape, C = 32) and
     are freed on return.
     """
     TT, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
-    lo = dtypes[0]
+    lo, hi = dtypes
     o = torch.empty(TT, H, V, dtype=v.dtype, device=dev)
     ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
     hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=torch.float32, device=dev) if want_hs else None
@@ -260,7 +241,7 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     qd = torch.empty(TT, H, K, dtype=lo, device=dev)
     W, kr = torch.empty_like(qd), torch.empty_like(qd)
     U = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
-    M = torch.empty(TT, H, 2 * C, dtype=torch.bfloat16, device=dev)
+    M = torch.empty(TT, H, C, dtype=hi, device=dev)
     gc = torch.empty(max(plan_c.NT, 1), H, K, dtype=torch.float32, device=dev)
     if plan_c.NT > 0:
         args = (q, k, v, z, b, A_log, dt_bias, plan_c.cu, plan_c.chunk_idx, qd, W, kr, U, M, gc, scale)
