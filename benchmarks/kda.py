@@ -124,7 +124,7 @@ def reference_fn(ins, cu):
 
 @contextlib.contextmanager
 def prefill_at_every_size():
-    """chunk_kda's inference forward in the 16-token kernels whatever the shape (`prefill_applies`), if TUNING["prefill"]
+    """chunk_kda's inference forward in its own kernels whatever the shape (`prefill_applies`), if TUNING["prefill"]
     is on: the accuracy checks run at small head counts, where chunk_kda would take the 64-token ones."""
     saved = triton_chunk.TUNING["prefill_min_programs"]
     triton_chunk.TUNING["prefill_min_programs"] = 0

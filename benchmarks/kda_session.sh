@@ -5,8 +5,8 @@
 # files come back from a device call). Pass the commit in (the GPU machine's .git copy can be stale):
 #     K3_GIT_SHA=$(git rev-parse HEAD) OUT=/tmp/out bash benchmarks/kda_session.sh [configs file]
 #     KDA_TESTS=1 OUT=/tmp/out bash benchmarks/kda_session.sh   # the KDA tests on the GPU, in a second call
-# Default configs: benchmarks/kda_next_configs.txt (docs/kda-kernels.md §8: the 32-token inference forward of
-# session 14 and launch settings not yet timed; prefill_state_bf16 is timed but never picked). The state_bv 16
+# Default configs: benchmarks/kda_next_configs.txt (docs/kda-kernels.md §8: after session 15's 32-token inference
+# chunks, the 16-token form and the one-wave rule checked on this code; prefill_state_bf16 is timed but never picked). The state_bv 16
 # fault (an illegal address, reproducible in the T = 300 gate) goes under compute-sanitizer first.
 set -u
 OUT=${OUT:-benchmarks/results}

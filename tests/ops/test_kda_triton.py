@@ -532,6 +532,40 @@ def test_prefill_applies_with_enough_programs(dev, monkeypatch):
     assert prefills == []
 
 
+def test_prefill_chunk_32_while_the_state_pass_fits_one_wave(dev, monkeypatch):
+    """32-token chunks while the state pass's (value block, sequence, head) programs fit in one wave (latency-bound:
+    half the sequential steps), 16 beyond (throughput-bound); `prefill_chunk` 16 always 16, anything else refused.
+    The inference forward launches the prepare twice (two halves) at 32 and once at 16."""
+    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import triton_prefill as tp
+    from k3.ops.kda.triton_common import plan_for
+
+    device = torch.device(dev)
+    plan = plan_for((0, 100, 300), device, 64)  # N = 2
+    monkeypatch.setitem(tc.TUNING, "prefill_chunk32_max_programs", 8)
+    assert tp.prefill_chunk_for(plan, 2, 128, device) == 32  # 2 · 2 · 128/64 = 8 programs
+    assert tp.prefill_chunk_for(plan, 3, 128, device) == 16  # 12
+    monkeypatch.setitem(tc.TUNING, "prefill_chunk32_max_programs", None)  # two per SM
+    assert tp.prefill_chunk_for(plan, 2 * tp._sm_count(device), 64, device) == 16
+    assert tp.prefill_chunk_for(plan, tp._sm_count(device), 64, device) == 32
+    monkeypatch.setitem(tc.TUNING, "prefill_chunk", 16)
+    assert tp.prefill_chunk_for(plan, 2, 128, device) == 16
+    monkeypatch.setitem(tc.TUNING, "prefill_chunk", 64)
+    with pytest.raises(ValueError, match="16 or 32"):
+        tp.prefill_chunk_for(plan, 2, 128, device)
+    monkeypatch.setitem(tc.TUNING, "prefill_chunk", 32)
+    halves = []
+    prepare = tp._prefill_prepare
+    monkeypatch.setattr(tp, "_prefill_prepare", type("Spy", (), {"__getitem__": lambda self, grid: (
+        lambda *a, **k: halves.append(k["HALF"]) or prepare[grid](*a, **k))})())
+    inputs = make_raw(2, 20, 2, 32, 64, seed=57)  # N·H = 4 programs
+    for limit, want in ((4, [1, 2]), (3, [0])):
+        monkeypatch.setitem(tc.TUNING, "prefill_chunk32_max_programs", limit)
+        halves.clear()
+        _check_forward(_infer(inputs, dev), reference(*inputs), torch.bfloat16, limit)
+        assert halves == want, limit
+
+
 @pytest.mark.parametrize("prefill", [True, False])
 def test_saved_intermediates_only_when_a_backward_follows(dev, monkeypatch, prefill):
     """No grad mode or no input that requires grad: nothing extra is computed or kept. With `prefill` (the default)

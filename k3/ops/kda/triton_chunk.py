@@ -961,7 +961,7 @@ def chunk_kda(
     cu_seqlens_host: the same offsets as host ints when the caller has them (`SequenceLayout.offsets`):
     planning then never reads `cu_seqlens` back from the GPU (a sync per call).
     all_bf16 / state_bf16 select the faster, less accurate variants measured in docs/kda-kernels.md.
-    When no backward can follow, the forward runs the 16-token inference kernels (`triton_prefill`, docs §9) if
+    When no backward can follow, the forward runs the 32- or 16-token inference kernels (`triton_prefill`, docs §9) if
     `prefill_applies` (enough programs to fill the GPU), else the 64-token ones; both return the same things.
 
     save_intermediates (the model's `kda_save_intermediates`) trades memory for
@@ -1019,7 +1019,7 @@ def chunk_kda(
     keep = bool(save_intermediates) and training
     raw = (flat(q), flat(k), flat(v), flat(z), flat(beta_logits), A_log.contiguous(), dt_bias.reshape(-1).contiguous())
     dtypes = inter_dtypes(q.dtype, all_bf16)
-    if not training and prefill_applies(plan, H, V):  # the inference forward in 16-token chunks (docs §9)
+    if not training and prefill_applies(plan, H, V):  # the inference forward in 32- or 16-token chunks (docs §9)
         o, ht, hs = prefill_forward(*raw, float(gate_lower_bound), scale, h0, plan, output_final_state,
                                     return_chunk_states, dtypes, state_bf16)
     else:

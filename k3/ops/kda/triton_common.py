@@ -1,5 +1,5 @@
 """Shared by the chunked KDA kernels (`triton_chunk.py`, 64-token chunks, training and prefill; `triton_prefill.py`,
-16-token chunks, the inference forward): launch settings, device helpers, the chunk plan.
+32- and 16-token chunks, the inference forward): launch settings, device helpers, the chunk plan.
 
 The numerics of the helpers (round-to-nearest casts, split-bf16 products, flush-to-zero exps) are described in
 docs/kda-kernels.md §4; the launch settings' measurements beside each entry of TUNING.
@@ -85,6 +85,9 @@ TUNING = {
     # 2.02 ms, at H = 64 1.44 against 1.56 (session 15 run 3; `_prefill_prepare32`, one program per 32-token chunk
     # with two anchors, 2.64 ms: run 2)
     "prefill_chunk": 32,
+    # ... 32 only while the state pass fits in one wave of this many programs (None: two per SM), else 16
+    # (`prefill_chunk_for`: many programs are throughput-bound, where the 16-token chunks win)
+    "prefill_chunk32_max_programs": None,
     # `_prefill_prepare`: 0.92 ms at the K3 shape uncapped (128 registers), 0.99 at 96 (session 14 run 3; before it
     # formed W and U, 96 registers won: 0.93 → 0.87, run 2)
     "prefill_prepare_warps": 4, "prefill_prepare_stages": None, "prefill_prepare_maxnreg": None,

@@ -29,6 +29,8 @@ Legend as in triton_chunk.py; here C = 32 or 16 and NT counts C-token chunks.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -214,6 +216,28 @@ def prefill_applies(plan, H: int, V: int) -> bool:
     return TUNING["prefill"] and plan.N * H * max(V // TUNING["prefill_state_bv"], 1) >= TUNING["prefill_min_programs"]
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def prefill_chunk_for(plan, H: int, V: int, device: torch.device) -> int:
+    """The inference forward's chunk: `TUNING["prefill_chunk"]` (32 by default) while the state pass's (value block,
+    sequence, head) programs fit in one wave, `TUNING["prefill_chunk32_max_programs"]` (None: two per SM, as many
+    as its registers allow); 16 beyond. One wave is latency-bound, and 32-token chunks halve its sequential steps
+    (K3 shape, 192 programs: 1.97 against 2.02 ms); several waves are throughput-bound, and there the 16-token
+    chunks' smaller products and the join they skip win (varlen 6 and 8 documents, 1152 and 1536 programs: 2.19
+    and 2.13 ms at 32 against 2.10 and 2.00 at 16; session 15 run 5, session 14 run 4)."""
+    C = TUNING["prefill_chunk"]
+    if C not in (16, 32):
+        raise ValueError(f"TUNING['prefill_chunk'] must be 16 or 32, got {C}")
+    limit = TUNING["prefill_chunk32_max_programs"]
+    if limit is None:
+        limit = 2 * _sm_count(device)
+    programs = plan.N * H * max(V // TUNING["prefill_state_bv"], 1)
+    return C if C == 16 or programs <= limit else 16
+
+
 def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes,
                     state_bf16=False):
     """The inference forward on flattened [TT, H, ·] inputs: (o [TT, H, V] in v's dtype, the final state
@@ -234,9 +258,7 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     interp = interpreting()
     BV = min(V, TUNING["prefill_state_bv"])
     state_bf16 = state_bf16 or TUNING["state_bf16"] or TUNING["prefill_state_bf16"]
-    C = TUNING["prefill_chunk"]
-    if C not in (16, 32):
-        raise ValueError(f"TUNING['prefill_chunk'] must be 16 or 32, got {C}")
+    C = prefill_chunk_for(plan, H, V, dev)
     plan_c = plan_for(plan.offsets, dev, C)
     qd = torch.empty(TT, H, K, dtype=lo, device=dev)
     W, kr = torch.empty_like(qd), torch.empty_like(qd)
