@@ -415,8 +415,8 @@ def _check_forward(out, ref, dtype, what=""):
 def test_prefill_forward_matches_fp64_recurrence(dev, monkeypatch, T):
     """The inference forward in 32-token chunks (`triton_prefill`, what chunk_kda runs when no backward can follow)
     against the fp64 recurrence, bf16 and fp32, at lengths around the 16-, 32- and 64-token chunk edges; and beside
-    the 64-token
-    inference forward (`prefill` off): fp32 inputs agree to 2e-5 in the interpreter (split-bf16 products in both)."""
+    the 64-token inference forward (`prefill` off): fp32 inputs agree to 2e-5 in the interpreter (split-bf16
+    products in both)."""
     from k3.ops.kda import triton_chunk as tc
 
     for dtype in (torch.bfloat16, torch.float32):
@@ -513,7 +513,7 @@ def test_prefill_forward_32_token_chunks(dev, monkeypatch):
 
 
 def test_prefill_applies_with_enough_programs(dev, monkeypatch):
-    """chunk_kda's inference forward is the 16-token one where its state pass has at least prefill_min_programs
+    """chunk_kda's inference forward is `triton_prefill`'s where its state pass has at least prefill_min_programs
     (value block, sequence, head) programs, else the 64-token one; a training forward never is."""
     from k3.ops.kda import triton_chunk as tc
 

@@ -1,6 +1,6 @@
 """`chunk_kda`: Triton kernels for chunked KDA on raw layer inputs (training and prefill), forward and backward.
 
-A forward that no backward can follow goes to `triton_prefill.py` (16-token chunks) where it fills the GPU
+A forward that no backward can follow goes to `triton_prefill.py` (32- or 16-token chunks) where it fills the GPU
 (`prefill_applies`); the kernels here serve training, and inference at few (value block, sequence, head) programs.
 Launch settings (`TUNING`), the shared device helpers and the chunk plan live in `triton_common.py`.
 

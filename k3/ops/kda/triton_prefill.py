@@ -47,29 +47,22 @@ def _store_rows(x, out, bos, L, i_h, row0, H, W: tl.constexpr, C: tl.constexpr, 
 
 
 @triton.jit
-def _rows16(q, k, z, b, A_log, dt_bias, bos, L, r0, i_h, scale, carry, H, K: tl.constexpr, G_MIN: tl.constexpr):
-    """The 16 rows at r0 of one document and head: (G continued from `carry`, q̂·scale, k̂, β, G at the last row)."""
-    g, _, _ = _gate_tile(z, A_log, dt_bias, bos, L, r0, 0, i_h, H, K, 16, K, G_MIN)
-    G = carry[None, :] + tl.cumsum(g, 0)
-    q_raw = tl.load(_bp(q, bos, L, i_h, r0, 0, H, K, 16, K), boundary_check=(0,), padding_option="zero")
-    k_raw = tl.load(_bp(k, bos, L, i_h, r0, 0, H, K, 16, K), boundary_check=(0,), padding_option="zero")
-    q_raw = q_raw.to(tl.float32)
-    k_raw = k_raw.to(tl.float32)
-    qh = q_raw * (scale / tl.sqrt(tl.sum(q_raw * q_raw, 1) + 1e-6))[:, None]
-    kh = k_raw * (1.0 / tl.sqrt(tl.sum(k_raw * k_raw, 1) + 1e-6))[:, None]
-    last = tl.sum(tl.where((tl.arange(0, 16) == 15)[:, None], G, 0.0), 0)
-    return G, qh, kh, _load_beta(b, bos, L, r0, i_h, H, 16), last
-
-
-@triton.jit
 def _block16(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: tl.constexpr, V: tl.constexpr,
              G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
     """The 16 rows at row0 as a chunk of their own (anchored at its start): (Q_d fp32, Q_d as the score operand,
     W, K_r, U (fp32), M, Γ_C). Rows past the document end have g = 0 and q̂ = k̂ = β = 0: their rows are zero."""
-    # G at the chunk's last row (g_end) is G at its last valid row (g = 0 past the document end)
-    G, qh, kh, beta, g_end = _rows16(q, k, z, b, A_log, dt_bias, bos, L, row0, i_h, scale,
-                                     tl.zeros([K], dtype=tl.float32), H, K, G_MIN)
+    g, _, _ = _gate_tile(z, A_log, dt_bias, bos, L, row0, 0, i_h, H, K, 16, K, G_MIN)
+    G = tl.cumsum(g, 0)
     r = tl.arange(0, 16)
+    # G at the chunk's last row (g_end) is G at its last valid row (g = 0 past the document end)
+    g_end = tl.sum(tl.where((r == 15)[:, None], G, 0.0), 0)
+    q_raw = tl.load(_bp(q, bos, L, i_h, row0, 0, H, K, 16, K), boundary_check=(0,), padding_option="zero")
+    k_raw = tl.load(_bp(k, bos, L, i_h, row0, 0, H, K, 16, K), boundary_check=(0,), padding_option="zero")
+    q_raw = q_raw.to(tl.float32)
+    k_raw = k_raw.to(tl.float32)
+    qh = q_raw * (scale / tl.sqrt(tl.sum(q_raw * q_raw, 1) + 1e-6))[:, None]
+    kh = k_raw * (1.0 / tl.sqrt(tl.sum(k_raw * k_raw, 1) + 1e-6))[:, None]
+    beta = _load_beta(b, bos, L, row0, i_h, H, 16)
     # G ∈ [−80, 0] (16 rows of g ≥ −5): every factor below is within e^±80; K_r = k̂⊙exp(−G)·Γ_C, one exp less
     gamma_end = _exp(g_end, INTERP)
     gamma = _exp(G, INTERP)
@@ -208,12 +201,17 @@ def _prefill_state(qd, w, kr, u, m_in, gc, h0, o, ht, hs, cu, chunk_off, hs_off,
         tl.store(ht + i_nh.to(tl.int64) * K * V + off_x, X)
 
 
+def _state_programs(plan, H: int, V: int) -> int:
+    """`_prefill_state`'s (value block, sequence, head) programs."""
+    return plan.N * H * max(V // TUNING["prefill_state_bv"], 1)
+
+
 def prefill_applies(plan, H: int, V: int) -> bool:
     """Whether these kernels are the faster inference forward here: their state pass walks each sequence in 2× (4×
     at 16-token chunks) the steps of the 64-token one with half its value blocks, so it needs enough (value block,
     sequence, head) programs to fill the GPU (session 14, 16-token chunks: 1.20-1.31× faster at 192 and 128
     programs, 0.64× at 64)."""
-    return TUNING["prefill"] and plan.N * H * max(V // TUNING["prefill_state_bv"], 1) >= TUNING["prefill_min_programs"]
+    return TUNING["prefill"] and _state_programs(plan, H, V) >= TUNING["prefill_min_programs"]
 
 
 @functools.cache
@@ -234,8 +232,7 @@ def prefill_chunk_for(plan, H: int, V: int, device: torch.device) -> int:
     limit = TUNING["prefill_chunk32_max_programs"]
     if limit is None:
         limit = 2 * _sm_count(device)
-    programs = plan.N * H * max(V // TUNING["prefill_state_bv"], 1)
-    return C if C == 16 or programs <= limit else 16
+    return C if C == 16 or _state_programs(plan, H, V) <= limit else 16
 
 
 def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes,
