@@ -42,6 +42,7 @@ import gc
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -49,12 +50,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from k3.config import get_preset
-from k3.model.accounting import account
-from k3.model.checkpointing import apply_activation_checkpointing
-from k3.model.model import build_model
-from k3.optim import MuonAdamW, cosine_schedule
-from k3.train.loop import TrainConfig, train_step
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere, as profile_step.py
+
+from k3.config import get_preset  # noqa: E402
+from k3.model.accounting import account  # noqa: E402
+from k3.model.checkpointing import apply_activation_checkpointing  # noqa: E402
+from k3.model.model import build_model  # noqa: E402
+from k3.optim import MuonAdamW, cosine_schedule  # noqa: E402
+from k3.train.loop import TrainConfig, train_step  # noqa: E402
 
 H200_BF16_PEAK = 989e12
 REFERENCE = dict(moe_impl="reference", attention_backend="reference", attn_res_impl="direct",

@@ -25,10 +25,11 @@ MoEImpl = Literal["auto", "reference", "grouped"]
 AttentionBackend = Literal["auto", "reference", "flash", "flex", "sdpa"]
 FusedOpImpl = Literal["auto", "reference", "triton"]
 LossImpl = Literal["auto", "reference", "chunked", "triton"]
+ResidualDtype = Literal["activation", "float32"]
 
 # Fields of ModelConfig that are k3 runtime choices, not part of the released schema.
 RUNTIME_FIELDS = ("kda_impl", "kda_chunk_size", "kda_save_intermediates", "mla_impl", "attn_res_impl", "moe_impl",
-                  "attention_backend", "situ_impl", "norm_impl", "loss_impl")
+                  "attention_backend", "situ_impl", "norm_impl", "loss_impl", "residual_dtype")
 
 # "auto" resolves to the fast path on CUDA and to the reference elsewhere (docs/fast-paths.md).
 RUNTIME_CHOICES = {
@@ -38,6 +39,7 @@ RUNTIME_CHOICES = {
     "situ_impl": ("auto", "reference", "triton"),
     "norm_impl": ("auto", "reference", "triton"),
     "loss_impl": ("auto", "reference", "chunked", "triton"),
+    "residual_dtype": ("activation", "float32"),
 }
 
 
@@ -162,6 +164,9 @@ class ModelConfig:
     norm_impl: FusedOpImpl = "auto"  # RMSNorm: autograd formula or fused Triton kernels
     # lm_head + cross-entropy: full logits, chunked, or chunked with the Triton row kernel (k3.ops.cross_entropy)
     loss_impl: LossImpl = "auto"
+    # AttnRes block representations and the partial sum (architecture.md §4.3): in the activation dtype (autocast's
+    # under autocast, else the embedding's), as the released code keeps them, or in fp32 (the embedding upcast)
+    residual_dtype: ResidualDtype = "activation"
 
     def __post_init__(self) -> None:
         self.validate()

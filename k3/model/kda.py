@@ -19,6 +19,7 @@ from torch import nn
 from k3.config import ModelConfig
 from k3.model.cache import KDAState
 from k3.model.norm import RMSNorm
+from k3.model.projections import fused_linears
 from k3.model.sequence import SequenceLayout
 from k3.ops import triton_runs_on
 from k3.ops.kda import naive_chunk_kda, naive_kda_gate, naive_recurrent_kda, torch_chunk_kda
@@ -146,22 +147,11 @@ class KimiDeltaAttention(nn.Module):
 
     def input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The six projections of x [B, T, D] — q, k, v, output gate (each [B, T, P]), β logits [B, T, H] and
-        the decay's low-rank input [B, T, K] — as one GEMM over the concatenated weights: one GEMM launch and
-        one cast of x instead of six each (the parameters stay apart, as the checkpoint names them). The
-        same function as the six `nn.Linear` calls."""
-        projections = (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.b_proj, self.f_a_proj)
-        device = x.device.type
-        # under autocast each weight is cast first: concatenating the fp32 masters would copy them in full
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        weights = [p.weight.to(dtype) for p in projections]
-        widths = [p.out_features for p in projections]
-        # zero rows so that the output's row stride is a multiple of 16 elements: Triton specialises integer
-        # arguments divisible by 16, and only then proves the slices' rows 16-byte aligned and loads them as
-        # vectors (the short conv, the gated norm and the KDA kernels read these slices in place)
-        pad = -sum(widths) % 16
-        if pad:
-            weights.append(weights[0].new_zeros(pad, weights[0].shape[1]))
-        return F.linear(x, torch.cat(weights)).split(widths + [pad], dim=-1)[:len(projections)]
+        the decay's low-rank input [B, T, K] — as one GEMM (`fused_linears`). Its output rows are padded to a
+        multiple of 16 elements: the short conv, the gated norm and the KDA kernels read these slices in place,
+        as 16-byte vectors only on aligned rows."""
+        return fused_linears(x, (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.b_proj, self.f_a_proj),
+                             row_multiple=16)
 
     def forward(self, x: torch.Tensor, layout: SequenceLayout, state: KDAState | None = None,
                 use_cache: bool = False) -> tuple[torch.Tensor, KDAState | None]:

@@ -125,7 +125,8 @@ class DecoderLayer(nn.Module):
             sealed = sealed + [partial]
             partial = None
         y = self.run_mixer(a, layout, cache, mla_max_logits)
-        partial = y if partial is None else partial + y
+        # a block's first output starts its partial sum in the stream's dtype (the embedding's: sealed[0])
+        partial = y.to(sealed[0].dtype) if partial is None else partial + y
         m = read(self.mlp_query(), sealed + [partial])
         return sealed, partial + self.ffn(m, router_infos)
 
@@ -144,9 +145,19 @@ class K3Model(nn.Module):
     def output_query(self) -> torch.Tensor:
         return pseudo_query(self.output_attn_res_norm.weight, self.output_attn_res_proj.weight)
 
+    def residual_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype of the block representations and partial sums (`config.residual_dtype`): every layer keeps
+        its input's, so the embedding's output sets it. In the activation dtype under autocast the norms, the
+        AttnRes reads and the engine's gradient sums move half the bytes of fp32 and no linear casts its input."""
+        if self.config.residual_dtype == "float32":  # fp64 models (the gradient checks) stay in fp64
+            return torch.promote_types(self.embed_tokens.weight.dtype, torch.float32)
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return self.embed_tokens.weight.dtype
+
     def forward(self, input_ids, layout, cache=None, router_infos=None, mla_max_logits=None):
         """input_ids [B, T] -> final normed hidden states [B, T, D]."""
-        h = self.embed_tokens(input_ids)
+        h = self.embed_tokens(input_ids).to(self.residual_dtype(input_ids.device))
         if self._two_phase():
             h = self._layers_two_phase(h, layout, cache, router_infos, mla_max_logits)
         else:
@@ -194,7 +205,7 @@ class K3Model(nn.Module):
                 read = block_reads(torch.stack(queries), sealed, fused)
                 block_start, block_len = i, len(block)
             y = layer.run_mixer(read(i - block_start, layer.attn_query(), partial), layout, cache, mla_max_logits)
-            partial = y if partial is None else partial + y
+            partial = y.to(sealed[0].dtype) if partial is None else partial + y
             m = read(block_len + i - block_start, layer.mlp_query(), partial)
             partial = partial + layer.ffn(m, router_infos)
         return read(2 * block_len, self.output_query(), partial)

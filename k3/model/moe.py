@@ -27,6 +27,7 @@ from torch import nn
 
 from k3.config import ModelConfig
 from k3.model.norm import RMSNorm
+from k3.model.projections import fused_linears
 from k3.model.quantile_balancing import route_topk_with_cutoff
 from k3.ops.moe import grouped_latent_experts
 from k3.ops.situ import naive_situ_glu, situ_glu
@@ -50,7 +51,9 @@ class SiTUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = situ_glu if use_fast(self.impl, "triton", x) else naive_situ_glu
-        return self.down_proj(act(self.gate_proj(x), self.up_proj(x), self.beta1, self.beta2))
+        # gate and up as one GEMM; SiTU-GLU reads the two column slices in place
+        gate, up = fused_linears(x, (self.gate_proj, self.up_proj), row_multiple=16)
+        return self.down_proj(act(gate, up, self.beta1, self.beta2))
 
 
 class Router(nn.Module):
@@ -162,5 +165,5 @@ class StableLatentMoE(nn.Module):
             router_infos.append(RouterInfo(scores.detach(), cutoff.detach(), topk_idx))
         z = self.routed_expert_down_proj(h)  # [N, L]
         u = self.experts(z, topk_idx, weights)  # [N, L] fp32
-        routed = self.routed_expert_up_proj(self.routed_expert_norm(u).to(h.dtype))
+        routed = self.routed_expert_up_proj(self.routed_expert_norm(u, out_dtype=h.dtype))
         return (self.shared_experts(h) + routed).view(shape)

@@ -26,10 +26,11 @@ class RMSNorm(nn.Module):
         self.impl = impl
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The norm in x's dtype, or written directly in `out_dtype` (no separate cast pass and its backward)."""
         if _fast(self.impl, x):
-            return rms_norm_triton(x, self.weight, self.eps)
-        return naive_rms_norm(x, self.weight, self.eps)
+            return rms_norm_triton(x, self.weight, self.eps, out_dtype=out_dtype)
+        return naive_rms_norm(x, self.weight, self.eps, out_dtype=out_dtype)
 
     def gated(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """RMSNorm(x) ⊙ σ(gate), in gate's dtype; x and gate [..., dim]."""

@@ -24,15 +24,16 @@ except ImportError:
 
 
 def naive_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                   gate: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference: fp32 statistics (fp64 for fp64), result cast to x's dtype (gate's when gated)."""
+                   gate: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The reference: fp32 statistics (fp64 for fp64), result cast to x's dtype (gate's when gated), or to
+    `out_dtype` (ungated only)."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(compute)
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
         out = out * weight.to(compute)
     if gate is None:
-        return out.to(x.dtype)
+        return out.to(out_dtype or x.dtype)
     return (out * torch.sigmoid(gate.to(compute))).to(gate.dtype)
 
 
@@ -135,11 +136,11 @@ def rms_norm_backward_triton(x2, weight, rstd, dy2, gate2=None):
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, gate, eps):
+    def forward(ctx, x, weight, gate, eps, out_dtype):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
         g2 = gate.reshape(-1, shape[-1]).contiguous() if gate is not None else None
-        y, rstd = rms_norm_forward_triton(x2, weight, eps, g2, gate.dtype if gate is not None else x.dtype)
+        y, rstd = rms_norm_forward_triton(x2, weight, eps, g2, gate.dtype if gate is not None else out_dtype)
         ctx.save_for_backward(x2, weight, rstd, g2)
         ctx.shape = shape
         return y.view(shape)
@@ -148,14 +149,17 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, dy):
         x2, weight, rstd, g2 = ctx.saved_tensors
         dx, dw, dg = rms_norm_backward_triton(x2, weight, rstd, dy.reshape(x2.shape).contiguous(), g2)
-        return dx.view(ctx.shape), dw, (dg.view(ctx.shape) if dg is not None else None), None
+        return dx.view(ctx.shape), dw, (dg.view(ctx.shape) if dg is not None else None), None, None
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None):
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None):
     """Fused (gated) RMSNorm, same contract as `naive_rms_norm` with a weight; x [..., D], gate like x."""
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
-    return _RMSNorm.apply(x, weight, gate, eps)
+    if gate is not None and out_dtype is not None:
+        raise ValueError("a gated norm returns the gate's dtype; out_dtype is for the ungated norm")
+    return _RMSNorm.apply(x, weight, gate, eps, out_dtype or x.dtype)
 
 
 def fused_norm_available(x: torch.Tensor) -> bool:

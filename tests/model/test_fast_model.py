@@ -140,3 +140,62 @@ def test_kda_input_projections_under_autocast():
     for a, b in zip(fused, separate):
         assert a.dtype == b.dtype == torch.bfloat16
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+
+
+def _stream_dtypes(model, **kwargs):
+    """The dtypes of every layer's (sealed sources, partial sum) in one forward + backward."""
+    seen = []
+
+    def hook(module, args, output):
+        sealed, partial = output
+        seen.append({t.dtype for t in sealed} | {partial.dtype})
+
+    handles = [layer.register_forward_hook(hook) for layer in model.model.layers]
+    try:
+        out = model(ids(), cu_seqlens=CU, labels=ids(), **kwargs)
+        out.loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return seen, out.loss.detach()
+
+
+@pytest.mark.parametrize("residual", ["activation", "float32"])
+def test_residual_stream_dtype_under_autocast(residual):
+    """Under bf16 autocast the block representations and partial sums are bf16 ("activation", the released
+    code's choice, architecture.md §4.3) or fp32 ("float32"); every parameter gradient stays fp32 and finite, and
+    the two losses agree to bf16 precision. Without autocast the stream is the model's dtype, fp64 included."""
+    config = CONFIG.replace(residual_dtype=residual)
+    model = build_model(config, seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        seen, loss = _stream_dtypes(model)
+    want = torch.bfloat16 if residual == "activation" else torch.float32
+    assert all(s == {want} for s in seen), seen
+    assert all(p.grad is None or (p.grad.dtype == torch.float32 and p.grad.isfinite().all())
+               for p in model.parameters())
+    reference = build_model(CONFIG.replace(residual_dtype="float32"), seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss_ref = _stream_dtypes(reference)
+    assert abs(loss.item() - loss_ref.item()) <= 1e-2 * abs(loss_ref.item())
+    for dtype in (torch.float32, torch.float64):
+        seen, _ = _stream_dtypes(build_model(config, seed=0, dtype=dtype))
+        assert all(s == {dtype} for s in seen), (dtype, seen)
+
+
+def test_situ_mlp_gate_and_up_as_one_gemm():
+    """The SiTU MLP's gate and up projections from one GEMM equal the two linears (fp64, output and the
+    gradients of x and every weight ≤ 1e-12), for the reference SiTU-GLU that reads the column slices."""
+    from k3.model.moe import SiTUMLP
+    from k3.ops.situ import naive_situ_glu
+
+    mlp = SiTUMLP(24, 40, 4.0, 25.0, impl="reference").double()
+    x = torch.randn(3, 7, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    dy = torch.randn(3, 7, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    params = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+    results = []
+    for run in (mlp, lambda xx: mlp.down_proj(naive_situ_glu(mlp.gate_proj(xx), mlp.up_proj(xx), 4.0, 25.0))):
+        xx = x.clone().requires_grad_()
+        out = run(xx)
+        results.append([out, *torch.autograd.grad(out, [xx, *params], dy)])
+    for fused, separate in zip(*results):
+        torch.testing.assert_close(fused, separate, rtol=0, atol=1e-12)

@@ -63,3 +63,12 @@ def test_gated_rms_norm_reference():
     torch.testing.assert_close(norm.gated(x, gate), expected, atol=1e-15, rtol=0)
     # the gated output takes the gate's dtype (KDA's output-gate activation dtype)
     assert gated_rms_norm(x.float(), norm.weight.float(), gate.bfloat16(), 1e-5).dtype == torch.bfloat16
+
+
+def test_rms_norm_out_dtype_reference():
+    """The reference norm written in another dtype is the norm rounded once; a gated norm keeps the gate's."""
+    x = torch.randn(4, 9, 32, dtype=torch.float64)
+    norm = RMSNorm(32).double()
+    out = norm(x.float(), out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, norm(x.float()).to(torch.bfloat16), atol=0, rtol=0)

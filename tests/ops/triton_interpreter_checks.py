@@ -168,6 +168,25 @@ def norm(dtype, D, gated):
         check(tag + " dgate", gt.grad, gr.grad, dtype)
 
 
+def norm_out_dtype(D):
+    """fp32 x written as bf16 by the norm itself (the routed experts' latent norm): as the reference rounded once."""
+    g = torch.Generator().manual_seed(D + 1)
+    x = torch.randn(5, 11, D, generator=g, dtype=torch.float64) * 3
+    w = 1 + 0.2 * torch.randn(D, generator=g, dtype=torch.float64)
+    xr, wr = leaf(x), leaf(w)
+    ref = naive_rms_norm(xr, wr, 1e-5)
+    dy = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    ref.backward(dy)
+    xt, wt = leaf(x, torch.float32), leaf(w, torch.float32)
+    out = rms_norm_triton(xt, wt, 1e-5, out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    out.backward(dy.to(out.dtype))
+    assert xt.grad.dtype == torch.float32
+    check(f"rmsnorm fp32 -> bf16 D={D} forward", out, ref, torch.bfloat16)
+    check(f"rmsnorm fp32 -> bf16 D={D} dx", xt.grad, xr.grad, torch.bfloat16)
+    check(f"rmsnorm fp32 -> bf16 D={D} dw", wt.grad, wr.grad, torch.bfloat16)
+
+
 def attn_res(dtype, n, D):
     g = torch.Generator().manual_seed(10 * n + D)
     # sources of very different scales (the keys are RMS-normalised, the values are not)
@@ -338,6 +357,7 @@ for dtype in (torch.float32, torch.bfloat16):
     sum_rows(dtype)
     for D, gated in ((96, False), (130, True), (64, True)):
         norm(dtype, D, gated)
+norm_out_dtype(96)
 for n, D in ((2, 80), (3, 100), (5, 64)):
     attn_res(torch.float32, n, D)
 attn_res(torch.bfloat16, 4, 96)
