@@ -18,6 +18,8 @@ Both forms have fused Triton kernels (`k3.ops.attn_res`) that never stack the so
   (`two_phase_fits`), else in torch; it refuses layers checkpointed with `apply_activation_checkpointing`
   (the checkpoint wraps one layer of the direct wiring) while a backward can follow;
 - "auto": the fused direct read on CUDA, the direct form in torch elsewhere.
+Under the fused direct read each sealed source is `seal`ed: the reads' backward kernels add its gradient into
+one buffer, where the autograd engine would add one gradient per read.
 The fused two-phase form reads each sealed source once per block forward and writes one gradient per source
 and block, where the direct read touches it once per read and the autograd engine sums one gradient per read;
 on the H200 it was no faster (docs/fast-paths.md, session 10), so "auto" keeps the direct read.
@@ -28,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from k3.ops.attn_res import (attn_res_merge_triton, attn_res_phase1_triton, attn_res_read_triton,
-                             fused_attn_res_available, two_phase_fits)
+                             fused_attn_res_available, seal_source, two_phase_fits)
 
 EPS = 1e-5
 
@@ -91,6 +93,12 @@ def select_read(impl: str, x: torch.Tensor):
     if impl == "triton" or (impl == "auto" and fused_attn_res_available(x)):
         return attn_res_read_triton
     return attn_res_read
+
+
+def seal(source: torch.Tensor, read) -> torch.Tensor:
+    """A finished block (or the embedding) as a source of the later reads. Under the fused read its gradient is
+    summed inside the reads' backward kernels (`k3.ops.attn_res.seal_source`), not by the autograd engine."""
+    return seal_source(source) if read is attn_res_read_triton else source
 
 
 def fused_two_phase_available(x: torch.Tensor, num_queries: int) -> bool:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from k3.config import ModelConfig
-from k3.model.attn_res import block_reads, fused_two_phase_available, pseudo_query, select_read
+from k3.model.attn_res import block_reads, fused_two_phase_available, pseudo_query, seal, select_read
 from k3.model.cache import K3Cache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
@@ -122,7 +122,7 @@ class DecoderLayer(nn.Module):
         a = partial if not sealed else read(self.attn_query(), sealed + [partial])
         if self.layer_idx % self.attn_res_block_size == 0:
             # seal before the mixer runs: the finished block (or the embedding) becomes a source
-            sealed = sealed + [partial]
+            sealed = sealed + [seal(partial, read)]
             partial = None
         y = self.run_mixer(a, layout, cache, mla_max_logits)
         # a block's first output starts its partial sum in the stream's dtype (the embedding's: sealed[0])

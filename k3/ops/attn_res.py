@@ -87,8 +87,9 @@ if triton is not None:
 
     @triton.jit
     def _ar_bwd_kernel(srcs, dsrcs, W, DOUT, LSE, DW_PART, N, D, eps, NS: tl.constexpr, NS_PAD: tl.constexpr,
-                       ITERS: tl.constexpr,
+                       ITERS: tl.constexpr, ACCUMULATE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        # ACCUMULATE: bit i set -> dsrcs[i] already holds other reads' gradient of source i; add to it
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
         cmask = cols < D
@@ -127,6 +128,12 @@ if triton is not None:
                 v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
                 ds = a * (da - c)
                 dv = a[:, None] * dout + ds[:, None] * (r[:, None] * w[None, :] - (dot * r * r * r / D)[:, None] * v)
+                if (ACCUMULATE >> i) & 1:  # the sum in fp32, or in the buffer's fp64
+                    prev = tl.load(dsrcs[i] + offs, mask=mask, other=0.0)
+                    if prev.dtype == tl.float64:
+                        dv = dv.to(tl.float64) + prev
+                    else:
+                        dv += prev.to(tl.float32)
                 tl.store(dsrcs[i] + offs, dv.to(dsrcs[i].dtype.element_ty), mask=mask)
                 dw += tl.sum((ds * r)[:, None] * v, axis=0)
         tl.store(DW_PART + pid * D + cols, dw, mask=cmask)
@@ -259,6 +266,54 @@ def _blocks(D: int) -> tuple[int, int]:
     return max(1, min(16, 2048 // block_d)), block_d
 
 
+class ReadGradientSink:
+    """The gradient of one sealed AttnRes source, summed by the fused reads' backward kernels themselves.
+
+    A sealed block is a source of every later read (up to two per layer). Left to autograd, each read's backward
+    writes one gradient per source and the engine adds them up: per read and source one write plus an add that
+    reads two tensors and writes one. With a sink the first read (in backward order) writes the buffer and every
+    later one adds into it inside its kernel (one read and one write), and `_SealedSource` hands the sum to
+    autograd once all reads have run (the engine runs a node only after all of its consumers)."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self):
+        self.grad: torch.Tensor | None = None
+
+
+_SINK_ATTRIBUTE = "_attn_res_gradient_sink"
+
+
+class _SealedSource(torch.autograd.Function):
+    """Identity whose backward adds the sink's sum to whatever gradient other consumers sent."""
+
+    @staticmethod
+    def forward(ctx, source, sink):
+        ctx.sink, ctx.shape = sink, source.shape
+        ctx.set_materialize_grads(False)  # the reads send None: no zeros tensor for them
+        return source.view_as(source)
+
+    @staticmethod
+    def backward(ctx, grad):
+        summed, ctx.sink.grad = ctx.sink.grad, None  # the buffer is [N, D]; the source may be [B, T, D]
+        if summed is None:
+            return grad, None
+        summed = summed.view(ctx.shape)
+        return (summed if grad is None else grad + summed), None
+
+
+def seal_source(source: torch.Tensor) -> torch.Tensor:
+    """`source` as a sealed source of fused reads (`attn_res_read_triton`): the same values, whose gradient the
+    reads' backward kernels accumulate in one buffer (`ReadGradientSink`) instead of returning one per read.
+    Without a gradient to follow it is `source` itself."""
+    if not (torch.is_grad_enabled() and source.requires_grad):
+        return source
+    sink = ReadGradientSink()
+    sealed = _SealedSource.apply(source, sink)
+    setattr(sealed, _SINK_ATTRIBUTE, sink)
+    return sealed
+
+
 class _AttnResRead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w, eps, *sources):
@@ -275,6 +330,7 @@ class _AttnResRead(torch.autograd.Function):
                                                    num_warps=num_warps(BLOCK_M * BLOCK_D))
         ctx.save_for_backward(w32, lse, *flat)
         ctx.shape, ctx.eps, ctx.w_dtype = shape, eps, w.dtype
+        ctx.sinks = tuple(getattr(s, _SINK_ATTRIBUTE, None) for s in sources)
         return out.view(shape)
 
     @staticmethod
@@ -283,13 +339,29 @@ class _AttnResRead(torch.autograd.Function):
         N, D = flat[0].shape
         BLOCK_M, BLOCK_D = _blocks(D)
         P, iters = persistent_grid(N, BLOCK_M, w32.device)
-        dsrcs = tuple(torch.empty_like(s) for s in flat)
+        # a sealed source's gradient goes into its sink: the first read to run backward writes the buffer,
+        # the later ones add into it (bit i of `accumulate`)
+        dsrcs, accumulate = [], 0
+        for i, (s, sink) in enumerate(zip(flat, ctx.sinks)):
+            if sink is not None and sink.grad is not None:
+                dsrcs.append(sink.grad)
+                accumulate |= 1 << i
+            else:
+                dsrcs.append(torch.empty_like(s))
         part = torch.empty(P, D, dtype=torch.float32, device=w32.device)
-        _ar_bwd_kernel[(P,)](tuple(flat), dsrcs, w32, dout.reshape(N, D).contiguous(), lse, part, N, D,
+        _ar_bwd_kernel[(P,)](tuple(flat), tuple(dsrcs), w32, dout.reshape(N, D).contiguous(), lse, part, N, D,
                              float(ctx.eps), NS=len(flat), NS_PAD=triton.next_power_of_2(len(flat)), ITERS=iters,
-                             BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=num_warps(BLOCK_M * BLOCK_D))
+                             ACCUMULATE=accumulate, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
+                             num_warps=num_warps(BLOCK_M * BLOCK_D))
+        grads = []
+        for d, sink in zip(dsrcs, ctx.sinks):
+            if sink is None:
+                grads.append(d.view(ctx.shape))
+            else:
+                sink.grad = d
+                grads.append(None)
         dw = part.sum(0).to(ctx.w_dtype)
-        return (dw, None, *(d.view(ctx.shape) for d in dsrcs))
+        return (dw, None, *grads)
 
 
 def _two_phase_tiles(J: int, D: int) -> tuple[int, int, int]:

@@ -429,3 +429,30 @@ def test_wiring_choice(monkeypatch):
         monkeypatch.setattr(model_module, "fused_two_phase_available", lambda x, J: seen.append(J) or False)
         model(ids_of(1, 3, get_preset("debug").vocab_size, seed=1))
     assert seen == [4]
+
+
+def test_sealed_source_is_the_identity_for_any_consumer():
+    """`seal_source` (the fused reads' gradient sink) changes nothing for readers that return their gradients
+    to autograd (the torch reads, any other op): values, gradients and a second backward are exact; without a
+    gradient to follow it hands back the tensor itself. The fused kernels' side runs in the interpreter checks
+    (tests/ops/triton_interpreter_checks.py: attn_res_sealed, model_sealed_reads)."""
+    from k3.ops.attn_res import seal_source
+
+    g = torch.Generator().manual_seed(0)
+    blocks = [torch.randn(2, 3, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    w = torch.randn(8, generator=g, dtype=torch.float64)
+
+    def loss(seal):
+        sealed = [seal(b) for b in blocks]
+        return (attn_res_read(w, sealed) * 2 + sealed[1].sin()).sum() + attn_res_read(w, sealed[:2]).sum()
+
+    ref = torch.autograd.grad(loss(lambda t: t), blocks)
+    out = loss(seal_source)
+    first = torch.autograd.grad(out, blocks, retain_graph=True)
+    second = torch.autograd.grad(out, blocks)
+    for r, a, b in zip(ref, first, second):
+        assert torch.equal(r, a) and torch.equal(r, b)
+    with torch.no_grad():
+        assert seal_source(blocks[0]) is blocks[0]
+    plain = torch.randn(3)
+    assert seal_source(plain) is plain

@@ -241,6 +241,112 @@ def attn_res_two_phase(dtype, n, J, D):
     check(tag + " d merge queries", w.grad, r_w.grad, dtype, qtol)
 
 
+def attn_res_sealed(dtype, D=96):
+    """Sealed sources (`seal_source`) read by a chain of fused reads, as the model reads its blocks: their gradients
+    summed inside the reads' kernels (every later read adds into the first one's buffer) against the fp64 torch
+    reads, whose gradients autograd sums; a partial sum that is also used outside the reads, and a sealed source
+    with a second consumer of its own (its gradient = the engine's + the sink's)."""
+    from k3.ops import attn_res as ops_attn_res
+
+    g = torch.Generator().manual_seed(D)
+    blocks = [torch.randn(2, 5, D, generator=g, dtype=torch.float64) * (1 + i) for i in range(3)]
+    partial = torch.randn(2, 5, D, generator=g, dtype=torch.float64) * 2
+    queries = torch.randn(4, D, generator=g, dtype=torch.float64) * 0.5
+    douts = [torch.randn(2, 5, D, generator=g, dtype=torch.float64) for _ in range(4)]
+    masks = []
+    launch = ops_attn_res._ar_bwd_kernel
+
+    class Recording:  # the backward kernel's launches, to see that later reads accumulate
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                masks.append(kwargs["ACCUMULATE"])
+                return launch[grid](*args, **kwargs)
+            return run
+
+    def run(src_dtype, fused):
+        srcs, p = [leaf(b, src_dtype) for b in blocks], leaf(partial, src_dtype)
+        q = leaf(queries, torch.float32 if fused else torch.float64)
+        read = attn_res_read_triton if fused else attn_res_read
+        sealed = [ops_attn_res.seal_source(s) if fused else s for s in srcs]
+        outs = [read(q[0], sealed[:1] + [p]), read(q[1], sealed[:2] + [p]), read(q[2], sealed + [p]),
+                read(q[3], sealed[1:] + [p])]
+        total = sum((o.double() * d).sum() for o, d in zip(outs, douts))
+        total = total + (sealed[2].double() ** 2).sum() + (p.double() * 3).sum()  # consumers outside the reads
+        total.backward()
+        return outs, srcs, p, q
+
+    ref, r_srcs, r_p, r_q = run(torch.float64, False)
+    ops_attn_res._ar_bwd_kernel = Recording()
+    try:
+        out, srcs, p, q = run(dtype, True)
+    finally:
+        ops_attn_res._ar_bwd_kernel = launch
+    tag = f"attn_res sealed D={D}"
+    for j in range(4):
+        check(tag + f" out {j}", out[j], ref[j], dtype)
+    for i in range(3):
+        check(tag + f" d sealed {i}", srcs[i].grad, r_srcs[i].grad, dtype)
+    check(tag + " d partial", p.grad, r_p.grad, dtype)
+    check(tag + " d queries", q.grad, r_q.grad, dtype, 1e-5 if dtype == torch.float32 else None)
+    # backward order: read 3 (sealed 1, 2 new), 2 (0 new; 1, 2 add), 1 (0, 1 add), 0 (0 adds); the partial never
+    if masks != [0b000, 0b0110, 0b011, 0b01]:
+        failures.append(f"{tag}: accumulate masks {[bin(m) for m in masks]}")
+
+
+def model_sealed_reads():
+    """The debug model in fp64 with the fused direct reads (`attn_res_impl="triton"`; fp32 inside the kernels),
+    its sealed sources summing their gradients in the kernels, against (a) the torch reads: logits ≤ 2e-6, every
+    parameter gradient ≤ 5e-4 (the fused read's own fp32 rounding, amplified through five layers' backward:
+    1.6e-4 at most when written, with or without sealing; a wrong or missing term shows as 1e-2 or more) and
+    (b) the same fused reads with the engine summing per-read gradients: ≤ 1e-6 (only the order of the sums
+    differs), and (c) the sealed run under activation checkpointing: ≤ 1e-12."""
+    from k3.config import get_preset
+    from k3.model import model as model_module
+    from k3.model.checkpointing import apply_activation_checkpointing
+    from k3.model.model import build_model
+    from k3.ops import attn_res as ops_attn_res
+
+    config = get_preset("debug").replace(vision_config=None)
+    ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(6))
+    seal, sinks = model_module.seal, []
+
+    def counting_seal(source, read):  # the sealed run's sinks, to see that they were used
+        sealed = seal(source, read)
+        sinks.append(getattr(sealed, ops_attn_res._SINK_ATTRIBUTE, None))
+        return sealed
+
+    runs = {}
+    try:
+        for name, impl, sealing in (("torch", "direct", seal), ("fused", "triton", lambda s, r: s),
+                                    ("sealed", "triton", counting_seal), ("checkpointed", "triton", seal)):
+            model_module.seal = sealing
+            model = build_model(config.replace(attn_res_impl=impl), seed=4, dtype=torch.float64)
+            if name == "checkpointed":  # the recomputed layers seal again; the sums must still reach autograd
+                apply_activation_checkpointing(model)
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if pname.endswith("_res_proj.weight"):
+                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(pname))))
+            logits = model(ids).logits
+            torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, config.vocab_size),
+                                              ids[:, 1:].reshape(-1)).backward()
+            runs[name] = {"logits": logits,
+                          **{n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
+    finally:
+        model_module.seal = seal
+    if len(sinks) != 3 or any(s is None or s.grad is not None for s in sinks):  # 5 layers in blocks of 2
+        failures.append(f"model sealed reads: sinks {sinks} (expected 3, emptied by the backward)")
+    for key, ref in runs["torch"].items():
+        if key not in runs["sealed"]:
+            failures.append(f"model sealed reads: no gradient for {key}")
+        elif ref.abs().sum() > 0:
+            check(f"model sealed reads {key}", runs["sealed"][key], ref, torch.float32,
+                  2e-6 if key == "logits" else 5e-4)
+            check(f"model sealed vs unsealed {key}", runs["sealed"][key], runs["fused"][key], torch.float32, 1e-6)
+            check(f"model sealed, checkpointed {key}", runs["checkpointed"][key], runs["sealed"][key],
+                  torch.float32, 1e-12)
+
+
 def model_two_phase():
     """The debug model (5 layers in blocks of 2, random queries) in fp64 with the fused two-phase wiring (fp32
     inside the AttnRes kernels) against the direct wiring: logits ≤ 2e-6, every parameter gradient ≤ 5e-5 (the
@@ -361,6 +467,9 @@ norm_out_dtype(96)
 for n, D in ((2, 80), (3, 100), (5, 64)):
     attn_res(torch.float32, n, D)
 attn_res(torch.bfloat16, 4, 96)
+attn_res_sealed(torch.float32)
+attn_res_sealed(torch.bfloat16, 64)
+model_sealed_reads()
 # one sealed source (block 0), J not a power of two, D not a multiple of the 64-column chunks, K3's J = 25
 for n, J, D in ((1, 3, 64), (3, 5, 80), (4, 7, 96), (2, 25, 40)):
     attn_res_two_phase(torch.float32, n, J, D)
