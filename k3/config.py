@@ -24,17 +24,19 @@ AttnResImpl = Literal["auto", "direct", "two_phase", "triton"]
 MoEImpl = Literal["auto", "reference", "grouped"]
 AttentionBackend = Literal["auto", "reference", "flash", "flex", "sdpa"]
 FusedOpImpl = Literal["auto", "reference", "triton"]
+RouterImpl = Literal["auto", "reference", "split_bf16"]
 LossImpl = Literal["auto", "reference", "chunked", "triton"]
 ResidualDtype = Literal["activation", "float32"]
 
 # Fields of ModelConfig that are k3 runtime choices, not part of the released schema.
 RUNTIME_FIELDS = ("kda_impl", "kda_chunk_size", "kda_save_intermediates", "mla_impl", "attn_res_impl", "moe_impl",
-                  "attention_backend", "situ_impl", "norm_impl", "loss_impl", "residual_dtype")
+                  "router_impl", "attention_backend", "situ_impl", "norm_impl", "loss_impl", "residual_dtype")
 
 # "auto" resolves to the fast path on CUDA and to the reference elsewhere (docs/fast-paths.md).
 RUNTIME_CHOICES = {
     "attn_res_impl": ("auto", "direct", "two_phase", "triton"),
     "moe_impl": ("auto", "reference", "grouped"),
+    "router_impl": ("auto", "reference", "split_bf16"),
     "attention_backend": ("auto", "reference", "flash", "flex", "sdpa"),
     "situ_impl": ("auto", "reference", "triton"),
     "norm_impl": ("auto", "reference", "triton"),
@@ -159,6 +161,9 @@ class ModelConfig:
     # Triton read (the CUDA default under "auto"), or the two-phase form (fused Triton kernels where they fit)
     attn_res_impl: AttnResImpl = "auto"
     moe_impl: MoEImpl = "auto"  # reference: padded-batch dispatch; grouped: grouped GEMMs (k3.ops.moe)
+    # the router's fp32 logits: one fp32 GEMM, or bf16 GEMMs on the weight split in three (k3.ops.router; exact
+    # for bf16 inputs, the only ones it takes: "auto" splits on CUDA when the input is bf16)
+    router_impl: RouterImpl = "auto"
     attention_backend: AttentionBackend = "auto"  # MLA training/prefill attention (k3.ops.attention)
     situ_impl: FusedOpImpl = "auto"  # SiTU-GLU: autograd formula or fused Triton kernels
     norm_impl: FusedOpImpl = "auto"  # RMSNorm: autograd formula or fused Triton kernels

@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3.config import ModelConfig
@@ -30,6 +29,7 @@ from k3.model.norm import RMSNorm
 from k3.model.projections import fused_linears
 from k3.model.quantile_balancing import route_topk_with_cutoff
 from k3.ops.moe import grouped_latent_experts
+from k3.ops.router import router_logits_reference, split_router_applies, split_router_logits
 from k3.ops.situ import naive_situ_glu, situ_glu
 
 
@@ -59,16 +59,18 @@ class SiTUMLP(nn.Module):
 class Router(nn.Module):
     """`gate.weight` [E, D] and the selection-only bias buffer `gate.e_score_correction_bias` [E] (fp32)."""
 
-    def __init__(self, hidden_size: int, num_experts: int):
+    def __init__(self, hidden_size: int, num_experts: int, impl: str = "auto"):
         super().__init__()
+        self.impl = impl  # router_impl
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h [N, D] -> sigmoid scores [N, E] in fp32 (autocast off: it would run the GEMM in bf16)."""
-        compute = torch.float64 if h.dtype == torch.float64 else torch.float32
-        with torch.autocast(h.device.type, enabled=False):
-            return torch.sigmoid(F.linear(h.to(compute), self.weight.to(compute)))
+        """h [N, D] -> sigmoid scores [N, E] in fp32 (autocast off: it would run the GEMM in bf16). A bf16 h (under
+        autocast) and the fp32 weight give the fp32 logits from bf16 GEMMs on the split weight (k3.ops.router)."""
+        split = self.impl == "split_bf16" or (self.impl == "auto" and h.is_cuda and split_router_applies(h, self.weight))
+        logits = split_router_logits(h, self.weight) if split else router_logits_reference(h, self.weight)
+        return torch.sigmoid(logits)
 
 
 class LatentExperts(nn.Module):
@@ -138,7 +140,7 @@ class StableLatentMoE(nn.Module):
         self.top_k = config.num_experts_per_token
         self.renormalize = config.moe_renormalize
         self.routed_scaling_factor = config.routed_scaling_factor
-        self.gate = Router(D, config.num_experts)
+        self.gate = Router(D, config.num_experts, config.router_impl)
         self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
         self.experts = LatentExperts(config.num_experts, L, config.moe_intermediate_size, b1, b2, config.moe_impl)
         self.routed_expert_norm = RMSNorm(L, config.rms_norm_eps)

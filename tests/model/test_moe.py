@@ -253,3 +253,68 @@ def test_router_logits_fp32_for_bf16_input():
     ref = torch.sigmoid(h.float() @ moe.gate.weight.float().t())
     torch.testing.assert_close(scores, ref, atol=1e-6, rtol=1e-6)
     assert moe(h.view(1, 5, -1)).dtype == torch.bfloat16
+
+
+def test_split_bf16_is_exact_above_2_to_the_minus_110():
+    """Exact wherever the last part is still a normal bf16 (|x| ≥ 2^-110 ≈ 8e-34); below it only subnormal
+    residues are lost (absolute error < 2^-133)."""
+    from k3.ops.router import split_bf16
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, generator=g) * torch.logspace(-32, 37, 4096)
+    x[:3] = torch.tensor([0.0, -0.0, 2.0 ** -110])
+    parts = split_bf16(x)
+    assert all(p.dtype == torch.bfloat16 for p in parts)
+    assert torch.equal((parts[2].float() + parts[1].float()) + parts[0].float(), x)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3])
+def test_split_router_logits_are_the_fp32_gemm(scale):
+    """The split router (bf16 GEMMs on the weight's three bf16 parts) against fp64: logits and the weight gradient
+    at fp32 accuracy (≤ 1e-6 relative, the fp32 GEMM's own error is of that order), the input gradient at bf16
+    rounding (it is returned in bf16), each within 2x the fp32 reference path's error."""
+    from k3.ops.router import router_logits_reference, split_router_logits
+
+    g = torch.Generator().manual_seed(3)
+    h = (torch.randn(300, 96, generator=g) * 2).bfloat16()
+    w = torch.randn(24, 96, generator=g) * 0.05 * scale
+    dy = torch.randn(300, 24, generator=g, dtype=torch.float64)
+    ref_h, ref_w = h.double().requires_grad_(), w.double().requires_grad_()
+    ref = ref_h @ ref_w.t()
+    ref.backward(dy)
+    results = {}
+    for name, fn in (("split", split_router_logits), ("fp32", router_logits_reference)):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(hh, ww)
+        out.backward(dy.float())
+        assert out.dtype == torch.float32 and hh.grad.dtype == torch.bfloat16 and ww.grad.dtype == torch.float32
+        results[name] = [((a.double() - b).norm() / b.norm()).item()
+                         for a, b in ((out, ref), (ww.grad, ref_w.grad), (hh.grad, ref_h.grad))]
+    (logits, dw, dh), (logits32, dw32, dh32) = results["split"], results["fp32"]
+    assert logits <= 1e-6 and dw <= 1e-6 and dh <= 4e-3, results
+    assert logits <= 2 * logits32 + 1e-7 and dw <= 2 * dw32 + 1e-7 and dh <= 2 * dh32, results
+
+
+def test_router_impl_switch():
+    """"split_bf16" runs the split wherever asked; "auto" splits on CUDA only (the CPU reference elsewhere)."""
+    from k3.ops import router
+
+    calls = []
+    split = router.split_router_logits
+    moe_module = __import__("k3.model.moe", fromlist=["split_router_logits"])
+    original = moe_module.split_router_logits
+    moe_module.split_router_logits = lambda *a: calls.append(1) or split(*a)
+    try:
+        for impl, expect in (("auto", 0), ("reference", 0), ("split_bf16", 1)):
+            calls.clear()
+            moe = make_moe(seed=5, dtype=torch.float32)
+            moe.gate.impl = impl
+            h = random_h(7, seed=6).bfloat16()
+            scores = moe.gate(h)
+            assert len(calls) == expect and scores.dtype == torch.float32
+            torch.testing.assert_close(scores, torch.sigmoid(h.float() @ moe.gate.weight.float().t()),
+                                       atol=1e-6, rtol=1e-6)
+    finally:
+        moe_module.split_router_logits = original
+    with pytest.raises(ValueError, match="router_impl"):
+        get_preset("debug", router_impl="tf32")

@@ -1,0 +1,90 @@
+"""The MoE router's fp32 logits from bf16 tensor-core GEMMs: the fp32 weight split into three bf16 parts.
+
+Legend: N tokens, D model width, E experts.
+
+The router runs in fp32 (`k3.model.moe.Router`): logits = h W^T with W [E, D] the fp32 master weight. Its input
+h is the bf16 activation under autocast, so h is exact in bf16, and W splits exactly into three bf16 parts
+(fp32 keeps 24 significant bits, each round-to-nearest bf16 part takes at least 8 of them):
+
+    W = W0 + W1 + W2,   W0 = bf16(W),  W1 = bf16(W − W0),  W2 = W − W0 − W1   (exact)
+
+so h W^T = h W0^T + h W1^T + h W2^T, every product exact in fp32 and every sum an fp32 sum on the tensor cores:
+the fp32 GEMM's result up to the order of its additions, from one bf16 GEMM against [W0; W1; W2] ([3E, D]).
+On the H200 the fp32 GEMMs ran on the CUDA cores (no TF32 here: it would round W to 10 bits): 11.7 ms of a
+64K-token small-preset step for its 20 routers' forward and backward (docs/fast-paths.md, session 17).
+
+Backward, with G = dL/dlogits [N, E] fp32 split the same way (G = G0 + G1 + G2, exact):
+- dW = G^T h = Σ_j G_j^T h: one bf16 GEMM [3E, N] x [N, D], then the three [E, D] blocks summed (fp32-exact
+  products, as the forward);
+- dh = G W: returned in h's dtype (bf16), so terms below 2^-16 of the largest (G1 W1, G2 W0, G0 W2, ...) cannot
+  show: G0 W0 + G1 W0 + G0 W1 as one GEMM [G0 | G1 | G0] x [W0; W0; W1] with K = 3E.
+`router_logits_reference` is one fp32 GEMM; elsewhere than CUDA the bf16 GEMMs run as fp32 GEMMs on the bf16
+values (the same exact products and fp32 sums), so the split's algebra is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def router_logits_reference(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """h [N, D], weight [E, D] -> logits [N, E] in fp32 (fp64 for fp64 inputs), autocast off."""
+    compute = torch.float64 if h.dtype == torch.float64 else torch.float32
+    with torch.autocast(h.device.type, enabled=False):
+        return F.linear(h.to(compute), weight.to(compute))
+
+
+def split_router_applies(h: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The split computes the fp32 logits exactly only for bf16 inputs and an fp32 weight."""
+    return h.dtype == torch.bfloat16 and weight.dtype == torch.float32
+
+
+def split_router_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Same contract as `router_logits_reference` for bf16 h and fp32 weight: logits [N, E] fp32."""
+    if not split_router_applies(h, weight):
+        raise ValueError(f"the split router takes bf16 inputs and an fp32 weight, got {h.dtype} and {weight.dtype}")
+    if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1]:
+        raise ValueError(f"h [N, D] and weight [E, D] expected, got {tuple(h.shape)} and {tuple(weight.shape)}")
+    with torch.autocast(h.device.type, enabled=False):
+        return _SplitRouterLogits.apply(h, weight)
+
+
+def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 x -> three bf16 tensors whose fp32 sum is exactly x where |x| ≥ 2^-110 (below, the last part is a
+    subnormal and the error under 2^-133)."""
+    x0 = x.to(torch.bfloat16)
+    rest = x - x0.float()
+    x1 = rest.to(torch.bfloat16)
+    return x0, x1, (rest - x1.float()).to(torch.bfloat16)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """a @ b for bf16 operands, accumulated in fp32 and returned in `dtype` (rounded once): cuBLAS on CUDA;
+    elsewhere an fp32 GEMM on the bf16 values (exact products, fp32 sums: the same arithmetic)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32) if dtype == torch.float32 else (a @ b).to(dtype)
+    return (a.float() @ b.float()).to(dtype)
+
+
+class _SplitRouterLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight):
+        E = weight.shape[0]
+        y = _mm(h, torch.cat(split_bf16(weight)).t())  # [N, 3E]
+        ctx.save_for_backward(h, weight)
+        return (y[:, 2 * E:] + y[:, E:2 * E]) + y[:, :E]  # the small parts first
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight = ctx.saved_tensors
+        E = weight.shape[0]
+        g0, g1, g2 = split_bf16(grad.float().contiguous())
+        dh = dw = None
+        if ctx.needs_input_grad[0]:
+            w0, w1, _ = split_bf16(weight)
+            dh = _mm(torch.cat([g0, g1, g0], dim=1), torch.cat([w0, w0, w1]), h.dtype)
+        if ctx.needs_input_grad[1]:
+            parts = _mm(torch.cat([g0, g1, g2], dim=1).t(), h)  # [3E, D]
+            dw = (parts[2 * E:] + parts[E:2 * E]) + parts[:E]
+        return dh, dw
