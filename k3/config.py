@@ -24,7 +24,7 @@ AttnResImpl = Literal["auto", "direct", "two_phase", "triton"]
 MoEImpl = Literal["auto", "reference", "grouped"]
 AttentionBackend = Literal["auto", "reference", "flash", "flex", "sdpa"]
 FusedOpImpl = Literal["auto", "reference", "triton"]
-RouterImpl = Literal["auto", "reference", "split_bf16"]
+RouterImpl = Literal["auto", "reference", "fast"]
 LossImpl = Literal["auto", "reference", "chunked", "triton"]
 ResidualDtype = Literal["activation", "float32"]
 
@@ -36,7 +36,7 @@ RUNTIME_FIELDS = ("kda_impl", "kda_chunk_size", "kda_save_intermediates", "mla_i
 RUNTIME_CHOICES = {
     "attn_res_impl": ("auto", "direct", "two_phase", "triton"),
     "moe_impl": ("auto", "reference", "grouped"),
-    "router_impl": ("auto", "reference", "split_bf16"),
+    "router_impl": ("auto", "reference", "fast"),
     "attention_backend": ("auto", "reference", "flash", "flex", "sdpa"),
     "situ_impl": ("auto", "reference", "triton"),
     "norm_impl": ("auto", "reference", "triton"),
@@ -161,8 +161,8 @@ class ModelConfig:
     # Triton read (the CUDA default under "auto"), or the two-phase form (fused Triton kernels where they fit)
     attn_res_impl: AttnResImpl = "auto"
     moe_impl: MoEImpl = "auto"  # reference: padded-batch dispatch; grouped: grouped GEMMs (k3.ops.moe)
-    # the router's fp32 logits: one fp32 GEMM, or bf16 GEMMs on the weight split in three (k3.ops.router; exact
-    # for bf16 inputs, the only ones it takes: "auto" splits on CUDA when the input is bf16)
+    # routing (k3.ops.router): reference = one fp32 GEMM for the logits and torch.topk; fast = the fp32 logits from
+    # bf16 GEMMs on the weight split in three (exact; for bf16 inputs) and the top-k + cutoff in one Triton kernel
     router_impl: RouterImpl = "auto"
     attention_backend: AttentionBackend = "auto"  # MLA training/prefill attention (k3.ops.attention)
     situ_impl: FusedOpImpl = "auto"  # SiTU-GLU: autograd formula or fused Triton kernels

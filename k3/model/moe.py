@@ -68,9 +68,12 @@ class Router(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h [N, D] -> sigmoid scores [N, E] in fp32 (autocast off: it would run the GEMM in bf16). A bf16 h (under
         autocast) and the fp32 weight give the fp32 logits from bf16 GEMMs on the split weight (k3.ops.router)."""
-        split = self.impl == "split_bf16" or (self.impl == "auto" and h.is_cuda and split_router_applies(h, self.weight))
+        split = self.fast(h) and split_router_applies(h, self.weight)
         logits = split_router_logits(h, self.weight) if split else router_logits_reference(h, self.weight)
         return torch.sigmoid(logits)
+
+    def fast(self, x: torch.Tensor) -> bool:
+        return use_fast(self.impl, "fast", x)
 
 
 class LatentExperts(nn.Module):
@@ -152,7 +155,7 @@ class StableLatentMoE(nn.Module):
         """h [N, D] -> (scores [N, E], topk_idx [N, k], weights [N, k], cutoff [N])."""
         scores = self.gate(h)
         bias = self.gate.e_score_correction_bias.to(scores.dtype)
-        topk_idx, cutoff = route_topk_with_cutoff(scores.detach(), bias, self.top_k)
+        topk_idx, cutoff = route_topk_with_cutoff(scores.detach(), bias, self.top_k, fused=self.gate.fast(h))
         weights = scores.gather(1, topk_idx)  # unbiased: the bias only selects
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

@@ -22,6 +22,8 @@ Legend: N routed tokens, E experts, B histogram bins, k experts per token.
 import torch
 from torch import Tensor
 
+from k3.ops.router import topk_kernel_applies, topk_with_cutoff_triton
+
 
 def _check_scores(scores: Tensor, cutoff: Tensor | None = None, token_mask: Tensor | None = None) -> None:
     if scores.dim() != 2:
@@ -46,16 +48,20 @@ def _check_top_k(top_k: int, num_experts: int) -> None:
         raise ValueError(f"QB needs more experts than top_k (E={num_experts}, k={top_k})")
 
 
-def route_topk_with_cutoff(scores: Tensor, bias: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+def route_topk_with_cutoff(scores: Tensor, bias: Tensor, top_k: int, fused: bool = False) -> tuple[Tensor, Tensor]:
     """Route each token to the top-k of s + b and return its cutoff α (the (k+1)-th biased value).
 
     scores [N, E] fp32 sigmoid router scores; bias [E] fp32.
     Returns topk_idx [N, k] int64 (descending biased score) and cutoff [N] (detached, dtype of s + b).
+    `fused`: one Triton kernel where it runs (k3.ops.router; exact ties go to the lower expert index), else
+    torch.topk.
     """
     _check_scores(scores)
     if tuple(bias.shape) != (scores.shape[1],):
         raise ValueError(f"bias must be [E] = [{scores.shape[1]}], got shape {tuple(bias.shape)}")
     _check_top_k(top_k, scores.shape[1])
+    if fused and topk_kernel_applies(scores) and bias.dtype == torch.float32:
+        return topk_with_cutoff_triton(scores.detach(), bias, top_k)
     vals, idx = torch.topk(scores + bias, top_k + 1, dim=-1)  # [N, k+1]
     # the cutoff only feeds the balancer; it must not carry the router's graph
     return idx[:, :top_k], vals[:, top_k].detach()

@@ -20,12 +20,27 @@ Backward, with G = dL/dlogits [N, E] fp32 split the same way (G = G0 + G1 + G2, 
   show: G0 W0 + G1 W0 + G0 W1 as one GEMM [G0 | G1 | G0] x [W0; W0; W1] with K = 3E.
 `router_logits_reference` is one fp32 GEMM; elsewhere than CUDA the bf16 GEMMs run as fp32 GEMMs on the bf16
 values (the same exact products and fp32 sums), so the split's algebra is tested on CPU.
+
+Selection (`topk_with_cutoff_triton`): the top-k of s + b per token and the (k+1)-th value (Quantile Balancing's
+cutoff), one Triton program per block of rows with the whole row of E biased scores in registers: k + 1 rounds
+of (max, lowest index attaining it, mask it out). `torch.topk` over [N, E] with E = 64 took 5.8 ms of a 64K-token
+small-preset step for 20 layers (0.29 ms a call for 16 MB read). Same values as torch.topk; among exactly equal
+values the lower expert index comes first (torch.topk leaves that order unspecified); NaN ranks highest, as
+in torch.topk, so every index is a valid expert (a NaN cutoff comes back as +inf; such a step is skipped).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from k3.ops import triton_runs_on
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: torch.topk
+    triton = None
 
 
 def router_logits_reference(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -88,3 +103,48 @@ class _SplitRouterLogits(torch.autograd.Function):
             parts = _mm(torch.cat([g0, g1, g2], dim=1).t(), h)  # [3E, D]
             dw = (parts[2 * E:] + parts[E:2 * E]) + parts[:E]
         return dh, dw
+
+
+if triton is not None:
+
+    @triton.jit
+    def _topk_cutoff_kernel(S, BIAS, IDX, CUT, N, E, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_E: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, BLOCK_E)
+        rmask = rows < N
+        cmask = cols < E
+        s = tl.load(S + rows[:, None].to(tl.int64) * E + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                    other=0.0)
+        s = s + tl.load(BIAS + cols, mask=cmask, other=0.0)[None, :]
+        s = tl.where(s != s, float("inf"), s)  # NaN ranks highest, as in torch.topk
+        s = tl.where(cmask[None, :], s, float("-inf"))
+        for j in tl.static_range(K + 1):
+            best = tl.max(s, axis=1)
+            pick = tl.min(tl.where(s == best[:, None], cols[None, :], BLOCK_E), axis=1)
+            if j < K:
+                tl.store(IDX + rows.to(tl.int64) * K + j, pick.to(tl.int64), mask=rmask)
+                s = tl.where(cols[None, :] == pick[:, None], float("-inf"), s)
+            else:
+                tl.store(CUT + rows, best, mask=rmask)
+
+
+def topk_with_cutoff_triton(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [N, E] fp32, bias [E] fp32 -> (top-k expert ids of scores + bias [N, k] int64 by descending value,
+    the (k+1)-th value [N] fp32). Needs k < E (checked by the caller) and E ≤ 4096."""
+    N, E = scores.shape
+    if E > 4096:
+        raise ValueError(f"the top-k kernel holds a row of at most 4096 experts, got {E}")
+    scores, bias = scores.float().contiguous(), bias.float().contiguous()
+    idx = torch.empty(N, k, dtype=torch.int64, device=scores.device)
+    cutoff = torch.empty(N, dtype=torch.float32, device=scores.device)
+    BLOCK_E = triton.next_power_of_2(E)
+    BLOCK_N = max(1, min(64, 2048 // BLOCK_E))
+    _topk_cutoff_kernel[(triton.cdiv(N, BLOCK_N),)](scores, bias, idx, cutoff, N, E, K=k, BLOCK_N=BLOCK_N,
+                                                    BLOCK_E=BLOCK_E, num_warps=4)
+    return idx, cutoff
+
+
+def topk_kernel_applies(scores: torch.Tensor) -> bool:
+    return (triton is not None and triton_runs_on(scores) and scores.dtype == torch.float32
+            and scores.shape[-1] <= 4096)

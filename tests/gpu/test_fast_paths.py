@@ -453,3 +453,17 @@ def test_split_router_logits_full_shape(N, D, E):
         errors[name] = [rel(out, ref), rel(ww.grad, ref_w.grad), rel(hh.grad, ref_h.grad)]
     split, fp32 = errors["split"], errors["fp32"]
     assert split[0] <= 2 * fp32[0] + 1e-7 and split[1] <= 2 * fp32[1] + 1e-7 and split[2] <= 2 * fp32[2], errors
+
+
+@pytest.mark.parametrize("N,E,k", [(65536, 64, 8), (8192, 896, 16)])
+def test_topk_with_cutoff_full_shape(N, E, k):
+    """The fused top-k + cutoff against torch.topk on s + b at the small and K3 router shapes: same ids, the
+    same cutoff bits."""
+    from k3.ops.router import topk_with_cutoff_triton
+
+    g = torch.Generator(device="cuda").manual_seed(N + E)
+    scores = torch.sigmoid(torch.randn(N, E, device="cuda", generator=g))
+    bias = torch.randn(E, device="cuda", generator=g) * 0.05
+    idx, cutoff = topk_with_cutoff_triton(scores, bias, k)
+    vals, ref = torch.topk(scores + bias, k + 1, dim=-1)
+    assert torch.equal(idx, ref[:, :k]) and torch.equal(cutoff, vals[:, k])

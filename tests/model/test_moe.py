@@ -296,7 +296,7 @@ def test_split_router_logits_are_the_fp32_gemm(scale):
 
 
 def test_router_impl_switch():
-    """"split_bf16" runs the split wherever asked; "auto" splits on CUDA only (the CPU reference elsewhere)."""
+    """"fast" runs the split wherever asked; "auto" splits on CUDA only (the CPU reference elsewhere)."""
     from k3.ops import router
 
     calls = []
@@ -305,7 +305,7 @@ def test_router_impl_switch():
     original = moe_module.split_router_logits
     moe_module.split_router_logits = lambda *a: calls.append(1) or split(*a)
     try:
-        for impl, expect in (("auto", 0), ("reference", 0), ("split_bf16", 1)):
+        for impl, expect in (("auto", 0), ("reference", 0), ("fast", 1)):
             calls.clear()
             moe = make_moe(seed=5, dtype=torch.float32)
             moe.gate.impl = impl

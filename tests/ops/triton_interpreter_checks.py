@@ -347,6 +347,33 @@ def model_sealed_reads():
                   torch.float32, 1e-12)
 
 
+def topk_cutoff(N, E, k):
+    """The router's fused top-k + cutoff against torch.topk on s + b: the same ids (random scores have no ties)
+    and bit-identical cutoffs; a row of equal values takes the lowest ids; NaN scores rank first (as in
+    torch.topk), so no id is out of range."""
+    from k3.ops.router import topk_with_cutoff_triton
+
+    g = torch.Generator().manual_seed(N + E + k)
+    scores = torch.rand(N, E, generator=g)
+    bias = torch.randn(E, generator=g) * 0.1
+    scores[1] = 0.5  # all equal (with a zero bias below): ids 0..k-1
+    scores[2, [3, E - 1]] = float("nan")
+    b = bias.clone()
+    idx, cutoff = topk_with_cutoff_triton(scores, b * 0 if N == 3 else b, k)
+    used = b * 0 if N == 3 else b
+    vals, ref = torch.topk(scores + used, k + 1, dim=-1)
+    tag = f"topk+cutoff N={N} E={E} k={k}"
+    plain = [r for r in range(N) if r not in (1, 2)]
+    ok = (torch.equal(idx[plain], ref[plain, :k]) and torch.equal(cutoff[plain], vals[plain, k])
+          and int(idx.min()) >= 0 and int(idx.max()) < E
+          and torch.equal(idx[2, :2], torch.tensor([3, E - 1])[:k]))
+    if N == 3:
+        ok = ok and torch.equal(idx[1], torch.arange(k)) and cutoff[1].item() == 0.5
+    print(f"{'ok  ' if ok else 'FAIL'} {tag}")
+    if not ok:
+        failures.append(tag)
+
+
 def model_two_phase():
     """The debug model (5 layers in blocks of 2, random queries) in fp64 with the fused two-phase wiring (fp32
     inside the AttnRes kernels) against the direct wiring: logits ≤ 2e-6, every parameter gradient ≤ 5e-5 (the
@@ -470,6 +497,8 @@ attn_res(torch.bfloat16, 4, 96)
 attn_res_sealed(torch.float32)
 attn_res_sealed(torch.bfloat16, 64)
 model_sealed_reads()
+for N, E, k in ((3, 64, 8), (77, 64, 8), (9, 896, 16), (5, 10, 1)):
+    topk_cutoff(N, E, k)
 # one sealed source (block 0), J not a power of two, D not a multiple of the 64-column chunks, K3's J = 25
 for n, J, D in ((1, 3, 64), (3, 5, 80), (4, 7, 96), (2, 25, 40)):
     attn_res_two_phase(torch.float32, n, J, D)
