@@ -22,7 +22,7 @@ Legend: N routed tokens, E experts, B histogram bins, k experts per token.
 import torch
 from torch import Tensor
 
-from k3.ops.router import topk_kernel_applies, topk_with_cutoff_triton
+from k3.ops.router import qb_histogram_add_triton, topk_kernel_applies, topk_with_cutoff_triton
 
 
 def _check_scores(scores: Tensor, cutoff: Tensor | None = None, token_mask: Tensor | None = None) -> None:
@@ -133,7 +133,9 @@ class QuantileHistogram:
     and one integer all-reduce suffices.
     """
 
-    def __init__(self, bias: Tensor, num_bins: int = 1000):
+    def __init__(self, bias: Tensor, num_bins: int = 1000, fused: bool = False):
+        """`fused`: `add` counts in one Triton kernel where Triton runs (k3.ops.router), else in torch."""
+        self.fused = fused
         if bias.dim() != 1:
             raise ValueError(f"bias must be [E], got shape {tuple(bias.shape)}")
         if num_bins < 1:
@@ -164,6 +166,9 @@ class QuantileHistogram:
         scores, cutoff = scores.detach(), cutoff.detach()
         if token_mask is not None:
             scores, cutoff = scores[token_mask], cutoff[token_mask]
+        if self.fused and topk_kernel_applies(scores):  # the same bins from one kernel (k3.ops.router)
+            qb_histogram_add_triton(self.counts, scores, cutoff, self.lo, self._width)
+            return
         r = required_bias(scores, cutoff).float()  # [N, E]
         bins = ((r - self.lo) / self._width).floor().clamp(0, self.num_bins - 1).long()  # [N, E]
         # flatten (expert, bin) so one bincount fills the whole [E, B] matrix

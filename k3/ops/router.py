@@ -148,3 +148,39 @@ def topk_with_cutoff_triton(scores: torch.Tensor, bias: torch.Tensor, k: int) ->
 def topk_kernel_applies(scores: torch.Tensor) -> bool:
     return (triton is not None and triton_runs_on(scores) and scores.dtype == torch.float32
             and scores.shape[-1] <= 4096)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _qb_histogram_kernel(S, CUT, LO, WIDTH, COUNTS, N, E, NUM_BINS, BLOCK_N: tl.constexpr,
+                             BLOCK_E: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, BLOCK_E)
+        mask = (rows < N)[:, None] & (cols < E)[None, :]
+        s = tl.load(S + rows[:, None].to(tl.int64) * E + cols[None, :], mask=mask, other=0.0)
+        cut = tl.load(CUT + rows, mask=rows < N, other=0.0)
+        lo, width = tl.load(LO), tl.load(WIDTH)
+        # the reference's fp32 ops, each correctly rounded: r = α − s, then (r − lo) / width
+        t = tl.math.div_rn((cut[:, None] - s) - lo, width)
+        t = tl.where(t == t, tl.floor(t), 0.0)  # NaN (a broken step) into bin 0, never out of range
+        b = tl.minimum(tl.maximum(t, 0.0), NUM_BINS - 1).to(tl.int64)
+        tl.atomic_add(COUNTS + cols[None, :].to(tl.int64) * NUM_BINS + b, tl.full(b.shape, 1, tl.int64),
+                      mask=mask, sem="relaxed")
+
+
+def qb_histogram_add_triton(counts: torch.Tensor, scores: torch.Tensor, cutoff: torch.Tensor, lo: torch.Tensor,
+                            width: torch.Tensor) -> None:
+    """counts [E, B] int64 += the histogram of r = cutoff − scores per expert over B bins of `width` from `lo`
+    (0-dim fp32 device tensors; bins clamped to [0, B−1]): Quantile Balancing's `QuantileHistogram.add` in one
+    kernel, the same fp32 arithmetic, instead of about ten [N, E] passes and an index_add_ of N·E int64 ones."""
+    N, E = scores.shape
+    B = counts.shape[1]
+    if counts.dtype != torch.int64 or tuple(counts.shape) != (E, B) or not counts.is_contiguous():
+        raise ValueError(f"counts must be a contiguous [E, B] = [{E}, B] int64 tensor, got {tuple(counts.shape)} "
+                         f"{counts.dtype}")
+    scores, cutoff = scores.float().contiguous(), cutoff.float().contiguous()
+    BLOCK_E = triton.next_power_of_2(E)
+    BLOCK_N = max(1, min(64, 4096 // BLOCK_E))
+    _qb_histogram_kernel[(triton.cdiv(N, BLOCK_N),)](scores, cutoff, lo.float().reshape(1), width.float().reshape(1),
+                                                     counts, N, E, B, BLOCK_N=BLOCK_N, BLOCK_E=BLOCK_E, num_warps=4)

@@ -215,7 +215,8 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
     """
     model.train()
     moes = moe_layers(model)
-    histograms = [QuantileHistogram(m.gate.e_score_correction_bias, cfg.qb_bins) for m in moes]
+    histograms = [QuantileHistogram(m.gate.e_score_correction_bias, cfg.qb_bins,
+                                    fused=m.gate.fast(m.gate.e_score_correction_bias)) for m in moes]
     loads = [torch.zeros(m.gate.e_score_correction_bias.numel(), dtype=torch.int64, device=device) for m in moes]
     max_logits = None
     total_tokens = sum(b.num_tokens for b in batches)

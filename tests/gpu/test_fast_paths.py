@@ -471,3 +471,17 @@ def test_topk_with_cutoff_full_shape(N, E, k):
     assert torch.equal(biased.gather(1, idx), vals[:, :k]) and torch.equal(cutoff, vals[:, k])
     assert (idx.sort(dim=1).values.diff(dim=1) > 0).all()
     assert (idx == ref[:, :k]).float().mean() > 0.999
+
+
+def test_qb_histogram_fused_full_shape():
+    """QB's fused histogram equals the torch path's counts bit for bit at the small preset's 64K tokens."""
+    from k3.model.quantile_balancing import QuantileHistogram, route_topk_with_cutoff
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bias = torch.randn(64, device="cuda", generator=g) * 0.02
+    scores = torch.sigmoid(torch.randn(65536, 64, device="cuda", generator=g) * 2)
+    _, cutoff = route_topk_with_cutoff(scores, bias, 8)
+    hists = [QuantileHistogram(bias, 1000, fused=fused) for fused in (False, True)]
+    for hist in hists:
+        hist.add(scores, cutoff)
+    assert torch.equal(hists[0].counts, hists[1].counts)

@@ -374,6 +374,30 @@ def topk_cutoff(N, E, k):
         failures.append(tag)
 
 
+def qb_histogram(N, E, num_bins):
+    """Quantile Balancing's histogram from the fused kernel against the torch path: identical counts over two
+    micro-batches, with values binned below the range, above it (clamped) and exactly on bin edges."""
+    from k3.model.quantile_balancing import QuantileHistogram, route_topk_with_cutoff
+
+    g = torch.Generator().manual_seed(N * E)
+    bias = torch.randn(E, generator=g) * 0.02
+    hists = [QuantileHistogram(bias, num_bins, fused=fused) for fused in (False, True)]
+    for step in range(2):
+        scores = torch.sigmoid(torch.randn(N, E, generator=g) * 2)
+        _, cutoff = route_topk_with_cutoff(scores, bias, 4)
+        if step:  # outside [lo, hi] (clamped into the end bins), and on the edges themselves
+            cutoff = cutoff.clone()
+            cutoff[0], cutoff[1] = 50.0, -50.0
+            scores[2] = cutoff[2] - (hists[0].lo + hists[0]._width * torch.arange(E) % num_bins)
+        for hist in hists:
+            hist.add(scores, cutoff)
+    tag = f"qb histogram N={N} E={E} bins={num_bins}"
+    ok = torch.equal(hists[0].counts, hists[1].counts) and int(hists[1].counts.sum()) == 2 * N * E
+    print(f"{'ok  ' if ok else 'FAIL'} {tag}")
+    if not ok:
+        failures.append(tag)
+
+
 def model_two_phase():
     """The debug model (5 layers in blocks of 2, random queries) in fp64 with the fused two-phase wiring (fp32
     inside the AttnRes kernels) against the direct wiring: logits ≤ 2e-6, every parameter gradient ≤ 5e-5 (the
@@ -499,6 +523,8 @@ attn_res_sealed(torch.bfloat16, 64)
 model_sealed_reads()
 for N, E, k in ((3, 64, 8), (77, 64, 8), (9, 896, 16), (5, 10, 1)):
     topk_cutoff(N, E, k)
+qb_histogram(70, 64, 1000)
+qb_histogram(9, 100, 37)
 # one sealed source (block 0), J not a power of two, D not a multiple of the 64-column chunks, K3's J = 25
 for n, J, D in ((1, 3, 64), (3, 5, 80), (4, 7, 96), (2, 25, 40)):
     attn_res_two_phase(torch.float32, n, J, D)
