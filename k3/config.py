@@ -162,7 +162,8 @@ class ModelConfig:
     attn_res_impl: AttnResImpl = "auto"
     moe_impl: MoEImpl = "auto"  # reference: padded-batch dispatch; grouped: grouped GEMMs (k3.ops.moe)
     # routing (k3.ops.router): reference = one fp32 GEMM for the logits and torch.topk; fast = the fp32 logits from
-    # bf16 GEMMs on the weight split in three (exact; for bf16 inputs) and the top-k + cutoff in one Triton kernel
+    # bf16 GEMMs on the weight split in three (exact products, tensor-core fp32 sums; for bf16 inputs) and the
+    # top-k + cutoff in one Triton kernel
     router_impl: RouterImpl = "auto"
     attention_backend: AttentionBackend = "auto"  # MLA training/prefill attention (k3.ops.attention)
     situ_impl: FusedOpImpl = "auto"  # SiTU-GLU: autograd formula or fused Triton kernels

@@ -8,18 +8,21 @@ h is the bf16 activation under autocast, so h is exact in bf16, and W splits exa
 
     W = W0 + W1 + W2,   W0 = bf16(W),  W1 = bf16(W − W0),  W2 = W − W0 − W1   (exact)
 
-so h W^T = h W0^T + h W1^T + h W2^T, every product exact in fp32 and every sum an fp32 sum on the tensor cores:
-the fp32 GEMM's result up to the order of its additions, from one bf16 GEMM against [W0; W1; W2] ([3E, D]).
-On the H200 the fp32 GEMMs ran on the CUDA cores (no TF32 here: it would round W to 10 bits): 11.7 ms of a
-64K-token small-preset step for its 20 routers' forward and backward (docs/fast-paths.md, session 17).
+so h W^T = h W0^T + h W1^T + h W2^T with every product exact, from one bf16 GEMM against [W0; W1; W2] ([3E, D])
+with fp32 output. The sums are the tensor cores' fp32 accumulation, which on the H200 is not the CUDA cores'
+(it aligns and truncates within each MMA): relative error 7e-7 to 8e-6 against fp64 at the small and K3 router
+shapes, where the CUDA-core fp32 GEMM gives 5-6e-7 and bf16 weights ~2e-3 (tests/gpu/test_fast_paths.py,
+session 17 run 2). The fp32 GEMMs (no TF32: it would round W to 10 bits) ran on the CUDA cores: 16.5 ms of a
+64K-token small-preset step for its 20 routers' forward and backward, 5.3 ms split (docs/fast-paths.md).
+`router_impl="reference"` keeps the CUDA-core fp32 GEMM.
 
 Backward, with G = dL/dlogits [N, E] fp32 split the same way (G = G0 + G1 + G2, exact):
-- dW = G^T h = Σ_j G_j^T h: one bf16 GEMM [3E, N] x [N, D], then the three [E, D] blocks summed (fp32-exact
-  products, as the forward);
+- dW = G^T h = Σ_j G_j^T h: one bf16 GEMM [3E, N] x [N, D], then the three [E, D] blocks summed (exact
+  products, tensor-core sums as in the forward: 4-5e-6 against fp64 on the H200);
 - dh = G W: returned in h's dtype (bf16), so terms below 2^-16 of the largest (G1 W1, G2 W0, G0 W2, ...) cannot
   show: G0 W0 + G1 W0 + G0 W1 as one GEMM [G0 | G1 | G0] x [W0; W0; W1] with K = 3E.
 `router_logits_reference` is one fp32 GEMM; elsewhere than CUDA the bf16 GEMMs run as fp32 GEMMs on the bf16
-values (the same exact products and fp32 sums), so the split's algebra is tested on CPU.
+values (the same exact products, IEEE fp32 sums), so the split's algebra is tested on CPU at fp32 accuracy.
 
 Selection (`topk_with_cutoff_triton`): the top-k of s + b per token and the (k+1)-th value (Quantile Balancing's
 cutoff), one Triton program per block of rows with the whole row of E biased scores in registers: k + 1 rounds
@@ -51,7 +54,7 @@ def router_logits_reference(h: torch.Tensor, weight: torch.Tensor) -> torch.Tens
 
 
 def split_router_applies(h: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The split computes the fp32 logits exactly only for bf16 inputs and an fp32 weight."""
+    """The split reproduces the fp32 products exactly only for bf16 inputs and an fp32 weight."""
     return h.dtype == torch.bfloat16 and weight.dtype == torch.float32
 
 
@@ -76,7 +79,7 @@ def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 def _mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """a @ b for bf16 operands, accumulated in fp32 and returned in `dtype` (rounded once): cuBLAS on CUDA;
-    elsewhere an fp32 GEMM on the bf16 values (exact products, fp32 sums: the same arithmetic)."""
+    elsewhere an fp32 GEMM on the bf16 values (exact products, IEEE fp32 sums)."""
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=torch.float32) if dtype == torch.float32 else (a @ b).to(dtype)
     return (a.float() @ b.float()).to(dtype)
