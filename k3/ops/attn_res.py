@@ -266,6 +266,18 @@ def _blocks(D: int) -> tuple[int, int]:
     return max(1, min(16, 2048 // block_d)), block_d
 
 
+# The direct read's launch settings (None: `_blocks` and `num_warps`; 4 programs per SM for the backward), set by
+# `benchmarks/attn_res.py --tiles`, which times them at the small preset's shape
+READ_TILES: dict = {"block_m": None, "num_warps": None, "bwd_per_sm": 4}
+
+
+def _read_tiles(D: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_D, warps) of the direct read's kernels."""
+    block_m, block_d = _blocks(D)
+    block_m = READ_TILES["block_m"] or block_m
+    return block_m, block_d, READ_TILES["num_warps"] or num_warps(block_m * block_d)
+
+
 class ReadGradientSink:
     """The gradient of one sealed AttnRes source, summed by the fused reads' backward kernels themselves.
 
@@ -321,13 +333,12 @@ class _AttnResRead(torch.autograd.Function):
         D = shape[-1]
         flat = tuple(s.reshape(-1, D).contiguous() for s in sources)
         N = flat[0].shape[0]
-        BLOCK_M, BLOCK_D = _blocks(D)
+        BLOCK_M, BLOCK_D, warps = _read_tiles(D)
         out = torch.empty(N, D, dtype=sources[0].dtype, device=w.device)
         lse = torch.empty(N, dtype=torch.float32, device=w.device)
         w32 = w.float().contiguous()
         _ar_fwd_kernel[(triton.cdiv(N, BLOCK_M),)](flat, w32, out, lse, N, D, float(eps), NS=len(flat),
-                                                   BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
-                                                   num_warps=num_warps(BLOCK_M * BLOCK_D))
+                                                   BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=warps)
         ctx.save_for_backward(w32, lse, *flat)
         ctx.shape, ctx.eps, ctx.w_dtype = shape, eps, w.dtype
         ctx.sinks = tuple(getattr(s, _SINK_ATTRIBUTE, None) for s in sources)
@@ -337,8 +348,8 @@ class _AttnResRead(torch.autograd.Function):
     def backward(ctx, dout):
         w32, lse, *flat = ctx.saved_tensors
         N, D = flat[0].shape
-        BLOCK_M, BLOCK_D = _blocks(D)
-        P, iters = persistent_grid(N, BLOCK_M, w32.device)
+        BLOCK_M, BLOCK_D, warps = _read_tiles(D)
+        P, iters = persistent_grid(N, BLOCK_M, w32.device, READ_TILES["bwd_per_sm"])
         # a sealed source's gradient goes into its sink: the first read to run backward writes the buffer,
         # the later ones add into it (bit i of `accumulate`)
         dsrcs, accumulate = [], 0
@@ -351,8 +362,7 @@ class _AttnResRead(torch.autograd.Function):
         part = torch.empty(P, D, dtype=torch.float32, device=w32.device)
         _ar_bwd_kernel[(P,)](tuple(flat), tuple(dsrcs), w32, dout.reshape(N, D).contiguous(), lse, part, N, D,
                              float(ctx.eps), NS=len(flat), NS_PAD=triton.next_power_of_2(len(flat)), ITERS=iters,
-                             ACCUMULATE=accumulate, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
-                             num_warps=num_warps(BLOCK_M * BLOCK_D))
+                             ACCUMULATE=accumulate, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=warps)
         grads = []
         for d, sink in zip(dsrcs, ctx.sinks):
             if sink is None:

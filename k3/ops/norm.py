@@ -96,14 +96,15 @@ def num_warps(block_elems: int) -> int:
     return max(4, min(16, block_elems // 1024))
 
 
-def persistent_grid(N: int, block_m: int, device: torch.device) -> tuple[int, int]:
-    """(programs, row blocks per program) for kernels that reduce over their rows (dw partials).
+def persistent_grid(N: int, block_m: int, device: torch.device, per_sm: int = 4) -> tuple[int, int]:
+    """(programs, row blocks per program) for kernels that reduce over their rows (dw partials): about `per_sm`
+    programs per multiprocessor.
 
     The blocks per program are a power of two and a compile-time constant: few specialisations, and a
     plain loop bound (the Triton interpreter cannot loop to a runtime scalar with NumPy 2).
     """
     n_blocks = triton.cdiv(N, block_m)
-    cap = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    cap = per_sm * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     iters = triton.next_power_of_2(triton.cdiv(n_blocks, max(1, min(n_blocks, cap))))
     return triton.cdiv(n_blocks, iters), iters
 
