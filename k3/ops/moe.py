@@ -60,6 +60,22 @@ if triton is not None:
 
 _SUM_BLOCK_N, _SUM_BLOCK_L = 16, 128
 
+if triton is not None:
+
+    @triton.jit
+    def _spread_rows_kernel(X, SRC, OUT, N, M, L, stride_x, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr):
+        """out[r] = x[src[r]] (cast to out's dtype), zero where src[r] = N."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+        in_m, in_l = rows < M, cols < L
+        src = tl.load(SRC + rows, mask=in_m, other=N).to(tl.int64)
+        v = tl.load(X + src[:, None] * stride_x + cols[None, :], mask=(src < N)[:, None] & in_l[None, :], other=0.0)
+        tl.store(OUT + rows.to(tl.int64)[:, None] * L + cols[None, :], v.to(OUT.dtype.element_ty),
+                 mask=in_m[:, None] & in_l[None, :])
+
+
+_SPREAD_BLOCK_M, _SPREAD_BLOCK_L = 32, 128
+
 # Which kernel runs the weight-gradient GEMMs where torch._grouped_mm could (bf16 on CUDA): "torch", "triton"
 # (k3.ops.grouped_gemm) or "auto": Triton for experts at most 1024 wide, torch above. Measured on the H200
 # (session 11 run 1, docs/fast-paths.md): on the small preset's experts at 32K tokens with skewed routing the
@@ -160,11 +176,25 @@ def _source_rows(dest: torch.Tensor, k: int, rows: int) -> torch.Tensor:
     return src.scatter_(0, dest, torch.arange(dest.numel(), device=dest.device) // k)
 
 
-def _spread_rows(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """out[r] = x[src[r]], zero where src[r] = len(x): a copy of x with a zero row appended ([N, L]), then one
-    gather into the k× larger [rows, L] output, instead of zero-filling that output and scattering k copies of
-    every token into it."""
-    return torch.cat([x, x.new_zeros(1, x.shape[-1])]).index_select(0, src)
+def _spread_rows(x: torch.Tensor, src: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """out[r] = x[src[r]] in `dtype` (default x's), zero where src[r] = len(x): one gather into the k× larger
+    [rows, L] output, instead of zero-filling it and scattering k copies of every token into it. Where Triton
+    runs, one kernel that casts while it copies (the torch form first appends a zero row to x, a copy of x, and
+    casts in another pass; session 17: the two gathers took 12.8 ms of a 64K-token small-preset step)."""
+    dtype = dtype or x.dtype
+    low = (torch.float32, torch.bfloat16, torch.float16)
+    if triton is not None and triton_runs_on(x) and x.dtype in low and dtype in low and x.stride(-1) == 1:
+        return spread_rows_triton(x, src, dtype)
+    return torch.cat([x, x.new_zeros(1, x.shape[-1])]).to(dtype).index_select(0, src)
+
+
+def spread_rows_triton(x: torch.Tensor, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The kernel of `_spread_rows`: x [N, L] (unit column stride), src [M] in [0, N] -> [M, L] in dtype."""
+    (N, L), M = x.shape, src.numel()
+    out = torch.empty(M, L, dtype=dtype, device=x.device)
+    grid = (triton.cdiv(M, _SPREAD_BLOCK_M), triton.cdiv(L, _SPREAD_BLOCK_L))
+    _spread_rows_kernel[grid](x, src, out, N, M, L, x.stride(0), BLOCK_M=_SPREAD_BLOCK_M, BLOCK_L=_SPREAD_BLOCK_L)
+    return out
 
 
 def _sum_rows(y: torch.Tensor, dest: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -205,7 +235,7 @@ class _ScatterRows(torch.autograd.Function):
 
 class _GatherRows(torch.autograd.Function):
     """out [N, L] = Σ_j y[dest[n·k + j]] summed in `accum` (fp32 for bf16 rows); backward spreads the token
-    gradient, cast to y's dtype first (the [N, L] tensor, not the k× larger spread one), to its k rows."""
+    gradient to its k rows in y's dtype (the kernel casts while it copies)."""
 
     @staticmethod
     def forward(ctx, y, dest, src, k, accum):
@@ -216,7 +246,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (src,) = ctx.saved_tensors
-        return _spread_rows(grad.to(ctx.dtype), src), None, None, None, None
+        return _spread_rows(grad, src, ctx.dtype), None, None, None, None
 
 
 def _round_up(x, a):

@@ -96,6 +96,25 @@ def sum_rows(dtype, N=37, k=3, L=150):
     assert exact.dtype == torch.float64 and ((exact - ref).abs().max() <= 1e-12 * ref.abs().max()), "fp64 combine"
 
 
+def spread_rows(x_dtype, out_dtype, N=37, L=150, M=101):
+    """The MoE dispatch's row spread (out[r] = x[src[r]], zero rows where src = N, cast while copying) against
+    torch's gather: exact where the dtype stays, bf16 rounding where fp32 becomes bf16."""
+    g = torch.Generator().manual_seed(N + L)
+    x = (torch.randn(N, 2 * L, generator=g) * 3).to(x_dtype)[:, :L]  # a row-strided view
+    src = torch.randint(0, N + 1, (M,), generator=g)
+    src[:5] = N
+    out = moe.spread_rows_triton(x, src, out_dtype)
+    ref = torch.cat([x.double(), torch.zeros(1, L, dtype=torch.float64)]).index_select(0, src)
+    tag = f"spread rows {x_dtype} -> {out_dtype}"
+    if x_dtype == out_dtype:
+        ok = out.dtype == out_dtype and torch.equal(out.double(), ref)
+        print(f"{'ok  ' if ok else 'FAIL'} {tag}")
+        if not ok:
+            failures.append(tag)
+    else:
+        check(tag, out, ref, out_dtype)
+
+
 def grouped_wgrad(dtype):
     """The weight-gradient grouped GEMM against per-group fp64 products: empty groups, groups shorter and longer
     than a tile of rows, K, N and the rows not multiples of the tiles, a transposed (strided) operand."""
@@ -505,6 +524,9 @@ short_conv._CONV_G_FP32 = False  # g between the backward's kernels in x's dtype
 for dtype in (torch.float32, torch.bfloat16):
     conv_silu(dtype, 1, 3 * BT + 7, BC + 3, [BT, BT - 1, 2, BT + 1, 1, 4])
 short_conv._CONV_G_FP32 = True
+for x_dtype, out_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                           (torch.float32, torch.bfloat16)):
+    spread_rows(x_dtype, out_dtype)
 for dtype in (torch.float32, torch.bfloat16):
     grouped_wgrad(dtype)
 experts_triton_wgrad()
