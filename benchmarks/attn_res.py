@@ -16,7 +16,8 @@ A gate (both against the torch two-phase form in fp64, ≤ 1e-5) runs first.
 
 `--tiles` times the fused direct read as the model runs it since session 17: bf16 sources, N = 65536 (the small
 preset at 64K tokens per micro-batch), the sealed sources `seal_source`d and read by two reads (the second read's
-backward adds into the first's buffers), under each (rows per tile, warps, backward programs per SM), after a
+backward adds into the first's buffers), under each (rows per tile, warps, backward programs per SM, the stacked
+backward or not), after a
 check that each setting gives the default's outputs and gradients (≤ 1e-2 relative: bf16 results, the
 settings change only the order of sums).
 """
@@ -82,8 +83,13 @@ def gate(device, n=4, J=7, N=300, D=96):
     return errs, all(e <= 1e-5 for e in errs.values())
 
 
-TILE_SETTINGS = [  # (rows per tile, warps, backward programs per SM); None: the default's (2 rows, 4 warps at D = 768)
-    (None, None, 4), (4, 4, 4), (4, 8, 4), (8, 8, 4), (2, 4, 8), (4, 4, 8), (2, 4, 16), (4, 8, 16)]
+TILE_SETTINGS = [  # (rows per tile, warps, backward programs per SM, stacked backward); None: the default's (2 rows,
+    # 4 warps at D = 768). Session 17 run 3 timed the first eight unstacked ones (the default won); the rest are
+    # next: 2 rows at 8 warps (offline the default needs 239-255 registers at 4 warps, one or two programs per
+    # SM) and the stacked backward (`_ar_bwd_stacked_kernel`, 184-243 registers at 8 warps)
+    (None, None, 4, False), (4, 4, 4, False), (4, 8, 4, False), (8, 8, 4, False), (2, 4, 8, False),
+    (4, 4, 8, False), (2, 4, 16, False), (4, 8, 16, False), (2, 8, 4, False), (2, 8, 8, False),
+    (None, None, 4, True), (None, None, 8, True)]
 
 
 def read_pair(sealed, partial, queries):
@@ -108,7 +114,8 @@ def tiles(device, N=65536, D=768, dtype=torch.bfloat16) -> int:
         partial, douts = partials[0].to(dtype), [d.to(dtype) for d in douts]
         ref = None
         for setting in TILE_SETTINGS:
-            attn_res.READ_TILES.update(block_m=setting[0], num_warps=setting[1], bwd_per_sm=setting[2])
+            attn_res.READ_TILES.update(block_m=setting[0], num_warps=setting[1], bwd_per_sm=setting[2],
+                                       stacked=setting[3])
             leaves = [t.clone().requires_grad_() for t in sealed + [partial]] + [queries.clone().requires_grad_()]
 
             def step(leaves=leaves):
@@ -130,13 +137,14 @@ def tiles(device, N=65536, D=768, dtype=torch.bfloat16) -> int:
             fwd_bytes = (2 * n + 2) * N * D * 2
             bwd_bytes = (2 * (2 * n + 1) + 2 + (n - 1) + (2 * n + 1)) * N * D * 2
             rows.append((n, setting, fwd, both - fwd, fwd_bytes / fwd / 1e6, bwd_bytes / (both - fwd) / 1e6, diff))
-            print(f"  n={n} {str(setting):16s} fwd {fwd:.3f} ms ({rows[-1][4]:.0f} GB/s)  bwd {both - fwd:.3f} ms "
+            print(f"  n={n} {str(setting):24s} fwd {fwd:.3f} ms ({rows[-1][4]:.0f} GB/s)  bwd {both - fwd:.3f} ms "
                   f"({rows[-1][5]:.0f} GB/s)  diff {diff:.1e}", flush=True)
     attn_res.READ_TILES.update(default)
-    print(f"{'sealed':>6} {'(rows, warps, bwd/SM)':>22} {'fwd ms':>8} {'bwd ms':>8} {'fwd GB/s':>9} {'bwd GB/s':>9} "
+    print(f"{'sealed':>6} {'(rows, warps, bwd/SM, stacked)':>30} {'fwd ms':>8} {'bwd ms':>8} {'fwd GB/s':>9} "
+          f"{'bwd GB/s':>9} "
           f"{'diff':>8}")
     for n, setting, f, b, fb, bb, d in rows:
-        print(f"{n:>6} {str(setting):>22} {f:8.3f} {b:8.3f} {fb:9.0f} {bb:9.0f} {d:8.1e}")
+        print(f"{n:>6} {str(setting):>30} {f:8.3f} {b:8.3f} {fb:9.0f} {bb:9.0f} {d:8.1e}")
     bad = [r for r in rows if not r[-1] <= 1e-2]  # bf16 outputs: the settings change only the order of sums
     return 1 if bad else 0
 

@@ -22,7 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import k3.ops.attn_res as attn_res  # noqa: E402
 import k3.ops.cross_entropy as cross_entropy  # noqa: E402
+import k3.ops.router as router  # noqa: E402
 import k3.ops.grouped_gemm as grouped_gemm  # noqa: E402
 import k3.ops.moe as moe  # noqa: E402
 import k3.ops.short_conv as short_conv  # noqa: E402
@@ -46,6 +48,15 @@ GMM_WGRAD_ARGS = dict(A="*bf16", B="*bf16", C="*bf16", OFFS="*i32", KO="i32", N=
                       stride_am="i32", stride_bm="i32", stride_bn="i32", stride_cg="i32", stride_ck="i32",
                       stride_cn="i32")
 CONV_ALIGNED = ("R", "C", "stride_x", "stride_dy")  # multiples of 16 at the model's shapes
+SPREAD_ARGS = dict(X="*fp32", SRC="*i64", OUT="*bf16", N="i32", M="i32", L="i32", stride_x="i32")
+TOPK_ARGS = dict(S="*fp32", BIAS="*fp32", IDX="*i64", CUT="*fp32", N="i32", E="i32")
+QB_ARGS = dict(S="*fp32", CUT="*fp32", LO="*fp32", WIDTH="*fp32", COUNTS="*i64", N="i32", E="i32", NUM_BINS="i32")
+
+
+def attn_res_bwd_args(ns: int) -> dict:
+    """The fused read's backward over `ns` bf16 sources (tuples of pointers)."""
+    return dict(srcs=("*bf16",) * ns, dsrcs=("*bf16",) * ns, W="*fp32", DOUT="*bf16", LSE="*fp32", DW_PART="*fp32",
+                N="i32", D="i32", eps="fp32")
 
 
 def report(fn, args: dict, constexprs: dict, num_warps: int, aligned: tuple = ()) -> tuple[int, int, int, int]:
@@ -53,9 +64,15 @@ def report(fn, args: dict, constexprs: dict, num_warps: int, aligned: tuple = ()
     arguments divisible by 16, as the real JIT specialises them, and so the integer arguments in `aligned`."""
     signature = {name: "constexpr" if name in constexprs else args[name] for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if args.get(name, "").startswith("*") or name in aligned}
+             if isinstance(args.get(name), str) and args[name].startswith("*") or name in aligned}
+    attrs.update({(i, j): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+                  if isinstance(args.get(name), tuple) for j in range(len(args[name]))})  # tuples of pointers
     registers, stores, loads, _, stack = sm90_report(fn, signature, constexprs, attrs, num_warps)
     return registers, stores, loads, stack
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def main() -> None:
@@ -95,6 +112,23 @@ def main() -> None:
                       dict(W=4, BT=bt, BC=bc), warps, CONV_ALIGNED))
         cases.append((f"conv+silu bwd dx {tiling}", sc._conv_silu_dx_kernel, CONV_DX_ARGS,
                       dict(W=4, BT=bt, BC=bc), warps, CONV_ALIGNED))
+    cases += [
+        ("moe spread rows", moe._spread_rows_kernel, SPREAD_ARGS,
+         dict(BLOCK_M=moe._SPREAD_BLOCK_M, BLOCK_L=moe._SPREAD_BLOCK_L), 4),
+        ("router top-k + cutoff (E=64)", router._topk_cutoff_kernel, TOPK_ARGS,
+         dict(K=8, BLOCK_N=32, BLOCK_E=64), 4),
+        ("router top-k + cutoff (E=896)", router._topk_cutoff_kernel, TOPK_ARGS,
+         dict(K=16, BLOCK_N=2, BLOCK_E=1024), 4),
+        ("qb histogram (E=64)", router._qb_histogram_kernel, QB_ARGS, dict(BLOCK_N=64, BLOCK_E=64), 4),
+    ]
+    # the AttnRes read's backward at the small preset (D = 768): the two-pass kernel (2 rows, 4 warps) and the
+    # stacked one (untimed; all sources of a row tile at once, 8 warps), 3 and 8 sources, the last adding
+    for ns in (3, 8):
+        common = dict(NS=ns, NS_PAD=triton_next_pow2(ns), ITERS=64, ACCUMULATE=(1 << (ns - 1)) - 1, BLOCK_D=1024)
+        cases.append((f"attn_res bwd, {ns} sources", attn_res._ar_bwd_kernel, attn_res_bwd_args(ns),
+                      dict(common, BLOCK_M=2), 4))
+        cases.append((f"attn_res bwd stacked, {ns} src", attn_res._ar_bwd_stacked_kernel, attn_res_bwd_args(ns),
+                      dict(common, BLOCK_M=8192 // (triton_next_pow2(ns) * 1024)), 8))
     cfg = grouped_gemm.WGRAD_CONFIG
     cases.append(("grouped gemm wgrad", grouped_gemm._grouped_mm_wgrad_kernel, GMM_WGRAD_ARGS,
                   dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], K_TILES=5, N_TILES=3, PRECISION="tf32",

@@ -206,7 +206,18 @@ def norm_out_dtype(D):
     check(f"rmsnorm fp32 -> bf16 D={D} dw", wt.grad, wr.grad, torch.bfloat16)
 
 
-def attn_res(dtype, n, D):
+def attn_res(dtype, n, D, stacked=False):
+    """The fused read against the stacked fp64 reference; `stacked`: the backward by `_ar_bwd_stacked_kernel`."""
+    from k3.ops import attn_res as ops_attn_res
+
+    ops_attn_res.READ_TILES["stacked"] = stacked
+    try:
+        _attn_res(dtype, n, D, " stacked" if stacked else "")
+    finally:
+        ops_attn_res.READ_TILES["stacked"] = False
+
+
+def _attn_res(dtype, n, D, label):
     g = torch.Generator().manual_seed(10 * n + D)
     # sources of very different scales (the keys are RMS-normalised, the values are not)
     sources = [torch.randn(2, 7, D, generator=g, dtype=torch.float64) * (1 + 3 * i) for i in range(n)]
@@ -218,7 +229,7 @@ def attn_res(dtype, n, D):
     st, wt = [leaf(s, dtype) for s in sources], leaf(w, torch.float32)
     out = attn_res_read_triton(wt, st)
     out.backward(dy.to(dtype))
-    tag = f"attn_res n={n} D={D}"
+    tag = f"attn_res n={n} D={D}{label}"
     check(tag + " forward", out, ref, dtype)
     check(tag + " dw", wt.grad, wr.grad, dtype)
     for i in range(n):
@@ -260,7 +271,7 @@ def attn_res_two_phase(dtype, n, J, D):
     check(tag + " d merge queries", w.grad, r_w.grad, dtype, qtol)
 
 
-def attn_res_sealed(dtype, D=96):
+def attn_res_sealed(dtype, D=96, stacked=False):
     """Sealed sources (`seal_source`) read by a chain of fused reads, as the model reads its blocks: their gradients
     summed inside the reads' kernels (every later read adds into the first one's buffer) against the fp64 torch
     reads, whose gradients autograd sums; a partial sum that is also used outside the reads, and a sealed source
@@ -273,7 +284,8 @@ def attn_res_sealed(dtype, D=96):
     queries = torch.randn(4, D, generator=g, dtype=torch.float64) * 0.5
     douts = [torch.randn(2, 5, D, generator=g, dtype=torch.float64) for _ in range(4)]
     masks = []
-    launch = ops_attn_res._ar_bwd_kernel
+    name = "_ar_bwd_stacked_kernel" if stacked else "_ar_bwd_kernel"
+    launch = getattr(ops_attn_res, name)
 
     class Recording:  # the backward kernel's launches, to see that later reads accumulate
         def __getitem__(self, grid):
@@ -295,12 +307,14 @@ def attn_res_sealed(dtype, D=96):
         return outs, srcs, p, q
 
     ref, r_srcs, r_p, r_q = run(torch.float64, False)
-    ops_attn_res._ar_bwd_kernel = Recording()
+    setattr(ops_attn_res, name, Recording())
+    ops_attn_res.READ_TILES["stacked"] = stacked
     try:
         out, srcs, p, q = run(dtype, True)
     finally:
-        ops_attn_res._ar_bwd_kernel = launch
-    tag = f"attn_res sealed D={D}"
+        setattr(ops_attn_res, name, launch)
+        ops_attn_res.READ_TILES["stacked"] = False
+    tag = f"attn_res sealed D={D}" + (" stacked" if stacked else "")
     for j in range(4):
         check(tag + f" out {j}", out[j], ref[j], dtype)
     for i in range(3):
@@ -542,6 +556,12 @@ for n, D in ((2, 80), (3, 100), (5, 64)):
 attn_res(torch.bfloat16, 4, 96)
 attn_res_sealed(torch.float32)
 attn_res_sealed(torch.bfloat16, 64)
+# the stacked backward (untimed, READ_TILES["stacked"]): n sources padded to a power of two, D not one
+for n, D in ((2, 80), (3, 100), (5, 64)):
+    attn_res(torch.float32, n, D, stacked=True)
+attn_res(torch.bfloat16, 4, 96, stacked=True)
+attn_res_sealed(torch.float32, stacked=True)
+attn_res_sealed(torch.bfloat16, 64, stacked=True)
 model_sealed_reads()
 for N, E, k in ((3, 64, 8), (77, 64, 8), (9, 896, 16), (5, 10, 1)):
     topk_cutoff(N, E, k)
