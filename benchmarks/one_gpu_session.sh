@@ -5,21 +5,23 @@
 # case). Pass the commit in (the GPU machine's copy of .git can be stale):
 #     K3_GIT_SHA=$(git rev-parse HEAD) OUT=/tmp/out bash benchmarks/one_gpu_session.sh
 # Past sessions' runs, in this form: benchmarks/sessions/*.sh, logs in benchmarks/results/logs/.
-# Session 8 found the small preset host-bound below ~32K tokens per micro-batch (docs/fast-paths.md), so the
-# table runs at 32K tokens per micro-batch, with 1 and 4 micro-batches per optimizer step.
+# Session 17 found the small preset host-bound at 32K tokens per micro-batch (kernels busy 90%) and device-bound
+# at 64K (97%; 108 GiB peak), so the table runs at 64K tokens per micro-batch, with 1 and 4 micro-batches per
+# optimizer step (docs/fast-paths.md).
 set -u
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 step() { local limit=$1; shift; echo "=== [$(date +%T)] $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
-TP="python3 benchmarks/train_throughput.py --presets small --kda-impl triton --variants fast --tokens 32768"
+TP="python3 benchmarks/train_throughput.py --presets small --kda-impl triton --variants fast --tokens 65536"
 {
-step 120 python3 -m pytest -q --tb=line -p no:cacheprovider tests/gpu/test_fast_paths.py tests/optim/test_fused_step.py
-# a cold machine: ~60 s of compilation in the first case
-step 170 $TP --seq-lens 4096 8192 --steps 5 --json "$OUT/throughput32k.json"
-step 150 $TP --seq-lens 4096 8192 --steps 2 --micro-batches 4 --json "$OUT/throughput32k_mb4.json"
-# the short conv's backward at other tiles, by GPU kernel time (docs/fast-paths.md, session 11: occupancy-bound)
-step 90 python3 -m benchmarks.short_conv --bwd-tiles 32x64x4 64x32x4 64x64x8 32x128x4
-# where a 32K-token step goes: device time by k3 function, kernel-busy share of the step (the host's part)
-step 140 python3 benchmarks/profile_step.py --preset small --rows 8 --seq-len 4096 --steps 3 --set kda_impl=triton \
-    loss_impl=triton --by-line --top 20
+step 200 python3 -m pytest -q --tb=line -p no:cacheprovider tests/gpu/test_fast_paths.py tests/optim/test_fused_step.py
+# a cold machine: ~30-40 s of compilation in the first case (session 17 run 4 lost it at 110 s)
+step 140 $TP --seq-lens 4096 --steps 3 --json "$OUT/throughput64k.json"
+step 90 $TP --seq-lens 4096 --steps 2 --micro-batches 4 --json "$OUT/throughput64k_mb4.json"
+step 80 $TP --seq-lens 8192 --steps 3 --json "$OUT/throughput64k_8k.json"
+# the AttnRes read's launch settings, the stacked backward among them (docs/fast-paths.md, session 17)
+step 120 python3 -m benchmarks.attn_res --tiles
+# where a 64K-token step goes: device time by k3 function, kernel-busy share of the step (the host's part)
+step 110 python3 benchmarks/profile_step.py --preset small --rows 16 --seq-len 4096 --steps 2 --set kda_impl=triton \
+    loss_impl=triton --by-line --top 30
 } 2>&1 | grep -v "Warning\|warn_once" | tee "$OUT/log.txt"
