@@ -18,6 +18,16 @@ ON_GPU = torch.cuda.is_available()
 IMPLS = pytest.mark.parametrize("conv", [naive_causal_conv1d, causal_conv1d], ids=["naive", "fast"])
 
 
+def assert_same_outputs(conv, got, ref):
+    """Outputs of one function on the same taps: bit for bit from the reference, which sums in a fixed order; the
+    fast form's `F.conv1d` may pick another CPU kernel for another length (seen with torch 2.13 on one 2-core
+    Xeon: length-1 calls differ from a long call in the last bit), so ≤ 1e-14 in fp64 there."""
+    if conv is naive_causal_conv1d:
+        assert torch.equal(got, ref)
+    else:
+        torch.testing.assert_close(got, ref, atol=1e-14, rtol=0)
+
+
 def _inputs(B: int, T: int, C: int, W: int, seed: int, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, T, C, generator=g, dtype=dtype)
@@ -66,8 +76,8 @@ def test_split_with_state_equals_one_pass(T1, conv):
     full, full_state = conv(x, weight)
     y1, s1 = conv(x[:, :T1], weight)
     y2, s2 = conv(x[:, T1:], weight, conv_state=s1)
-    # same products in the same order: bit-identical
-    assert torch.equal(torch.cat([y1, y2], dim=1), full)
+    # same products in the same order: bit-identical (the reference; the fast form within 1e-14)
+    assert_same_outputs(conv, torch.cat([y1, y2], dim=1), full)
     assert torch.equal(s2, full_state)
 
 
@@ -80,7 +90,7 @@ def test_token_by_token_equals_one_pass(conv):
     for t in range(T):
         y, state = conv(x[:, t : t + 1], weight, conv_state=state)
         outs.append(y)
-    assert torch.equal(torch.cat(outs, dim=1), full)
+    assert_same_outputs(conv, torch.cat(outs, dim=1), full)
     assert torch.equal(state, full_state)
 
 
@@ -149,7 +159,7 @@ def test_varlen_with_per_document_history_equals_separate_calls(conv):
     y, new_states = conv(x, weight, states, cu_seqlens=cu)
     for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         ref_y, ref_state = conv(x[:, a:b], weight, states[n : n + 1])
-        assert torch.equal(y[:, a:b], ref_y)
+        assert_same_outputs(conv, y[:, a:b], ref_y)
         assert torch.equal(new_states[n], ref_state[0])
 
 
