@@ -9,10 +9,12 @@ selected *unbiased* scores renormalised. Routed experts run in a shared latent s
 D → L for all experts, SiTU-GLU experts L → I → L, weighted sum in fp32, RMSNorm (the "stable" part,
 which removes the scale of the routed sum), one up-projection L → D. Shared experts run at full width.
 
-Fast paths beside the references (config `moe_impl`, `situ_impl`; "auto" = fast on CUDA):
+Fast paths beside the references (config `moe_impl`, `situ_impl`, `router_impl`; "auto" = fast on CUDA):
 - routed experts as grouped GEMMs with the MoE gradient transform (`k3.ops.moe.grouped_latent_experts`)
   instead of the padded-batch dispatch of `LatentExperts.forward_reference`;
-- SiTU-GLU as fused Triton kernels (`k3.ops.situ.situ_glu`) instead of the autograd formula.
+- SiTU-GLU as fused Triton kernels (`k3.ops.situ.situ_glu`) instead of the autograd formula;
+- routing (`router_impl`): the fp32 router logits from bf16 GEMMs on the weight split in three, the top-k and
+  QB cutoff in one Triton kernel (`k3.ops.router`) instead of one fp32 GEMM and `torch.topk`.
 The router GEMM stays separate from the latent down-projection: the router is computed in fp32 (with
 autocast off), the down-projection in the activation dtype, so one fused GEMM would change one of them.
 """
