@@ -22,7 +22,7 @@ Legend: N routed tokens, E experts, B histogram bins, k experts per token.
 import torch
 from torch import Tensor
 
-from k3.ops.router import qb_histogram_add_triton, topk_kernel_applies, topk_with_cutoff_triton
+from k3.ops.router import qb_histogram_add_triton, routing_kernels_apply, topk_with_cutoff_triton
 
 
 def _check_scores(scores: Tensor, cutoff: Tensor | None = None, token_mask: Tensor | None = None) -> None:
@@ -60,7 +60,7 @@ def route_topk_with_cutoff(scores: Tensor, bias: Tensor, top_k: int, fused: bool
     if tuple(bias.shape) != (scores.shape[1],):
         raise ValueError(f"bias must be [E] = [{scores.shape[1]}], got shape {tuple(bias.shape)}")
     _check_top_k(top_k, scores.shape[1])
-    if fused and topk_kernel_applies(scores) and bias.dtype == torch.float32:
+    if fused and routing_kernels_apply(scores) and bias.dtype == torch.float32:
         return topk_with_cutoff_triton(scores.detach(), bias, top_k)
     vals, idx = torch.topk(scores + bias, top_k + 1, dim=-1)  # [N, k+1]
     # the cutoff only feeds the balancer; it must not carry the router's graph
@@ -166,7 +166,7 @@ class QuantileHistogram:
         scores, cutoff = scores.detach(), cutoff.detach()
         if token_mask is not None:
             scores, cutoff = scores[token_mask], cutoff[token_mask]
-        if self.fused and topk_kernel_applies(scores):  # the same bins from one kernel (k3.ops.router)
+        if self.fused and routing_kernels_apply(scores):  # the same bins from one kernel (k3.ops.router)
             qb_histogram_add_triton(self.counts, scores, cutoff, self.lo, self._width)
             return
         r = required_bias(scores, cutoff).float()  # [N, E]

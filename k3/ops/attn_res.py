@@ -325,13 +325,13 @@ _STACKED_ELEMENTS = 8192
 
 
 def _stacked_tiles(sources, D: int) -> tuple[int, int, int] | None:
-    """(NS_PAD, BLOCK_M, BLOCK_D) of the stacked backward, or None where it does not apply (off, mixed or 64-bit
+    """(BLOCK_M, BLOCK_D, warps) of the stacked backward, or None where it does not apply (off, mixed or 64-bit
     dtypes, or more than one row of all sources past `_STACKED_ELEMENTS`)."""
     if not READ_TILES["stacked"] or len({s.dtype for s in sources}) != 1 or sources[0].dtype == torch.float64:
         return None
-    ns_pad, block_d = triton.next_power_of_2(len(sources)), triton.next_power_of_2(D)
-    block_m = _STACKED_ELEMENTS // (ns_pad * block_d)
-    return (ns_pad, block_m, block_d) if block_m >= 1 else None
+    block_d = triton.next_power_of_2(D)
+    block_m = _STACKED_ELEMENTS // (triton.next_power_of_2(len(sources)) * block_d)
+    return (block_m, block_d, 8) if block_m >= 1 else None
 
 
 def _read_tiles(D: int) -> tuple[int, int, int]:
@@ -411,7 +411,9 @@ class _AttnResRead(torch.autograd.Function):
     def backward(ctx, dout):
         w32, lse, *flat = ctx.saved_tensors
         N, D = flat[0].shape
-        BLOCK_M, BLOCK_D, warps = _read_tiles(D)
+        stacked = _stacked_tiles(flat, D)
+        BLOCK_M, BLOCK_D, warps = stacked or _read_tiles(D)
+        kernel = _ar_bwd_kernel if stacked is None else _ar_bwd_stacked_kernel
         P, iters = persistent_grid(N, BLOCK_M, w32.device, READ_TILES["bwd_per_sm"])
         # a sealed source's gradient goes into its sink: the first read to run backward writes the buffer,
         # the later ones add into it (bit i of `accumulate`)
@@ -422,16 +424,10 @@ class _AttnResRead(torch.autograd.Function):
                 accumulate |= 1 << i
             else:
                 dsrcs.append(torch.empty_like(s))
-        stacked = _stacked_tiles(flat, D)
-        if stacked is not None:
-            NS_PAD, BLOCK_M, BLOCK_D = stacked
-            P, iters = persistent_grid(N, BLOCK_M, w32.device, READ_TILES["bwd_per_sm"])
         part = torch.empty(P, D, dtype=torch.float32, device=w32.device)
-        kernel = _ar_bwd_stacked_kernel if stacked is not None else _ar_bwd_kernel
         kernel[(P,)](tuple(flat), tuple(dsrcs), w32, dout.reshape(N, D).contiguous(), lse, part, N, D,
                      float(ctx.eps), NS=len(flat), NS_PAD=triton.next_power_of_2(len(flat)), ITERS=iters,
-                     ACCUMULATE=accumulate, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
-                     num_warps=8 if stacked is not None else warps)
+                     ACCUMULATE=accumulate, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=warps)
         grads = []
         for d, sink in zip(dsrcs, ctx.sinks):
             if sink is None:

@@ -148,7 +148,8 @@ def topk_with_cutoff_triton(scores: torch.Tensor, bias: torch.Tensor, k: int) ->
     return idx, cutoff
 
 
-def topk_kernel_applies(scores: torch.Tensor) -> bool:
+def routing_kernels_apply(scores: torch.Tensor) -> bool:
+    """The top-k and QB-histogram kernels take these scores: fp32 rows of at most 4096 experts, where Triton runs."""
     return (triton is not None and triton_runs_on(scores) and scores.dtype == torch.float32
             and scores.shape[-1] <= 4096)
 

@@ -326,6 +326,19 @@ def attn_res_sealed(dtype, D=96, stacked=False):
         failures.append(f"{tag}: accumulate masks {[bin(m) for m in masks]}")
 
 
+def debug_model_gradients(model, ids):
+    """Random AttnRes queries (zero-initialised ones make every read a plain mean), then one forward and backward
+    of the next-token loss: {"logits": ..., parameter name: gradient}."""
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("_res_proj.weight"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(pname))))
+    logits = model(ids).logits
+    vocab = logits.shape[-1]
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1)).backward()
+    return {"logits": logits, **{n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
+
+
 def model_sealed_reads():
     """The debug model in fp64 with the fused direct reads (`attn_res_impl="triton"`; fp32 inside the kernels),
     its sealed sources summing their gradients in the kernels, against (a) the torch reads: logits ≤ 2e-6, every
@@ -356,15 +369,7 @@ def model_sealed_reads():
             model = build_model(config.replace(attn_res_impl=impl), seed=4, dtype=torch.float64)
             if name == "checkpointed":  # the recomputed layers seal again; the sums must still reach autograd
                 apply_activation_checkpointing(model)
-            with torch.no_grad():
-                for pname, p in model.named_parameters():
-                    if pname.endswith("_res_proj.weight"):
-                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(pname))))
-            logits = model(ids).logits
-            torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, config.vocab_size),
-                                              ids[:, 1:].reshape(-1)).backward()
-            runs[name] = {"logits": logits,
-                          **{n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
+            runs[name] = debug_model_gradients(model, ids)
     finally:
         model_module.seal = seal
     if len(sinks) != 3 or any(s is None or s.grad is not None for s in sinks):  # 5 layers in blocks of 2
@@ -453,14 +458,7 @@ def model_two_phase():
         attn_res_model.attn_res_phase1_triton = lambda *a, **k: fused_calls.append(1) or phase1(*a, **k)
         for impl in ("direct", "two_phase"):
             model = build_model(config.replace(attn_res_impl=impl), seed=3, dtype=torch.float64)
-            with torch.no_grad():
-                for pname, p in model.named_parameters():
-                    if pname.endswith("_res_proj.weight"):
-                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(pname))))
-            logits = model(ids).logits
-            torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, config.vocab_size),
-                                              ids[:, 1:].reshape(-1)).backward()
-            runs[impl] = {"logits": logits, **{n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
+            runs[impl] = debug_model_gradients(model, ids)
     finally:
         model_module.fused_two_phase_available, attn_res_model.attn_res_phase1_triton = available, phase1
     if len(fused_calls) != 3:  # one phase 1 per block: 5 layers in blocks of 2
