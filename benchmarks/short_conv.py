@@ -12,6 +12,7 @@ per 8,192 tokens. Times: median of `triton.testing.do_bench` (ms); GB/s counts t
     python -m benchmarks.short_conv --profile  # also the CUDA kernels of one fused forward+backward, by time
     python -m benchmarks.short_conv --row-widths 4232 4240  # x sliced from rows of these widths (alignment)
     python -m benchmarks.short_conv --bwd-tiles 32x64x4 64x64x8  # kernel times at other backward tiles
+    python -m benchmarks.short_conv --stream 128x512x2x3 256x1024x4x3  # the streaming kernels (session 18)
     python -m benchmarks.short_conv --bwd-tiles 16x64x8x8 16x64x8x8x2  # backward kernel 1 over several token
                                    # blocks per program (BTxBCxWARPSxBLOCKS[xSTAGES]; kernel 2 at its tiles)
 """
@@ -125,6 +126,55 @@ def backward_tilings(device, tilings, iters=10, shapes=((32768, 1024, 4240), (81
             setattr(short_conv_module, key, value)
 
 
+def stream_settings(device, settings, iters=10, shapes=((65536, 1024, 4240), (8192, 12288, None))):
+    """GPU kernel time (the profiler's sum) of the fused forward and forward + backward with the tile kernels (the
+    baseline) and with the streaming kernels at each setting "SEGxBCxWARPSxSTAGES" (both directions; session 18),
+    at a 64K-token step's small-preset conv (x a slice of the 4240-wide projection rows) and 8K tokens at K3's
+    width. Each setting passes the fp64 gate first; GB/s counts the unavoidable bytes (forward: read x, write y;
+    backward: read x and dy, write dx)."""
+    from benchmarks.kernel_profile import kernel_times
+
+    keys = ("_CONV_FWD_STREAM", "_CONV_BWD_STREAM")
+    default = tuple(getattr(short_conv_module, k) for k in keys)
+    rows = []
+    try:
+        for setting in [None, *settings]:
+            value = tuple(map(int, setting.split("x"))) if setting else None
+            if value is not None and len(value) != 4:
+                raise SystemExit(f"--stream: {setting!r} is not SEGxBCxWARPSxSTAGES")
+            for key in keys:
+                setattr(short_conv_module, key, value)
+            label = setting or "tiles"
+            errs, ok = gate(device)
+            print(f"[stream] {label}: gate", {k: f"{v:.1e}" for k, v in errs.items()}, "ok" if ok else "FAILED",
+                  flush=True)
+            if not ok or device != "cuda":
+                continue
+            for T, C, width in shapes:
+                wide, w, cu = inputs(T, C, device, torch.bfloat16, width=width)
+                x = wide[..., C:2 * C].detach().requires_grad_()
+                wg = w.clone().requires_grad_()
+                dy = torch.randn(1, T, C, device=device, dtype=torch.bfloat16)
+                with torch.no_grad():
+                    fwd = sum(ms for ms, _ in kernel_times(lambda: short_conv_silu(x, wg, cu), iters).values())
+                both = sum(ms for ms, _ in kernel_times(
+                    lambda: torch.autograd.grad(short_conv_silu(x, wg, cu), (x, wg), dy), iters).values())
+                nbytes = T * C * 2
+                rows.append((label, T, C, fwd * 1e3, 2 * nbytes / fwd / 1e6, (both - fwd) * 1e3,
+                             3 * nbytes / (both - fwd) / 1e6))
+                print(f"[stream] {label} T={T} C={C}: fwd {fwd * 1e3:.0f} us ({2 * nbytes / fwd / 1e6:,.0f} GB/s), "
+                      f"bwd {(both - fwd) * 1e3:.0f} us ({3 * nbytes / (both - fwd) / 1e6:,.0f} GB/s)", flush=True)
+    finally:
+        for key, value in zip(keys, default):
+            setattr(short_conv_module, key, value)
+    base = {(T, C): (f, b) for label, T, C, f, _, b, _ in rows if label == "tiles"}
+    print(f"{'setting':>16} {'T':>6} {'C':>6} {'fwd us':>8} {'GB/s':>6} {'x tiles':>7} {'bwd us':>8} {'GB/s':>6} "
+          f"{'x tiles':>7}")
+    for label, T, C, f, fg, b, bg in rows:
+        f0, b0 = base.get((T, C), (f, b))
+        print(f"{label:>16} {T:>6} {C:>6} {f:>8.0f} {fg:>6,.0f} {f0 / f:>6.2f}x {b:>8.0f} {bg:>6,.0f} {b0 / b:>6.2f}x")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -135,6 +185,8 @@ def main() -> int:
     ap.add_argument("--bwd-tiles", nargs="*", default=None, metavar="BTxBCxWARPS[xBLOCKS[xSTAGES]]",
                     help="GPU kernel times of the fused conv at the backward's current tiles and at these (profiler); "
                          "with BLOCKS, kernel 1 sums dw over that many token blocks per program")
+    ap.add_argument("--stream", nargs="*", default=None, metavar="SEGxBCxWARPSxSTAGES",
+                    help="GPU kernel times of the streaming forward and backward at these settings against the tiles")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     errs, ok = gate(device)
@@ -144,6 +196,11 @@ def main() -> int:
     if args.quick or device != "cuda":
         if args.bwd_tiles is not None:  # the tile switching and its gates (kernel times need a GPU)
             backward_tilings(device, args.bwd_tiles)
+        if args.stream is not None:
+            stream_settings(device, args.stream)
+        return 0
+    if args.stream is not None:  # the streaming kernels' settings only (their own table)
+        stream_settings(device, args.stream)
         return 0
     from triton.testing import do_bench
 

@@ -322,6 +322,109 @@ if triton is not None:
         tl.store(DX + t[:, None] * C + c[None, :], dx.to(DX.dtype.element_ty), mask=in_t[:, None] & in_c[None, :])
 
 
+    @triton.jit
+    def _lag_weight(Wt, c, in_c, W: tl.constexpr, LAG: tl.constexpr, BC: tl.constexpr):
+        """The weight of x[t − LAG] in y[t] (tap W−1−LAG), fp32; zero for LAG ≥ W (the stream kernels carry 4)."""
+        if LAG < W:
+            return tl.load(Wt + c * W + (W - 1 - LAG), mask=in_c, other=0.0)
+        else:
+            return tl.zeros([BC], dtype=tl.float32)
+
+    @triton.jit
+    def _stream_row(X, u, R, c, in_c, stride):
+        """Row u of X in fp32 on channels c; zero outside [0, R)."""
+        ok = (u >= 0) & (u < R)
+        return tl.load(X + u * stride + c, mask=in_c & ok, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _conv_silu_fwd_stream_kernel(X, Wt, POS, Y, R, C, stride_x, W: tl.constexpr, SEG: tl.constexpr,
+                                     BC: tl.constexpr, STAGES: tl.constexpr):
+        """Forward, streaming: a program walks SEG consecutive tokens of BC channels one row at a time, keeping
+        the last three input rows in registers, so each row of x is read once (plus three rows before the
+        segment) instead of once per tap; W ≤ 4."""
+        s, cb = tl.program_id(0), tl.program_id(1)
+        c = cb * BC + tl.arange(0, BC)
+        in_c = c < C
+        w0 = _lag_weight(Wt, c, in_c, W, 0, BC)
+        w1 = _lag_weight(Wt, c, in_c, W, 1, BC)
+        w2 = _lag_weight(Wt, c, in_c, W, 2, BC)
+        w3 = _lag_weight(Wt, c, in_c, W, 3, BC)
+        t0 = s.to(tl.int64) * SEG
+        x1 = _stream_row(X, t0 - 1, R, c, in_c, stride_x)
+        x2 = _stream_row(X, t0 - 2, R, c, in_c, stride_x)
+        x3 = _stream_row(X, t0 - 3, R, c, in_c, stride_x)
+        for i in tl.range(0, SEG, num_stages=STAGES):
+            u = t0 + i
+            ok = u < R
+            xu = tl.load(X + u * stride_x + c, mask=in_c & ok, other=0.0).to(tl.float32)
+            p = tl.load(POS + u, mask=ok, other=0)
+            # a tap reaches back only inside the token's document (p = its position there)
+            a = w0 * xu + tl.where(p >= 1, w1 * x1, 0.0) + tl.where(p >= 2, w2 * x2, 0.0) \
+                + tl.where(p >= 3, w3 * x3, 0.0)
+            tl.store(Y + u * C + c, (a * tl.sigmoid(a)).to(Y.dtype.element_ty), mask=in_c & ok)
+            x3, x2, x1 = x2, x1, xu
+
+    @triton.jit
+    def _conv_silu_bwd_stream_kernel(X, Wt, POS, DY, DX, DW, R, C, stride_x, stride_dy, W: tl.constexpr,
+                                     SEG: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr):
+        """The whole backward in one streaming pass, W ≤ 4: a program walks tokens t0 .. t0 + SEG + 2 of BC
+        channels one row at a time with the last three rows of x and of g = dy · SiLU'(a) in registers. At row u
+        it forms g[u] (a from the carried x rows), adds g[u] · x[u − lag] into the dw sums (rows of its own
+        segment only) and writes dx[u − 3] = Σ_d w_lag=d · g[u − 3 + d], whose last g it has just formed; the
+        three rows past the segment recompute the next segment's first g (its halo). x and dy are read once,
+        dx written once, no g round trip (the two-kernel form writes g in fp32 and reads it back). dw: one row
+        of partial sums [C, W] per segment, summed by the caller (deterministic, no atomics)."""
+        s, cb = tl.program_id(0), tl.program_id(1)
+        c = cb * BC + tl.arange(0, BC)
+        in_c = c < C
+        w0 = _lag_weight(Wt, c, in_c, W, 0, BC)
+        w1 = _lag_weight(Wt, c, in_c, W, 1, BC)
+        w2 = _lag_weight(Wt, c, in_c, W, 2, BC)
+        w3 = _lag_weight(Wt, c, in_c, W, 3, BC)
+        t0 = s.to(tl.int64) * SEG
+        x1 = _stream_row(X, t0 - 1, R, c, in_c, stride_x)
+        x2 = _stream_row(X, t0 - 2, R, c, in_c, stride_x)
+        x3 = _stream_row(X, t0 - 3, R, c, in_c, stride_x)
+        zero = tl.zeros([BC], dtype=tl.float32)
+        g1, g2, g3 = zero, zero, zero  # g at u − 1, u − 2, u − 3 (the first three are not read: i < 3)
+        p1 = tl.full([], 0, POS.dtype.element_ty)  # positions of rows u − 1, u − 2
+        p2 = p1
+        acc0, acc1, acc2, acc3 = zero, zero, zero, zero
+        for i in tl.range(0, SEG + 3, num_stages=STAGES):
+            u = t0 + i
+            ok = u < R
+            xu = tl.load(X + u * stride_x + c, mask=in_c & ok, other=0.0).to(tl.float32)
+            dy = tl.load(DY + u * stride_dy + c, mask=in_c & ok, other=0.0).to(tl.float32)
+            p = tl.load(POS + u, mask=ok, other=0)
+            x1m = tl.where(p >= 1, x1, 0.0)  # the taps inside u's document
+            x2m = tl.where(p >= 2, x2, 0.0)
+            x3m = tl.where(p >= 3, x3, 0.0)
+            a = w0 * xu + w1 * x1m + w2 * x2m + w3 * x3m
+            sig = tl.sigmoid(a)
+            g = dy * sig * (1.0 + a * (1.0 - sig))  # zero past R (dy is)
+            gs = tl.where(i < SEG, g, 0.0)  # dw from this segment's rows only
+            acc0 += gs * xu
+            acc1 += gs * x1m
+            acc2 += gs * x2m
+            acc3 += gs * x3m
+            # dx[u − 3]: g[u − 3 + d] reaches back d rows only inside its document
+            dx = w0 * g3 + tl.where(p2 >= 1, w1 * g2, 0.0) + tl.where(p1 >= 2, w2 * g1, 0.0) \
+                + tl.where(p >= 3, w3 * g, 0.0)
+            v = u - 3
+            tl.store(DX + v * C + c, dx.to(DX.dtype.element_ty), mask=in_c & (i >= 3) & (v < R))
+            x3, x2, x1 = x2, x1, xu
+            g3, g2, g1 = g2, g1, g
+            p2, p1 = p1, p
+        row = DW + (s * C + c) * W + (W - 1)  # the lag-0 tap is tap W − 1
+        tl.store(row, acc0, mask=in_c)
+        if W > 1:
+            tl.store(row - 1, acc1, mask=in_c)
+        if W > 2:
+            tl.store(row - 2, acc2, mask=in_c)
+        if W > 3:
+            tl.store(row - 3, acc3, mask=in_c)
+
+
 # Tiles, from the offline sm_90 compile (benchmarks/kernel_spills.py) at the model's shapes, where the JIT
 # specialises C, R and the strides as multiples of 16 (so masked loads are 16-byte vectors). Forward: 88
 # registers. The backward is two memory-bound passes (kernel 1 reads x and dy and writes g; kernel 2 reads g
@@ -344,6 +447,12 @@ _CONV_GRAD_BLOCKS_INTERPRETED: tuple[int, int, int, int, int] | None = (128, 64,
 # bytes per element against 10 in x's dtype, but the bf16 dx of the small preset's shape is then 18% closer to
 # fp64 than the unfused path's instead of 2% (CPU emulation; the GPU test allows 5% further)
 _CONV_G_FP32 = True
+# The streaming kernels (`_conv_silu_fwd_stream_kernel`, `_conv_silu_bwd_stream_kernel`; W ≤ 4) as (SEG tokens per
+# program, BC channels, warps, pipeline stages), or None for the tile kernels above. BC = 8 · 32 · warps gives each
+# thread one 16-byte vector of a bf16 row. Session 18: the tile kernels move 1.4-2.2 TB/s in a 64K-token step
+# (forward 158 µs, backward 365 + 180 µs per call at C = 1024); the stream forms read x (and dy) once.
+_CONV_FWD_STREAM: tuple[int, int, int, int] | None = None
+_CONV_BWD_STREAM: tuple[int, int, int, int] | None = None
 
 
 def _conv_grid(R: int, C: int, BT: int, BC: int) -> tuple[int, int]:
@@ -374,8 +483,13 @@ class _ShortConvSiLU(torch.autograd.Function):
         xr = _rows(x)
         R = xr.shape[0]
         y = torch.empty(R, C, dtype=x.dtype, device=x.device)
-        _conv_silu_fwd_kernel[_conv_grid(R, C, _CONV_BT, _CONV_BC)](xr, w, pos, y, R, C, xr.stride(0), W=W,
-                                                                    BT=_CONV_BT, BC=_CONV_BC)
+        if _CONV_FWD_STREAM is not None and W <= 4:
+            SEG, BC, warps, stages = _CONV_FWD_STREAM
+            _conv_silu_fwd_stream_kernel[_conv_grid(R, C, SEG, BC)](xr, w, pos, y, R, C, xr.stride(0), W=W, SEG=SEG,
+                                                                    BC=BC, STAGES=stages, num_warps=warps)
+        else:
+            _conv_silu_fwd_kernel[_conv_grid(R, C, _CONV_BT, _CONV_BC)](xr, w, pos, y, R, C, xr.stride(0), W=W,
+                                                                        BT=_CONV_BT, BC=_CONV_BC)
         ctx.save_for_backward(xr, w, pos)
         ctx.shape, ctx.weight_shape, ctx.weight_dtype = x.shape, weight.shape, weight.dtype
         return y.view(B, T, C)
@@ -386,6 +500,14 @@ class _ShortConvSiLU(torch.autograd.Function):
         R, C = xr.shape
         W = w.shape[1]
         dyr = _rows(dy)
+        if _CONV_BWD_STREAM is not None and W <= 4:
+            SEG, BC, warps, stages = _CONV_BWD_STREAM
+            dw = torch.empty(triton.cdiv(R, SEG), C, W, dtype=torch.float32, device=xr.device)  # per segment
+            dx = torch.empty(R, C, dtype=xr.dtype, device=xr.device)
+            _conv_silu_bwd_stream_kernel[_conv_grid(R, C, SEG, BC)](xr, w, pos, dyr, dx, dw, R, C, xr.stride(0),
+                                                                    dyr.stride(0), W=W, SEG=SEG, BC=BC,
+                                                                    STAGES=stages, num_warps=warps)
+            return dx.view(ctx.shape), dw.sum(0).reshape(ctx.weight_shape).to(ctx.weight_dtype), None
         grid = _conv_grid(R, C, _CONV_BWD_BT, _CONV_BWD_BC)
         tiles = dict(W=W, BT=_CONV_BWD_BT, BC=_CONV_BWD_BC, num_warps=_CONV_BWD_WARPS)
         g = torch.empty(R, C, dtype=torch.float32 if _CONV_G_FP32 else xr.dtype, device=xr.device)

@@ -341,13 +341,44 @@ def test_fused_backward_variants(blocks, W, monkeypatch):
         pytest.skip("runs in the interpreter subprocess (test_fused_backward_variants_in_interpreter)")
     if ON_GPU and blocks == short_conv._CONV_GRAD_BLOCKS_INTERPRETED:
         pytest.skip("the interpreter's 128-row tiles: a slow, spilling compile on a GPU")
+    monkeypatch.setattr(short_conv, "_CONV_GRAD_BLOCKS", blocks)
+    monkeypatch.setattr(short_conv, "_CONV_GRAD_BLOCKS_INTERPRETED", blocks)
+    monkeypatch.setattr(short_conv, "_CONV_FWD_STREAM", None)
+    monkeypatch.setattr(short_conv, "_CONV_BWD_STREAM", None)
+    launches = _Launches(short_conv._conv_silu_grad_blocks_kernel)
+    monkeypatch.setattr(short_conv, "_conv_silu_grad_blocks_kernel", launches)
+    _check_fused_against_reference(W)
+    assert launches.count == (0 if blocks is None else 3)
+
+
+@pytest.mark.skipif(ON_GPU or INTERPRETING, reason="kernels run directly in this process")
+def test_fused_stream_variants_in_interpreter():
+    pytest.importorskip("triton")
+    run_module_in_interpreter(f"{__file__}::test_fused_stream_variants")
+
+
+@pytest.mark.parametrize("stream, W", [((24, 32, 1, 1), 4), ((24, 32, 1, 1), 3), ((128, 64, 2, 3), 4)],
+                         ids=["seg24", "seg24-W3", "seg128-staged"])
+def test_fused_stream_variants(stream, W, monkeypatch):
+    """The streaming forward and backward (`_CONV_FWD_STREAM`, `_CONV_BWD_STREAM`) at several segment and channel
+    widths, fp32 against the fp64 reference (≤ 1e-5): documents ending at, one before and one after the 24-token
+    segments and 127-129 (the 128-token ones), so a segment's three halo rows cross into the next document;
+    channels not a multiple of BC (37 against 32 and 64); batched rows without documents."""
+    if not (ON_GPU or INTERPRETING):
+        pytest.skip("runs in the interpreter subprocess (test_fused_stream_variants_in_interpreter)")
+    monkeypatch.setattr(short_conv, "_CONV_FWD_STREAM", stream)
+    monkeypatch.setattr(short_conv, "_CONV_BWD_STREAM", stream)
+    launches = [_Launches(short_conv._conv_silu_fwd_stream_kernel), _Launches(short_conv._conv_silu_bwd_stream_kernel)]
+    monkeypatch.setattr(short_conv, "_conv_silu_fwd_stream_kernel", launches[0])
+    monkeypatch.setattr(short_conv, "_conv_silu_bwd_stream_kernel", launches[1])
+    _check_fused_against_reference(W)
+    assert [n.count for n in launches] == [3, 3]
+
+
+def _check_fused_against_reference(W):
     from k3.ops.short_conv import naive_short_conv_silu, short_conv_silu
 
     device = "cuda" if ON_GPU else "cpu"
-    monkeypatch.setattr(short_conv, "_CONV_GRAD_BLOCKS", blocks)
-    monkeypatch.setattr(short_conv, "_CONV_GRAD_BLOCKS_INTERPRETED", blocks)
-    launches = _Launches(short_conv._conv_silu_grad_blocks_kernel)
-    monkeypatch.setattr(short_conv, "_conv_silu_grad_blocks_kernel", launches)
     g = torch.Generator().manual_seed(W)
     C = 37
     # the third input spans three 128-row programs (the defaults' blocks), documents ending at 127, 128 and 129
@@ -367,4 +398,3 @@ def test_fused_backward_variants(blocks, W, monkeypatch):
         for name, got, want in (("y", tri, ref), ("dx", xt.grad[..., C:2 * C], xr.grad), ("dw", wt.grad, wr.grad)):
             err = float((got.double() - want).norm() / want.norm())
             assert err <= 1e-5, (name, B, err)
-    assert launches.count == (0 if blocks is None else 3)
