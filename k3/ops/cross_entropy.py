@@ -11,9 +11,10 @@ bf16 logits, their fp32 copy and its gradient — more than the rest of the step
 `chunked_linear_cross_entropy` walks the tokens in chunks. For each chunk it computes the logits (the same
 GEMM dtypes), the loss in fp32 and, when a gradient is wanted, the logit gradient softmax − onehot at once;
 it folds that into dh (the chunk's rows) and dW (an fp32 sum over chunks) and frees the chunk. The backward
-only scales dh and dW by the incoming gradient (a scalar, the loss is a sum). Peak extra memory is one chunk
-of fp32 logits plus dW; the work is the reference's three GEMMs. Liger-Kernel's fused linear cross-entropy
-and Cut Cross-Entropy do the same in Triton; this one is plain PyTorch (docs/fast-paths.md says why).
+only scales dh and dW by the incoming gradient (a scalar, the loss is a sum). Peak extra memory is one chunk's
+transients (about 2 GiB, by the path's chunk size below) plus dW; the work is the reference's three GEMMs.
+Liger-Kernel's fused linear cross-entropy and Cut Cross-Entropy do the same in Triton; here the GEMMs stay on
+cuBLAS and only the softmax and gradient are a Triton kernel (`rows_kernel`; docs/fast-paths.md says why).
 """
 
 from __future__ import annotations
@@ -23,10 +24,15 @@ import torch.nn.functional as F
 
 from k3.ops import triton_runs_on
 
-# elements of one chunk's fp32 logits: 2^28 (1 GiB; 1,638 rows at V = 163,840). Each chunk adds its [V, D]
-# product into dW once, so fewer, larger chunks move fewer bytes; the chunk's transients (fp32 logits,
-# bf16 logits and gradient) stay near 2 GiB
+# elements of one chunk under the torch formula: 2^28 (1,638 rows at V = 163,840), whose transients are the
+# fp32 logits (1 GiB), the 16-bit logits and their gradient: near 2 GiB. Each chunk adds its [V, D] product
+# into dW once, a read and a write of the fp32 accumulator (503 MB at the small preset's head), so fewer,
+# larger chunks move fewer bytes
 CHUNK_ELEMENTS = 1 << 28
+# bytes of one chunk's logits under the Triton row kernel: it overwrites the logits with their gradient in
+# place, so they are the chunk's only transient and the same ~2 GiB holds 4x the rows in bf16 (2^30 elements,
+# 6,553 rows at V = 163,840): a quarter of the passes over dW, and GEMMs with 4x the rows
+CHUNK_BYTES_ROWS_KERNEL = 1 << 31
 
 
 def naive_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -50,19 +56,34 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
         raise ValueError(f"labels must be [N] = [{hidden.shape[0]}], got {tuple(labels.shape)}")
     if labels.dtype.is_floating_point:
         raise ValueError(f"labels must be integer class ids, got {labels.dtype}")
-    if chunk_rows is None:
-        chunk_rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     device_type = hidden.device.type
     compute = hidden.dtype
     if torch.is_autocast_enabled(device_type) and hidden.dtype != torch.float64:
         compute = torch.get_autocast_dtype(device_type)  # what F.linear would run in
+    rows_kernel = rows_kernel and _rows_kernel_runs(compute, hidden)
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(hidden.shape[0], weight.shape[0], compute, rows_kernel)
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     grad = torch.is_grad_enabled()
     wants = (grad and hidden.requires_grad, grad and weight.requires_grad)  # no gradient work for evaluation
     with torch.autocast(device_type, enabled=False):
         return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_rows, compute, wants,
                                                 rows_kernel)
+
+
+def default_chunk_rows(N: int, V: int, dtype: torch.dtype, rows_kernel: bool) -> int:
+    """Rows per chunk when the caller gives none: the path's budget (`CHUNK_ELEMENTS` for the torch formula,
+    `CHUNK_BYTES_ROWS_KERNEL` of `dtype` logits for the row kernel), spread evenly over the chunks it takes."""
+    elements = CHUNK_BYTES_ROWS_KERNEL // dtype.itemsize if rows_kernel else CHUNK_ELEMENTS
+    return balanced_chunk_rows(N, max(1, elements // V))
+
+
+def balanced_chunk_rows(N: int, limit: int) -> int:
+    """At most `limit` rows per chunk, in as few chunks as that allows, of equal size: 65,536 tokens at 6,553
+    rows are 11 chunks of 5,958, not 10 full ones and a 6-row tail that would cost a whole pass over dW."""
+    chunks = max(1, -(-N // limit))
+    return max(1, -(-N // chunks))
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -114,8 +135,9 @@ def _loss_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor, ignore_inde
                          acc: torch.dtype, rows_kernel: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk: logits [c, V] (the GEMM's dtype) -> (Σ loss over labelled rows in `acc`, the logit gradient
     softmax − onehot (zero rows where ignored) in the logits' dtype, or None). The Triton kernel where it
-    runs (it overwrites the logits with the gradient), the torch formula elsewhere: the same math."""
-    if rows_kernel and _rows_kernel_ok(logits):
+    runs (`rows_kernel`, decided by `_rows_kernel_runs`; it overwrites the logits with the gradient), the torch
+    formula elsewhere: the same math."""
+    if rows_kernel:
         return _loss_and_logit_grad_triton(logits, labels, ignore_index, want_grad)
     valid = labels != ignore_index
     target = torch.where(valid, labels, 0).unsqueeze(1)
@@ -138,27 +160,40 @@ except ImportError:  # CPU-only installs: the torch formula
     triton = None
 
 
-def _rows_kernel_ok(logits: torch.Tensor) -> bool:
-    return (triton is not None and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and triton_runs_on(logits))
+def _rows_kernel_runs(dtype: torch.dtype, t: torch.Tensor) -> bool:
+    """The row kernel takes logits of this dtype on t's device."""
+    return (triton is not None and dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and triton_runs_on(t))
+
+
+# The row kernel's launch; `python -m benchmarks.cross_entropy --rows-settings` times the alternatives.
+# form "per_row": one program per row (what the H200 profiles measured: 18.9 ms of a 65,536-token step, the
+# second sweep read from DRAM again because the rows in flight, many programs of 320 KB each, exceed the 50 MB
+# L2). "persistent": programs_per_sm x SMs programs, each striding over the rows, so that the rows in flight
+# (about 132 x 320 KB at one per SM) can stay in L2 until the second sweep; its loads are pipelined `stages`
+# tiles deep (tl.range num_stages; None: not pipelined) so one program per SM still streams at full bandwidth;
+# reverse: its second sweep runs from the row's end back, so it first reads the tiles the first sweep read last
+# (the ones most likely still in L2). With programs_per_sm x SMs >= rows it is one program per row again, with
+# those two options. Both forms: BV the vocabulary tile width, warps per program. Untimed: the default is the
+# measured launch.
+LOSS_ROWS = dict(form="per_row", programs_per_sm=1, BV=4096, warps=8, stages=None, reverse=False)
 
 
 if triton is not None:
 
     @triton.jit
-    def _loss_rows_kernel(L, Y, LOSS, V, stride, ignore_index, WRITE_GRAD: tl.constexpr, BV: tl.constexpr,
-                          TILES: tl.constexpr):
-        """One row per program: an online logsumexp over V in BV-wide tiles (per-lane running max and sum,
-        combined at the end), the row's loss, then — if asked — a second sweep that overwrites the row
-        with softmax − onehot (zeros for an ignored row). Two reads and one write of the row in its dtype,
-        against the torch formula's six fp32 passes."""
-        row = tl.program_id(0).to(tl.int64)
+    def _loss_row(L, Y, LOSS, row, V, stride, ignore_index, WRITE_GRAD: tl.constexpr, BV: tl.constexpr,
+                  TILES: tl.constexpr, STAGES: tl.constexpr, REVERSE: tl.constexpr):
+        """One row: an online logsumexp over V in BV-wide tiles (per-lane running max and sum, combined at the
+        end), the row's loss, then — if asked — a second sweep that overwrites the row with softmax − onehot
+        (zeros for an ignored row). Two reads and one write of the row in its dtype, against the torch formula's
+        six fp32 passes."""
         base = L + row * stride
         y = tl.load(Y + row).to(tl.int64)
         valid = y != ignore_index
         m = tl.full([BV], float("-inf"), tl.float32)
         s = tl.zeros([BV], tl.float32)
-        for tile in range(TILES):  # TILES = ⌈V / BV⌉, fixed per vocabulary (one compile)
+        for tile in tl.range(TILES, num_stages=STAGES):  # TILES = ⌈V / BV⌉, fixed per vocabulary (one compile)
             cols = tile * BV + tl.arange(0, BV)
             x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, x)
@@ -170,7 +205,8 @@ if triton is not None:
         x_y = tl.load(base + tl.where(valid, y, 0)).to(tl.float32)
         tl.store(LOSS + row, tl.where(valid, lse - x_y, 0.0))
         if WRITE_GRAD:
-            for tile in range(TILES):
+            for step in tl.range(TILES, num_stages=STAGES):
+                tile = (TILES - 1 - step) if REVERSE else step
                 cols = tile * BV + tl.arange(0, BV)
                 x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
                 p = tl.exp(x - lse)
@@ -178,17 +214,55 @@ if triton is not None:
                 p = tl.where(valid, p, 0.0)
                 tl.store(base + cols, p.to(L.dtype.element_ty), mask=cols < V)
 
+    @triton.jit
+    def _loss_rows_kernel(L, Y, LOSS, V, stride, ignore_index, WRITE_GRAD: tl.constexpr, BV: tl.constexpr,
+                          TILES: tl.constexpr):
+        """One row per program (form "per_row"), its loads not pipelined, both sweeps forward: the launch
+        the H200 profiles measured. (The persistent kernel with at least as many programs as rows is this one
+        with `stages` and `reverse`.)"""
+        _loss_row(L, Y, LOSS, tl.program_id(0).to(tl.int64), V, stride, ignore_index, WRITE_GRAD, BV, TILES,
+                  None, False)
 
-def _loss_and_logit_grad_triton(logits, labels, ignore_index, want_grad):
+    @triton.jit
+    def _loss_rows_persistent_kernel(L, Y, LOSS, ROWS, V, stride, ignore_index, WRITE_GRAD: tl.constexpr,
+                                     BV: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
+                                     REVERSE: tl.constexpr):
+        """Rows program_id, program_id + programs, … (form "persistent"): the rows in flight are one per
+        program, however many rows the chunk has."""
+        row = tl.program_id(0).to(tl.int64)
+        # a while loop: the interpreter cannot take a range() whose bounds are tensors
+        while row < ROWS:
+            _loss_row(L, Y, LOSS, row, V, stride, ignore_index, WRITE_GRAD, BV, TILES, STAGES, REVERSE)
+            row += tl.num_programs(0)
+
+
+def _loss_and_logit_grad_triton(logits, labels, ignore_index, want_grad, settings=None):
+    """logits [rows, V] (overwritten with the gradient when `want_grad`), labels [rows] -> (Σ loss fp32, the
+    gradient or None). `settings`: a launch as in `LOSS_ROWS` (the default)."""
+    cfg = LOSS_ROWS if settings is None else settings
+    if cfg["form"] not in ("per_row", "persistent"):
+        raise ValueError(f"LOSS_ROWS form must be per_row|persistent, got {cfg['form']!r}")
     rows, V = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
-        BV = min(4096, triton.next_power_of_2(V))
-        _loss_rows_kernel[(rows,)](logits, labels.contiguous(), losses, V, logits.stride(0), ignore_index,
-                                   WRITE_GRAD=want_grad, BV=BV, TILES=triton.cdiv(V, BV), num_warps=8)
+        BV = min(cfg["BV"], triton.next_power_of_2(V))
+        args = dict(WRITE_GRAD=want_grad, BV=BV, TILES=triton.cdiv(V, BV), num_warps=cfg["warps"])
+        if cfg["form"] == "per_row":
+            _loss_rows_kernel[(rows,)](logits, labels.contiguous(), losses, V, logits.stride(0), ignore_index,
+                                       **args)
+        else:
+            programs = min(rows, cfg["programs_per_sm"] * _multiprocessors(logits.device))
+            _loss_rows_persistent_kernel[(programs,)](logits, labels.contiguous(), losses, rows, V,
+                                                      logits.stride(0), ignore_index, STAGES=cfg["stages"],
+                                                      REVERSE=cfg["reverse"], **args)
     return losses.sum(), (logits if want_grad else None)
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """SMs of a CUDA device; 1 in the interpreter (so tests choose the program count by `programs_per_sm`)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

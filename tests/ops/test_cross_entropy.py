@@ -1,7 +1,10 @@
-"""The chunked lm_head + cross-entropy against the full-logits reference.
+"""The chunked lm_head + cross-entropy against the full-logits reference; the Triton row kernel's launch forms
+against the torch formula (on a GPU, or in the Triton interpreter: a subprocess on CPU).
 
 Tolerances: fp64, chunked vs reference, loss and gradients ≤ 1e-12 (relative); bf16 autocast, both against
-the fp64 result: the chunked error at most 1.5× the reference's (they round the same GEMM operands).
+the fp64 result: the chunked error at most 1.5× the reference's (they round the same GEMM operands). Row
+kernel vs torch formula on the same logits: fp32 ≤ 1e-5 (loss, relative) and 1e-6 (gradient, absolute); bf16
+gradients within one bf16 step (2^-7 relative); the whole loss with the kernel, fp32 vs fp64: ≤ 1e-5.
 """
 
 import pytest
@@ -9,7 +12,15 @@ import torch
 
 from k3.config import get_preset
 from k3.model.model import build_model
+from k3.ops import cross_entropy as ce
 from k3.ops.cross_entropy import chunked_linear_cross_entropy, linear_cross_entropy, naive_linear_cross_entropy
+from tests.interpreter import INTERPRETING, run_module_in_interpreter
+
+ON_GPU = torch.cuda.is_available()
+# the persistent form at test shapes: 3 programs (`_multiprocessors` is patched to 1 SM below), tiles of 128
+PERSISTENT = dict(form="persistent", programs_per_sm=3, BV=128, warps=4, stages=2, reverse=True)
+FORMS = {"per_row": dict(ce.LOSS_ROWS, BV=128), "persistent": PERSISTENT,
+         "persistent_forward": dict(PERSISTENT, BV=256, stages=None, reverse=False)}
 
 
 def _inputs(N=37, D=16, V=50, dtype=torch.float64, seed=0):
@@ -38,6 +49,7 @@ def test_chunked_equals_reference_fp64(chunk_rows):
     assert ch[3].abs().max() == 0 and ch[10].abs().max() == 0  # ignored rows get no gradient
 
 
+@pytest.mark.skipif(INTERPRETING, reason="no kernel: runs in the main process")
 def test_gradcheck():
     h, w, y = _inputs(N=9, D=5, V=7)
     assert torch.autograd.gradcheck(lambda a, b: chunked_linear_cross_entropy(a, b, y, chunk_rows=4), (h, w))
@@ -101,6 +113,7 @@ def test_bad_inputs():
         linear_cross_entropy(h, w, y, impl="fused")
 
 
+@pytest.mark.skipif(INTERPRETING, reason="no kernel: runs in the main process")
 def test_model_loss_with_labels_equals_logits_loss():
     """model(ids, labels=...) — the path training takes — against cross-entropy of the returned logits."""
     config = get_preset("debug", loss_impl="chunked")
@@ -131,3 +144,98 @@ def test_model_loss_with_labels_equals_logits_loss():
     bad[0, 3] = -7  # neither a class nor ignore_index
     with pytest.raises(ValueError, match="labels must be in"):
         model(ids, labels=bad)
+
+
+def test_chunk_rows_rule():
+    """Without chunk_rows: the row kernel's chunks hold ~4x the torch formula's rows (its logits are its only
+    transient); both spread evenly over the fewest chunks their limit allows."""
+    N, V = 65536, 163840
+    formula = ce.default_chunk_rows(N, V, torch.bfloat16, rows_kernel=False)
+    kernel = ce.default_chunk_rows(N, V, torch.bfloat16, rows_kernel=True)
+    assert (formula, kernel) == (1599, 5958)  # 41 and 11 chunks: limits 1,638 and 6,553 rows
+    assert ce.default_chunk_rows(N, V, torch.float32, rows_kernel=True) == 3121  # fp32 logits: 2^29, 21 chunks
+    assert ce.balanced_chunk_rows(37, 8) == 8 and ce.balanced_chunk_rows(10, 1000) == 10
+    assert ce.balanced_chunk_rows(0, 8) == 1 and ce.balanced_chunk_rows(13, 1) == 1
+
+
+def test_chunk_rows_taken_and_override_honoured(monkeypatch):
+    h, w, y = _inputs()  # N = 37, V = 50
+    h, w = h.float(), w.float()
+    sizes = []
+    inner = ce._loss_and_logit_grad
+    monkeypatch.setattr(ce, "_loss_and_logit_grad", lambda logits, *a: sizes.append(len(logits)) or inner(logits, *a))
+    monkeypatch.setattr(ce, "CHUNK_ELEMENTS", 50 * 8)  # 8 rows
+    monkeypatch.setattr(ce, "CHUNK_BYTES_ROWS_KERNEL", 50 * 32 * 4)  # 32 fp32 rows
+    runs = {}
+    for rows_kernel in (False, True):
+        for chunk_rows in (None, 5):
+            sizes.clear()
+            runs[rows_kernel, chunk_rows] = chunked_linear_cross_entropy(h, w, y, chunk_rows=chunk_rows,
+                                                                         rows_kernel=rows_kernel)
+            if chunk_rows == 5:
+                assert sizes == [5] * 7 + [2]
+            elif rows_kernel and INTERPRETING:
+                assert sizes == [19, 18]
+            else:  # the torch formula, also where rows_kernel is asked for but cannot run (CPU, no interpreter)
+                assert sizes == [8, 8, 8, 8, 5]
+    ref = naive_linear_cross_entropy(h, w, y)
+    for loss in runs.values():
+        assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+
+
+# ---- the row kernel's launch forms: on a GPU, or in the interpreter ---------------------------------------
+
+@pytest.mark.skipif(ON_GPU or INTERPRETING, reason="kernels run directly in this process")
+def test_in_triton_interpreter():
+    pytest.importorskip("triton")
+    run_module_in_interpreter(__file__)
+
+
+@pytest.fixture
+def dev(monkeypatch):
+    if not (ON_GPU or INTERPRETING):
+        pytest.skip("runs in the interpreter subprocess (test_in_triton_interpreter)")
+    monkeypatch.setattr(ce, "_multiprocessors", lambda device: 1)  # programs = programs_per_sm, on a GPU too
+    return "cuda" if ON_GPU else "cpu"
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [2, 7])  # fewer rows than the persistent form's 3 programs, and more
+@pytest.mark.parametrize("V", [100, 1000])  # one partial tile; several tiles, the last partial
+def test_rows_kernel_equals_torch_formula(dev, form, dtype, rows, V):
+    g = torch.Generator().manual_seed(V + rows)
+    logits = (torch.randn(rows, V, generator=g) * 3).to(dtype).to(dev)
+    labels = torch.randint(0, V, (rows,), generator=g).to(dev)
+    labels[0] = -100
+    logits[0, 5] = float("inf")  # an ignored row's overflow stays out of the loss and the gradient
+    if rows > 3:
+        labels[4] = -100
+    ref_loss, ref_grad = ce._loss_and_logit_grad(logits.clone(), labels, -100, True, torch.float32, False)
+    loss, grad = ce._loss_and_logit_grad_triton(logits.clone(), labels, -100, True, FORMS[form])
+    only_loss, none = ce._loss_and_logit_grad_triton(logits.clone(), labels, -100, False, FORMS[form])
+    assert none is None and torch.equal(only_loss, loss)
+    assert torch.isfinite(loss) and abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    assert grad.dtype == dtype and grad[0].abs().max() == 0
+    step = 2.0 ** -7 if dtype == torch.bfloat16 else 0.0
+    torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=step, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["per_row", "persistent"])
+def test_loss_and_gradients_with_each_form(dev, form, monkeypatch):
+    """The whole chunked loss with the row kernel in each form (3 chunks, ignored rows) against the fp64 reference;
+    the kernel is checked to be the path taken."""
+    monkeypatch.setattr(ce, "LOSS_ROWS", FORMS[form])
+    calls = []
+    kernel = ce._loss_and_logit_grad_triton
+    monkeypatch.setattr(ce, "_loss_and_logit_grad_triton", lambda *a: calls.append(1) or kernel(*a))
+    h, w, y = _inputs(N=37, D=16, V=300)
+    ref = naive_linear_cross_entropy(h, w, y)
+    gh, gw = torch.autograd.grad(ref * 0.37, (h, w))
+    ht, wt = h.detach().float().to(dev).requires_grad_(), w.detach().float().to(dev).requires_grad_()
+    out = chunked_linear_cross_entropy(ht, wt, y.to(dev), chunk_rows=16, rows_kernel=True)
+    th, tw = torch.autograd.grad(out * 0.37, (ht, wt))
+    assert len(calls) == 3
+    assert abs(out.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    assert _rel(th.cpu().double(), gh) <= 1e-5 and _rel(tw.cpu().double(), gw) <= 1e-5
+    assert th[3].abs().max() == 0 and th[10].abs().max() == 0
