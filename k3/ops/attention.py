@@ -175,8 +175,11 @@ def _flash(q, k, v, scale, offset, q_doc, kv_doc, want_max):
 # flex_attention's launch options where a backward can follow (None: flex's own choice). The backward at 8
 # warps, 2 stages (flex's sm90 default for head dims > 128 is 4 warps): 3.30 → 2.89 ms at the small preset's MLA
 # shape (B=8 T=4096 H=8, qk 192, v 128, packed documents), bitwise the same outputs and gradients; forward
-# unchanged (`benchmarks/flex_options.py`, session 9 run 5)
-FLEX_KERNEL_OPTIONS: dict | None = {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
+# unchanged (`benchmarks/flex_options.py`, session 9 run 5). Session 18 run 2, a 64K-token micro-batch (B=16
+# T=4096, documents of mean 2000): 128-row key blocks for dK/dV and 128-row query blocks for dQ, each against
+# 32-row blocks of the other side, 6.74 → 4.16 ms (133 → 215 TFLOP/s), 64/128/128/64 4.37, TMA loads 7.24; all
+# bitwise equal, forward unchanged (1.57-1.62 ms)
+FLEX_KERNEL_OPTIONS: dict | None = {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32,
                                     "bwd_num_stages": 2, "bwd_num_warps": 8}
 
 # Set when flex_attention failed on this machine (e.g. its kernels do not compile for these head dims);

@@ -387,8 +387,6 @@ if triton is not None:
         x3 = _stream_row(X, t0 - 3, R, c, in_c, stride_x)
         zero = tl.zeros([BC], dtype=tl.float32)
         g1, g2, g3 = zero, zero, zero  # g at u − 1, u − 2, u − 3 (the first three are not read: i < 3)
-        p1 = tl.full([], 0, POS.dtype.element_ty)  # positions of rows u − 1, u − 2
-        p2 = p1
         acc0, acc1, acc2, acc3 = zero, zero, zero, zero
         for i in tl.range(0, SEG + 3, num_stages=STAGES):
             u = t0 + i
@@ -396,6 +394,10 @@ if triton is not None:
             xu = tl.load(X + u * stride_x + c, mask=in_c & ok, other=0.0).to(tl.float32)
             dy = tl.load(DY + u * stride_dy + c, mask=in_c & ok, other=0.0).to(tl.float32)
             p = tl.load(POS + u, mask=ok, other=0)
+            # the positions of rows u − 1 and u − 2 are loaded again (L1), not carried: carried scalars gave
+            # wrong dx on the H200 (session 18 run 2) where the interpreter was right
+            p1 = tl.load(POS + u - 1, mask=(u >= 1) & (u - 1 < R), other=0)
+            p2 = tl.load(POS + u - 2, mask=(u >= 2) & (u - 2 < R), other=0)
             x1m = tl.where(p >= 1, x1, 0.0)  # the taps inside u's document
             x2m = tl.where(p >= 2, x2, 0.0)
             x3m = tl.where(p >= 3, x3, 0.0)
@@ -414,7 +416,6 @@ if triton is not None:
             tl.store(DX + v * C + c, dx.to(DX.dtype.element_ty), mask=in_c & (i >= 3) & (v < R))
             x3, x2, x1 = x2, x1, xu
             g3, g2, g1 = g2, g1, g
-            p2, p1 = p1, p
         row = DW + (s * C + c) * W + (W - 1)  # the lag-0 tap is tap W − 1
         tl.store(row, acc0, mask=in_c)
         if W > 1:
