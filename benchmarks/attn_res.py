@@ -84,12 +84,12 @@ def gate(device, n=4, J=7, N=300, D=96):
 
 
 TILE_SETTINGS = [  # (rows per tile, warps, backward programs per SM, stacked backward); None: the default's (2 rows,
-    # 4 warps at D = 768). Session 17 run 3 timed the first eight unstacked ones (the default won); the rest are
-    # next: 2 rows at 8 warps (offline the default needs 239-255 registers at 4 warps, one or two programs per
-    # SM) and the stacked backward (`_ar_bwd_stacked_kernel`, 184-243 registers at 8 warps)
-    (None, None, 4, False), (4, 4, 4, False), (4, 8, 4, False), (8, 8, 4, False), (2, 4, 8, False),
-    (4, 4, 8, False), (2, 4, 16, False), (4, 8, 16, False), (2, 8, 4, False), (2, 8, 8, False),
-    (None, None, 4, True), (None, None, 8, True)]
+    # 4 warps at D = 768). Session 17 run 3 and session 18 run 1 timed 4 and 8 warps at 2-8 rows (the default or 2
+    # rows at 8 programs per SM won; 8 warps lost 2-3x) and the stacked backward (0.93x at 7 sealed sources, 1.15x
+    # at 3). Next: one or two warps, whose row reductions stay inside a warp (at 4 warps every row spans the
+    # four warps, so each of the backward's per-source sums waits on a shared-memory barrier)
+    (None, None, 4, False), (2, 4, 8, False), (1, 1, 16, False), (1, 1, 32, False), (2, 1, 16, False),
+    (1, 2, 16, False), (2, 2, 8, False), (4, 2, 8, False)]
 
 
 def read_pair(sealed, partial, queries):
