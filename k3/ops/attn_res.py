@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from k3.ops import interpreting
 from k3.ops.norm import num_warps, persistent_grid
 
 try:
@@ -314,11 +315,15 @@ def _blocks(D: int) -> tuple[int, int]:
     return max(1, min(16, 2048 // block_d)), block_d
 
 
-# The direct read's launch settings (None: `_blocks` and `num_warps`; 4 programs per SM for the backward), set by
-# `benchmarks/attn_res.py --tiles`, which times them at the small preset's shape (session 17 run 3: the defaults
-# won). "stacked": the backward by `_ar_bwd_stacked_kernel` where its tile fits (`_stacked_tiles`); written in
-# session 17 after the device time was spent: tested in the interpreter and compiled offline for sm_90, untimed
-READ_TILES: dict = {"block_m": None, "num_warps": None, "bwd_per_sm": 4, "stacked": False}
+# The direct read's launch settings, set by `benchmarks/attn_res.py --tiles`, which times them at the small preset's
+# shape. None: rows of at most `one_warp_width` (padded) columns one per program on one warp, 16 backward programs
+# per SM; wider rows `_blocks` and `num_warps`, 4 backward programs per SM. One warp keeps a row's sums inside the
+# warp (shuffles): across 4 warps every per-source sum of the backward waits on a shared-memory barrier. Session 18
+# run 3, N = 65536, D = 768, bf16, two reads of 7 sealed sources: forward 0.920 → 0.696 ms, backward 3.485 →
+# 1.984; of 3: 0.375 → 0.336 and 0.970 → 0.845 (2 rows at 4 warps before; 2 warps or 2 rows per warp lost).
+# "stacked": the backward by `_ar_bwd_stacked_kernel` where its tile fits (`_stacked_tiles`): 0.93x the two-pass
+# kernel's time at 7 sources, 1.16x at 3 (session 18 run 1), so off
+READ_TILES: dict = {"block_m": None, "num_warps": None, "bwd_per_sm": None, "stacked": False, "one_warp_width": 1024}
 
 # elements of the stacked backward's [NS_PAD, BLOCK_M, BLOCK_D] tile (fp32 in registers across 8 warps)
 _STACKED_ELEMENTS = 8192
@@ -337,8 +342,21 @@ def _stacked_tiles(sources, D: int) -> tuple[int, int, int] | None:
 def _read_tiles(D: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_D, warps) of the direct read's kernels."""
     block_m, block_d = _blocks(D)
+    if _one_warp_rows(block_d):
+        return READ_TILES["block_m"] or 1, block_d, READ_TILES["num_warps"] or 1
     block_m = READ_TILES["block_m"] or block_m
     return block_m, block_d, READ_TILES["num_warps"] or num_warps(block_m * block_d)
+
+
+def _one_warp_rows(block_d: int) -> bool:
+    # not in the interpreter, which pays per program (the tile form is the same kernel at BLOCK_M > 1; the
+    # interpreter checks run one-row tiles once, `attn_res(..., one_row=True)`)
+    return block_d <= READ_TILES["one_warp_width"] and not interpreting()
+
+
+def _bwd_per_sm(D: int) -> int:
+    """Backward programs per SM of the direct read (`READ_TILES`)."""
+    return READ_TILES["bwd_per_sm"] or (16 if _one_warp_rows(triton.next_power_of_2(D)) else 4)
 
 
 class ReadGradientSink:
@@ -414,7 +432,7 @@ class _AttnResRead(torch.autograd.Function):
         stacked = _stacked_tiles(flat, D)
         BLOCK_M, BLOCK_D, warps = stacked or _read_tiles(D)
         kernel = _ar_bwd_kernel if stacked is None else _ar_bwd_stacked_kernel
-        P, iters = persistent_grid(N, BLOCK_M, w32.device, READ_TILES["bwd_per_sm"])
+        P, iters = persistent_grid(N, BLOCK_M, w32.device, _bwd_per_sm(D))
         # a sealed source's gradient goes into its sink: the first read to run backward writes the buffer,
         # the later ones add into it (bit i of `accumulate`)
         dsrcs, accumulate = [], 0

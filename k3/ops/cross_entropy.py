@@ -30,9 +30,11 @@ from k3.ops import triton_runs_on
 # larger chunks move fewer bytes
 CHUNK_ELEMENTS = 1 << 28
 # bytes of one chunk's logits under the Triton row kernel: it overwrites the logits with their gradient in
-# place, so they are the chunk's only transient and the same ~2 GiB holds 4x the rows in bf16 (2^30 elements,
-# 6,553 rows at V = 163,840): a quarter of the passes over dW, and GEMMs with 4x the rows
-CHUNK_BYTES_ROWS_KERNEL = 1 << 31
+# place, so they are the chunk's only transient, and 1 GiB holds 2x the rows in bf16 (2^29 elements, 3,121 rows
+# at V = 163,840 over 21 even chunks of a 65,536-token step): half the passes over dW. Session 18 run 3 (H200,
+# `benchmarks.cross_entropy --rows-settings`, the whole 65,536-token loss forward + backward): 2^28 elements
+# 108.8 ms, 2^29 95.5 ms, 2^30 97.1 ms (peak 2.0 / 2.4 / 3.3 GiB)
+CHUNK_BYTES_ROWS_KERNEL = 1 << 30
 
 
 def naive_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

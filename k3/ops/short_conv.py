@@ -385,17 +385,23 @@ if triton is not None:
         x1 = _stream_row(X, t0 - 1, R, c, in_c, stride_x)
         x2 = _stream_row(X, t0 - 2, R, c, in_c, stride_x)
         x3 = _stream_row(X, t0 - 3, R, c, in_c, stride_x)
-        zero = tl.zeros([BC], dtype=tl.float32)
-        g1, g2, g3 = zero, zero, zero  # g at u − 1, u − 2, u − 3 (the first three are not read: i < 3)
-        acc0, acc1, acc2, acc3 = zero, zero, zero, zero
+        # g at u − 1, u − 2, u − 3 (not read while i < 3). Each starts from its own zeros: Triton carries a name
+        # through the loop only if its value changes there, and `g3 = g2` from one shared zeros tensor looked
+        # unchanged, so g2 and g3 stayed zero on the GPU (session 18 runs 2-3; the interpreter runs Python)
+        g1 = tl.zeros([BC], dtype=tl.float32)
+        g2 = tl.zeros([BC], dtype=tl.float32)
+        g3 = tl.zeros([BC], dtype=tl.float32)
+        acc0 = tl.zeros([BC], dtype=tl.float32)
+        acc1 = tl.zeros([BC], dtype=tl.float32)
+        acc2 = tl.zeros([BC], dtype=tl.float32)
+        acc3 = tl.zeros([BC], dtype=tl.float32)
         for i in tl.range(0, SEG + 3, num_stages=STAGES):
             u = t0 + i
             ok = u < R
             xu = tl.load(X + u * stride_x + c, mask=in_c & ok, other=0.0).to(tl.float32)
             dy = tl.load(DY + u * stride_dy + c, mask=in_c & ok, other=0.0).to(tl.float32)
             p = tl.load(POS + u, mask=ok, other=0)
-            # the positions of rows u − 1 and u − 2 are loaded again (L1), not carried: carried scalars gave
-            # wrong dx on the H200 (session 18 run 2) where the interpreter was right
+            # the positions of rows u − 1 and u − 2, again (L1): two scalars fewer to carry
             p1 = tl.load(POS + u - 1, mask=(u >= 1) & (u - 1 < R), other=0)
             p2 = tl.load(POS + u - 2, mask=(u >= 2) & (u - 2 < R), other=0)
             x1m = tl.where(p >= 1, x1, 0.0)  # the taps inside u's document

@@ -206,15 +206,19 @@ def norm_out_dtype(D):
     check(f"rmsnorm fp32 -> bf16 D={D} dw", wt.grad, wr.grad, torch.bfloat16)
 
 
-def attn_res(dtype, n, D, stacked=False):
-    """The fused read against the stacked fp64 reference; `stacked`: the backward by `_ar_bwd_stacked_kernel`."""
+def attn_res(dtype, n, D, stacked=False, one_row=False):
+    """The fused read against the stacked fp64 reference; `stacked`: the backward by `_ar_bwd_stacked_kernel`;
+    `one_row`: one row per program on one warp (the GPU's launch at D ≤ 1024, which the interpreter skips)."""
     from k3.ops import attn_res as ops_attn_res
 
+    saved = dict(ops_attn_res.READ_TILES)
     ops_attn_res.READ_TILES["stacked"] = stacked
+    if one_row:
+        ops_attn_res.READ_TILES.update(block_m=1, num_warps=1)
     try:
-        _attn_res(dtype, n, D, " stacked" if stacked else "")
+        _attn_res(dtype, n, D, " stacked" if stacked else " one row" if one_row else "")
     finally:
-        ops_attn_res.READ_TILES["stacked"] = False
+        ops_attn_res.READ_TILES.update(saved)
 
 
 def _attn_res(dtype, n, D, label):
@@ -552,6 +556,7 @@ norm_out_dtype(96)
 for n, D in ((2, 80), (3, 100), (5, 64)):
     attn_res(torch.float32, n, D)
 attn_res(torch.bfloat16, 4, 96)
+attn_res(torch.float32, 3, 100, one_row=True)
 attn_res_sealed(torch.float32)
 attn_res_sealed(torch.bfloat16, 64)
 # the stacked backward (untimed, READ_TILES["stacked"]): n sources padded to a power of two, D not one
