@@ -10,8 +10,9 @@ mkdir -p "$OUT"
 step() { local limit=$1; shift; echo "=== [$(date +%T)] $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
 {
 step 60 python3 -m pytest -q --tb=short -p no:cacheprovider tests/ops/test_short_conv.py -k "stream"
-step 80 python3 -m benchmarks.short_conv --stream 128x1024x4x3 128x512x2x3 256x512x2x3 128x256x1x3 256x256x1x4
+step 80 python3 -m benchmarks.short_conv --stream 128x1024x4x3 128x512x2x3 256x512x2x3 256x256x1x4
 step 120 python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_fast_paths.py -k "attn_res or tiny_model"
+step 45 python3 -m benchmarks.norm
 } 2>&1 | grep --line-buffered -v "Warning\|warn_once" > "$OUT/log.txt"
 # the fastest stream setting at the 64K-token shape (forward + backward), if any passed
 BEST=$(python3 - "$OUT/log.txt" <<'PY'

@@ -91,6 +91,25 @@ def _blocks(D: int) -> tuple[int, int]:
     return max(1, min(64, 4096 // block_d)), block_d
 
 
+# The fused RMSNorm's launch (`benchmarks/norm.py` times the settings): None keeps `_blocks` and `num_warps` and 4
+# backward programs per SM. Rows of at most `one_warp_width` padded columns can run one per program on one warp,
+# as the AttnRes reads do since session 18 (narrower rows already lie one per warp in the tile form) (their backward 1.76x faster: a row's sums stay inside the warp, where
+# at 4 warps a 768-wide row spans the four and every sum waits on a shared-memory barrier); 0 (off) until timed
+NORM_TILES: dict = {"block_m": None, "num_warps": None, "bwd_per_sm": None, "one_warp_width": 0}
+
+
+def _norm_tiles(D: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_D, warps, backward programs per SM) of the fused RMSNorm (`NORM_TILES`)."""
+    block_m, block_d = _blocks(D)
+    if 256 < block_d <= NORM_TILES["one_warp_width"]:  # narrower rows already lie in one warp each
+        block_m, warps, per_sm = 1, 1, 16
+    else:
+        warps, per_sm = num_warps(block_m * block_d), 4
+    block_m = NORM_TILES["block_m"] or block_m
+    warps = NORM_TILES["num_warps"] or (warps if NORM_TILES["block_m"] is None else num_warps(block_m * block_d))
+    return block_m, block_d, warps, NORM_TILES["bwd_per_sm"] or per_sm
+
+
 def num_warps(block_elems: int) -> int:
     """Warps for a tile of this many fp32 elements (≤ 32 elements per thread and tensor)."""
     return max(4, min(16, block_elems // 1024))
@@ -112,26 +131,26 @@ def persistent_grid(N: int, block_m: int, device: torch.device, per_sm: int = 4)
 def rms_norm_forward_triton(x2, weight, eps, gate2=None, out_dtype=None):
     """x2 [N, D] contiguous, weight [D], gate2 [N, D] or None -> (y [N, D], rstd [N] fp32)."""
     N, D = x2.shape
-    BLOCK_M, BLOCK_D = _blocks(D)
+    BLOCK_M, BLOCK_D, warps, _ = _norm_tiles(D)
     y = torch.empty(N, D, dtype=out_dtype or x2.dtype, device=x2.device)
     rstd = torch.empty(N, dtype=torch.float32, device=x2.device)
     _rms_fwd_kernel[(triton.cdiv(N, BLOCK_M),)](x2, weight, gate2 if gate2 is not None else x2, y, rstd, N, D,
                                                 float(eps), HAS_GATE=gate2 is not None, BLOCK_M=BLOCK_M,
-                                                BLOCK_D=BLOCK_D, num_warps=num_warps(BLOCK_M * BLOCK_D))
+                                                BLOCK_D=BLOCK_D, num_warps=warps)
     return y, rstd
 
 
 def rms_norm_backward_triton(x2, weight, rstd, dy2, gate2=None):
     """Returns (dx [N, D], dw [D] in weight's dtype, dg [N, D] or None)."""
     N, D = x2.shape
-    BLOCK_M, BLOCK_D = _blocks(D)
-    P, iters = persistent_grid(N, BLOCK_M, x2.device)
+    BLOCK_M, BLOCK_D, warps, per_sm = _norm_tiles(D)
+    P, iters = persistent_grid(N, BLOCK_M, x2.device, per_sm)
     dx = torch.empty_like(x2)
     dg = torch.empty_like(gate2) if gate2 is not None else None
     part = torch.empty(P, D, dtype=torch.float32, device=x2.device)
     _rms_bwd_kernel[(P,)](x2, weight, gate2 if gate2 is not None else x2, dy2, rstd, dx,
                           dg if dg is not None else dx, part, N, D, HAS_GATE=gate2 is not None, ITERS=iters,
-                          BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=num_warps(BLOCK_M * BLOCK_D))
+                          BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=warps)
     return dx, part.sum(0).to(weight.dtype), dg
 
 
