@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from k3.ops import norm  # noqa: E402
 
-# (rows per program, warps, backward programs per SM, one-warp width): None the rule's choice
+# (rows per program, warps, backward programs per SM, one-warp width): None the rule's choice; the first is the
+# tile form of sessions before 18, the second the default since session 18 run 4
 SETTINGS = [(None, None, None, 0), (None, None, None, 1024), (1, 1, 32, 0), (2, 2, 8, 0)]
 
 

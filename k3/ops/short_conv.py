@@ -456,10 +456,21 @@ _CONV_GRAD_BLOCKS_INTERPRETED: tuple[int, int, int, int, int] | None = (128, 64,
 _CONV_G_FP32 = True
 # The streaming kernels (`_conv_silu_fwd_stream_kernel`, `_conv_silu_bwd_stream_kernel`; W ≤ 4) as (SEG tokens per
 # program, BC channels, warps, pipeline stages), or None for the tile kernels above. BC = 8 · 32 · warps gives each
-# thread one 16-byte vector of a bf16 row. Session 18: the tile kernels move 1.4-2.2 TB/s in a 64K-token step
-# (forward 158 µs, backward 365 + 180 µs per call at C = 1024); the stream forms read x (and dy) once.
-_CONV_FWD_STREAM: tuple[int, int, int, int] | None = None
-_CONV_BWD_STREAM: tuple[int, int, int, int] | None = None
+# thread one 16-byte vector of a bf16 row. Session 18 run 4 (`benchmarks.short_conv --stream`, kernel time per
+# call): at a 64K-token step's conv (C = 1024, x a slice of the 4240-wide projection rows) forward 157 → 143 µs,
+# backward 569 → 309 µs; at K3's width (8K tokens × 12,288) 226 → 166 and 781 → 334 µs. 256-token segments:
+# backward 290 µs, forward 228. The interpreter keeps the tile kernels (it pays per loop step; the tests run the
+# stream kernels there through `_CONV_STREAM_INTERPRETED`).
+_CONV_FWD_STREAM: tuple[int, int, int, int] | None = (128, 1024, 4, 3)
+_CONV_BWD_STREAM: tuple[int, int, int, int] | None = (128, 1024, 4, 3)
+_CONV_STREAM_INTERPRETED: tuple[int, int, int, int] | None = None
+
+
+def _stream_setting(direction: str) -> tuple[int, int, int, int] | None:
+    """The streaming kernels' setting for "fwd" or "bwd" here (None: the tile kernels)."""
+    if interpreting():
+        return _CONV_STREAM_INTERPRETED
+    return _CONV_FWD_STREAM if direction == "fwd" else _CONV_BWD_STREAM
 
 
 def _conv_grid(R: int, C: int, BT: int, BC: int) -> tuple[int, int]:
@@ -490,8 +501,9 @@ class _ShortConvSiLU(torch.autograd.Function):
         xr = _rows(x)
         R = xr.shape[0]
         y = torch.empty(R, C, dtype=x.dtype, device=x.device)
-        if _CONV_FWD_STREAM is not None and W <= 4:
-            SEG, BC, warps, stages = _CONV_FWD_STREAM
+        stream = _stream_setting("fwd")
+        if stream is not None and W <= 4:
+            SEG, BC, warps, stages = stream
             _conv_silu_fwd_stream_kernel[_conv_grid(R, C, SEG, BC)](xr, w, pos, y, R, C, xr.stride(0), W=W, SEG=SEG,
                                                                     BC=BC, STAGES=stages, num_warps=warps)
         else:
@@ -507,8 +519,9 @@ class _ShortConvSiLU(torch.autograd.Function):
         R, C = xr.shape
         W = w.shape[1]
         dyr = _rows(dy)
-        if _CONV_BWD_STREAM is not None and W <= 4:
-            SEG, BC, warps, stages = _CONV_BWD_STREAM
+        stream = _stream_setting("bwd")
+        if stream is not None and W <= 4:
+            SEG, BC, warps, stages = stream
             dw = torch.empty(triton.cdiv(R, SEG), C, W, dtype=torch.float32, device=xr.device)  # per segment
             dx = torch.empty(R, C, dtype=xr.dtype, device=xr.device)
             _conv_silu_bwd_stream_kernel[_conv_grid(R, C, SEG, BC)](xr, w, pos, dyr, dx, dw, R, C, xr.stride(0),

@@ -345,6 +345,7 @@ def test_fused_backward_variants(blocks, W, monkeypatch):
     monkeypatch.setattr(short_conv, "_CONV_GRAD_BLOCKS_INTERPRETED", blocks)
     monkeypatch.setattr(short_conv, "_CONV_FWD_STREAM", None)
     monkeypatch.setattr(short_conv, "_CONV_BWD_STREAM", None)
+    monkeypatch.setattr(short_conv, "_CONV_STREAM_INTERPRETED", None)
     launches = _Launches(short_conv._conv_silu_grad_blocks_kernel)
     monkeypatch.setattr(short_conv, "_conv_silu_grad_blocks_kernel", launches)
     _check_fused_against_reference(W)
@@ -360,7 +361,8 @@ def test_fused_stream_variants_in_interpreter():
 @pytest.mark.parametrize("stream, W", [((24, 32, 1, 1), 4), ((24, 32, 1, 1), 3), ((128, 64, 2, 3), 4)],
                          ids=["seg24", "seg24-W3", "seg128-staged"])
 def test_fused_stream_variants(stream, W, monkeypatch):
-    """The streaming forward and backward (`_CONV_FWD_STREAM`, `_CONV_BWD_STREAM`) at several segment and channel
+    """The streaming forward and backward (`_CONV_FWD_STREAM`, `_CONV_BWD_STREAM`: the GPU's default; in the
+    interpreter `_CONV_STREAM_INTERPRETED`) at several segment and channel
     widths, fp32 against the fp64 reference (≤ 1e-5): documents ending at, one before and one after the 24-token
     segments and 127-129 (the 128-token ones), so a segment's three halo rows cross into the next document;
     channels not a multiple of BC (37 against 32 and 64); batched rows without documents."""
@@ -368,6 +370,7 @@ def test_fused_stream_variants(stream, W, monkeypatch):
         pytest.skip("runs in the interpreter subprocess (test_fused_stream_variants_in_interpreter)")
     monkeypatch.setattr(short_conv, "_CONV_FWD_STREAM", stream)
     monkeypatch.setattr(short_conv, "_CONV_BWD_STREAM", stream)
+    monkeypatch.setattr(short_conv, "_CONV_STREAM_INTERPRETED", stream)
     launches = [_Launches(short_conv._conv_silu_fwd_stream_kernel), _Launches(short_conv._conv_silu_bwd_stream_kernel)]
     monkeypatch.setattr(short_conv, "_conv_silu_fwd_stream_kernel", launches[0])
     monkeypatch.setattr(short_conv, "_conv_silu_bwd_stream_kernel", launches[1])
