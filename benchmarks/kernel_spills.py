@@ -121,14 +121,14 @@ def main() -> None:
          dict(K=16, BLOCK_N=2, BLOCK_E=1024), 4),
         ("qb histogram (E=64)", router._qb_histogram_kernel, QB_ARGS, dict(BLOCK_N=64, BLOCK_E=64), 4),
     ]
-    # the AttnRes read's backward at the small preset (D = 768): the two-pass kernel (2 rows, 4 warps) and the
-    # stacked one (untimed; all sources of a row tile at once, 8 warps), 3 and 8 sources, the last adding
+    # the AttnRes read's backward at the small preset (D = 768): one row on one warp (the launch since session 18)
+    # and session 17's 2 rows on 4 warps, 3 and 8 sources, the last adding
     for ns in (3, 8):
         common = dict(NS=ns, NS_PAD=triton_next_pow2(ns), ITERS=64, ACCUMULATE=(1 << (ns - 1)) - 1, BLOCK_D=1024)
         cases.append((f"attn_res bwd, {ns} sources", attn_res._ar_bwd_kernel, attn_res_bwd_args(ns),
+                      dict(common, BLOCK_M=1), 1))
+        cases.append((f"attn_res bwd 2x4, {ns} src", attn_res._ar_bwd_kernel, attn_res_bwd_args(ns),
                       dict(common, BLOCK_M=2), 4))
-        cases.append((f"attn_res bwd stacked, {ns} src", attn_res._ar_bwd_stacked_kernel, attn_res_bwd_args(ns),
-                      dict(common, BLOCK_M=8192 // (triton_next_pow2(ns) * 1024)), 8))
     cfg = grouped_gemm.WGRAD_CONFIG
     cases.append(("grouped gemm wgrad", grouped_gemm._grouped_mm_wgrad_kernel, GMM_WGRAD_ARGS,
                   dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], K_TILES=5, N_TILES=3, PRECISION="tf32",

@@ -140,54 +140,6 @@ if triton is not None:
         tl.store(DW_PART + pid * D + cols, dw, mask=cmask)
 
     @triton.jit
-    def _source_pointers(srcs, NS: tl.constexpr, NS_PAD: tl.constexpr):
-        """The NS pointers of a tuple as one [NS_PAD] pointer vector (padding: the first pointer, masked by
-        the caller), so that all sources load as one [NS_PAD, rows, D] tile."""
-        sid = tl.arange(0, NS_PAD)
-        base = tl.zeros([NS_PAD], dtype=tl.int64) + srcs[0].to(tl.int64, bitcast=True)
-        for i in tl.static_range(1, NS):
-            base = tl.where(sid == i, srcs[i].to(tl.int64, bitcast=True), base)
-        return base.to(tl.pointer_type(srcs[0].dtype.element_ty), bitcast=True)
-
-    @triton.jit
-    def _ar_bwd_stacked_kernel(srcs, dsrcs, W, DOUT, LSE, DW_PART, N, D, eps, NS: tl.constexpr,
-                               NS_PAD: tl.constexpr, ITERS: tl.constexpr, ACCUMULATE: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-        """`_ar_bwd_kernel` with every source of a row tile loaded at once as [NS_PAD, BLOCK_M, BLOCK_D] and kept
-        in registers between the two passes: one read of each source instead of two, and all of a tile's loads
-        in flight together (the two-pass kernel waits on each source's load and reduction in turn). Sources of
-        one 16- or 32-bit dtype; ACCUMULATE as there."""
-        pid = tl.program_id(0)
-        cols = tl.arange(0, BLOCK_D)
-        cmask = cols < D
-        sid = tl.arange(0, NS_PAD)
-        in_ns = sid < NS
-        acc_src = ((ACCUMULATE >> sid) & 1) != 0
-        src_ptr = _source_pointers(srcs, NS, NS_PAD)
-        dsrc_ptr = _source_pointers(dsrcs, NS, NS_PAD)
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-        w3 = w[None, None, :]
-        dw = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for it in range(ITERS):
-            rows, rmask, mask, offs = _row_tile(pid * ITERS + it, N, D, BLOCK_M, BLOCK_D)
-            mask3 = in_ns[:, None, None] & mask[None, :, :]
-            offs3 = offs[None, :, :]
-            v = tl.load(src_ptr[:, None, None] + offs3, mask=mask3, other=0.0).to(tl.float32)
-            dout = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)[None, :, :]
-            lse = tl.load(LSE + rows, mask=rmask, other=0.0)
-            r = 1.0 / tl.sqrt(tl.sum(v * v, axis=2) / D + eps)  # [NS_PAD, BLOCK_M]
-            dot = tl.sum(v * w3, axis=2)
-            a = tl.where(in_ns[:, None], tl.exp(dot * r - lse[None, :]), 0.0)
-            da = tl.sum(dout * v, axis=2)
-            ds = a * (da - tl.sum(a * da, axis=0)[None, :])
-            dv = a[:, :, None] * dout + ds[:, :, None] * (r[:, :, None] * w3 - (dot * r * r * r / D)[:, :, None] * v)
-            prev = tl.load(dsrc_ptr[:, None, None] + offs3, mask=mask3 & acc_src[:, None, None], other=0.0)
-            dv += prev.to(tl.float32)
-            tl.store(dsrc_ptr[:, None, None] + offs3, dv.to(dsrc_ptr.dtype.element_ty), mask=mask3)
-            dw += tl.sum(tl.sum((ds * r)[:, :, None] * v, axis=0), axis=0)
-        tl.store(DW_PART + pid * D + cols, dw, mask=cmask)
-
-    @triton.jit
     def _p1_fwd_kernel(srcs, WQ, O1, LSE1, N, D, eps, NS: tl.constexpr, J: tl.constexpr, JP: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
         """Phase 1 forward: every query j of the block over the sealed sources, one online softmax per query;
@@ -321,22 +273,9 @@ def _blocks(D: int) -> tuple[int, int]:
 # warp (shuffles): across 4 warps every per-source sum of the backward waits on a shared-memory barrier. Session 18
 # run 3, N = 65536, D = 768, bf16, two reads of 7 sealed sources: forward 0.920 → 0.696 ms, backward 3.485 →
 # 1.984; of 3: 0.375 → 0.336 and 0.970 → 0.845 (2 rows at 4 warps before; 2 warps or 2 rows per warp lost).
-# "stacked": the backward by `_ar_bwd_stacked_kernel` where its tile fits (`_stacked_tiles`): 0.93x the two-pass
-# kernel's time at 7 sources, 1.16x at 3 (session 18 run 1), so off
-READ_TILES: dict = {"block_m": None, "num_warps": None, "bwd_per_sm": None, "stacked": False, "one_warp_width": 1024}
-
-# elements of the stacked backward's [NS_PAD, BLOCK_M, BLOCK_D] tile (fp32 in registers across 8 warps)
-_STACKED_ELEMENTS = 8192
-
-
-def _stacked_tiles(sources, D: int) -> tuple[int, int, int] | None:
-    """(BLOCK_M, BLOCK_D, warps) of the stacked backward, or None where it does not apply (off, mixed or 64-bit
-    dtypes, or more than one row of all sources past `_STACKED_ELEMENTS`)."""
-    if not READ_TILES["stacked"] or len({s.dtype for s in sources}) != 1 or sources[0].dtype == torch.float64:
-        return None
-    block_d = triton.next_power_of_2(D)
-    block_m = _STACKED_ELEMENTS // (triton.next_power_of_2(len(sources)) * block_d)
-    return (block_m, block_d, 8) if block_m >= 1 else None
+# The stacked backward (all sources of a row tile held in registers between the passes, 8 warps; session 17) timed
+# 0.93x the 4-warp two-pass kernel's time at 7 sources and 1.16x at 3 (session 18 run 1), far behind one warp: deleted.
+READ_TILES: dict = {"block_m": None, "num_warps": None, "bwd_per_sm": None, "one_warp_width": 1024}
 
 
 def _read_tiles(D: int) -> tuple[int, int, int]:
@@ -429,9 +368,7 @@ class _AttnResRead(torch.autograd.Function):
     def backward(ctx, dout):
         w32, lse, *flat = ctx.saved_tensors
         N, D = flat[0].shape
-        stacked = _stacked_tiles(flat, D)
-        BLOCK_M, BLOCK_D, warps = stacked or _read_tiles(D)
-        kernel = _ar_bwd_kernel if stacked is None else _ar_bwd_stacked_kernel
+        BLOCK_M, BLOCK_D, warps = _read_tiles(D)
         P, iters = persistent_grid(N, BLOCK_M, w32.device, _bwd_per_sm(D))
         # a sealed source's gradient goes into its sink: the first read to run backward writes the buffer,
         # the later ones add into it (bit i of `accumulate`)
@@ -443,9 +380,9 @@ class _AttnResRead(torch.autograd.Function):
             else:
                 dsrcs.append(torch.empty_like(s))
         part = torch.empty(P, D, dtype=torch.float32, device=w32.device)
-        kernel[(P,)](tuple(flat), tuple(dsrcs), w32, dout.reshape(N, D).contiguous(), lse, part, N, D,
-                     float(ctx.eps), NS=len(flat), NS_PAD=triton.next_power_of_2(len(flat)), ITERS=iters,
-                     ACCUMULATE=accumulate, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=warps)
+        _ar_bwd_kernel[(P,)](tuple(flat), tuple(dsrcs), w32, dout.reshape(N, D).contiguous(), lse, part, N, D,
+                             float(ctx.eps), NS=len(flat), NS_PAD=triton.next_power_of_2(len(flat)), ITERS=iters,
+                             ACCUMULATE=accumulate, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=warps)
         grads = []
         for d, sink in zip(dsrcs, ctx.sinks):
             if sink is None:

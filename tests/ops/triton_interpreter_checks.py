@@ -206,17 +206,16 @@ def norm_out_dtype(D):
     check(f"rmsnorm fp32 -> bf16 D={D} dw", wt.grad, wr.grad, torch.bfloat16)
 
 
-def attn_res(dtype, n, D, stacked=False, one_row=False):
-    """The fused read against the stacked fp64 reference; `stacked`: the backward by `_ar_bwd_stacked_kernel`;
-    `one_row`: one row per program on one warp (the GPU's launch at D ≤ 1024, which the interpreter skips)."""
+def attn_res(dtype, n, D, one_row=False):
+    """The fused read against the stacked fp64 reference; `one_row`: one row per program on one warp (the GPU's
+    launch at D ≤ 1024, which the interpreter skips)."""
     from k3.ops import attn_res as ops_attn_res
 
     saved = dict(ops_attn_res.READ_TILES)
-    ops_attn_res.READ_TILES["stacked"] = stacked
     if one_row:
         ops_attn_res.READ_TILES.update(block_m=1, num_warps=1)
     try:
-        _attn_res(dtype, n, D, " stacked" if stacked else " one row" if one_row else "")
+        _attn_res(dtype, n, D, " one row" if one_row else "")
     finally:
         ops_attn_res.READ_TILES.update(saved)
 
@@ -275,7 +274,7 @@ def attn_res_two_phase(dtype, n, J, D):
     check(tag + " d merge queries", w.grad, r_w.grad, dtype, qtol)
 
 
-def attn_res_sealed(dtype, D=96, stacked=False):
+def attn_res_sealed(dtype, D=96):
     """Sealed sources (`seal_source`) read by a chain of fused reads, as the model reads its blocks: their gradients
     summed inside the reads' kernels (every later read adds into the first one's buffer) against the fp64 torch
     reads, whose gradients autograd sums; a partial sum that is also used outside the reads, and a sealed source
@@ -288,7 +287,7 @@ def attn_res_sealed(dtype, D=96, stacked=False):
     queries = torch.randn(4, D, generator=g, dtype=torch.float64) * 0.5
     douts = [torch.randn(2, 5, D, generator=g, dtype=torch.float64) for _ in range(4)]
     masks = []
-    name = "_ar_bwd_stacked_kernel" if stacked else "_ar_bwd_kernel"
+    name = "_ar_bwd_kernel"
     launch = getattr(ops_attn_res, name)
 
     class Recording:  # the backward kernel's launches, to see that later reads accumulate
@@ -312,13 +311,11 @@ def attn_res_sealed(dtype, D=96, stacked=False):
 
     ref, r_srcs, r_p, r_q = run(torch.float64, False)
     setattr(ops_attn_res, name, Recording())
-    ops_attn_res.READ_TILES["stacked"] = stacked
     try:
         out, srcs, p, q = run(dtype, True)
     finally:
         setattr(ops_attn_res, name, launch)
-        ops_attn_res.READ_TILES["stacked"] = False
-    tag = f"attn_res sealed D={D}" + (" stacked" if stacked else "")
+    tag = f"attn_res sealed D={D}"
     for j in range(4):
         check(tag + f" out {j}", out[j], ref[j], dtype)
     for i in range(3):
@@ -559,12 +556,6 @@ attn_res(torch.bfloat16, 4, 96)
 attn_res(torch.float32, 3, 100, one_row=True)
 attn_res_sealed(torch.float32)
 attn_res_sealed(torch.bfloat16, 64)
-# the stacked backward (untimed, READ_TILES["stacked"]): n sources padded to a power of two, D not one
-for n, D in ((2, 80), (3, 100), (5, 64)):
-    attn_res(torch.float32, n, D, stacked=True)
-attn_res(torch.bfloat16, 4, 96, stacked=True)
-attn_res_sealed(torch.float32, stacked=True)
-attn_res_sealed(torch.bfloat16, 64, stacked=True)
 model_sealed_reads()
 for N, E, k in ((3, 64, 8), (77, 64, 8), (9, 896, 16), (5, 10, 1)):
     topk_cutoff(N, E, k)
