@@ -129,6 +129,9 @@ def main() -> None:
                       dict(common, BLOCK_M=1), 1))
         cases.append((f"attn_res bwd 2x4, {ns} src", attn_res._ar_bwd_kernel, attn_res_bwd_args(ns),
                       dict(common, BLOCK_M=2), 4))
+        chunked = {k: v for k, v in common.items() if k != "BLOCK_D"}
+        cases.append((f"attn_res bwd 3x256, {ns} src", attn_res._ar_bwd_chunked_kernel, attn_res_bwd_args(ns),
+                      dict(chunked, CH=256, NCH=3), 1))
     cfg = grouped_gemm.WGRAD_CONFIG
     cases.append(("grouped gemm wgrad", grouped_gemm._grouped_mm_wgrad_kernel, GMM_WGRAD_ARGS,
                   dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], K_TILES=5, N_TILES=3, PRECISION="tf32",

@@ -491,3 +491,33 @@ def test_qb_histogram_fused_full_shape():
     for hist in hists:
         hist.add(scores, cutoff)
     assert torch.equal(hists[0].counts, hists[1].counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attn_res_chunked_backward_full_shape(dtype, monkeypatch):
+    """The chunked one-warp backward (`READ_TILES["chunk"]`, untimed when written) at the small preset's widest read
+    (8 sources, N = 32768, D = 768 in 3 chunks of 256), sealed sources read twice so the second read's backward
+    accumulates: every gradient within 1.01x of the tile kernel's error against fp64 (+1e-6)."""
+    from k3.ops import attn_res as ops_attn_res
+    from k3.ops.attn_res import seal_source
+
+    g = torch.Generator(device="cuda").manual_seed(8)
+    N, D, n = 32768, 768, 7
+    srcs = [torch.randn(N, D, device="cuda", generator=g, dtype=torch.float64) * (1 + i) for i in range(n + 1)]
+    w = torch.randn(2, D, device="cuda", generator=g, dtype=torch.float64) * 0.05
+    douts = [torch.randn(N, D, device="cuda", generator=g, dtype=torch.float64) for _ in range(2)]
+
+    def run(read, src_dtype, w_dtype, sealing):
+        leaves = [leaf(s, src_dtype) for s in srcs]
+        sealed = [sealing(s) for s in leaves[:n]]
+        outs = [read(w[0].to(w_dtype), sealed + [leaves[n]]), read(w[1].to(w_dtype), sealed)]
+        torch.autograd.backward(outs, [d.to(o.dtype) for o, d in zip(outs, douts)])
+        return [o.detach() for o in outs] + [s.grad for s in leaves]
+
+    ref = run(attn_res_read, torch.float64, torch.float64, lambda s: s)
+    errors = {}
+    for chunk in (None, 256):
+        monkeypatch.setitem(ops_attn_res.READ_TILES, "chunk", chunk)
+        got = run(attn_res_read_triton, dtype, torch.float32, seal_source)
+        errors[chunk] = [rel(a, b) for a, b in zip(got, ref)]
+    assert all(c <= 1.01 * t + 1e-6 for c, t in zip(errors[256], errors[None])), errors

@@ -206,16 +206,17 @@ def norm_out_dtype(D):
     check(f"rmsnorm fp32 -> bf16 D={D} dw", wt.grad, wr.grad, torch.bfloat16)
 
 
-def attn_res(dtype, n, D, one_row=False):
+def attn_res(dtype, n, D, one_row=False, chunk=None):
     """The fused read against the stacked fp64 reference; `one_row`: one row per program on one warp (the GPU's
-    launch at D ≤ 1024, which the interpreter skips)."""
+    launch at D ≤ 1024, which the interpreter skips); `chunk`: the backward by `_ar_bwd_chunked_kernel`."""
     from k3.ops import attn_res as ops_attn_res
 
     saved = dict(ops_attn_res.READ_TILES)
     if one_row:
         ops_attn_res.READ_TILES.update(block_m=1, num_warps=1)
+    ops_attn_res.READ_TILES["chunk"] = chunk
     try:
-        _attn_res(dtype, n, D, " one row" if one_row else "")
+        _attn_res(dtype, n, D, " one row" if one_row else f" chunks of {chunk}" if chunk else "")
     finally:
         ops_attn_res.READ_TILES.update(saved)
 
@@ -274,7 +275,7 @@ def attn_res_two_phase(dtype, n, J, D):
     check(tag + " d merge queries", w.grad, r_w.grad, dtype, qtol)
 
 
-def attn_res_sealed(dtype, D=96):
+def attn_res_sealed(dtype, D=96, chunk=None):
     """Sealed sources (`seal_source`) read by a chain of fused reads, as the model reads its blocks: their gradients
     summed inside the reads' kernels (every later read adds into the first one's buffer) against the fp64 torch
     reads, whose gradients autograd sums; a partial sum that is also used outside the reads, and a sealed source
@@ -287,7 +288,7 @@ def attn_res_sealed(dtype, D=96):
     queries = torch.randn(4, D, generator=g, dtype=torch.float64) * 0.5
     douts = [torch.randn(2, 5, D, generator=g, dtype=torch.float64) for _ in range(4)]
     masks = []
-    name = "_ar_bwd_kernel"
+    name = "_ar_bwd_chunked_kernel" if chunk else "_ar_bwd_kernel"
     launch = getattr(ops_attn_res, name)
 
     class Recording:  # the backward kernel's launches, to see that later reads accumulate
@@ -311,11 +312,13 @@ def attn_res_sealed(dtype, D=96):
 
     ref, r_srcs, r_p, r_q = run(torch.float64, False)
     setattr(ops_attn_res, name, Recording())
+    ops_attn_res.READ_TILES["chunk"] = chunk
     try:
         out, srcs, p, q = run(dtype, True)
     finally:
         setattr(ops_attn_res, name, launch)
-    tag = f"attn_res sealed D={D}"
+        ops_attn_res.READ_TILES["chunk"] = None
+    tag = f"attn_res sealed D={D}" + (f" chunks of {chunk}" if chunk else "")
     for j in range(4):
         check(tag + f" out {j}", out[j], ref[j], dtype)
     for i in range(3):
@@ -554,6 +557,11 @@ for n, D in ((2, 80), (3, 100), (5, 64)):
     attn_res(torch.float32, n, D)
 attn_res(torch.bfloat16, 4, 96)
 attn_res(torch.float32, 3, 100, one_row=True)
+# the chunked one-warp backward (untimed, READ_TILES["chunk"]): 4 chunks with a partial last one, 3, and 1
+attn_res(torch.float32, 3, 100, chunk=32)
+attn_res(torch.bfloat16, 4, 96, chunk=32)
+attn_res(torch.float32, 2, 64, chunk=64)
+attn_res_sealed(torch.float32, chunk=32)
 attn_res_sealed(torch.float32)
 attn_res_sealed(torch.bfloat16, 64)
 model_sealed_reads()
