@@ -80,8 +80,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     qk_clip_tau: float = 100.0
-    # Newton–Schulz precision: bf16 as in the K3 report (also ~3× faster than fp32 on CPUs with AVX512-BF16)
-    muon_ns_dtype: str = "bfloat16"
+    # Newton–Schulz precision: "auto" = bf16 as in the K3 report on CUDA and on CPUs that multiply bf16 natively
+    # (AVX512-BF16 / AMX: ~3× faster than fp32 there), fp32 on other CPUs (`ns_dtype_for`); or "bfloat16", "float32"
+    muon_ns_dtype: str = "auto"
     # the optimizer step: "auto" = fused kernels on CUDA (docs/optimizer.md, "Fused step"), "reference" = foreach
     optimizer_impl: str = "auto"
     qb_bins: int = 1000
@@ -123,8 +124,8 @@ class TrainConfig:
             raise ValueError(f"data_streams must be >= 1, got {self.data_streams}")
         if self.context_parallel < 1:
             raise ValueError(f"context_parallel must be >= 1, got {self.context_parallel}")
-        if self.muon_ns_dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"muon_ns_dtype must be bfloat16 or float32, got {self.muon_ns_dtype!r}")
+        if self.muon_ns_dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"muon_ns_dtype must be auto, bfloat16 or float32, got {self.muon_ns_dtype!r}")
         if self.optimizer_impl not in ("auto", "reference", "fused"):
             raise ValueError(f"optimizer_impl must be auto, reference or fused, got {self.optimizer_impl!r}")
 
@@ -197,6 +198,18 @@ def prepare_data(cfg: TrainConfig, vocab_size: int, out: Path, log) -> tuple[Tok
 
 def moe_layers(model: K3ForCausalLM) -> list[StableLatentMoE]:
     return [layer.block_sparse_moe for layer in model.model.layers if layer.is_moe]
+
+
+def ns_dtype_for(name: str, device: torch.device) -> torch.dtype:
+    """`TrainConfig.muon_ns_dtype` on `device`. "auto": bf16 on CUDA and on CPUs whose oneDNN multiplies bf16
+    natively, fp32 on the others, where bf16 matmuls take a slow generic path (an AVX2-only AMD EPYC, session 18:
+    0.8 GFLOP/s in bf16 against 105 in fp32, which made the tiny preset's step ~10× slower)."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.bfloat16 if native else torch.float32
 
 
 def autocast_context(device: torch.device):
@@ -418,7 +431,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, progress: bool = Tr
             apply_activation_checkpointing(model)
     optimizer_class = DistributedMuonAdamW if parallel is not None else MuonAdamW
     optimizer = optimizer_class(model.named_parameters(), model_config, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                ns_dtype=getattr(torch, cfg.muon_ns_dtype), impl=cfg.optimizer_impl)
+                                ns_dtype=ns_dtype_for(cfg.muon_ns_dtype, device), impl=cfg.optimizer_impl)
 
     metrics_log = MetricsLog(out / "metrics.jsonl") if is_main else _NoLog()
     ckpt_root = out / "checkpoints"
@@ -613,7 +626,8 @@ def _resolve_total_steps(cfg: TrainConfig, model: K3ForCausalLM, corpus: Tokeniz
         raise ValueError("a distributed run needs max_steps or max_tokens (the time-budget probe is single-process)")
     # time full steps on a throwaway copy of the model; nothing of the run is touched
     probe = build_model(model.config, seed=cfg.seed, device=device)
-    probe_opt = MuonAdamW(probe.named_parameters(), model.config, lr=0.0, ns_dtype=getattr(torch, cfg.muon_ns_dtype))
+    probe_opt = MuonAdamW(probe.named_parameters(), model.config, lr=0.0,
+                          ns_dtype=ns_dtype_for(cfg.muon_ns_dtype, device))
     probe_sched = cosine_schedule(probe_opt, 10)
     seconds = {}
     for stage in cfg.stages:
