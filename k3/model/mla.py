@@ -29,6 +29,7 @@ from k3.model.cache import MLALatent
 from k3.model.norm import RMSNorm
 from k3.model.sequence import SequenceLayout
 from k3.ops.attention import document_attention, document_mask, resolve_backend
+from k3.ops.mla_keys import expand_keys, expand_keys_available, naive_expand_keys
 
 
 def attention_mask(layout: SequenceLayout, T: int, offset: int, device) -> torch.Tensor:
@@ -135,9 +136,9 @@ class GatedMLA(nn.Module):
         H = self.num_heads
         c, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(c).view(B, S, H, self.nope_dim + self.v_dim)  # [B, S, H, N + Vd]
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.to(k_nope.dtype)[:, :, None, :].expand(B, S, H, self.rope_dim)], dim=-1)
-        return k, v.contiguous()
+        if expand_keys_available(kv):
+            return expand_keys(kv, k_pe, self.nope_dim)  # one Triton pass each way instead of strided cats
+        return naive_expand_keys(kv, k_pe, self.nope_dim)
 
     def attention(self, q: torch.Tensor, latent: torch.Tensor, offset: int, q_doc: torch.Tensor | None,
                   kv_doc: torch.Tensor | None, max_logits: list[torch.Tensor] | None = None,

@@ -42,25 +42,34 @@ def naive_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
 if triton is not None:
 
     @triton.jit
-    def _rms_fwd_kernel(X, W, G, Y, RSTD, N, D, eps, HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
+    def _strided_rows(rows, cols, inner, s0, s1):
+        """Offsets of rows of a [N // inner, inner, D] view with strides (s0, s1, 1): a column slice
+        of a wider tensor, split into heads, is read in place."""
+        rows = rows.to(tl.int64)
+        return ((rows // inner) * s0 + (rows % inner) * s1)[:, None] + cols[None, :]
+
+    @triton.jit
+    def _rms_fwd_kernel(X, W, G, Y, RSTD, N, D, eps, x_inner, x_s0, x_s1, g_inner, g_s0, g_s1,
+                        HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_D)
         mask = (rows[:, None] < N) & (cols[None, :] < D)
         offs = rows[:, None].to(tl.int64) * D + cols[None, :]
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + _strided_rows(rows, cols, x_inner, x_s0, x_s1), mask=mask, other=0.0).to(tl.float32)
         w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # [BLOCK_M]
         y = x * rstd[:, None] * w[None, :]
         if HAS_GATE:
-            g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(G + _strided_rows(rows, cols, g_inner, g_s0, g_s1), mask=mask,
+                        other=0.0).to(tl.float32)
             y = y * tl.sigmoid(g)
         tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
         tl.store(RSTD + rows, rstd, mask=rows < N)
 
     @triton.jit
-    def _rms_bwd_kernel(X, W, G, DY, RSTD, DX, DG, DW_PART, N, D, HAS_GATE: tl.constexpr, ITERS: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _rms_bwd_kernel(X, W, G, DY, RSTD, DX, DG, DW_PART, N, D, x_inner, x_s0, x_s1, g_inner, g_s0,
+                        g_s1, HAS_GATE: tl.constexpr, ITERS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
         cmask = cols < D
@@ -70,12 +79,14 @@ if triton is not None:
             rows = (pid * ITERS + it) * BLOCK_M + tl.arange(0, BLOCK_M)
             mask = (rows[:, None] < N) & cmask[None, :]
             offs = rows[:, None].to(tl.int64) * D + cols[None, :]
-            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(X + _strided_rows(rows, cols, x_inner, x_s0, x_s1), mask=mask,
+                        other=0.0).to(tl.float32)
             dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(RSTD + rows, mask=rows < N, other=0.0)
             xhat = x * rstd[:, None]
             if HAS_GATE:
-                g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+                g = tl.load(G + _strided_rows(rows, cols, g_inner, g_s0, g_s1), mask=mask,
+                            other=0.0).to(tl.float32)
                 sg = tl.sigmoid(g)
                 n = xhat * w[None, :]
                 tl.store(DG + offs, (dy * n * sg * (1.0 - sg)).to(DG.dtype.element_ty), mask=mask)
@@ -132,48 +143,70 @@ def persistent_grid(N: int, block_m: int, device: torch.device, per_sm: int = 4)
     return triton.cdiv(n_blocks, iters), iters
 
 
-def rms_norm_forward_triton(x2, weight, eps, gate2=None, out_dtype=None):
-    """x2 [N, D] contiguous, weight [D], gate2 [N, D] or None -> (y [N, D], rstd [N] fp32)."""
-    N, D = x2.shape
+def _row_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """t [..., D] as the kernels' rows: (t, (inner, s0, s1)) when its rows form a [N // inner, inner, D] grid of
+    unit column stride (a column slice of a wider projection, split into heads or not), else a contiguous copy."""
+    D = t.shape[-1]
+    if t.stride(-1) == 1:
+        try:
+            return t, (1, t.view(-1, D).stride(0), 0)
+        except RuntimeError:  # the leading dims do not flatten to one row stride
+            pass
+        if t.dim() >= 3:
+            try:
+                return t, (t.shape[-2], t.view(-1, t.shape[-2], D).stride(0), t.stride(-2))
+            except RuntimeError:
+                pass
+    return t.contiguous(), (1, D, 0)
+
+
+def rms_norm_forward_triton(x, weight, eps, gate=None, out_dtype=None):
+    """x [..., D] (rows read in place where `_row_view` allows), weight [D], gate like x or None
+    -> (y [N, D] contiguous, rstd [N] fp32)."""
+    D = x.shape[-1]
+    N = x.numel() // D
+    x, x_rows = _row_view(x)
+    gated = gate is not None
+    gate, g_rows = _row_view(gate) if gated else (x, x_rows)
     BLOCK_M, BLOCK_D, warps, _ = _norm_tiles(D)
-    y = torch.empty(N, D, dtype=out_dtype or x2.dtype, device=x2.device)
-    rstd = torch.empty(N, dtype=torch.float32, device=x2.device)
-    _rms_fwd_kernel[(triton.cdiv(N, BLOCK_M),)](x2, weight, gate2 if gate2 is not None else x2, y, rstd, N, D,
-                                                float(eps), HAS_GATE=gate2 is not None, BLOCK_M=BLOCK_M,
-                                                BLOCK_D=BLOCK_D, num_warps=warps)
+    y = torch.empty(N, D, dtype=out_dtype or x.dtype, device=x.device)
+    rstd = torch.empty(N, dtype=torch.float32, device=x.device)
+    _rms_fwd_kernel[(triton.cdiv(N, BLOCK_M),)](x, weight, gate, y, rstd, N, D, float(eps), *x_rows, *g_rows,
+                                                HAS_GATE=gated, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
+                                                num_warps=warps)
     return y, rstd
 
 
-def rms_norm_backward_triton(x2, weight, rstd, dy2, gate2=None):
-    """Returns (dx [N, D], dw [D] in weight's dtype, dg [N, D] or None)."""
-    N, D = x2.shape
+def rms_norm_backward_triton(x, weight, rstd, dy2, gate=None):
+    """x, gate as the forward took them, dy2 [N, D] contiguous. Returns (dx [N, D], dw [D] in weight's dtype,
+    dg [N, D] or None)."""
+    N, D = dy2.shape
+    x, x_rows = _row_view(x)
+    gated = gate is not None
+    gate, g_rows = _row_view(gate) if gated else (x, x_rows)
     BLOCK_M, BLOCK_D, warps, per_sm = _norm_tiles(D)
-    P, iters = persistent_grid(N, BLOCK_M, x2.device, per_sm)
-    dx = torch.empty_like(x2)
-    dg = torch.empty_like(gate2) if gate2 is not None else None
-    part = torch.empty(P, D, dtype=torch.float32, device=x2.device)
-    _rms_bwd_kernel[(P,)](x2, weight, gate2 if gate2 is not None else x2, dy2, rstd, dx,
-                          dg if dg is not None else dx, part, N, D, HAS_GATE=gate2 is not None, ITERS=iters,
-                          BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=warps)
+    P, iters = persistent_grid(N, BLOCK_M, x.device, per_sm)
+    dx = torch.empty(N, D, dtype=x.dtype, device=x.device)
+    dg = torch.empty(N, D, dtype=gate.dtype, device=x.device) if gated else None
+    part = torch.empty(P, D, dtype=torch.float32, device=x.device)
+    _rms_bwd_kernel[(P,)](x, weight, gate, dy2, rstd, dx, dg if gated else dx, part, N, D, *x_rows, *g_rows,
+                          HAS_GATE=gated, ITERS=iters, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=warps)
     return dx, part.sum(0).to(weight.dtype), dg
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, gate, eps, out_dtype):
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).contiguous()
-        g2 = gate.reshape(-1, shape[-1]).contiguous() if gate is not None else None
-        y, rstd = rms_norm_forward_triton(x2, weight, eps, g2, gate.dtype if gate is not None else out_dtype)
-        ctx.save_for_backward(x2, weight, rstd, g2)
-        ctx.shape = shape
-        return y.view(shape)
+        # x and the gate are read in place: KDA's gate is a column slice of its fused projections, split into heads
+        y, rstd = rms_norm_forward_triton(x, weight, eps, gate, gate.dtype if gate is not None else out_dtype)
+        ctx.save_for_backward(x, weight, rstd, gate)
+        return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, rstd, g2 = ctx.saved_tensors
-        dx, dw, dg = rms_norm_backward_triton(x2, weight, rstd, dy.reshape(x2.shape).contiguous(), g2)
-        return dx.view(ctx.shape), dw, (dg.view(ctx.shape) if dg is not None else None), None, None
+        x, weight, rstd, gate = ctx.saved_tensors
+        dx, dw, dg = rms_norm_backward_triton(x, weight, rstd, dy.reshape(-1, x.shape[-1]).contiguous(), gate)
+        return dx.view(x.shape), dw, (dg.view(x.shape) if dg is not None else None), None, None
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None,

@@ -20,7 +20,7 @@ from k3.ops.cross_entropy import chunked_linear_cross_entropy, naive_linear_cros
 from k3.ops import grouped_gemm, moe  # noqa: E402
 from k3.model.moe import LatentExperts  # noqa: E402
 from k3.ops.moe import sum_rows_triton  # noqa: E402
-from k3.ops.norm import naive_rms_norm, rms_norm_triton  # noqa: E402
+from k3.ops.norm import _row_view, naive_rms_norm, rms_norm_triton  # noqa: E402
 from k3.ops import short_conv  # noqa: E402
 from k3.ops.short_conv import naive_short_conv_silu, short_conv_silu  # noqa: E402
 from k3.ops.situ import (naive_situ_glu, situ_glu_backward_triton, situ_glu_forward_triton,  # noqa: E402
@@ -204,6 +204,36 @@ def norm_out_dtype(D):
     check(f"rmsnorm fp32 -> bf16 D={D} forward", out, ref, torch.bfloat16)
     check(f"rmsnorm fp32 -> bf16 D={D} dx", xt.grad, xr.grad, torch.bfloat16)
     check(f"rmsnorm fp32 -> bf16 D={D} dw", wt.grad, wr.grad, torch.bfloat16)
+
+
+def norm_strided(dtype, H=3, D=16):
+    """x and the gate as KDA hands them over: column slices of wider projection rows, split into H heads
+    ([B, T, H, D] views of row stride W), read in place; their gradients land in those columns only."""
+    g = torch.Generator().manual_seed(H * D)
+    W = 2 * H * D + 7
+    wide = torch.randn(2, 9, W, generator=g, dtype=torch.float64) * 2
+    w = 1 + 0.2 * torch.randn(D, generator=g, dtype=torch.float64)
+    dy = torch.randn(2, 9, H, D, generator=g, dtype=torch.float64)
+
+    def views(t):
+        return t[..., 3:3 + H * D].view(2, 9, H, D), t[..., 5 + H * D:5 + 2 * H * D].view(2, 9, H, D)
+
+    wr, wdr = leaf(wide), leaf(w)
+    ref = naive_rms_norm(*views(wr)[:1], wdr, 1e-5, views(wr)[1])
+    ref.backward(dy)
+    wt, wdt = leaf(wide, dtype), leaf(w, torch.float32)
+    x, gate = views(wt)
+    assert x.stride() == (9 * W, W, D, 1) and _row_view(x)[0] is x and _row_view(x)[1] == (H, W, D)  # no copy
+    out = rms_norm_triton(x, wdt, 1e-5, gate)
+    out.backward(dy.to(out.dtype))
+    check("gated rmsnorm, strided head views forward", out, ref, dtype)
+    check("gated rmsnorm, strided head views d wide", wt.grad, wr.grad, dtype)
+    check("gated rmsnorm, strided head views dw", wdt.grad, wdr.grad, dtype)
+    # and an ungated column slice whose rows flatten to one stride
+    xr = leaf(wide[..., 1:1 + D].double())
+    ref = naive_rms_norm(xr, wdr.detach(), 1e-5)
+    out = rms_norm_triton(wide.to(dtype)[..., 1:1 + D], wdt.detach(), 1e-5)
+    check("rmsnorm, column slice forward", out, ref, dtype)
 
 
 def attn_res(dtype, n, D, one_row=False, chunk=None):
@@ -553,6 +583,8 @@ for dtype in (torch.float32, torch.bfloat16):
     for D, gated in ((96, False), (130, True), (64, True)):
         norm(dtype, D, gated)
 norm_out_dtype(96)
+for dtype in (torch.float32, torch.bfloat16):
+    norm_strided(dtype)
 for n, D in ((2, 80), (3, 100), (5, 64)):
     attn_res(torch.float32, n, D)
 attn_res(torch.bfloat16, 4, 96)
