@@ -89,7 +89,7 @@ TILE_SETTINGS = [  # (rows per tile, warps, backward programs per SM, backward c
     # one or two warps (one row on one warp won: 1.76x in the backward at 7 sealed sources). Next: the chunked
     # one-warp backward (`_ar_bwd_chunked_kernel`, untimed; offline 204 registers without spills at 3 sources, 255
     # with 104 B at 8, against 255 with 24 and 200 B)
-    (None, None, None, None), (2, 4, 4, None), (1, 1, 32, None), (None, None, None, 256), (None, None, 32, 256)]
+    (None, None, None, None), (None, None, None, 256), (None, None, 32, 256), (None, None, None, 128)]
 
 
 def read_pair(sealed, partial, queries):

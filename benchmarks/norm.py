@@ -1,6 +1,7 @@
 """The fused (gated) RMSNorm's launch settings (`k3.ops.norm.NORM_TILES`), side by side on one GPU.
 
-Times forward and forward + backward of `rms_norm_triton` (median of `triton.testing.do_bench`) at a 64K-token
+Times the forward and the backward kernels (`rms_norm_forward_triton`, `rms_norm_backward_triton`; median of
+`triton.testing.do_bench`, without autograd's host work, which hid the kernels in session 18) at a 64K-token
 step's norms: the residual stream's 768-wide rows (ungated) and KDA's gated output norm over 128-wide heads, bf16.
 Each setting is checked against the fp64 torch norm first (bf16 outputs: ≤ 1e-2 relative; gradients ≤ 2e-2).
 GB/s counts the unavoidable bytes (forward: read x (and the gate), write y; backward: read x, dy (and the gate),
@@ -27,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3.ops import norm  # noqa: E402
 
 # (rows per program, warps, backward programs per SM, one-warp width): None the rule's choice; the first is the
-# tile form of sessions before 18, the second the default since session 18 run 4
-SETTINGS = [(None, None, None, 0), (None, None, None, 1024), (1, 1, 32, 0), (2, 2, 8, 0)]
+# default since session 18 run 4 (one row on one warp at 256 < D <= 1024), the second the tile form before it
+SETTINGS = [(None, None, None, 1024), (None, None, None, 0), (1, 1, 32, 0), (2, 2, 8, 0), (2, 2, 16, 0),
+            (4, 4, 8, 0), (8, 4, 8, 0), (16, 4, 8, 0)]
 
 
 def rel(a, b):
@@ -67,11 +69,11 @@ def case(N, D, gated, device, settings):
                 continue
             from triton.testing import do_bench
 
-            with torch.no_grad():
-                fwd = do_bench(lambda: norm.rms_norm_triton(x, w, 1e-6, gate), warmup=10, rep=50)
-            both = do_bench(lambda: torch.autograd.grad(norm.rms_norm_triton(xs[0], xs[1], 1e-6, xs[2] if gated
-                                                                             else None), xs, dy),
-                            warmup=10, rep=50)
+            # the kernels alone (autograd's host work would hide them: session 18's numbers timed it too)
+            fwd = do_bench(lambda: norm.rms_norm_forward_triton(x, w, 1e-6, gate), warmup=10, rep=100)
+            _, rstd = norm.rms_norm_forward_triton(x, w, 1e-6, gate)
+            bwd = do_bench(lambda: norm.rms_norm_backward_triton(x, w, rstd, dy, gate), warmup=10, rep=100)
+            both = fwd + bwd
             t = 2 if gated else 1
             f_gbs = (t + 1) * N * D * 2 / fwd / 1e6
             b_gbs = (2 * t + 2) * N * D * 2 / (both - fwd) / 1e6

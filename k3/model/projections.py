@@ -11,6 +11,52 @@ import torch.nn.functional as F
 from torch import nn
 
 
+# Backward without the concatenated output gradient (`fused_linears`): output slices at least this wide get their
+# own x-gradient GEMM, accumulated in place; narrower ones (β logits, the decay's low-rank input) are concatenated
+# (a few columns) for one GEMM. None: autograd's backward, which concatenates every slice's gradient (the KDA
+# layer's 4240 columns at 64K tokens: 1.1 GB of traffic, 0.3 ms, per layer).
+SPLIT_BACKWARD_WIDTH: int | None = 256
+
+
+class _FusedLinears(torch.autograd.Function):
+    """y = x [W_1; …; W_n; 0]ᵀ, returned as the n column slices; the backward takes the slices' gradients as
+    they come: dx = Σ_i dy_i W_i, dW_i = dy_iᵀ x."""
+
+    @staticmethod
+    def forward(ctx, x, widths, pad, *weights):
+        w = torch.cat(weights + ((weights[0].new_zeros(pad, weights[0].shape[1]),) if pad else ()))
+        ctx.save_for_backward(x, *weights)
+        ctx.set_materialize_grads(False)
+        return F.linear(x, w).split(list(widths) + [pad], dim=-1)[:len(widths)]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        x2 = x.reshape(-1, x.shape[-1])
+        given = [(i, g.reshape(-1, g.shape[-1])) for i, g in enumerate(grads) if g is not None]
+        wide = [(i, g) for i, g in given if g.shape[-1] >= SPLIT_BACKWARD_WIDTH]
+        narrow = [(i, g) for i, g in given if g.shape[-1] < SPLIT_BACKWARD_WIDTH]
+        dws: list = [None] * len(weights)
+        dx = None
+        if narrow:
+            g = torch.cat([g for _, g in narrow], dim=-1) if len(narrow) > 1 else narrow[0][1]
+            w = torch.cat([weights[i] for i, _ in narrow]) if len(narrow) > 1 else weights[narrow[0][0]]
+            dx = g.to(w.dtype) @ w if ctx.needs_input_grad[0] else None
+            if any(ctx.needs_input_grad[3:]):
+                for (i, _), dw in zip(narrow, (g.t() @ x2).split([gi.shape[-1] for _, gi in narrow])):
+                    dws[i] = dw
+        for i, g in wide:
+            if ctx.needs_input_grad[0]:
+                dx = g @ weights[i] if dx is None else dx.addmm_(g, weights[i])
+            if ctx.needs_input_grad[3 + i]:
+                dws[i] = g.t() @ x2
+        if dx is not None:
+            dx = dx.view(x.shape)
+        elif ctx.needs_input_grad[0]:
+            dx = torch.zeros_like(x)
+        return (dx, None, None, *dws)
+
+
 def fused_linears(x: torch.Tensor, linears: tuple[nn.Linear, ...], row_multiple: int = 1) -> tuple[torch.Tensor, ...]:
     """(lin(x) for lin in linears) from one GEMM over the concatenated weights: the outputs are column slices
     (row-strided views) of one [..., Σ out_features] tensor, whose width is padded with zero weight rows to a
@@ -24,6 +70,9 @@ def fused_linears(x: torch.Tensor, linears: tuple[nn.Linear, ...], row_multiple:
     weights = [lin.weight.to(dtype) for lin in linears]
     widths = [lin.out_features for lin in linears]
     pad = -sum(widths) % row_multiple
+    if SPLIT_BACKWARD_WIDTH is not None:
+        with torch.autocast(device, enabled=False):
+            return _FusedLinears.apply(x.to(dtype), tuple(widths), pad, *weights)
     if pad:
         weights.append(weights[0].new_zeros(pad, weights[0].shape[1]))
     return F.linear(x, torch.cat(weights)).split(widths + [pad], dim=-1)[:len(linears)]

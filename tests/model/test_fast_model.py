@@ -126,6 +126,35 @@ def test_kda_input_projections_equal_six_linears():
     assert {"q_proj.weight", "g_proj.weight", "b_proj.weight", "f_a_proj.weight"} <= names
 
 
+@pytest.mark.parametrize("split_width", [None, 1, 9, 10 ** 6], ids=["autograd-cat", "all-wide", "mixed", "all-narrow"])
+@pytest.mark.parametrize("used", [(0, 1, 2, 3, 4), (1, 3), (4,)], ids=["all", "some-wide", "one-narrow"])
+def test_fused_linears_backward_forms(monkeypatch, split_width, used):
+    """Every backward form of `fused_linears` (per-slice x-gradient GEMMs accumulated in place for slices at least
+    SPLIT_BACKWARD_WIDTH wide, narrower ones concatenated; or autograd's concatenation) equals separate linears
+    in fp64 (≤ 1e-12), also when only some outputs reach the loss (the others' gradients None: zero weight
+    gradients, as autograd gives)."""
+    from k3.model import projections
+
+    monkeypatch.setattr(projections, "SPLIT_BACKWARD_WIDTH", split_width)
+    g = torch.Generator().manual_seed(5)
+    widths = (12, 16, 9, 3, 20)
+    linears = tuple(torch.nn.Linear(7, w, bias=False, dtype=torch.float64) for w in widths)
+    x = torch.randn(3, 4, 7, dtype=torch.float64, generator=g)
+    probes = [torch.randn(3, 4, w, dtype=torch.float64, generator=g) for w in widths]
+    results = []
+    for run in (lambda xx: projections.fused_linears(xx, linears, row_multiple=16),
+                lambda xx: [lin(xx) for lin in linears]):
+        xx = x.clone().requires_grad_()
+        outs = run(xx)
+        assert [o.shape[-1] for o in outs] == list(widths)
+        loss = sum((outs[i] * probes[i]).sum() for i in used)
+        grads = torch.autograd.grad(loss, [xx] + [lin.weight for lin in linears], allow_unused=True)
+        results.append([*outs, *(torch.zeros_like(lin.weight) if gr is None else gr
+                                 for gr, lin in zip(grads[1:], linears)), grads[0]])
+    for fused, separate in zip(*results):
+        torch.testing.assert_close(fused, separate, rtol=0, atol=1e-12)
+
+
 def test_kda_input_projections_under_autocast():
     """Under bf16 autocast the fused projections are the six autocast linears (weights cast one by one,
     never a full fp32 copy of the concatenation)."""
