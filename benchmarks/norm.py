@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3.ops import norm  # noqa: E402
 
 # (rows per program, warps, backward programs per SM, one-warp width): None the rule's choice; the first is the
-# default since session 18 run 4 (one row on one warp at 256 < D <= 1024), the second the tile form before it
+# default since session 18 run 4 (one row on one warp at 256 < D <= 1024; since session 19 run 2 the backward's
+# measured rule, `NORM_TILES["measured_bwd"]`), the second the tile form before it
 SETTINGS = [(None, None, None, 1024), (None, None, None, 0), (1, 1, 32, 0), (2, 2, 8, 0), (2, 2, 16, 0),
             (4, 4, 8, 0), (8, 4, 8, 0), (16, 4, 8, 0)]
 
@@ -55,7 +56,8 @@ def case(N, D, gated, device, settings):
     rows, default = [], dict(norm.NORM_TILES)
     try:
         for block_m, warps, per_sm, width in settings:
-            norm.NORM_TILES.update(block_m=block_m, num_warps=warps, bwd_per_sm=per_sm, one_warp_width=width)
+            norm.NORM_TILES.update(block_m=block_m, num_warps=warps, bwd_per_sm=per_sm, one_warp_width=width,
+                                   measured_bwd=(block_m, warps, per_sm, width) == SETTINGS[0])
             xs = [t.clone().requires_grad_() for t in (x, w) + ((gate,) if gated else ())]
             out = norm.rms_norm_triton(xs[0], xs[1], 1e-6, xs[2] if gated else None)
             grads = torch.autograd.grad(out, xs, dy)

@@ -12,10 +12,12 @@ from torch import nn
 
 
 # Backward without the concatenated output gradient (`fused_linears`): output slices at least this wide get their
-# own x-gradient GEMM, accumulated in place; narrower ones (β logits, the decay's low-rank input) are concatenated
-# (a few columns) for one GEMM. None: autograd's backward, which concatenates every slice's gradient (the KDA
-# layer's 4240 columns at 64K tokens: 1.1 GB of traffic, 0.3 ms, per layer).
-SPLIT_BACKWARD_WIDTH: int | None = 256
+# own x-gradient GEMM, accumulated in place; narrower ones are concatenated for one GEMM. None: autograd's
+# backward, which concatenates every slice's gradient. Session 19 run 2 (`benchmarks/fused_linears.py`, 64K
+# tokens): the KDA layer's q, k, v, gate (1024 each) split, β and the decay input (8, 128) concatenated,
+# backward 1.54 → 1.37 ms; the shared MLP's two 320-wide slices split lost (0.43 → 0.75 ms), so they stay
+# concatenated under this threshold.
+SPLIT_BACKWARD_WIDTH: int | None = 1024
 
 
 class _FusedLinears(torch.autograd.Function):

@@ -105,17 +105,27 @@ def _blocks(D: int) -> tuple[int, int]:
 
 
 # The fused RMSNorm's launch (`benchmarks/norm.py` times the settings): rows of 512-1024 padded columns one per
-# program on one warp with 16 backward programs per SM, as the AttnRes reads since session 18 (a row's sums stay
-# inside the warp; at 4 warps a 768-wide row spans the four and each sum waits on a shared-memory barrier);
-# narrower rows already lie one per warp in the tile form (`_blocks`, `num_warps`, 4 backward programs per SM).
-# Session 18 run 4, 65,536 × 768 bf16: forward 98 → 53 µs, backward 570 → 557 µs (0.7 TB/s either way: next);
-# `one_warp_width` 0 turns it off. The interpreter keeps the tile form (it pays per program).
-NORM_TILES: dict = {"block_m": None, "num_warps": None, "bwd_per_sm": None, "one_warp_width": 1024}
+# program on one warp in the forward, as the AttnRes reads since session 18 (a row's sums stay inside the warp;
+# at 4 warps a 768-wide row spans the four and each sum waits on a shared-memory barrier); narrower rows already
+# lie one per warp in the tile form (`_blocks`, `num_warps`, 4 backward programs per SM). Session 18 run 4,
+# 65,536 × 768 bf16: forward 98 → 53 µs. `one_warp_width` 0 turns it off. The interpreter keeps the tile form
+# (it pays per program). The backward has its own rule (`measured_bwd`), from the kernels timed alone (session
+# 19 run 2; session 18 had timed autograd's host work with them): at 65,536 × 768, 4 rows on 4 warps with 8
+# programs per SM, 95 µs (one warp per row: 114); at KDA's 524,288 × 128 gated heads, one row per program on one
+# warp with 32 per SM, 202 µs (the tile form: 284); other widths keep the tile form.
+NORM_TILES: dict = {"block_m": None, "num_warps": None, "bwd_per_sm": None, "one_warp_width": 1024,
+                    "measured_bwd": True}
 
 
-def _norm_tiles(D: int) -> tuple[int, int, int, int]:
+def _norm_tiles(D: int, backward: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_D, warps, backward programs per SM) of the fused RMSNorm (`NORM_TILES`)."""
     block_m, block_d = _blocks(D)
+    overridden = any(NORM_TILES[k] is not None for k in ("block_m", "num_warps", "bwd_per_sm"))
+    if backward and NORM_TILES["measured_bwd"] and not overridden and not interpreting():
+        if block_d <= 128:
+            return 1, block_d, 1, 32
+        if 512 <= block_d <= 1024:
+            return 4, block_d, 4, 8
     if 256 < block_d <= NORM_TILES["one_warp_width"] and not interpreting():
         block_m, warps, per_sm = 1, 1, 16
     else:
@@ -184,7 +194,7 @@ def rms_norm_backward_triton(x, weight, rstd, dy2, gate=None):
     x, x_rows = _row_view(x)
     gated = gate is not None
     gate, g_rows = _row_view(gate) if gated else (x, x_rows)
-    BLOCK_M, BLOCK_D, warps, per_sm = _norm_tiles(D)
+    BLOCK_M, BLOCK_D, warps, per_sm = _norm_tiles(D, backward=True)
     P, iters = persistent_grid(N, BLOCK_M, x.device, per_sm)
     dx = torch.empty(N, D, dtype=x.dtype, device=x.device)
     dg = torch.empty(N, D, dtype=gate.dtype, device=x.device) if gated else None
