@@ -30,7 +30,7 @@ test: setup
 	$(BIN)/pytest -q -n 2 --dist loadfile
 
 test-all: setup
-	$(BIN)/pytest -q -n 2 --dist loadfile --runslow
+	K3_INTERPRETER_ALL=1 $(BIN)/pytest -q -n 2 --dist loadfile --runslow
 
 bench: setup
 	$(BIN)/python benchmarks/model_cpu.py

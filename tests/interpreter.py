@@ -6,7 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# every case in the interpreter too (`K3_INTERPRETER_ALL=1 make test`): see `cases`
+INTERPRETER_ALL = os.environ.get("K3_INTERPRETER_ALL", "0") == "1"
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -18,3 +22,14 @@ def run_module_in_interpreter(path: str) -> None:
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
+
+
+def cases(*values, gpu_only=()):
+    """Parametrize values, where those in `gpu_only` repeat a path that the other values already take through the
+    kernels (another dtype, length or slice count): they run on a GPU always and in the interpreter only with
+    K3_INTERPRETER_ALL=1, which keeps the CPU suite within its time (each costs 10-35 s of interpreted Python on
+    a 2-core machine). A tuple value gives one argument per name."""
+    mark = pytest.mark.skipif(INTERPRETING and not INTERPRETER_ALL,
+                              reason="a repeated path: on a GPU, or in the interpreter with K3_INTERPRETER_ALL=1")
+    return [(pytest.param(*v, marks=mark) if isinstance(v, tuple) else pytest.param(v, marks=mark))
+            if v in gpu_only else v for v in values]

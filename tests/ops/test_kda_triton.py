@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops.kda import naive_kda_gate, naive_recurrent_kda
-from tests.interpreter import INTERPRETING, run_module_in_interpreter
+from tests.interpreter import INTERPRETING, cases, run_module_in_interpreter
 
 ON_GPU = torch.cuda.is_available()
 F64 = torch.float64
@@ -111,7 +111,7 @@ def check(tri, ref, dtype, what=""):
     assert torch.isfinite(o).all() and all(torch.isfinite(g).all() for g in grads)
 
 
-@pytest.mark.parametrize("T", [1, 15, 17, 63, 65])
+@pytest.mark.parametrize("T", cases(1, 15, 17, 63, 65, gpu_only=(15, 63)))
 def test_matches_fp64_recurrence(dev, T):
     for dtype in (torch.bfloat16, torch.float32):
         inputs = make_raw(2, T, 2, 32, 32, seed=T, dtype=dtype)
@@ -158,7 +158,7 @@ def test_all_decays_at_the_lower_bound(dev):
     assert all(torch.isfinite(g).all() for g in tri[2])
 
 
-@pytest.mark.parametrize("p", [20, 64, 100])
+@pytest.mark.parametrize("p", cases(20, 64, 100, gpu_only=(64,)))
 def test_causality_bitwise(dev, p):
     from k3.ops.kda import chunk_kda
 
@@ -172,7 +172,7 @@ def test_causality_bitwise(dev, p):
     assert not torch.equal(o1[:, p:], o2[:, p:])
 
 
-@pytest.mark.parametrize("T1", [1, 64, 77])
+@pytest.mark.parametrize("T1", cases(1, 64, 77, gpu_only=(1, 64)))
 def test_split_call_with_carried_state(dev, T1):
     from k3.ops.kda import chunk_kda
 
@@ -224,7 +224,8 @@ def _fwd_bwd(inputs, dev, seed=21, **kw):
     return [o.detach(), S.detach(), *hs] + [x.grad for x in leaves]
 
 
-@pytest.mark.parametrize("case", ["bf16", "fp32", "varlen_all_bf16_state_bf16", "varlen_bf16_2slices"])
+@pytest.mark.parametrize("case", cases("bf16", "fp32", "varlen_all_bf16_state_bf16", "varlen_bf16_2slices",
+                                       gpu_only=("bf16", "varlen_all_bf16_state_bf16")))
 def test_saved_intermediates_match_recompute_bitwise(dev, monkeypatch, case):
     """The backward with the forward's kept operands, states and Ũ gives bit-identical gradients to the one
     that recomputes them, and really skips the recompute: one prepare and one `_state` launch per call. Ũ comes
@@ -302,7 +303,7 @@ def test_state_value_blocks_do_not_change_results(dev, monkeypatch, key):
         torch.testing.assert_close(a, b, rtol=5e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", cases(torch.bfloat16, torch.float32, gpu_only=(torch.bfloat16,)))
 def test_state_split_products(dev, monkeypatch, dtype):
     """`_state` with split-bf16 products (`state_split`, the default: each fp32 operand as bf16
     hi + lo, about 16 mantissa bits) pass the fp64 tolerances, and in the interpreter (where tf32 dots are exact
@@ -325,8 +326,8 @@ def test_state_split_products(dev, monkeypatch, dtype):
             assert any(not torch.equal(a, b) for a, b in pairs)
 
 
-@pytest.mark.parametrize("products,dtype", [("tf32", torch.bfloat16), ("tf32", torch.float32),
-                                            ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("products,dtype", cases(("tf32", torch.bfloat16), ("tf32", torch.float32),
+                                                ("bf16", torch.bfloat16), gpu_only=(("tf32", torch.bfloat16),)))
 def test_state_bwd_products(dev, monkeypatch, products, dtype):
     """`_state_bwd` with tf32 or bf16 products (`state_bwd_products`; split bf16 by default) passes the fp64
     tolerances and leaves the forward bit-identical. In the interpreter (tf32 dots exact in fp32 there) the
@@ -411,7 +412,7 @@ def _check_forward(out, ref, dtype, what=""):
     assert torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all(), what
 
 
-@pytest.mark.parametrize("T", [1, 15, 16, 17, 63, 65, 150])
+@pytest.mark.parametrize("T", cases(1, 15, 16, 17, 63, 65, 150, gpu_only=(16, 63, 150)))
 def test_prefill_forward_matches_fp64_recurrence(dev, monkeypatch, T):
     """The inference forward in 32-token chunks (`triton_prefill`, what chunk_kda runs when no backward can follow)
     against the fp64 recurrence, bf16 and fp32, at lengths around the 16-, 32- and 64-token chunk edges; and beside
@@ -430,8 +431,8 @@ def test_prefill_forward_matches_fp64_recurrence(dev, monkeypatch, T):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's σ(±1e4)
-@pytest.mark.parametrize("g_min", [-5.0, -1.0, -0.1])
-@pytest.mark.parametrize("chunk", [16, 32])
+@pytest.mark.parametrize("g_min,chunk", cases((-5.0, 16), (-1.0, 16), (-0.1, 16), (-5.0, 32), (-1.0, 32), (-0.1, 32),
+                                               gpu_only=((-5.0, 16), (-1.0, 16), (-1.0, 32), (-0.1, 32))))
 def test_prefill_forward_varlen_and_extreme_gates(dev, monkeypatch, g_min, chunk):
     """Packed documents of 0-70 tokens (chunks never cross one), and gate inputs at ±1e4 with large biases: at
     g_min = −5 whole chunks decay at the bound, where exp(−G) reaches e^80 in the score operands; 16- and 32-token
@@ -920,7 +921,8 @@ SLICE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(SLICE_CASES))
+@pytest.mark.parametrize("case", cases(*SLICE_CASES, gpu_only=("recompute_fp32", "dense_bf16", "varlen_fp32_V64",
+                                                             "varlen_bf16_K16_V128")))
 def test_backward_key_slices(dev, monkeypatch, case):
     """Every gradient of `chunk_kda` with the backward split into several key slices against the fp64 recurrence
     at the file's tolerances (initial state and dht included), and against one slice per kernel (bwd_vk_cols =
@@ -969,7 +971,7 @@ def test_backward_key_slices(dev, monkeypatch, case):
 # the row norms ‖q‖, ‖k‖ the prepare keeps for the backward (`_load_norm` in `_bwd_vk`, `_bwd_k_block`, `_bwd_norms`)
 
 
-@pytest.mark.parametrize("save", [True, False])
+@pytest.mark.parametrize("save", cases(True, False, gpu_only=(False,)))
 def test_kept_norms_and_gate_are_read(dev, monkeypatch, save):
     """The backward reads the norms and the cumulative gate G the prepare stored, not full-row reloads or a gate of
     its own: scaling the stored ‖q‖ (or ‖k‖), or shifting G, after the prepare leaves o, the final state and dv
