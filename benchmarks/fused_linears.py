@@ -1,5 +1,5 @@
 """The fused projections' backward (`k3.model.projections.fused_linears`): one x-gradient GEMM per wide output
-slice, accumulated in place (`SPLIT_BACKWARD_WIDTH` = 256, the default), against autograd's backward, which
+slice, accumulated in place (here `SPLIT_BACKWARD_WIDTH` = 256; the default is 1024), against autograd's backward, which
 concatenates every slice's gradient first (`SPLIT_BACKWARD_WIDTH` = None), at a 64K-token step of the small
 preset: the KDA layer's six projections (q, k, v, gate 1024 each, β 8, decay input 128) and the shared SiTU MLP's
 gate and up (320 each). Checked first against fp32 linears on the same bf16 inputs (relative error ≤ 1e-2).

@@ -16,7 +16,8 @@ from torch import nn
 # backward, which concatenates every slice's gradient. Session 19 run 2 (`benchmarks/fused_linears.py`, 64K
 # tokens): the KDA layer's q, k, v, gate (1024 each) split, β and the decay input (8, 128) concatenated,
 # backward 1.54 → 1.37 ms; the shared MLP's two 320-wide slices split lost (0.43 → 0.75 ms), so they stay
-# concatenated under this threshold.
+# concatenated under this threshold. dx is rounded to the activation dtype after each accumulated GEMM (one
+# rounding per wide slice, as separate linears summed by autograd give), not once.
 SPLIT_BACKWARD_WIDTH: int | None = 1024
 
 

@@ -110,6 +110,7 @@ class _ExpandKeys(torch.autograd.Function):
         return k.view(*lead, H, N + P), v.view(*lead, H, Vd)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dk, dv):
         H, N, P, Vd = ctx.dims
         dk2 = dk.reshape(-1, H * (N + P)).contiguous()

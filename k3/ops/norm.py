@@ -213,6 +213,7 @@ class _RMSNorm(torch.autograd.Function):
         return y.view(x.shape)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x, weight, rstd, gate = ctx.saved_tensors
         dx, dw, dg = rms_norm_backward_triton(x, weight, rstd, dy.reshape(-1, x.shape[-1]).contiguous(), gate)

@@ -175,6 +175,30 @@ def test_rms_norm_triton_full_shape(N, D, gated):
         assert rel(gf.grad, gr.grad) <= 1e-5
 
 
+def test_gated_rms_norm_reads_kda_gate_slice_in_place():
+    """KDA's o_norm at a 64K-token step's layout: the gate a column slice of the fused projections' 4240-wide rows
+    split into 8 heads of 128 ([T, H, K] of row stride 4240), read in place (no copy), with the backward's measured
+    launch rule (one row per warp, 32 programs per SM); against fp64 within 1e-5 in fp32."""
+    from k3.ops.norm import _row_view
+
+    T, H, K, W = 65536, 8, 128, 4240
+    g = torch.Generator(device="cuda").manual_seed(7)
+    wide = torch.randn(T, W, device="cuda", generator=g, dtype=torch.float64) * 2
+    o = torch.randn(T, H, K, device="cuda", generator=g, dtype=torch.float64) * 3
+    w = 1 + 0.1 * torch.randn(K, device="cuda", generator=g, dtype=torch.float64)
+    dy = torch.randn(T, H, K, device="cuda", generator=g, dtype=torch.float64)
+    wr, orr, wdr = leaf(wide, torch.float64), leaf(o, torch.float64), leaf(w, torch.float64)
+    ref = naive_rms_norm(orr, wdr, 1e-5, wr[:, 3072:4096].view(T, H, K))
+    ref.backward(dy)
+    wf, of, wdf = leaf(wide, torch.float32), leaf(o, torch.float32), leaf(w, torch.float32)
+    gate = wf[:, 3072:4096].view(T, H, K)
+    assert _row_view(gate)[0] is gate and _row_view(gate)[1] == (H, W, K)
+    out = rms_norm_triton(of, wdf, 1e-5, gate)
+    out.backward(dy.float())
+    assert rel(out, ref) <= 1e-5 and rel(of.grad, orr.grad) <= 1e-5 and rel(wdf.grad, wdr.grad) <= 1e-5
+    assert rel(wf.grad, wr.grad) <= 1e-5 and wf.grad[:, :3072].abs().max() == 0 and wf.grad[:, 4096:].abs().max() == 0
+
+
 @pytest.mark.parametrize("n,N,D", [(8, 32768, 768), (9, 2048, 7168)])
 def test_attn_res_triton_full_shape(n, N, D):
     """Fused read vs the stacked fp64 reference; the sources mix fp32 (the embedding) and bf16 (block sums)."""
