@@ -297,6 +297,29 @@ def loss_and_grads(model, ids, cu, bf16=True):
     return loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
+def test_tiny_model_read_and_pass_equals_the_engine_sums(monkeypatch, ckpt):
+    """`READ_OPTIONS["pass_partial"]` (the read's kernel adds the partial sum's residual gradient in place) against
+    the engine's sums, on the tiny preset's fast stack in fp32 (autocast off, fp32 residual stream): the same sums
+    in fp32, so the loss is bitwise equal and every gradient within 1e-6 relative (other kernels' atomics aside)."""
+    from k3.ops import attn_res as ops_attn_res
+
+    cfg = get_preset("tiny").replace(attention_backend="sdpa")
+    ids = torch.randint(0, cfg.vocab_size, (2, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    cu = torch.tensor([0, 100, 512, 700, 1024], device="cuda")
+    results = []
+    for on in (False, True):
+        monkeypatch.setitem(ops_attn_res.READ_OPTIONS, "pass_partial", on)
+        model = build_model(cfg, seed=0, device="cuda")
+        if ckpt:
+            apply_activation_checkpointing(model)
+        results.append(loss_and_grads(model, ids, cu, bf16=False))
+    (l_off, g_off), (l_on, g_on) = results
+    assert l_on == l_off and g_on.keys() == g_off.keys()
+    for name in g_off:
+        assert rel(g_on[name], g_off[name]) <= 1e-6, name
+
+
 def test_tiny_model_fast_paths_and_checkpointing_match_reference():
     """The tiny preset under bf16 autocast, all fast paths (with and without activation checkpointing) and all
     references from the same weights, each against the references in fp32 (autocast off).
