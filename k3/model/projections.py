@@ -44,7 +44,7 @@ class _FusedLinears(torch.autograd.Function):
         if narrow:
             g = torch.cat([g for _, g in narrow], dim=-1) if len(narrow) > 1 else narrow[0][1]
             w = torch.cat([weights[i] for i, _ in narrow]) if len(narrow) > 1 else weights[narrow[0][0]]
-            dx = g.to(w.dtype) @ w if ctx.needs_input_grad[0] else None
+            dx = g @ w if ctx.needs_input_grad[0] else None
             if any(ctx.needs_input_grad[3:]):
                 for (i, _), dw in zip(narrow, (g.t() @ x2).split([gi.shape[-1] for _, gi in narrow])):
                     dws[i] = dw

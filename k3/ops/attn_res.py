@@ -461,7 +461,6 @@ class _AttnResRead(torch.autograd.Function):
         ctx.save_for_backward(w32, lse, *flat)
         ctx.shape, ctx.eps, ctx.w_dtype = shape, eps, w.dtype
         ctx.sinks = tuple(getattr(s, _SINK_ATTRIBUTE, None) for s in sources)
-        ctx.pass_last = pass_last
         ctx.set_materialize_grads(False)
         if pass_last:  # the last source handed on unchanged (`attn_res_read_and_pass`)
             return out.view(shape), sources[-1].view_as(sources[-1])
@@ -625,9 +624,13 @@ def attn_res_read_triton(w: torch.Tensor, sources: list[torch.Tensor], eps: floa
     """w [D]; sources: n tensors [..., D] of one shape. Returns the read in the sources' dtype."""
     if len(sources) == 1:
         return sources[0]
+    return _read(w, sources, eps, pass_last=False)
+
+
+def _read(w, sources, eps, pass_last):
     if any(s.shape != sources[0].shape for s in sources):
         raise ValueError("AttnRes sources must share one shape")
-    return _AttnResRead.apply(w, eps, False, *sources)
+    return _AttnResRead.apply(w, eps, pass_last, *sources)
 
 
 # "pass_partial": `attn_res_read_and_pass` hands the partial sum on through the read (one gradient sum fewer for
@@ -644,9 +647,7 @@ def attn_res_read_and_pass(w: torch.Tensor, sources: list[torch.Tensor],
     and then add the two (two reads and two writes); the same values either way."""
     if len(sources) == 1 or not READ_OPTIONS["pass_partial"] or not torch.is_grad_enabled():
         return attn_res_read_triton(w, sources, eps), sources[-1]
-    if any(s.shape != sources[0].shape for s in sources):
-        raise ValueError("AttnRes sources must share one shape")
-    return _AttnResRead.apply(w, eps, True, *sources)
+    return _read(w, sources, eps, pass_last=True)
 
 
 def fused_attn_res_available(x: torch.Tensor) -> bool:

@@ -170,18 +170,24 @@ def _row_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     return t.contiguous(), (1, D, 0)
 
 
+def _kernel_rows(x, gate):
+    """(x, gate or x, their six row-layout arguments) as the kernels take them (`_row_view`)."""
+    x, x_rows = _row_view(x)
+    gate, g_rows = _row_view(gate) if gate is not None else (x, x_rows)
+    return x, gate, x_rows + g_rows
+
+
 def rms_norm_forward_triton(x, weight, eps, gate=None, out_dtype=None):
     """x [..., D] (rows read in place where `_row_view` allows), weight [D], gate like x or None
     -> (y [N, D] contiguous, rstd [N] fp32)."""
     D = x.shape[-1]
     N = x.numel() // D
-    x, x_rows = _row_view(x)
     gated = gate is not None
-    gate, g_rows = _row_view(gate) if gated else (x, x_rows)
+    x, gate, rows = _kernel_rows(x, gate)
     BLOCK_M, BLOCK_D, warps, _ = _norm_tiles(D)
     y = torch.empty(N, D, dtype=out_dtype or x.dtype, device=x.device)
     rstd = torch.empty(N, dtype=torch.float32, device=x.device)
-    _rms_fwd_kernel[(triton.cdiv(N, BLOCK_M),)](x, weight, gate, y, rstd, N, D, float(eps), *x_rows, *g_rows,
+    _rms_fwd_kernel[(triton.cdiv(N, BLOCK_M),)](x, weight, gate, y, rstd, N, D, float(eps), *rows,
                                                 HAS_GATE=gated, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
                                                 num_warps=warps)
     return y, rstd
@@ -191,15 +197,14 @@ def rms_norm_backward_triton(x, weight, rstd, dy2, gate=None):
     """x, gate as the forward took them, dy2 [N, D] contiguous. Returns (dx [N, D], dw [D] in weight's dtype,
     dg [N, D] or None)."""
     N, D = dy2.shape
-    x, x_rows = _row_view(x)
     gated = gate is not None
-    gate, g_rows = _row_view(gate) if gated else (x, x_rows)
+    x, gate, rows = _kernel_rows(x, gate)
     BLOCK_M, BLOCK_D, warps, per_sm = _norm_tiles(D, backward=True)
     P, iters = persistent_grid(N, BLOCK_M, x.device, per_sm)
     dx = torch.empty(N, D, dtype=x.dtype, device=x.device)
     dg = torch.empty(N, D, dtype=gate.dtype, device=x.device) if gated else None
     part = torch.empty(P, D, dtype=torch.float32, device=x.device)
-    _rms_bwd_kernel[(P,)](x, weight, gate, dy2, rstd, dx, dg if gated else dx, part, N, D, *x_rows, *g_rows,
+    _rms_bwd_kernel[(P,)](x, weight, gate, dy2, rstd, dx, dg if gated else dx, part, N, D, *rows,
                           HAS_GATE=gated, ITERS=iters, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=warps)
     return dx, part.sum(0).to(weight.dtype), dg
 
@@ -207,7 +212,10 @@ def rms_norm_backward_triton(x, weight, rstd, dy2, gate=None):
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, gate, eps, out_dtype):
-        # x and the gate are read in place: KDA's gate is a column slice of its fused projections, split into heads
+        # x and the gate are read in place: KDA's gate is a column slice of its fused projections, split into heads;
+        # a layout the kernels cannot read is copied here once, and the copy saved for the backward
+        x = _row_view(x)[0]
+        gate = _row_view(gate)[0] if gate is not None else None
         y, rstd = rms_norm_forward_triton(x, weight, eps, gate, gate.dtype if gate is not None else out_dtype)
         ctx.save_for_backward(x, weight, rstd, gate)
         return y.view(x.shape)
