@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3.ops.weight_grads import add_gradient, add_product
+
 
 # Backward without the concatenated output gradient (`fused_linears`): output slices at least this wide get their
 # own x-gradient GEMM, accumulated in place; narrower ones are concatenated for one GEMM. None: autograd's
@@ -23,10 +25,13 @@ SPLIT_BACKWARD_WIDTH: int | None = 1024
 
 class _FusedLinears(torch.autograd.Function):
     """y = x [W_1; …; W_n; 0]ᵀ, returned as the n column slices; the backward takes the slices' gradients as
-    they come: dx = Σ_i dy_i W_i, dW_i = dy_iᵀ x."""
+    they come: dx = Σ_i dy_i W_i, dW_i = dy_iᵀ x. The weights come in as the parameters and are cast to x's
+    dtype here, so the weight gradients can be added into `.grad` where `k3.ops.weight_grads` accumulates."""
 
     @staticmethod
-    def forward(ctx, x, widths, pad, *weights):
+    def forward(ctx, x, widths, pad, *params):
+        ctx.params = params
+        weights = tuple(p.to(x.dtype) for p in params)
         w = torch.cat(weights + ((weights[0].new_zeros(pad, weights[0].shape[1]),) if pad else ()))
         ctx.save_for_backward(x, *weights)
         ctx.set_materialize_grads(False)
@@ -35,6 +40,7 @@ class _FusedLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
+        params = ctx.params
         x2 = x.reshape(-1, x.shape[-1])
         given = [(i, g.reshape(-1, g.shape[-1])) for i, g in enumerate(grads) if g is not None]
         wide = [(i, g) for i, g in given if g.shape[-1] >= SPLIT_BACKWARD_WIDTH]
@@ -45,14 +51,16 @@ class _FusedLinears(torch.autograd.Function):
             g = torch.cat([g for _, g in narrow], dim=-1) if len(narrow) > 1 else narrow[0][1]
             w = torch.cat([weights[i] for i, _ in narrow]) if len(narrow) > 1 else weights[narrow[0][0]]
             dx = g @ w if ctx.needs_input_grad[0] else None
-            if any(ctx.needs_input_grad[3:]):
+            if len(narrow) == 1 and ctx.needs_input_grad[3 + narrow[0][0]]:
+                dws[narrow[0][0]] = add_product(params[narrow[0][0]], g.t(), x2)
+            elif any(ctx.needs_input_grad[3:]):  # one GEMM; the narrow weights are small, their adds cheap
                 for (i, _), dw in zip(narrow, (g.t() @ x2).split([gi.shape[-1] for _, gi in narrow])):
-                    dws[i] = dw
+                    dws[i] = add_gradient(params[i], dw)
         for i, g in wide:
             if ctx.needs_input_grad[0]:
                 dx = g @ weights[i] if dx is None else dx.addmm_(g, weights[i])
             if ctx.needs_input_grad[3 + i]:
-                dws[i] = g.t() @ x2
+                dws[i] = add_product(params[i], g.t(), x2)
         if dx is not None:
             dx = dx.view(x.shape)
         elif ctx.needs_input_grad[0]:
@@ -70,12 +78,12 @@ def fused_linears(x: torch.Tensor, linears: tuple[nn.Linear, ...], row_multiple:
     device = x.device.type
     # under autocast each weight is cast first: concatenating the fp32 masters would copy them in full
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    weights = [lin.weight.to(dtype) for lin in linears]
     widths = [lin.out_features for lin in linears]
     pad = -sum(widths) % row_multiple
     if SPLIT_BACKWARD_WIDTH is not None:
         with torch.autocast(device, enabled=False):
-            return _FusedLinears.apply(x.to(dtype), tuple(widths), pad, *weights)
+            return _FusedLinears.apply(x.to(dtype), tuple(widths), pad, *(lin.weight for lin in linears))
+    weights = [lin.weight.to(dtype) for lin in linears]
     if pad:
         weights.append(weights[0].new_zeros(pad, weights[0].shape[1]))
     return F.linear(x, torch.cat(weights)).split(widths + [pad], dim=-1)[:len(linears)]

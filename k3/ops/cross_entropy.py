@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops import triton_runs_on
+from k3.ops.weight_grads import add_gradient
 
 # elements of one chunk under the torch formula: 2^28 (1,638 rows at V = 163,840), whose transients are the
 # fp32 logits (1 GiB), the 16-bit logits and their gradient: near 2 GiB. Each chunk adds its [V, D] product
@@ -108,7 +109,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 _accumulate_product(dw, grad.T, h)
             del grad
         ctx.save_for_backward(dh, dw)
-        ctx.hidden_dtype, ctx.weight_dtype = hidden.dtype, weight.dtype
+        ctx.hidden_dtype, ctx.weight = hidden.dtype, weight
         return loss
 
     @staticmethod
@@ -117,7 +118,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # the scale (e.g. 1 / tokens) in fp32, not rounded to dh's bf16; out of place, so a retained graph
         # (gradcheck, a second backward) still sees the unscaled gradients
         grad_h = None if dh is None else (dh.to(grad_loss.dtype) * grad_loss).to(ctx.hidden_dtype)
-        grad_w = None if dw is None else (dw * grad_loss.to(dw.dtype)).to(ctx.weight_dtype)
+        # added into the head's .grad where `k3.ops.weight_grads` accumulates (dw is fp32 already)
+        grad_w = None if dw is None else add_gradient(ctx.weight, dw, grad_loss)
+        grad_w = None if grad_w is None else grad_w.to(ctx.weight.dtype)
         return grad_h, grad_w, None, None, None, None, None, None
 
 

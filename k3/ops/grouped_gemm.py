@@ -71,11 +71,14 @@ if triton is not None:
         return _dot(a, b, acc, PRECISION, INTERP)
 
     @triton.jit
-    def _grouped_mm_wgrad_kernel(A, B, C, OFFS, KO, N, stride_ak, stride_am, stride_bm, stride_bn,
+    def _grouped_mm_wgrad_kernel(A, B, C, C2, OFFS, KO, N, SPLIT, stride_ak, stride_am, stride_bm, stride_bn,
                                  stride_cg, stride_ck, stride_cn,
                                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr,
-                                 N_TILES: tl.constexpr, PRECISION: tl.constexpr, INTERP: tl.constexpr):
-        """One [BM, BN] tile of C[g] = A[:, s_g:e_g] @ B[s_g:e_g]: a loop over the group's rows."""
+                                 N_TILES: tl.constexpr, PRECISION: tl.constexpr, INTERP: tl.constexpr,
+                                 TWO_OUTPUTS: tl.constexpr, ACCUMULATE: tl.constexpr):
+        """One [BM, BN] tile of C[g] = A[:, s_g:e_g] @ B[s_g:e_g]: a loop over the group's rows. With TWO_OUTPUTS
+        the output rows from SPLIT on land in C2 (rows minus SPLIT; the same strides), e.g. w1's and w3's
+        gradients from one [w1; w3] product; with ACCUMULATE the tile is added to what C holds (in fp32)."""
         pid = tl.program_id(0)
         g = pid // (K_TILES * N_TILES)
         tile = pid % (K_TILES * N_TILES)
@@ -97,8 +100,17 @@ if triton is not None:
             for r0 in range(start, end, BK):
                 acc = _wgrad_step(acc, A, B, r0, end, outs, cols, in_outs, in_cols, stride_ak, stride_am,
                                   stride_bm, stride_bn, BK, PRECISION, INTERP)
-        c_ptr = C + g.to(tl.int64) * stride_cg + outs[:, None] * stride_ck + cols[None, :] * stride_cn
-        tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=in_outs[:, None] & in_cols[None, :])
+        rows = outs
+        if TWO_OUTPUTS:
+            rows = tl.where(outs < SPLIT, outs, outs - SPLIT)
+        offsets = g.to(tl.int64) * stride_cg + rows[:, None] * stride_ck + cols[None, :] * stride_cn
+        c_ptr = C + offsets
+        if TWO_OUTPUTS:
+            c_ptr = tl.where(outs[:, None] < SPLIT, c_ptr, C2 + offsets)
+        mask = in_outs[:, None] & in_cols[None, :]
+        if ACCUMULATE:
+            acc += tl.load(c_ptr, mask=mask, other=0.0).to(tl.float32)
+        tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=mask)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -125,12 +137,40 @@ def grouped_mm_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
     Mb, N = b.shape
     if Mb != M:
         raise ValueError(f"grouped_mm_wgrad: a {tuple(a.shape)} and b {tuple(b.shape)} disagree on rows")
-    cfg = config or WGRAD_CONFIG
-    G = offs.shape[0]
-    c = a.new_empty(G, KO, N)
-    k_tiles, n_tiles = triton.cdiv(KO, cfg["BM"]), triton.cdiv(N, cfg["BN"])
-    _grouped_mm_wgrad_kernel[(G * k_tiles * n_tiles,)](
-        a, b, c, offs, KO, N, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        c.stride(2), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], K_TILES=k_tiles, N_TILES=n_tiles,
-        PRECISION=_precision(a.dtype), INTERP=interpreting(), num_warps=cfg["warps"], num_stages=cfg["stages"])
+    c = a.new_empty(offs.shape[0], KO, N)
+    _launch_wgrad(a, b, offs, [c], False, config)
     return c
+
+
+def grouped_mm_wgrad_into(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, outs: list[torch.Tensor],
+                          accumulate: bool, config: dict | None = None) -> None:
+    """`grouped_mm_wgrad(a, b, offs)` written into `outs` (one or two [G, K_i, N] tensors of one dtype and
+    strides, Σ K_i = K: the product's rows split between them), added to what they hold if `accumulate`; the
+    product in fp32 either way (so fp32 `outs` take 16-bit operands' products unrounded). For weight gradients
+    accumulated in place (`k3.ops.weight_grads`)."""
+    _check(a, b, offs, "grouped_mm_wgrad_into")
+    if not 1 <= len(outs) <= 2:
+        raise ValueError(f"grouped_mm_wgrad_into: one or two outputs, got {len(outs)}")
+    G, (KO, M), N = offs.shape[0], a.shape, b.shape[1]
+    if b.shape[0] != M:
+        raise ValueError(f"grouped_mm_wgrad_into: a {tuple(a.shape)} and b {tuple(b.shape)} disagree on rows")
+    first = outs[0]
+    for out in outs:
+        if out.dim() != 3 or out.shape[0] != G or out.shape[2] != N or out.dtype != first.dtype \
+                or out.stride() != first.stride() or out.device != a.device:
+            raise ValueError(f"grouped_mm_wgrad_into: outputs must be [{G}, K_i, {N}] of one dtype and strides "
+                             f"on {a.device}, got {[(tuple(o.shape), o.dtype, o.stride()) for o in outs]}")
+    if sum(out.shape[1] for out in outs) != KO:
+        raise ValueError(f"grouped_mm_wgrad_into: the outputs' rows {[o.shape[1] for o in outs]} must sum to {KO}")
+    _launch_wgrad(a, b, offs, outs, accumulate, config)
+
+
+def _launch_wgrad(a, b, offs, outs, accumulate, config):
+    cfg = config or WGRAD_CONFIG
+    (KO, _), N, c = a.shape, b.shape[1], outs[0]
+    k_tiles, n_tiles = triton.cdiv(KO, cfg["BM"]), triton.cdiv(N, cfg["BN"])
+    _grouped_mm_wgrad_kernel[(offs.shape[0] * k_tiles * n_tiles,)](
+        a, b, c, outs[-1], offs, KO, N, c.shape[1], a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        c.stride(0), c.stride(1), c.stride(2), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], K_TILES=k_tiles,
+        N_TILES=n_tiles, PRECISION=_precision(a.dtype), INTERP=interpreting(), TWO_OUTPUTS=len(outs) == 2,
+        ACCUMULATE=accumulate, num_warps=cfg["warps"], num_stages=cfg["stages"])

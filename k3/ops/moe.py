@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from k3.ops import grouped_gemm, triton_runs_on
+from k3.ops.weight_grads import accumulates, add_gradient
 from k3.ops.situ import (naive_situ_glu, situ_glu_backward, situ_glu_forward, weighted_situ_glu_backward,
                          weighted_situ_glu_forward)
 
@@ -126,15 +127,19 @@ def _triton_wgrad(a: torch.Tensor, b: torch.Tensor) -> bool:
 class _GroupedSituGLU(torch.autograd.Function):
     """y = (p ⊙ SiTU-GLU(x W13ᵀ)) W2ᵀ per expert group; p None means unweighted. Output in x's dtype.
 
-    x [M, L]; w13 [G, 2I, L] (w1 rows then w3 rows); w2 [G, L, I]; p [M] fp32/fp64 or None.
+    x [M, L] in the compute dtype; w1, w3 [G, I, L] and w2 [G, L, I] (the parameters: cast here, w1 and w3
+    stacked into one [G, 2I, L] operand); p [M] fp32/fp64 or None.
     The weight scales the activation (inside the SiTU kernel, in p's dtype, cast once) before the
     down-projection, the same product as scaling its output: y leaves the GEMM weighted and in the compute
     dtype, so no fp32 copy of the [M, L] expert outputs is made, and the combine sums k bf16 rows per token
-    in fp32. The backward's SiTU kernel also returns the weighted activation (for dW2) and dp.
+    in fp32. The backward's SiTU kernel also returns the weighted activation (for dW2) and dp. Weight gradients
+    go through `_expert_weight_grads` (added into `.grad` where `k3.ops.weight_grads` accumulates).
     """
 
     @staticmethod
-    def forward(ctx, x, offs, w13, w2, probs, beta1, beta2, native):
+    def forward(ctx, x, offs, w1, w3, w2, probs, beta1, beta2, native):
+        ctx.params = (w1, w3, w2)
+        w13, w2 = _stack_gate_up(w1, w3, x.dtype), w2.to(x.dtype)  # [G, 2I, L], [G, L, I]
         I = w2.shape[-1]
         h = gmm(x, w13.transpose(1, 2), offs, native)  # [M, 2I]
         if probs is None:
@@ -162,10 +167,32 @@ class _GroupedSituGLU(torch.autograd.Function):
         else:
             # the transform: dp_m = ⟨dy_m, E(x_m)⟩ = ⟨dy_m · w2, act_m⟩, from the recomputed activation
             act, dprobs = weighted_situ_glu_backward(g, u, dact, probs, *ctx.betas, out=dh)
-        dw2 = gmm_wgrad(dy.t(), act, offs, native)  # [G, L, I]
+        w1, w3, w2_param = ctx.params
+        dw2, = _expert_weight_grads((w2_param,), dy.t(), act, offs, native)  # [G, L, I]
         dx = gmm(dh, w13, offs, native)  # [M, L]
-        dw13 = gmm_wgrad(dh.t(), x, offs, native)  # [G, 2I, L]
-        return dx, None, dw13, dw2, dprobs, None, None, None
+        dw1, dw3 = _expert_weight_grads((w1, w3), dh.t(), x, offs, native)  # [G, 2I, L] split
+        return dx, None, dw1, dw3, dw2, dprobs, None, None, None
+
+
+def _expert_weight_grads(params: tuple, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, native) -> list:
+    """The grouped weight gradient a @ b ([G, ΣK_i, N], rows split between `params` in order), per parameter:
+    added into its `.grad` (None returned) where `k3.ops.weight_grads` accumulates, on the Triton kernel in
+    fp32 where it runs; else returned in the operands' dtype."""
+    if all(accumulates(p) for p in params) and (native if native is not None else _native_ok(a, b)) \
+            and _triton_wgrad(a, b):
+        grads = [p.grad for p in params]
+        if all(g is not None for g in grads) or all(g is None for g in grads):
+            accumulate = grads[0] is not None
+            outs = grads if accumulate else [torch.empty_like(p) for p in params]
+            if all(o.stride() == outs[0].stride() for o in outs):
+                grouped_gemm.grouped_mm_wgrad_into(a, b, offs, outs, accumulate)
+                if not accumulate:
+                    for p, out in zip(params, outs):
+                        p.grad = out
+                return [None] * len(params)
+    dw = gmm_wgrad(a, b, offs, native)
+    parts = dw.split([p.shape[1] for p in params], dim=1) if len(params) > 1 else [dw]
+    return [add_gradient(p, part) for p, part in zip(params, parts)]
 
 
 def _source_rows(dest: torch.Tensor, k: int, rows: int) -> torch.Tensor:
@@ -312,10 +339,9 @@ def grouped_latent_experts(z: torch.Tensor, topk_idx: torch.Tensor, weights: tor
     accum = torch.float64 if z.dtype == torch.float64 else torch.float32
     dest, offs, rows = dispatch_plan(topk_idx, E, align)
     src = _source_rows(dest, k, rows)
-    w13 = _stack_gate_up(w1, w3, dtype)  # [E, 2I, L]
     x = _ScatterRows.apply(z.to(dtype), dest, src, k)  # [M_pad, L]
     probs = weights.new_zeros(rows, dtype=accum).index_put((dest,), weights.reshape(-1).to(accum))
-    y = _GroupedSituGLU.apply(x, offs, w13, w2.to(dtype), probs, beta1, beta2, native)  # [M_pad, L]
+    y = _GroupedSituGLU.apply(x, offs, w1, w3, w2, probs, beta1, beta2, native)  # [M_pad, L]
     return _GatherRows.apply(y, dest, src, k, accum)
 
 
@@ -344,8 +370,7 @@ def _grouped_situ_glu(x, group_sizes, w1, w3, w2, beta1, beta2, align=None, nati
     dest = torch.arange(M, device=x.device) + (pad_start - (sizes.cumsum(0) - sizes))[group_of]
     src = _source_rows(dest, 1, rows)
     xp = _ScatterRows.apply(x.to(dtype), dest, src, 1)
-    w13 = _stack_gate_up(w1, w3, dtype)
-    y = _GroupedSituGLU.apply(xp, offs, w13, w2.to(dtype), None, beta1, beta2, native)
+    y = _GroupedSituGLU.apply(xp, offs, w1, w3, w2, None, beta1, beta2, native)
     return _GatherRows.apply(y, dest, src, 1, y.dtype)
 
 

@@ -37,6 +37,7 @@ from k3.model.checkpointing import apply_activation_checkpointing
 from k3.model.model import K3ForCausalLM, build_model
 from k3.model.moe import StableLatentMoE
 from k3.model.quantile_balancing import QuantileHistogram, expert_loads, imbalance_from_stats, layer_load_stats
+from k3.ops.weight_grads import accumulating_weight_grads
 from k3.optim import MuonAdamW, cosine_schedule, qk_clip_, qk_clip_stats
 from k3.train.checkpoint import (CheckpointError, commit_checkpoint, latest_checkpoint, load_checkpoint,
                                  new_checkpoint_dir, save_checkpoint, step_dir_name, verify_checkpoint,
@@ -244,7 +245,10 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
                         labels=labels)
         loss = out.loss
         scale = parallel.loss_scale if parallel is not None else 1.0
-        (loss * (scale / total_tokens)).backward()
+        # one device: weight gradients added into .grad where they are computed (k3.ops.weight_grads); the
+        # parallel wrappers own their parameters' gradients
+        with accumulating_weight_grads(parallel is None):
+            (loss * (scale / total_tokens)).backward()
         loss_sum += loss.detach().double()
         if len(out.router_infos) != len(moes):
             raise TrainingError(f"the forward reported {len(out.router_infos)} router statistics for "

@@ -132,6 +132,62 @@ def grouped_wgrad(dtype):
         assert got[0].abs().max() == 0 and got[3].abs().max() == 0, "an empty group's weight gradient is zero"
 
 
+def grouped_wgrad_into(dtype):
+    """The weight-gradient kernel writing two fp32 outputs (rows split at 20, inside a 32-row tile) and then
+    adding a second product into them, against the fp64 per-group products."""
+    g = torch.Generator().manual_seed(6)
+    sizes = torch.tensor([0, 8, 40, 136, 1])
+    offs = sizes.cumsum(0).to(torch.int32)
+    M, K, N = int(offs[-1]), 48, 40
+    a, a2 = (torch.randn(M, K, generator=g, dtype=torch.float64) for _ in range(2))
+    dy, dy2 = (torch.randn(M, N, generator=g, dtype=torch.float64) for _ in range(2))
+    first = grouped_gemm.grouped_mm_wgrad_reference(dy.t(), a, offs)
+    second = first + grouped_gemm.grouped_mm_wgrad_reference(dy2.t(), a2, offs)
+    outs = [torch.full((5, rows, K), float("nan")) for rows in (20, 20)]
+    tiles = dict(BM=32, BN=32, BK=16, warps=4, stages=2)
+    grouped_gemm.grouped_mm_wgrad_into(dy.t().to(dtype), a.to(dtype), offs, outs, False, tiles)
+    check("grouped_mm_wgrad_into, two outputs", torch.cat(outs, 1), first, dtype)
+    grouped_gemm.grouped_mm_wgrad_into(dy2.t().to(dtype), a2.to(dtype), offs, outs, True, tiles)
+    check("grouped_mm_wgrad_into, accumulated", torch.cat(outs, 1), second, dtype)
+
+
+def experts_accumulating_weight_grads():
+    """Two micro-batches through the expert function inside `accumulating_weight_grads` (the Triton weight-gradient
+    kernel writing w1's and w3's .grad, then adding into them): the same .grad as the engine's sum of the two
+    backward passes (fp32, within the kernel's fp32 rounding)."""
+    from k3.ops.weight_grads import accumulating_weight_grads
+    E, L, I, N, k = 8, 32, 24, 50, 3
+    torch.manual_seed(13)
+    experts = LatentExperts(E, L, I, 4.0, 25.0)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0.0, 0.2)
+    batches = [(torch.randn(N, L), torch.stack([torch.randperm(E)[:k] for _ in range(N)]), torch.rand(N, k),
+                torch.randn(N, L)) for _ in range(2)]
+    params = [experts.w1, experts.w3, experts.w2]
+
+    def run(accumulate):
+        for p in params:
+            p.grad = None
+        calls = []
+        kernel = grouped_gemm.grouped_mm_wgrad_into
+        grouped_gemm.grouped_mm_wgrad_into = lambda *a: calls.append(1) or kernel(*a)
+        moe.GROUPED_WGRAD = "triton"
+        try:
+            for z, idx, w, dy in batches:
+                with accumulating_weight_grads(accumulate):
+                    moe.grouped_latent_experts(z, idx, w, *params, 4.0, 25.0, align=8, native=True).backward(dy)
+        finally:
+            moe.GROUPED_WGRAD, grouped_gemm.grouped_mm_wgrad_into = "auto", kernel
+        return [p.grad.clone() for p in params], len(calls)
+
+    engine, engine_calls = run(False)
+    fused, fused_calls = run(True)
+    assert engine_calls == 0 and fused_calls == 4, (engine_calls, fused_calls)
+    for name, a, b in zip(("w1", "w3", "w2"), fused, engine):
+        check(f"experts accumulated d{name}", a, b.double(), torch.float32, tol=1e-6)
+
+
 def experts_triton_wgrad():
     """The whole expert function with the Triton weight-gradient GEMMs (GROUPED_WGRAD = "triton", the other
     GEMMs through torch._grouped_mm as on CUDA, fp32) against the fp64 reference dispatch."""
@@ -638,6 +694,9 @@ for x_dtype, out_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torc
 for dtype in (torch.float32, torch.bfloat16):
     grouped_wgrad(dtype)
 experts_triton_wgrad()
+grouped_wgrad_into(torch.float32)
+grouped_wgrad_into(torch.bfloat16)
+experts_accumulating_weight_grads()
 for dtype in (torch.float32, torch.bfloat16):
     situ(dtype)
     weighted_situ(dtype)
