@@ -13,7 +13,7 @@ TP="benchmarks/train_throughput.py --presets small --kda-impl triton --variants 
 step 230 python3 -m benchmarks.step_ab --seq-len 4096 --tokens 65536 --micro-batches 4 --rounds 6 \
     --settings "" "weight_grads.OPTIONS.in_place=False" --json "$OUT/ab4096_weight_grads.json"
 step 120 python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_fast_paths.py tests/ops/test_weight_grads.py \
-    -k "grouped or tiny_model or host_token or weight_grads or helpers or micro_batches"
+    -k "grouped or tiny_model or host_token or weight_grads or helpers or micro_batches or in_place"
 step 110 python3 $TP --seq-lens 4096 --steps 3 --micro-batches 4 --json "$OUT/throughput64k_mb4.json"
 step 110 python3 $TP --seq-lens 4096 --steps 2 --micro-batches 8 --json "$OUT/throughput64k_mb8.json"
 } 2>&1 | grep --line-buffered -v "Warning\|warn_once" > "$OUT/log.txt"

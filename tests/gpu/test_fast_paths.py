@@ -479,6 +479,38 @@ def test_host_token_ids_and_a_train_step_without_host_waits_after_the_update():
     assert metrics["qk_clip_heads"] > 0 and len(metrics["moe_max_over_mean"]) > 0
 
 
+def test_weight_grads_accumulated_in_place_over_micro_batches_cuda():
+    """The tiny model under bf16 autocast (grouped experts with the Triton weight-gradient kernel, fused
+    projections, the loss's head): three micro-batches with the weight gradients added into .grad where they are
+    computed (fp32 GEMM epilogues, the kernel's fp32 adds) against the engine's casts and adds. The engine rounds
+    each micro-batch's 16-bit gradient first, so they differ by bf16 rounding: relative error ≤ 1e-2 for every
+    parameter."""
+    from k3.ops import moe
+    from k3.ops.weight_grads import accumulating_weight_grads
+
+    model = build_model(get_preset("tiny"), seed=0, device="cuda")
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(3):
+        ids = torch.randint(0, model.config.vocab_size, (4, 256), generator=g)
+        batches.append((ids.cuda(), ids.roll(-1, 1).cuda(), torch.tensor([0, 100, 256, 512, 700, 1024]).cuda()))
+
+    def grads(accumulate):
+        model.zero_grad(set_to_none=True)
+        for ids, labels, cu in batches:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(ids, cu_seqlens=cu, labels=labels).loss / 3000
+            with accumulating_weight_grads(accumulate):
+                loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    assert moe._triton_wgrad(torch.empty(640, 8, device="cuda"), torch.empty(8, 384, device="cuda"))
+    engine, fused = grads(False), grads(True)
+    assert engine.keys() == fused.keys()
+    worst = max((rel(fused[n], engine[n]), n) for n in engine)
+    assert worst[0] <= 1e-2, worst
+
+
 @pytest.mark.parametrize("N,D,E", [(32768, 768, 64), (4096, 7168, 896)])
 def test_split_router_logits_full_shape(N, D, E):
     """The split router's bf16 GEMMs (cuBLAS, fp32 output) against fp64 at the small and K3 router shapes. The
