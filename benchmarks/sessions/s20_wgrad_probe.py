@@ -31,20 +31,18 @@ def bf16_then_engine():
     g3.add_(dw[:, I:])
 
 
-rows_out = []
-for name, fn in [("kernel, bf16 out", lambda: grouped_gemm.grouped_mm_wgrad(dh.t(), x, offs)),
-                 ("kernel bf16 + cast/add into fp32 .grad", bf16_then_engine),
-                 ("kernel adding into two fp32 .grad", lambda: grouped_gemm.grouped_mm_wgrad_into(dh.t(), x, offs,
-                                                                                                 [g1, g3], True)),
-                 ("kernel adding into one fp32 [G, 2I, L]", lambda: grouped_gemm.grouped_mm_wgrad_into(
-                     dh.t(), x, offs, [torch.cat([g1, g3], 1)], True) if False else None)]:
-    if name.startswith("kernel adding into one"):
-        g13 = torch.zeros(E, 2 * I, L, device="cuda")
-        fn = lambda: grouped_gemm.grouped_mm_wgrad_into(dh.t(), x, offs, [g13], True)  # noqa: E731
+g13 = torch.zeros(E, 2 * I, L, device="cuda")
+cases = [("kernel, bf16 out", lambda: grouped_gemm.grouped_mm_wgrad(dh.t(), x, offs)),
+         ("kernel bf16 + cast/add into fp32 .grad", bf16_then_engine),
+         ("kernel adding into two fp32 .grad", lambda: grouped_gemm.grouped_mm_wgrad_into(dh.t(), x, offs, [g1, g3],
+                                                                                         True)),
+         ("kernel adding into one fp32 [G, 2I, L]", lambda: grouped_gemm.grouped_mm_wgrad_into(dh.t(), x, offs, [g13],
+                                                                                              True))]
+for name, fn in cases:
     ms = triton.testing.do_bench(fn, warmup=10, rep=100)
     print(f"dW13 {name:42s} {ms:7.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
 
-experts = moe  # the whole function, .grad present (a later micro-batch)
+# the whole function, .grad present (a later micro-batch)
 w1 = torch.nn.Parameter(torch.randn(E, I, L, device="cuda") * 0.05)
 w3 = torch.nn.Parameter(torch.randn(E, I, L, device="cuda") * 0.05)
 w2 = torch.nn.Parameter(torch.randn(E, L, I, device="cuda") * 0.05)
