@@ -6,6 +6,9 @@ balanced routing and with Zipf-skewed routing (expert popularity ∝ 1/rank^0.7,
 replacement per token; the max/mean expert load is printed). The 128-expert case runs the grouped path and
 its ceiling only (the baselines would take most of the run). Implementations, side by side on the same inputs:
 - `raw grouped_mm`: the three forward torch._grouped_mm calls alone on pre-sorted rows (the ceiling);
+- `dense mm, same shapes`: the same two forward GEMMs as one dense cuBLAS matmul each (every row against expert
+  0's weights): what the library reaches on these K and N without any grouping, the ceiling of the ceiling
+  (thin experts, K = 320-384, are bound by their tiles' prologues and epilogues, not by the grouping);
 - `grouped` : k3.ops.moe.grouped_latent_experts (plan, dispatch, grouped GEMMs + fused SiTU, weighted
   combine; forward, and forward+backward with the MoE gradient transform);
 - `padded`  : LatentExperts.forward_reference (the padded-batch dispatch, bf16 autocast);
@@ -165,7 +168,14 @@ def main():
                         moe.GROUPED_WGRAD = "auto"
                 return run
 
-            impls = [("raw grouped_mm (fwd GEMMs)", raw, flops_fwd), ("grouped fwd", grouped_fwd, flops_fwd)]
+            def dense():  # M rows, as many as the routed copies
+                xs[:M] @ w13[0].t()
+                act[:M] @ w2[0].t()
+
+            impls = [("raw grouped_mm (fwd GEMMs)", raw, flops_fwd)]
+            if cuda:
+                impls.append(("dense mm, same shapes (fwd GEMMs)", dense, flops_fwd))
+            impls.append(("grouped fwd", grouped_fwd, flops_fwd))
             impls += [(f"grouped fwd+bwd (dW {setting})" if len(args.wgrad) > 1 else "grouped fwd+bwd",
                        with_wgrad(setting, grouped_fwd_bwd), 3 * flops_fwd) for setting in args.wgrad]
             impls += [("padded fwd+bwd", padded_fwd_bwd, 3 * flops_fwd), ("loop fwd+bwd", loop_fwd_bwd, 3 * flops_fwd)]
