@@ -16,9 +16,7 @@ A gate (both against the torch two-phase form in fp64, ≤ 1e-5) runs first.
 
 `--tiles` times the fused direct read as the model runs it since session 17: bf16 sources, N = 65536 (the small
 preset at 64K tokens per micro-batch), the sealed sources `seal_source`d and read by two reads (the second read's
-backward adds into the first's buffers), under each (rows per tile, warps, backward programs per SM, backward
-chunk), after a
-check that each setting gives the default's outputs and gradients (≤ 1e-2 relative: bf16 results, the
+backward adds into the first's buffers), under each (rows per tile, warps, backward programs per SM), after a check that each setting gives the default's outputs and gradients (≤ 1e-2 relative: bf16 results, the
 settings change only the order of sums).
 """
 
@@ -83,13 +81,12 @@ def gate(device, n=4, J=7, N=300, D=96):
     return errs, all(e <= 1e-5 for e in errs.values())
 
 
-TILE_SETTINGS = [  # (rows per tile, warps, backward programs per SM, backward chunk columns); None: the default's
-    # (one row on one warp at D = 768, 16 backward programs per SM since session 18; no chunks). Session 17 run 3 and
-    # session 18 runs 1 and 3 timed 4 and 8 warps at 2-8 rows (8 warps lost 2-3x), a stacked backward (deleted) and
-    # one or two warps (one row on one warp won: 1.76x in the backward at 7 sealed sources). Next: the chunked
-    # one-warp backward (`_ar_bwd_chunked_kernel`, untimed; offline 204 registers without spills at 3 sources, 255
-    # with 104 B at 8, against 255 with 24 and 200 B)
-    (None, None, None, None), (None, None, None, 256), (None, None, 32, 256), (None, None, None, 128)]
+TILE_SETTINGS = [  # (rows per tile, warps, backward programs per SM); None: the default's (one row on one warp at
+    # D = 768, 16 backward programs per SM since session 18). Session 17 run 3 and session 18 runs 1 and 3 timed 4 and
+    # 8 warps at 2-8 rows (8 warps lost 2-3x), a stacked backward (deleted) and one or two warps (one row on one warp
+    # won: 1.76x in the backward at 7 sealed sources); session 19 a chunked one-warp backward (won in these tiles at
+    # 3 sources, lost in the step in session 20: deleted)
+    (None, None, None), (None, None, 8), (None, None, 32), (2, 4, None)]
 
 
 def read_pair(sealed, partial, queries):
@@ -114,8 +111,7 @@ def tiles(device, N=65536, D=768, dtype=torch.bfloat16) -> int:
         partial, douts = partials[0].to(dtype), [d.to(dtype) for d in douts]
         ref = None
         for setting in TILE_SETTINGS:
-            attn_res.READ_TILES.update(block_m=setting[0], num_warps=setting[1], bwd_per_sm=setting[2],
-                                       chunk=setting[3])
+            attn_res.READ_TILES.update(block_m=setting[0], num_warps=setting[1], bwd_per_sm=setting[2])
             leaves = [t.clone().requires_grad_() for t in sealed + [partial]] + [queries.clone().requires_grad_()]
 
             def step(leaves=leaves):
@@ -140,7 +136,7 @@ def tiles(device, N=65536, D=768, dtype=torch.bfloat16) -> int:
             print(f"  n={n} {str(setting):24s} fwd {fwd:.3f} ms ({rows[-1][4]:.0f} GB/s)  bwd {both - fwd:.3f} ms "
                   f"({rows[-1][5]:.0f} GB/s)  diff {diff:.1e}", flush=True)
     attn_res.READ_TILES.update(default)
-    print(f"{'sealed':>6} {'(rows, warps, bwd/SM, chunk)':>30} {'fwd ms':>8} {'bwd ms':>8} {'fwd GB/s':>9} "
+    print(f"{'sealed':>6} {'(rows, warps, bwd/SM)':>30} {'fwd ms':>8} {'bwd ms':>8} {'fwd GB/s':>9} "
           f"{'bwd GB/s':>9} "
           f"{'diff':>8}")
     for n, setting, f, b, fb, bb, d in rows:

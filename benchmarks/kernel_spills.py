@@ -44,7 +44,8 @@ SUM_ROWS_ARGS = dict(Y="*bf16", DEST="*i64", OUT="*fp32", N="i32", L="i32", stri
 CONV_GRAD_ARGS = dict(X="*bf16", Wt="*fp32", POS="*i32", DY="*bf16", G="*fp32", DW="*fp32", R="i32", C="i32",
                       stride_x="i32", stride_dy="i32")
 CONV_DX_ARGS = dict(G="*fp32", Wt="*fp32", POS="*i32", DX="*bf16", R="i32", C="i32")
-GMM_WGRAD_ARGS = dict(A="*bf16", B="*bf16", C="*bf16", OFFS="*i32", KO="i32", N="i32", stride_ak="i32",
+GMM_WGRAD_ARGS = dict(A="*bf16", B="*bf16", C="*bf16", C2="*bf16", OFFS="*i32", KO="i32", N="i32", SPLIT="i32",
+                      stride_ak="i32",
                       stride_am="i32", stride_bm="i32", stride_bn="i32", stride_cg="i32", stride_ck="i32",
                       stride_cn="i32")
 CONV_ALIGNED = ("R", "C", "stride_x", "stride_dy")  # multiples of 16 at the model's shapes
@@ -129,13 +130,15 @@ def main() -> None:
                       dict(common, BLOCK_M=1), 1))
         cases.append((f"attn_res bwd 2x4, {ns} src", attn_res._ar_bwd_kernel, attn_res_bwd_args(ns),
                       dict(common, BLOCK_M=2), 4))
-        chunked = {k: v for k, v in common.items() if k != "BLOCK_D"}
-        cases.append((f"attn_res bwd 3x256, {ns} src", attn_res._ar_bwd_chunked_kernel, attn_res_bwd_args(ns),
-                      dict(chunked, CH=256, NCH=3), 1))
     cfg = grouped_gemm.WGRAD_CONFIG
     cases.append(("grouped gemm wgrad", grouped_gemm._grouped_mm_wgrad_kernel, GMM_WGRAD_ARGS,
                   dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], K_TILES=5, N_TILES=3, PRECISION="tf32",
-                       INTERP=False), cfg["warps"], ("stride_am",)))
+                       INTERP=False, TWO_OUTPUTS=False, ACCUMULATE=False), cfg["warps"], ("stride_am",)))
+    # as the weight gradients accumulate in place (k3.ops.weight_grads): fp32 w1 and w3 .grad, added into
+    cases.append(("grouped gemm wgrad into .grad", grouped_gemm._grouped_mm_wgrad_kernel,
+                  dict(GMM_WGRAD_ARGS, C="*fp32", C2="*fp32"),
+                  dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], K_TILES=5, N_TILES=3, PRECISION="tf32",
+                       INTERP=False, TWO_OUTPUTS=True, ACCUMULATE=True), cfg["warps"], ("stride_am",)))
     print(f"{'kernel':28s} {'settings':34s} {'regs':>5s} {'spill st/ld B':>14s} {'stack B':>8s}")
     for name, fn, fn_args, constexprs, warps, *aligned in cases:
         regs, stores, loads, stack = report(fn, fn_args, constexprs, warps, *aligned)

@@ -7,7 +7,8 @@
 # Past sessions' runs, in this form: benchmarks/sessions/*.sh, logs in benchmarks/results/logs/.
 # Session 17 found the small preset host-bound at 32K tokens per micro-batch (kernels busy 90%) and device-bound
 # at 64K (97%; 108 GiB peak), so the table runs at 64K tokens per micro-batch, 4 micro-batches per optimizer step,
-# at T = 4096 and 8192 (session 18: 29.4% and 29.6%; session 19: 29.8% and 30.3%; docs/fast-paths.md).
+# at T = 4096 and 8192 (session 18: 29.4% and 29.6%; session 19: 29.8% and 30.3%; session 20: 30.3% and 30.3%;
+# docs/fast-paths.md).
 set -u
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"

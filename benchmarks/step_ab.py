@@ -10,7 +10,7 @@ Each setting is a `;`-separated list of `module.DICT.key=value` for dicts in `k3
 call time (launch tables, `READ_OPTIONS`), not at model build.
 
     python -m benchmarks.step_ab --seq-len 4096 --tokens 65536 --micro-batches 4 --rounds 6 \\
-        --settings "" "attn_res.READ_OPTIONS.pass_partial=True" "attn_res.READ_TILES.chunk=256"
+        --settings "" "weight_grads.OPTIONS.in_place=False" "attn_res.READ_TILES.bwd_per_sm=8"
 
 Prints per setting the median step, the median paired difference to the first setting with its
 interquartile range, and MFU against the GEMM peak measured in the same run.

@@ -1,6 +1,6 @@
 """Run a benchmark script with k3 launch settings changed (session 19's scripts).
 
-    python benchmarks/sessions/with_settings.py "attn_res.READ_TILES.chunk=256;..." benchmarks/train_throughput.py ARGS
+    python benchmarks/sessions/with_settings.py "attn_res.READ_TILES.bwd_per_sm=8;..." benchmarks/train_throughput.py ARGS
 
 Each `module.DICT.key=value` sets one key of a dict in `k3.ops.<module>` (value as a Python literal); an empty
 string runs the script unchanged.

@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.attn_res import (attn_res_merge_triton, attn_res_phase1_triton, attn_res_read_and_pass,
-                             attn_res_read_triton,
+from k3.ops.attn_res import (attn_res_merge_triton, attn_res_phase1_triton, attn_res_read_triton,
                              fused_attn_res_available, seal_source, two_phase_fits)
 
 EPS = 1e-5
@@ -94,16 +93,6 @@ def select_read(impl: str, x: torch.Tensor):
     if impl == "triton" or (impl == "auto" and fused_attn_res_available(x)):
         return attn_res_read_triton
     return attn_res_read
-
-
-def read_and_pass(read, w: torch.Tensor, sealed: list[torch.Tensor],
-                  partial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(read(w, sealed + [partial]), partial) for a partial sum that the next residual add takes too: under the
-    fused read the partial may come back through the read's node, which then sums its two gradients in its
-    kernel (`k3.ops.attn_res.attn_res_read_and_pass`); the same values."""
-    if read is attn_res_read_triton:
-        return attn_res_read_and_pass(w, sealed + [partial])
-    return read(w, sealed + [partial]), partial
 
 
 def seal(source: torch.Tensor, read) -> torch.Tensor:

@@ -22,8 +22,7 @@ import torch
 from torch import nn
 
 from k3.config import ModelConfig
-from k3.model.attn_res import (block_reads, fused_two_phase_available, pseudo_query, read_and_pass, seal,
-                               select_read)
+from k3.model.attn_res import block_reads, fused_two_phase_available, pseudo_query, seal, select_read
 from k3.model.cache import K3Cache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
@@ -120,8 +119,7 @@ class DecoderLayer(nn.Module):
         `read(w, sources)` is the AttnRes read (reference or fused); `sealed` is returned as a new list.
         """
         read = read or select_read("direct", partial)
-        # the partial sum is read and then added to: `read_and_pass` may sum its two gradients in the read's kernel
-        a, partial = (partial, partial) if not sealed else read_and_pass(read, self.attn_query(), sealed, partial)
+        a = partial if not sealed else read(self.attn_query(), sealed + [partial])
         if self.layer_idx % self.attn_res_block_size == 0:
             # seal before the mixer runs: the finished block (or the embedding) becomes a source
             sealed = sealed + [seal(partial, read)]
@@ -129,7 +127,7 @@ class DecoderLayer(nn.Module):
         y = self.run_mixer(a, layout, cache, mla_max_logits)
         # a block's first output starts its partial sum in the stream's dtype (the embedding's: sealed[0])
         partial = y.to(sealed[0].dtype) if partial is None else partial + y
-        m, partial = read_and_pass(read, self.mlp_query(), sealed, partial)
+        m = read(self.mlp_query(), sealed + [partial])
         return sealed, partial + self.ffn(m, router_infos)
 
 

@@ -140,95 +140,6 @@ if triton is not None:
         tl.store(DW_PART + pid * D + cols, dw, mask=cmask)
 
     @triton.jit
-    def _ar_bwd_chunked_kernel(srcs, dsrcs, W, DOUT, LSE, DW_PART, N, D, eps, NS: tl.constexpr,
-                               NS_PAD: tl.constexpr, ITERS: tl.constexpr, ACCUMULATE: tl.constexpr,
-                               CH: tl.constexpr, NCH: tl.constexpr):
-        """`_ar_bwd_kernel` for one row at a time, its D columns in NCH ≤ 4 chunks of CH (D ≤ NCH · CH), for one
-        warp: every tensor is a [CH] chunk (CH / 32 elements per thread), where the one-row tile form holds whole
-        padded [1, 1024] rows and their 64-bit addresses per thread (255 registers and spills at 8 sources, offline
-        sm_90). The row's sums add over the chunks inside the warp; dw has one accumulator per chunk."""
-        pid = tl.program_id(0)
-        src_id = tl.arange(0, NS_PAD)
-        ch = tl.arange(0, CH)
-        # one accumulator per chunk, each from its own zeros (a loop carries a name only if its value changes)
-        dw0 = tl.zeros([CH], dtype=tl.float32)
-        dw1 = tl.zeros([CH], dtype=tl.float32)
-        dw2 = tl.zeros([CH], dtype=tl.float32)
-        dw3 = tl.zeros([CH], dtype=tl.float32)
-        for it in range(ITERS):
-            row = pid * ITERS + it
-            ok = row < N
-            base = row.to(tl.int64) * D
-            lse = tl.load(LSE + row, mask=ok, other=0.0)
-            # pass 1: each source's sums over the chunks (RMS, key logit, dout · v), kept as [NS_PAD] tables
-            alpha = tl.zeros([NS_PAD], dtype=tl.float32)
-            dalpha = tl.zeros([NS_PAD], dtype=tl.float32)
-            rinv = tl.zeros([NS_PAD], dtype=tl.float32)
-            dots = tl.zeros([NS_PAD], dtype=tl.float32)
-            c = 0.0
-            for i in tl.static_range(NS):
-                ss = 0.0
-                dot = 0.0
-                da = 0.0
-                for k in tl.static_range(NCH):
-                    cols = k * CH + ch
-                    m = (cols < D) & ok
-                    v = tl.load(srcs[i] + base + cols, mask=m, other=0.0).to(tl.float32)
-                    w = tl.load(W + cols, mask=cols < D, other=0.0)
-                    dout = tl.load(DOUT + base + cols, mask=m, other=0.0).to(tl.float32)
-                    ss += tl.sum(v * v, axis=0)
-                    dot += tl.sum(v * w, axis=0)
-                    da += tl.sum(dout * v, axis=0)
-                r = 1.0 / tl.sqrt(ss / D + eps)
-                a = tl.exp(dot * r - lse)
-                c += a * da
-                sel = src_id == i
-                alpha = tl.where(sel, a, alpha)
-                dalpha = tl.where(sel, da, dalpha)
-                rinv = tl.where(sel, r, rinv)
-                dots = tl.where(sel, dot, dots)
-            # pass 2, chunk by chunk: every source's gradient, and dw
-            for k in tl.static_range(NCH):
-                cols = k * CH + ch
-                m = (cols < D) & ok
-                w = tl.load(W + cols, mask=cols < D, other=0.0)
-                dout = tl.load(DOUT + base + cols, mask=m, other=0.0).to(tl.float32)
-                dwk = tl.zeros([CH], dtype=tl.float32)
-                for i in tl.static_range(NS):
-                    sel = src_id == i
-                    a = tl.sum(tl.where(sel, alpha, 0.0), axis=0)
-                    da = tl.sum(tl.where(sel, dalpha, 0.0), axis=0)
-                    r = tl.sum(tl.where(sel, rinv, 0.0), axis=0)
-                    dot = tl.sum(tl.where(sel, dots, 0.0), axis=0)
-                    v = tl.load(srcs[i] + base + cols, mask=m, other=0.0).to(tl.float32)
-                    ds = a * (da - c)
-                    dv = a * dout + ds * (r * w - (dot * r * r * r / D) * v)
-                    if (ACCUMULATE >> i) & 1:  # the sum in fp32, or in the buffer's fp64
-                        prev = tl.load(dsrcs[i] + base + cols, mask=m, other=0.0)
-                        if prev.dtype == tl.float64:
-                            dv = dv.to(tl.float64) + prev
-                        else:
-                            dv += prev.to(tl.float32)
-                    tl.store(dsrcs[i] + base + cols, dv.to(dsrcs[i].dtype.element_ty), mask=m)
-                    dwk += (ds * r) * v
-                if k == 0:
-                    dw0 += dwk
-                elif k == 1:
-                    dw1 += dwk
-                elif k == 2:
-                    dw2 += dwk
-                else:
-                    dw3 += dwk
-        out = DW_PART + pid * D
-        tl.store(out + ch, dw0, mask=ch < D)
-        if NCH > 1:
-            tl.store(out + CH + ch, dw1, mask=CH + ch < D)
-        if NCH > 2:
-            tl.store(out + 2 * CH + ch, dw2, mask=2 * CH + ch < D)
-        if NCH > 3:
-            tl.store(out + 3 * CH + ch, dw3, mask=3 * CH + ch < D)
-
-    @triton.jit
     def _p1_fwd_kernel(srcs, WQ, O1, LSE1, N, D, eps, NS: tl.constexpr, J: tl.constexpr, JP: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
         """Phase 1 forward: every query j of the block over the sealed sources, one online softmax per query;
@@ -364,9 +275,12 @@ def _blocks(D: int) -> tuple[int, int]:
 # 1.984; of 3: 0.375 → 0.336 and 0.970 → 0.845 (2 rows at 4 warps before; 2 warps or 2 rows per warp lost).
 # The stacked backward (all sources of a row tile held in registers between the passes, 8 warps; session 17) timed
 # 0.93x the 4-warp two-pass kernel's time at 7 sources and 1.16x at 3 (session 18 run 1), far behind one warp: deleted.
-# "chunk": the one-warp backward as `_ar_bwd_chunked_kernel` in chunks of this many columns (at most 4 per row),
-# or None; written after session 18's device time was spent (untimed; offline sm_90 in `benchmarks/kernel_spills.py`)
-READ_TILES: dict = {"block_m": None, "num_warps": None, "bwd_per_sm": None, "one_warp_width": 1024, "chunk": None}
+# A chunked one-warp backward (one row's columns in chunks of 128-256, less register pressure) timed 1.13 against
+# 1.71 ms at 3 sources and 2.03 against 2.01 at 7 in the tiles (session 19), but lost in the step: +18 ms per
+# 64K x 4 step in session 20's interleaved A/B (run 1); deleted (commit 11a0cd0 has it). So was session 19's
+# read-and-pass (the partial sum handed on through the read's node, whose kernel added its gradient share into the
+# residual add's: +4.5 ms per step in the same A/B).
+READ_TILES: dict = {"block_m": None, "num_warps": None, "bwd_per_sm": None, "one_warp_width": 1024}
 
 
 def _read_tiles(D: int) -> tuple[int, int, int]:
@@ -382,14 +296,6 @@ def _one_warp_rows(block_d: int) -> bool:
     # not in the interpreter, which pays per program (the tile form is the same kernel at BLOCK_M > 1; the
     # interpreter checks run one-row tiles once, `attn_res(..., one_row=True)`)
     return block_d <= READ_TILES["one_warp_width"] and not interpreting()
-
-
-def _bwd_chunk(D: int) -> int | None:
-    """Columns per chunk of the chunked one-warp backward (`READ_TILES["chunk"]`), or None for the tile kernel."""
-    chunk = READ_TILES["chunk"]
-    if chunk is None or D > 4 * chunk or not (_one_warp_rows(triton.next_power_of_2(D)) or interpreting()):
-        return None
-    return chunk
 
 
 def _bwd_per_sm(D: int) -> int:
@@ -447,7 +353,7 @@ def seal_source(source: torch.Tensor) -> torch.Tensor:
 
 class _AttnResRead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, w, eps, pass_last, *sources):
+    def forward(ctx, w, eps, *sources):
         shape = sources[0].shape
         D = shape[-1]
         flat = tuple(s.reshape(-1, D).contiguous() for s in sources)
@@ -461,26 +367,14 @@ class _AttnResRead(torch.autograd.Function):
         ctx.save_for_backward(w32, lse, *flat)
         ctx.shape, ctx.eps, ctx.w_dtype = shape, eps, w.dtype
         ctx.sinks = tuple(getattr(s, _SINK_ATTRIBUTE, None) for s in sources)
-        ctx.set_materialize_grads(False)
-        if pass_last:  # the last source handed on unchanged (`attn_res_read_and_pass`)
-            return out.view(shape), sources[-1].view_as(sources[-1])
         return out.view(shape)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dout, dpass=None):
+    def backward(ctx, dout):
         w32, lse, *flat = ctx.saved_tensors
         N, D = flat[0].shape
-        if dout is None:  # only the handed-on source reached the loss
-            return (None, None, None, *([None] * (len(flat) - 1)), dpass)
-        # the handed-on source's other gradient: the kernel adds its own into it, in place, when the buffer allows
-        # (the engine ran every consumer of that gradient before this node: the read's output feeds them)
-        fused_pass = (dpass is not None and ctx.sinks[-1] is None and dpass.dtype == flat[-1].dtype
-                      and dpass.is_contiguous() and dpass.numel() == flat[-1].numel())
         BLOCK_M, BLOCK_D, warps = _read_tiles(D)
-        chunk = _bwd_chunk(D)
-        if chunk is not None:
-            BLOCK_M, warps = 1, 1
         P, iters = persistent_grid(N, BLOCK_M, w32.device, _bwd_per_sm(D))
         # a sealed source's gradient goes into its sink: the first read to run backward writes the buffer,
         # the later ones add into it (bit i of `accumulate`)
@@ -489,19 +383,12 @@ class _AttnResRead(torch.autograd.Function):
             if sink is not None and sink.grad is not None:
                 dsrcs.append(sink.grad)
                 accumulate |= 1 << i
-            elif fused_pass and i == len(flat) - 1:
-                dsrcs.append(dpass.view(N, D))
-                accumulate |= 1 << i
             else:
                 dsrcs.append(torch.empty_like(s))
         part = torch.empty(P, D, dtype=torch.float32, device=w32.device)
         args = (tuple(flat), tuple(dsrcs), w32, dout.reshape(N, D).contiguous(), lse, part, N, D, float(ctx.eps))
-        common = dict(NS=len(flat), NS_PAD=triton.next_power_of_2(len(flat)), ITERS=iters, ACCUMULATE=accumulate,
-                      num_warps=warps)
-        if chunk is None:
-            _ar_bwd_kernel[(P,)](*args, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, **common)
-        else:
-            _ar_bwd_chunked_kernel[(P,)](*args, CH=chunk, NCH=triton.cdiv(D, chunk), **common)
+        _ar_bwd_kernel[(P,)](*args, NS=len(flat), NS_PAD=triton.next_power_of_2(len(flat)), ITERS=iters,
+                             ACCUMULATE=accumulate, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=warps)
         grads = []
         for d, sink in zip(dsrcs, ctx.sinks):
             if sink is None:
@@ -509,10 +396,8 @@ class _AttnResRead(torch.autograd.Function):
             else:
                 sink.grad = d
                 grads.append(None)
-        if dpass is not None and not fused_pass:
-            grads[-1] = dpass if grads[-1] is None else grads[-1] + dpass
         dw = part.sum(0).to(ctx.w_dtype)
-        return (dw, None, None, *grads)
+        return (dw, None, *grads)
 
 
 def _two_phase_tiles(J: int, D: int) -> tuple[int, int, int]:
@@ -624,30 +509,9 @@ def attn_res_read_triton(w: torch.Tensor, sources: list[torch.Tensor], eps: floa
     """w [D]; sources: n tensors [..., D] of one shape. Returns the read in the sources' dtype."""
     if len(sources) == 1:
         return sources[0]
-    return _read(w, sources, eps, pass_last=False)
-
-
-def _read(w, sources, eps, pass_last):
     if any(s.shape != sources[0].shape for s in sources):
         raise ValueError("AttnRes sources must share one shape")
-    return _AttnResRead.apply(w, eps, pass_last, *sources)
-
-
-# "pass_partial": `attn_res_read_and_pass` hands the partial sum on through the read (one gradient sum fewer for
-# the autograd engine per read; written in session 19 without device time left: untimed, so off)
-READ_OPTIONS: dict = {"pass_partial": False}
-
-
-def attn_res_read_and_pass(w: torch.Tensor, sources: list[torch.Tensor],
-                           eps: float = EPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the read, the last source) for a last source that is also an operand of the next residual add (a layer's
-    partial sum). With `READ_OPTIONS["pass_partial"]` the last source comes back through the read's own
-    autograd node, whose backward then gets both of its gradients at once and adds the read's share into the
-    other inside its kernel (one read and one write of the buffer), where the engine would write the read's share
-    and then add the two (two reads and two writes); the same values either way."""
-    if len(sources) == 1 or not READ_OPTIONS["pass_partial"] or not torch.is_grad_enabled():
-        return attn_res_read_triton(w, sources, eps), sources[-1]
-    return _read(w, sources, eps, pass_last=True)
+    return _AttnResRead.apply(w, eps, *sources)
 
 
 def fused_attn_res_available(x: torch.Tensor) -> bool:

@@ -292,17 +292,16 @@ def norm_strided(dtype, H=3, D=16):
     check("rmsnorm, column slice forward", out, ref, dtype)
 
 
-def attn_res(dtype, n, D, one_row=False, chunk=None):
+def attn_res(dtype, n, D, one_row=False):
     """The fused read against the stacked fp64 reference; `one_row`: one row per program on one warp (the GPU's
-    launch at D ≤ 1024, which the interpreter skips); `chunk`: the backward by `_ar_bwd_chunked_kernel`."""
+    launch at D ≤ 1024, which the interpreter skips)."""
     from k3.ops import attn_res as ops_attn_res
 
     saved = dict(ops_attn_res.READ_TILES)
     if one_row:
         ops_attn_res.READ_TILES.update(block_m=1, num_warps=1)
-    ops_attn_res.READ_TILES["chunk"] = chunk
     try:
-        _attn_res(dtype, n, D, " one row" if one_row else f" chunks of {chunk}" if chunk else "")
+        _attn_res(dtype, n, D, " one row" if one_row else "")
     finally:
         ops_attn_res.READ_TILES.update(saved)
 
@@ -324,68 +323,6 @@ def _attn_res(dtype, n, D, label):
     check(tag + " dw", wt.grad, wr.grad, dtype)
     for i in range(n):
         check(tag + f" d source {i}", st[i].grad, sr[i].grad, dtype)
-
-
-def attn_res_read_and_pass(dtype, how):
-    """Two layers' worth of the direct wiring, with the partial sum read and then added to (`read_and_pass`),
-    under `READ_OPTIONS["pass_partial"]` (the read's kernel sums the partial's two gradients) against the fp64
-    torch read. `how`: "add" as the model does; "strided" hands the kernel a column slice of a wider gradient for
-    the partial (the out-of-place fallback); "unread" leaves the second read's output out of the loss."""
-    from k3.model.attn_res import read_and_pass, seal
-    from k3.ops import attn_res as ops_attn_res
-
-    g = torch.Generator().manual_seed(len(how))
-    D = 48
-    emb, p0 = (torch.randn(2, 7, D, generator=g, dtype=torch.float64) * s for s in (1.0, 3.0))
-    w1, w2 = (torch.randn(D, generator=g, dtype=torch.float64) * 0.5 for _ in range(2))
-    scale = torch.randn(D, generator=g, dtype=torch.float64)
-    probe = torch.randn(2, 7, D, generator=g, dtype=torch.float64)
-
-    def run(src_dtype, read):
-        leaves = [leaf(emb, src_dtype), leaf(p0, src_dtype)]
-        ws = [leaf(w1, torch.float64 if read is attn_res_read else torch.float32),
-              leaf(w2, torch.float64 if read is attn_res_read else torch.float32)]
-        sealed = [seal(leaves[0] * 1, read)]
-        a, partial = read_and_pass(read, ws[0], sealed, leaves[1] * 1)
-        partial = partial + torch.tanh(a) * scale.to(src_dtype)
-        m, partial = read_and_pass(read, ws[1], sealed, partial)
-        if how == "strided":  # cat's backward hands each operand a column slice of its gradient
-            out = torch.cat([partial, m * m], dim=-1)[..., D // 2:D // 2 + D]
-        elif how == "unread":
-            out = partial * 2
-        else:
-            out = partial + m * m
-        (out.double() * probe).sum().backward()
-        return out, leaves + ws
-
-    ref_out, ref_leaves = run(torch.float64, attn_res_read)
-    saved = dict(ops_attn_res.READ_OPTIONS)
-    try:
-        ops_attn_res.READ_OPTIONS["pass_partial"] = False
-        _, engine_leaves = run(dtype, attn_res_read_triton)
-        ops_attn_res.READ_OPTIONS["pass_partial"] = True
-        out, leaves = run(dtype, attn_res_read_triton)
-    finally:
-        ops_attn_res.READ_OPTIONS.update(saved)
-    tag = f"attn_res read and pass ({how})"
-    if dtype != torch.float32:
-        # a bf16 chain of reads, tanh and adds drifts ~1e-2 from fp64 on its own: the pass against the engine's
-        # sums on the same kernels instead (the kernel sums in fp32 and rounds once, the engine rounds twice)
-        for name, a, e in zip(("d embedding", "d partial", "d w1", "d w2"), leaves, engine_leaves):
-            check(f"{tag} {name} against the engine's sums", a.grad, e.grad.double(), dtype)
-        return
-    check(tag + " forward", out, ref_out, dtype)
-    for name, a, b, e in zip(("d embedding", "d partial", "d w1", "d w2"), leaves, ref_leaves, engine_leaves):
-        if b.grad is None:  # "unread": the second read's query gets no gradient either way
-            if a.grad is not None:
-                failures.append(f"{tag} {name}: a gradient where the reference has none")
-            continue
-        # dw sums ds·r·v over every row with cancellation: 1e-5 in fp32, as the two-phase checks' queries
-        check(f"{tag} {name}", a.grad, b.grad, dtype, tol=1e-5 if name.startswith("d w") else None)
-        # the kernel's in-place sum is the engine's sum in fp32: the same bits as without the pass
-        if not torch.equal(a.grad, e.grad):
-            failures.append(f"{tag} {name}: differs from the engine's sum")
-            print(f"FAIL {tag} {name}: differs from the engine's sum")
 
 
 def attn_res_two_phase(dtype, n, J, D):
@@ -423,7 +360,7 @@ def attn_res_two_phase(dtype, n, J, D):
     check(tag + " d merge queries", w.grad, r_w.grad, dtype, qtol)
 
 
-def attn_res_sealed(dtype, D=96, chunk=None):
+def attn_res_sealed(dtype, D=96):
     """Sealed sources (`seal_source`) read by a chain of fused reads, as the model reads its blocks: their gradients
     summed inside the reads' kernels (every later read adds into the first one's buffer) against the fp64 torch
     reads, whose gradients autograd sums; a partial sum that is also used outside the reads, and a sealed source
@@ -436,8 +373,7 @@ def attn_res_sealed(dtype, D=96, chunk=None):
     queries = torch.randn(4, D, generator=g, dtype=torch.float64) * 0.5
     douts = [torch.randn(2, 5, D, generator=g, dtype=torch.float64) for _ in range(4)]
     masks = []
-    name = "_ar_bwd_chunked_kernel" if chunk else "_ar_bwd_kernel"
-    launch = getattr(ops_attn_res, name)
+    launch = ops_attn_res._ar_bwd_kernel
 
     class Recording:  # the backward kernel's launches, to see that later reads accumulate
         def __getitem__(self, grid):
@@ -459,14 +395,12 @@ def attn_res_sealed(dtype, D=96, chunk=None):
         return outs, srcs, p, q
 
     ref, r_srcs, r_p, r_q = run(torch.float64, False)
-    setattr(ops_attn_res, name, Recording())
-    ops_attn_res.READ_TILES["chunk"] = chunk
+    ops_attn_res._ar_bwd_kernel = Recording()
     try:
         out, srcs, p, q = run(dtype, True)
     finally:
-        setattr(ops_attn_res, name, launch)
-        ops_attn_res.READ_TILES["chunk"] = None
-    tag = f"attn_res sealed D={D}" + (f" chunks of {chunk}" if chunk else "")
+        ops_attn_res._ar_bwd_kernel = launch
+    tag = f"attn_res sealed D={D}"
     for j in range(4):
         check(tag + f" out {j}", out[j], ref[j], dtype)
     for i in range(3):
@@ -710,14 +644,6 @@ for n, D in ((2, 80), (3, 100), (5, 64)):
     attn_res(torch.float32, n, D)
 attn_res(torch.bfloat16, 4, 96)
 attn_res(torch.float32, 3, 100, one_row=True)
-for how in ("add", "strided", "unread"):
-    attn_res_read_and_pass(torch.float32, how)
-attn_res_read_and_pass(torch.bfloat16, "add")
-# the chunked one-warp backward (untimed, READ_TILES["chunk"]): 4 chunks with a partial last one, 3, and 1
-attn_res(torch.float32, 3, 100, chunk=32)
-attn_res(torch.bfloat16, 4, 96, chunk=32)
-attn_res(torch.float32, 2, 64, chunk=64)
-attn_res_sealed(torch.float32, chunk=32)
 attn_res_sealed(torch.float32)
 attn_res_sealed(torch.bfloat16, 64)
 model_sealed_reads()
