@@ -16,8 +16,9 @@ A gate (both against the torch two-phase form in fp64, ≤ 1e-5) runs first.
 
 `--tiles` times the fused direct read as the model runs it since session 17: bf16 sources, N = 65536 (the small
 preset at 64K tokens per micro-batch), the sealed sources `seal_source`d and read by two reads (the second read's
-backward adds into the first's buffers), under each (rows per tile, warps, backward programs per SM), after a check that each setting gives the default's outputs and gradients (≤ 1e-2 relative: bf16 results, the
-settings change only the order of sums).
+backward adds into the first's buffers), under each (rows per tile, warps, backward programs per SM), after a
+check that each setting gives the default's outputs and gradients (≤ 1e-2 relative: bf16 results, the settings
+change only the order of sums).
 """
 
 from __future__ import annotations

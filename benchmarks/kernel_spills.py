@@ -45,9 +45,8 @@ CONV_GRAD_ARGS = dict(X="*bf16", Wt="*fp32", POS="*i32", DY="*bf16", G="*fp32", 
                       stride_x="i32", stride_dy="i32")
 CONV_DX_ARGS = dict(G="*fp32", Wt="*fp32", POS="*i32", DX="*bf16", R="i32", C="i32")
 GMM_WGRAD_ARGS = dict(A="*bf16", B="*bf16", C="*bf16", C2="*bf16", OFFS="*i32", KO="i32", N="i32", SPLIT="i32",
-                      stride_ak="i32",
-                      stride_am="i32", stride_bm="i32", stride_bn="i32", stride_cg="i32", stride_ck="i32",
-                      stride_cn="i32")
+                      stride_ak="i32", stride_am="i32", stride_bm="i32", stride_bn="i32", stride_cg="i32",
+                      stride_ck="i32", stride_cn="i32")
 CONV_ALIGNED = ("R", "C", "stride_x", "stride_dy")  # multiples of 16 at the model's shapes
 SPREAD_ARGS = dict(X="*fp32", SRC="*i64", OUT="*bf16", N="i32", M="i32", L="i32", stride_x="i32")
 TOPK_ARGS = dict(S="*fp32", BIAS="*fp32", IDX="*i64", CUT="*fp32", N="i32", E="i32")

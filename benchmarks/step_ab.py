@@ -7,7 +7,7 @@ setting's paired difference to the first one is measured a few seconds apart, ma
 
 Each setting is a `;`-separated list of `module.DICT.key=value` for dicts in `k3.ops.<module>` (as
 `benchmarks/sessions/with_settings.py`); "" is the defaults. The settings must be ones the code reads at
-call time (launch tables, `READ_OPTIONS`), not at model build.
+call time (launch tables, `weight_grads.OPTIONS`), not at model build.
 
     python -m benchmarks.step_ab --seq-len 4096 --tokens 65536 --micro-batches 4 --rounds 6 \\
         --settings "" "weight_grads.OPTIONS.in_place=False" "attn_res.READ_TILES.bwd_per_sm=8"

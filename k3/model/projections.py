@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3.ops.weight_grads import add_gradient, add_product
+from k3.ops.weight_grads import accumulates, add_gradient, add_product, fp32_product
 
 
 # Backward without the concatenated output gradient (`fused_linears`): output slices at least this wide get their
@@ -53,9 +53,14 @@ class _FusedLinears(torch.autograd.Function):
             dx = g @ w if ctx.needs_input_grad[0] else None
             if len(narrow) == 1 and ctx.needs_input_grad[3 + narrow[0][0]]:
                 dws[narrow[0][0]] = add_product(params[narrow[0][0]], g.t(), x2)
-            elif any(ctx.needs_input_grad[3:]):  # one GEMM; the narrow weights are small, their adds cheap
-                for (i, _), dw in zip(narrow, (g.t() @ x2).split([gi.shape[-1] for _, gi in narrow])):
-                    dws[i] = add_gradient(params[i], dw)
+            elif any(ctx.needs_input_grad[3 + i] for i, _ in narrow):
+                # one GEMM for the narrow weights (small: adding their slices into .grad is cheap), in fp32 where
+                # they accumulate in place
+                fp32 = all(accumulates(params[i]) for i, _ in narrow)
+                product = fp32_product(g.t(), x2) if fp32 else g.t() @ x2
+                for (i, _), dw in zip(narrow, product.split([gi.shape[-1] for _, gi in narrow])):
+                    if ctx.needs_input_grad[3 + i]:
+                        dws[i] = add_gradient(params[i], dw)
         for i, g in wide:
             if ctx.needs_input_grad[0]:
                 dx = g @ weights[i] if dx is None else dx.addmm_(g, weights[i])

@@ -275,11 +275,8 @@ def _blocks(D: int) -> tuple[int, int]:
 # 1.984; of 3: 0.375 → 0.336 and 0.970 → 0.845 (2 rows at 4 warps before; 2 warps or 2 rows per warp lost).
 # The stacked backward (all sources of a row tile held in registers between the passes, 8 warps; session 17) timed
 # 0.93x the 4-warp two-pass kernel's time at 7 sources and 1.16x at 3 (session 18 run 1), far behind one warp: deleted.
-# A chunked one-warp backward (one row's columns in chunks of 128-256, less register pressure) timed 1.13 against
-# 1.71 ms at 3 sources and 2.03 against 2.01 at 7 in the tiles (session 19), but lost in the step: +18 ms per
-# 64K x 4 step in session 20's interleaved A/B (run 1); deleted (commit 11a0cd0 has it). So was session 19's
-# read-and-pass (the partial sum handed on through the read's node, whose kernel added its gradient share into the
-# residual add's: +4.5 ms per step in the same A/B).
+# A chunked one-warp backward won in the tiles at 3 sources (session 19) and lost in the step (+18 ms per 64K x 4
+# step, session 20's interleaved A/B): deleted, commit 11a0cd0 has it (docs/fast-paths.md, session 20).
 READ_TILES: dict = {"block_m": None, "num_warps": None, "bwd_per_sm": None, "one_warp_width": 1024}
 
 

@@ -118,7 +118,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # the scale (e.g. 1 / tokens) in fp32, not rounded to dh's bf16; out of place, so a retained graph
         # (gradcheck, a second backward) still sees the unscaled gradients
         grad_h = None if dh is None else (dh.to(grad_loss.dtype) * grad_loss).to(ctx.hidden_dtype)
-        # added into the head's .grad where `k3.ops.weight_grads` accumulates (dw is fp32 already)
+        # added into the head's .grad where `k3.ops.weight_grads` accumulates (dw in the accumulation dtype)
         grad_w = None if dw is None else add_gradient(ctx.weight, dw, grad_loss)
         grad_w = None if grad_w is None else grad_w.to(ctx.weight.dtype)
         return grad_h, grad_w, None, None, None, None, None, None

@@ -60,12 +60,12 @@ if triton is not None:
         return tl.dot(a, b, acc, input_precision=PRECISION)
 
     @triton.jit
-    def _wgrad_step(acc, A, B, r0, end, outs, cols, in_outs, in_cols, stride_ak, stride_am, stride_bm, stride_bn,
-                    BK: tl.constexpr, PRECISION: tl.constexpr, INTERP: tl.constexpr):
+    def _wgrad_step(acc, A, B, r0, end, out_rows, cols, in_out_rows, in_cols, stride_ak, stride_am, stride_bm,
+                    stride_bn, BK: tl.constexpr, PRECISION: tl.constexpr, INTERP: tl.constexpr):
         r = r0 + tl.arange(0, BK)
         in_r = r < end
-        a = tl.load(A + outs.to(tl.int64)[:, None] * stride_ak + r.to(tl.int64)[None, :] * stride_am,
-                    mask=in_outs[:, None] & in_r[None, :], other=0.0)
+        a = tl.load(A + out_rows.to(tl.int64)[:, None] * stride_ak + r.to(tl.int64)[None, :] * stride_am,
+                    mask=in_out_rows[:, None] & in_r[None, :], other=0.0)
         b = tl.load(B + r.to(tl.int64)[:, None] * stride_bm + cols[None, :] * stride_bn,
                     mask=in_r[:, None] & in_cols[None, :], other=0.0)
         return _dot(a, b, acc, PRECISION, INTERP)
@@ -82,32 +82,32 @@ if triton is not None:
         pid = tl.program_id(0)
         g = pid // (K_TILES * N_TILES)
         tile = pid % (K_TILES * N_TILES)
-        outs = (tile // N_TILES) * BM + tl.arange(0, BM)
+        out_rows = (tile // N_TILES) * BM + tl.arange(0, BM)
         cols = (tile % N_TILES) * BN + tl.arange(0, BN)
         start = tl.load(OFFS + g - 1, mask=g > 0, other=0)
         end = tl.load(OFFS + g)
-        in_outs = outs < KO
+        in_out_rows = out_rows < KO
         in_cols = cols < N
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         # The interpreter cannot take a loaded scalar as a `range` bound; compiled code needs `for` to pipeline.
         if INTERP:
             r0 = start
             while r0 < end:
-                acc = _wgrad_step(acc, A, B, r0, end, outs, cols, in_outs, in_cols, stride_ak, stride_am,
+                acc = _wgrad_step(acc, A, B, r0, end, out_rows, cols, in_out_rows, in_cols, stride_ak, stride_am,
                                   stride_bm, stride_bn, BK, PRECISION, INTERP)
                 r0 += BK
         else:
             for r0 in range(start, end, BK):
-                acc = _wgrad_step(acc, A, B, r0, end, outs, cols, in_outs, in_cols, stride_ak, stride_am,
+                acc = _wgrad_step(acc, A, B, r0, end, out_rows, cols, in_out_rows, in_cols, stride_ak, stride_am,
                                   stride_bm, stride_bn, BK, PRECISION, INTERP)
-        rows = outs
+        dest_rows = out_rows
         if TWO_OUTPUTS:
-            rows = tl.where(outs < SPLIT, outs, outs - SPLIT)
-        offsets = g.to(tl.int64) * stride_cg + rows[:, None] * stride_ck + cols[None, :] * stride_cn
+            dest_rows = tl.where(out_rows < SPLIT, out_rows, out_rows - SPLIT)
+        offsets = g.to(tl.int64) * stride_cg + dest_rows[:, None] * stride_ck + cols[None, :] * stride_cn
         c_ptr = C + offsets
         if TWO_OUTPUTS:
-            c_ptr = tl.where(outs[:, None] < SPLIT, c_ptr, C2 + offsets)
-        mask = in_outs[:, None] & in_cols[None, :]
+            c_ptr = tl.where(out_rows[:, None] < SPLIT, c_ptr, C2 + offsets)
+        mask = in_out_rows[:, None] & in_cols[None, :]
         if ACCUMULATE:
             acc += tl.load(c_ptr, mask=mask, other=0.0).to(tl.float32)
         tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=mask)
@@ -165,7 +165,9 @@ def grouped_mm_wgrad_into(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, 
     _launch_wgrad(a, b, offs, outs, accumulate, config)
 
 
-def _launch_wgrad(a, b, offs, outs, accumulate, config):
+def _launch_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, outs: list[torch.Tensor], accumulate: bool,
+                  config: dict | None) -> None:
+    """One launch of `_grouped_mm_wgrad_kernel` over every (group, output tile); outputs checked by the caller."""
     cfg = config or WGRAD_CONFIG
     (KO, _), N, c = a.shape, b.shape[1], outs[0]
     k_tiles, n_tiles = triton.cdiv(KO, cfg["BM"]), triton.cdiv(N, cfg["BN"])

@@ -168,9 +168,14 @@ class _GroupedSituGLU(torch.autograd.Function):
             # the transform: dp_m = ⟨dy_m, E(x_m)⟩ = ⟨dy_m · w2, act_m⟩, from the recomputed activation
             act, dprobs = weighted_situ_glu_backward(g, u, dact, probs, *ctx.betas, out=dh)
         w1, w3, w2_param = ctx.params
-        dw2, = _expert_weight_grads((w2_param,), dy.t(), act, offs, native)  # [G, L, I]
+        need = ctx.needs_input_grad
+        dw1 = dw2 = dw3 = None
+        if need[4]:
+            dw2, = _expert_weight_grads((w2_param,), dy.t(), act, offs, native)  # [G, L, I]
         dx = gmm(dh, w13, offs, native)  # [M, L]
-        dw1, dw3 = _expert_weight_grads((w1, w3), dh.t(), x, offs, native)  # [G, 2I, L] split
+        if need[2] or need[3]:  # one [w1; w3] product: a frozen one's part is dropped
+            dw1, dw3 = _expert_weight_grads((w1, w3), dh.t(), x, offs, native)  # [G, 2I, L] split
+            dw1, dw3 = (dw1 if need[2] else None), (dw3 if need[3] else None)
         return dx, None, dw1, dw3, dw2, dprobs, None, None, None
 
 
@@ -178,21 +183,30 @@ def _expert_weight_grads(params: tuple, a: torch.Tensor, b: torch.Tensor, offs: 
     """The grouped weight gradient a @ b ([G, ΣK_i, N], rows split between `params` in order), per parameter:
     added into its `.grad` (None returned) where `k3.ops.weight_grads` accumulates, on the Triton kernel in
     fp32 where it runs; else returned in the operands' dtype."""
-    if all(accumulates(p) for p in params) and (native if native is not None else _native_ok(a, b)) \
-            and _triton_wgrad(a, b):
-        grads = [p.grad for p in params]
-        if all(g is not None for g in grads) or all(g is None for g in grads):
-            accumulate = grads[0] is not None
-            outs = grads if accumulate else [torch.empty_like(p) for p in params]
-            if all(o.stride() == outs[0].stride() for o in outs):
-                grouped_gemm.grouped_mm_wgrad_into(a, b, offs, outs, accumulate)
-                if not accumulate:
-                    for p, out in zip(params, outs):
-                        p.grad = out
-                return [None] * len(params)
+    if _kernel_takes_weight_grads(params, a, b, native):
+        accumulate = params[0].grad is not None
+        outs = [p.grad for p in params] if accumulate else [torch.empty_like(p) for p in params]
+        grouped_gemm.grouped_mm_wgrad_into(a, b, offs, outs, accumulate)
+        if not accumulate:
+            for p, out in zip(params, outs):
+                p.grad = out
+        return [None] * len(params)
     dw = gmm_wgrad(a, b, offs, native)
     parts = dw.split([p.shape[1] for p in params], dim=1) if len(params) > 1 else [dw]
     return [add_gradient(p, part) for p, part in zip(params, parts)]
+
+
+def _kernel_takes_weight_grads(params: tuple, a: torch.Tensor, b: torch.Tensor, native) -> bool:
+    """Whether the Triton weight-gradient kernel writes these parameters' .grad itself: they all accumulate in
+    place, the operands are the kernel's (`_triton_wgrad`), and their .grad are all present (of one layout, as
+    the kernel's outputs must be) or all absent: one launch either adds into every output or writes every one."""
+    if not (all(accumulates(p) for p in params) and (native if native is not None else _native_ok(a, b))
+            and _triton_wgrad(a, b)):
+        return False
+    grads = [p.grad for p in params]
+    if all(g is None for g in grads):
+        return True
+    return all(g is not None and g.stride() == grads[0].stride() for g in grads)
 
 
 def _source_rows(dest: torch.Tensor, k: int, rows: int) -> torch.Tensor:

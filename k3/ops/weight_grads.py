@@ -15,7 +15,9 @@ switch is process-wide, not thread-local, because the engine runs CUDA backward 
 
 Not for: `torch.autograd.grad` (it would find `.grad` changed instead of a returned gradient), sharded or
 wrapped parameters (FSDP2, DTensor: `accumulates` is False for anything that is not a plain fp32 leaf), gradient
-hooks on these parameters (they do not fire for a gradient added here). Tests:
+hooks on these parameters (they do not fire for a gradient added here), and autograd Functions whose backward runs
+on a side stream (the engine synchronises the caller's stream with its own `AccumulateGrad` nodes only, so the
+optimizer could read such a `.grad` early; every site here runs on the current stream). Tests:
 `tests/ops/test_weight_grads.py` (every site, accumulated over micro-batches against the engine's gradients).
 """
 
@@ -52,8 +54,14 @@ def accumulates(param: torch.Tensor) -> bool:
     return grad is None or (type(grad) is torch.Tensor and grad.dtype == torch.float32 and grad.shape == param.shape)
 
 
-def _mixed_gemm(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _fp32_epilogue_gemm(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether cuBLAS takes these 16-bit operands with an fp32 output (`out_dtype`, beta = 1 into it)."""
     return a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype
+
+
+def fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in fp32: on CUDA from 16-bit operands without rounding the product to 16 bits first."""
+    return torch.mm(a, b, out_dtype=torch.float32) if _fp32_epilogue_gemm(a, b) else (a @ b).to(torch.float32)
 
 
 def add_product(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
@@ -63,8 +71,8 @@ def add_product(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.
         return a @ b
     grad = param.grad
     if grad is None:
-        param.grad = torch.mm(a, b, out_dtype=torch.float32) if _mixed_gemm(a, b) else (a @ b).to(torch.float32)
-    elif _mixed_gemm(a, b):
+        param.grad = fp32_product(a, b)
+    elif _fp32_epilogue_gemm(a, b):
         torch.addmm(grad, a, b, out_dtype=torch.float32, out=grad)
     elif a.dtype == torch.float32 and b.dtype == torch.float32:
         grad.addmm_(a, b)
@@ -79,7 +87,9 @@ def add_gradient(param: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor | 
     if not accumulates(param):
         return grad if scale is None else grad * scale.to(grad.dtype)
     if param.grad is None:
-        param.grad = (grad.to(torch.float32) if scale is None else grad * scale.to(torch.float32)).contiguous()
+        # (a 0-dim scale does not promote: cast the gradient itself, whatever its dtype)
+        grad32 = grad.to(torch.float32)
+        param.grad = (grad32 if scale is None else grad32 * scale.to(torch.float32)).contiguous()
         if param.grad.data_ptr() == grad.data_ptr():  # `to` returned the tensor itself: do not alias the caller's
             param.grad = grad.clone()
     elif scale is None:

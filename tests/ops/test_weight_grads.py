@@ -29,6 +29,41 @@ def test_helpers_return_the_gradient_when_off_and_add_it_when_on():
     assert not weight_grads._ACCUMULATING  # restored on exit
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_a_gradient_in_another_dtype_lands_in_fp32(dtype):
+    """A 16-bit or fp64 gradient (times a 0-dim fp32 scale, which does not promote) becomes an fp32 .grad."""
+    p = torch.nn.Parameter(torch.randn(3, 4))
+    g, scale = torch.randn(3, 4, dtype=dtype), torch.tensor(0.25)
+    with accumulating_weight_grads():
+        assert add_gradient(p, g, scale) is None
+        assert p.grad.dtype == torch.float32
+        add_gradient(p, g, scale)
+        add_product(p, g[:, :2].contiguous(), torch.ones(2, 4, dtype=dtype))
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else {}  # CPU rounds a bf16 product to bf16
+    torch.testing.assert_close(p.grad, (0.5 * g.double() + g[:, :2].double().sum(1, keepdim=True)).float(), **tol)
+
+
+def test_frozen_experts_get_no_gradient_and_the_others_do():
+    """The expert function with w3 frozen: w1 and w2 accumulate in place, w3 gets nothing, as with the engine."""
+    from k3.model.moe import LatentExperts
+    from k3.ops.moe import grouped_latent_experts
+
+    torch.manual_seed(0)
+    experts = LatentExperts(4, 8, 6, 4.0, 25.0)
+    experts.w3.requires_grad_(False)
+    z, idx, w = torch.randn(10, 8), torch.randint(0, 4, (10, 2)), torch.rand(10, 2)
+    grads = []
+    for accumulate in (False, True):
+        for p in experts.parameters():
+            p.grad = None
+        with accumulating_weight_grads(accumulate):
+            grouped_latent_experts(z, idx, w, experts.w1, experts.w3, experts.w2, 4.0, 25.0).sum().backward()
+        assert experts.w3.grad is None
+        grads.append([experts.w1.grad.clone(), experts.w2.grad.clone()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
 def test_helpers_leave_what_they_cannot_own_to_the_engine():
     with accumulating_weight_grads():
         assert not accumulates(torch.randn(3, 4, requires_grad=True) * 2)  # not a leaf
