@@ -49,7 +49,10 @@ def test_frozen_experts_get_no_gradient_and_the_others_do():
     from k3.ops.moe import grouped_latent_experts
 
     torch.manual_seed(0)
-    experts = LatentExperts(4, 8, 6, 4.0, 25.0)
+    experts = LatentExperts(4, 8, 6, 4.0, 25.0)  # uninitialised parameters until build_model's init
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0.0, 0.3)
     experts.w3.requires_grad_(False)
     z, idx, w = torch.randn(10, 8), torch.randint(0, 4, (10, 2)), torch.rand(10, 2)
     grads = []
