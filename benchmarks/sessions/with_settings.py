@@ -6,19 +6,18 @@ Each `module.DICT.key=value` sets one key of a dict in `k3.ops.<module>` (value 
 string runs the script unchanged.
 """
 
-import ast
-import importlib
 import runpy
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.step_ab import parse_setting  # noqa: E402
+
 settings, script, *args = sys.argv[1:]
-for item in filter(None, settings.split(";")):
-    target, value = item.split("=", 1)
-    module, table, key = target.split(".")
-    getattr(importlib.import_module(f"k3.ops.{module}"), table)[key] = ast.literal_eval(value)
-    print(f"setting k3.ops.{module}.{table}[{key!r}] = {value}", flush=True)
+for mapping, key, value in parse_setting(settings):  # checked: an unknown key stops here
+    mapping[key] = value
+if settings:
+    print(f"settings: {settings}", flush=True)
 sys.argv = [script, *args]
 runpy.run_path(script, run_name="__main__")

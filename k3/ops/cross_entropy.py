@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops import triton_runs_on
-from k3.ops.weight_grads import add_gradient
+from k3.ops.weight_grads import accumulate_product, add_gradient
 
 # elements of one chunk under the torch formula: 2^28 (1,638 rows at V = 163,840), whose transients are the
 # fp32 logits (1 GiB), the 16-bit logits and their gradient: near 2 GiB. Each chunk adds its [V, D] product
@@ -106,7 +106,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if want_dh:
                 dh[start:start + chunk_rows] = grad @ w
             if want_dw:
-                _accumulate_product(dw, grad.T, h)
+                accumulate_product(dw, grad.T, h)
             del grad
         ctx.save_for_backward(dh, dw)
         ctx.hidden_dtype, ctx.weight = hidden.dtype, weight
@@ -122,18 +122,6 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_w = None if dw is None else add_gradient(ctx.weight, dw, grad_loss)
         grad_w = None if grad_w is None else grad_w.to(ctx.weight.dtype)
         return grad_h, grad_w, None, None, None, None, None, None
-
-
-def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, acc in fp32 and a, b in a 16-bit GEMM dtype, summed across the chunks. On CUDA the sum
-    happens in cuBLAS's epilogue (beta = 1, fp32 output): one pass over acc instead of a 16-bit product and then an
-    fp32 read-modify-write, whose adds took 9.7 ms of a 469 ms small-preset step at 32K tokens (session 9 run 2's
-    profile, 20 chunks of [163840, 768]; the fused form is not timed on its own), and each chunk's product skips
-    the rounding to 16 bits. Elsewhere (CPU has no mixed-dtype GEMM) the product is rounded and added."""
-    if acc.is_cuda and acc.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc += a @ b
 
 
 def _loss_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, want_grad: bool,

@@ -375,10 +375,10 @@ def test_chunked_cross_entropy_small_vocab_shape(rows_kernel):
 
 
 def test_cross_entropy_weight_gradient_summed_in_the_gemm():
-    """`_accumulate_product` on CUDA sums the chunks' weight-gradient products in cuBLAS's fp32 epilogue, in place:
-    against fp64 it is at least as accurate as rounding each chunk's product to bf16 and adding it (the CPU
+    """`accumulate_product` (`k3.ops.weight_grads`, the loss's head) on CUDA sums the chunks' weight-gradient
+    products in cuBLAS's fp32 epilogue, in place: against fp64 it is at least as accurate as rounding each chunk's product to bf16 and adding it (the CPU
     path), and it writes into the accumulator it was given."""
-    from k3.ops.cross_entropy import _accumulate_product
+    from k3.ops.weight_grads import accumulate_product
 
     g = torch.Generator(device="cuda").manual_seed(3)
     chunks = [(torch.randn(512, 1024, device="cuda", generator=g).bfloat16(),
@@ -387,7 +387,7 @@ def test_cross_entropy_weight_gradient_summed_in_the_gemm():
     fused = torch.zeros(512, 768, device="cuda")
     pointer = fused.data_ptr()
     for a, b in chunks:
-        _accumulate_product(fused, a, b)
+        accumulate_product(fused, a, b)
     rounded = torch.zeros_like(fused)
     for a, b in chunks:
         rounded += a @ b
