@@ -100,6 +100,10 @@ TUNING = {
     # the prefill state pass in plain bf16 products (its state rounded to bf16 as an operand, FlashKDA's choice):
     # a measured variant
     "prefill_state_bf16": False,
+    # measured variants of `_prefill_prepare` (session 21): U stored in the operands' storage dtype (bf16 for bf16
+    # inputs; fp32 by default), and the products of its 16×16 inverse in "ieee" (exact FMA) or "tf32" (tensor cores)
+    "prefill_u_bf16": False,
+    "prefill_inverse": "ieee",
 }
 # (Sessions 11-12 had a "few programs" rule: BV 64 for the Ũ launch and 4-warp `_state_bwd` where the state passes
 # had one to two programs per SM. The 3-stage launches above beat it there too, `_state` 0.52 → 0.43 ms at 8 × 4096,
@@ -260,21 +264,22 @@ def _gate_tile(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K: tl.constexpr, R: 
 
 
 @triton.jit
-def _mm32(a, b):
-    """Exact-fp32 product of two 16×16 blocks (FMA; the blocks of (I + Akk)⁻¹ need no tf32 rounding). tf32x3
-    tensor-core products lost here (session 15 run 3: `_prefill_prepare` 0.92 → 0.98-1.13 ms, `_prep_intra` 0.85 →
-    1.03), though Nsight Compute finds the FMA path's unswizzled operand reads 3-5-way bank-conflicted."""
-    return tl.dot(a, b, input_precision="ieee")
+def _mm32(a, b, PRECISION: tl.constexpr = "ieee"):
+    """Product of two 16×16 fp32 blocks, exact by default (FMA; the blocks of (I + Akk)⁻¹ need no tf32 rounding).
+    tf32x3 tensor-core products lost here (session 15 run 3: `_prefill_prepare` 0.92 → 0.98-1.13 ms, `_prep_intra`
+    0.85 → 1.03), though Nsight Compute finds the FMA path's unswizzled operand reads 3-5-way bank-conflicted."""
+    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
-def _inv16(A, BC: tl.constexpr):
+def _inv16(A, BC: tl.constexpr, PRECISION: tl.constexpr = "ieee"):
     """(I + A)⁻¹ for a strictly lower BC×BC block: A is nilpotent, so (I − A)(I + A²)(I + A⁴)(I + A⁸)."""
     r = tl.arange(0, BC)
     eye = (r[:, None] == r[None, :]).to(tl.float32)
-    A2 = _mm32(A, A)
-    A4 = _mm32(A2, A2)
-    return _mm32(_mm32(_mm32(eye - A, eye + A2), eye + A4), eye + _mm32(A4, A4))
+    A2 = _mm32(A, A, PRECISION)
+    A4 = _mm32(A2, A2, PRECISION)
+    return _mm32(_mm32(_mm32(eye - A, eye + A2, PRECISION), eye + A4, PRECISION), eye + _mm32(A4, A4, PRECISION),
+                 PRECISION)
 
 
 @triton.jit

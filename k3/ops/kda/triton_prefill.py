@@ -48,7 +48,7 @@ def _store_rows(x, out, bos, L, i_h, row0, H, W: tl.constexpr, C: tl.constexpr, 
 
 @triton.jit
 def _block16(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: tl.constexpr, V: tl.constexpr,
-             G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr, INTERP: tl.constexpr):
+             G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr, INVERSE: tl.constexpr, INTERP: tl.constexpr):
     """The 16 rows at row0 as a chunk of their own (anchored at its start): (Q_d fp32, Q_d as the score operand,
     W, K_r, U (fp32), M, Γ_C). Rows past the document end have g = 0 and q̂ = k̂ = β = 0: their rows are zero."""
     g, _, _ = _gate_tile(z, A_log, dt_bias, bos, L, row0, 0, i_h, H, K, 16, K, G_MIN)
@@ -77,7 +77,7 @@ def _block16(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: tl.c
     kiT = tl.trans(ki)
     A = tl.where(r[:, None] > r[None, :], beta[:, None] * _mm(kd, kiT, SCORES_BF16, INTERP), 0.0)
     M = tl.where(r[:, None] >= r[None, :], _mm(qd, kiT, SCORES_BF16, INTERP), 0.0)
-    P = _inv16(A, 16) * beta[None, :]
+    P = _inv16(A, 16, INVERSE) * beta[None, :]
     # W and U formed here, not P·(V − K_d·S) in the state pass: one product less on its chain (docs §7 item 30)
     v_t = tl.load(_bp(v, bos, L, i_h, row0, 0, H, V, 16, V), boundary_check=(0,), padding_option="zero")
     return qd32, qd, _mm_split(P, kd, INTERP), kr, _mm_split(P, v_t, INTERP), M, gamma_end
@@ -86,7 +86,7 @@ def _block16(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: tl.c
 @triton.jit
 def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out, kr_out, u_out, m_out, gc_out,
                      scale, H, K: tl.constexpr, V: tl.constexpr, G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr,
-                     HALF: tl.constexpr, INTERP: tl.constexpr):
+                     INVERSE: tl.constexpr, HALF: tl.constexpr, INTERP: tl.constexpr):
     """One (16-token chunk, head), or one half of a (32-token chunk, head): Q_d, W, K_r ([TT, H, K]; bf16 for bf16
     inputs (SCORES_BF16), else fp32), U ([TT, H, V] fp32), M ([TT, H, C]: row r holds row r of the chunk's C×C
     block) and Γ_C ([NT, H, K]).
@@ -111,7 +111,7 @@ def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out
     if HALF == 2:
         r1 = row0 + 16
     qd32, qd, W, kr, U, M, gamma_end = _block16(q, k, v, z, b, A_log, dt_bias, bos, L, r1, i_h, scale, H, K, V,
-                                                G_MIN, SCORES_BF16, INTERP)
+                                                G_MIN, SCORES_BF16, INVERSE, INTERP)
     gc_ptr = gc_out + (i_c * H + i_h).to(tl.int64) * K + tl.arange(0, K)
     if HALF == 2:
         # each input of the join loaded where it is first used and each output stored when done: a short
@@ -259,12 +259,15 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     plan_c = plan_for(plan.offsets, dev, C)
     qd = torch.empty(TT, H, K, dtype=lo, device=dev)
     W, kr = torch.empty_like(qd), torch.empty_like(qd)
-    U = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
+    U = torch.empty(TT, H, V, dtype=lo if TUNING["prefill_u_bf16"] else torch.float32, device=dev)
     M = torch.empty(TT, H, C, dtype=hi, device=dev)
     gc = torch.empty(max(plan_c.NT, 1), H, K, dtype=torch.float32, device=dev)
     if plan_c.NT > 0:
         args = (q, k, v, z, b, A_log, dt_bias, plan_c.cu, plan_c.chunk_idx, qd, W, kr, U, M, gc, scale)
-        common = dict(H=H, K=K, V=V, G_MIN=g_min, SCORES_BF16=lo == torch.bfloat16, INTERP=interp)
+        inverse = TUNING["prefill_inverse"]
+        if inverse not in ("ieee", "tf32"):
+            raise ValueError(f"TUNING['prefill_inverse'] must be 'ieee' or 'tf32', got {inverse!r}")
+        common = dict(H=H, K=K, V=V, G_MIN=g_min, SCORES_BF16=lo == torch.bfloat16, INVERSE=inverse, INTERP=interp)
         prepare = _launch_options("prefill_prepare")
         if C == 16:
             _prefill_prepare[(plan_c.NT, H)](*args, HALF=0, **common, **prepare)
