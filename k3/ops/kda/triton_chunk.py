@@ -138,7 +138,7 @@ def _intra_row_block(qh, kh, beta, G, a, bos, L, i_h, r0, R, qg_out, aqk_out, t_
     ks = kh * rf
     Add, Qdd = _diag_scores(qs, ks, kh * _exp(a[None, :] - G, INTERP), beta, BC, SCORES_BF16, INTERP)
     _store_block(Qdd, aqk_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
-    _store_block(_inv16(Add, BC), t_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
+    _store_block(_inv16(Add, BC, "ieee"), t_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
     # zeros right of the diagonal block (Aqk and T are read back as 64×64 tiles), one masked store each
     rows = r0 + tl.arange(0, BC)
     cols = tl.arange(0, C)

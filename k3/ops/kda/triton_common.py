@@ -264,21 +264,28 @@ def _gate_tile(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K: tl.constexpr, R: 
 
 
 @triton.jit
-def _mm32(a, b, PRECISION: tl.constexpr = "ieee"):
-    """Product of two 16×16 fp32 blocks, exact by default (FMA; the blocks of (I + Akk)⁻¹ need no tf32 rounding).
-    tf32x3 tensor-core products lost here (session 15 run 3: `_prefill_prepare` 0.92 → 0.98-1.13 ms, `_prep_intra`
-    0.85 → 1.03), though Nsight Compute finds the FMA path's unswizzled operand reads 3-5-way bank-conflicted."""
+def _mm32(a, b):
+    """Exact-fp32 product of two 16×16 blocks (FMA; the blocks of (I + Akk)⁻¹ need no tf32 rounding). tf32x3
+    tensor-core products lost here (session 15 run 3: `_prefill_prepare` 0.92 → 0.98-1.13 ms, `_prep_intra` 0.85 →
+    1.03), though Nsight Compute finds the FMA path's unswizzled operand reads 3-5-way bank-conflicted."""
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _mm16(a, b, PRECISION: tl.constexpr):
+    """`_mm32` at a chosen precision: "ieee" (exact FMA) or "tf32" (tensor cores, 10-bit operands)."""
     return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
-def _inv16(A, BC: tl.constexpr, PRECISION: tl.constexpr = "ieee"):
-    """(I + A)⁻¹ for a strictly lower BC×BC block: A is nilpotent, so (I − A)(I + A²)(I + A⁴)(I + A⁸)."""
+def _inv16(A, BC: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + A)⁻¹ for a strictly lower BC×BC block: A is nilpotent, so (I − A)(I + A²)(I + A⁴)(I + A⁸); the products
+    at PRECISION (`_mm16`)."""
     r = tl.arange(0, BC)
     eye = (r[:, None] == r[None, :]).to(tl.float32)
-    A2 = _mm32(A, A, PRECISION)
-    A4 = _mm32(A2, A2, PRECISION)
-    return _mm32(_mm32(_mm32(eye - A, eye + A2, PRECISION), eye + A4, PRECISION), eye + _mm32(A4, A4, PRECISION),
+    A2 = _mm16(A, A, PRECISION)
+    A4 = _mm16(A2, A2, PRECISION)
+    return _mm16(_mm16(_mm16(eye - A, eye + A2, PRECISION), eye + A4, PRECISION), eye + _mm16(A4, A4, PRECISION),
                  PRECISION)
 
 
