@@ -478,6 +478,25 @@ def test_prefill_forward_head_dims_value_blocks_and_bf16_products(dev, monkeypat
     _check_forward(_infer(inputs, dev, state_bf16=True), reference(*inputs), torch.bfloat16, "state_bf16")
 
 
+@pytest.mark.parametrize("chunk", (16, 32))
+def test_prefill_forward_u_bf16_and_tf32_inverse(dev, monkeypatch, chunk):
+    """The measured variants of `_prefill_prepare` (session 21): U stored in bf16 for bf16 inputs, and the 16×16
+    inverse's products in tf32, each within the bf16 limits against fp64 at lengths around the chunk edges; a
+    precision the kernel does not know is refused."""
+    from k3.ops.kda import triton_chunk as tc
+
+    monkeypatch.setitem(tc.TUNING, "prefill_chunk", chunk)
+    inputs = make_raw(2, 47, 2, 32, 32, seed=56)
+    for variant in ({"prefill_u_bf16": True}, {"prefill_inverse": "tf32"},
+                    {"prefill_u_bf16": True, "prefill_inverse": "tf32", "prefill_state_bf16": True}):
+        for key, value in variant.items():
+            monkeypatch.setitem(tc.TUNING, key, value)
+        _check_forward(_infer(inputs, dev), reference(*inputs), torch.bfloat16, (chunk, variant))
+    monkeypatch.setitem(tc.TUNING, "prefill_inverse", "fp16")
+    with pytest.raises(ValueError, match="prefill_inverse"):
+        _infer(inputs, dev)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's σ(±1e4)
 def test_prefill_forward_32_token_chunks(dev, monkeypatch):
     """`TUNING["prefill_chunk"]` 32 (the default: two launches of `_prefill_prepare`, one per chunk half) against
