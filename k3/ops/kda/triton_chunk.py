@@ -50,9 +50,9 @@ import triton.language as tl
 
 from k3.ops import interpreting
 from k3.ops.kda.triton_common import (CHUNK, SUB, TUNING, _bp, _cast, _check_device, _chunk_coords, _exp,
-                                      _gate_from, _gate_inputs, _gate_tile, _inv16, _launch_options, _load_beta,
-                                      _load_block, _mm, _mm32, _sequence_coords, _state_mm, _store_block,
-                                      inter_dtypes, make_plan)
+                                      _gate_from, _gate_inputs, _gate_tile, _inv16, _inverse_precision,
+                                      _launch_options, _load_beta, _load_block, _mm, _mm32, _sequence_coords,
+                                      _state_mm, _store_block, inter_dtypes, make_plan)
 from k3.ops.kda.triton_prefill import prefill_applies, prefill_forward
 
 
@@ -127,7 +127,7 @@ def _prep_gate(k, z, A_log, dt_bias, cu, chunk_idx, g_out, gc_out, kn_out,
 @triton.jit
 def _intra_row_block(qh, kh, beta, G, a, bos, L, i_h, r0, R, qg_out, aqk_out, t_out,
                      H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCORES_BF16: tl.constexpr,
-                     INTERP: tl.constexpr):
+                     INVERSE: tl.constexpr, INTERP: tl.constexpr):
     """Row block R's own part of `_prep_intra`: its rows of Q⊙Γ, its diagonal blocks of Aqk and of T's storage
     ((I + Akk_RR)⁻¹), zeros right of them; returns the anchored qs = q̂⊙exp(G − a), ks = k̂⊙exp(G − a) for the
     off-diagonal blocks."""
@@ -138,7 +138,7 @@ def _intra_row_block(qh, kh, beta, G, a, bos, L, i_h, r0, R, qg_out, aqk_out, t_
     ks = kh * rf
     Add, Qdd = _diag_scores(qs, ks, kh * _exp(a[None, :] - G, INTERP), beta, BC, SCORES_BF16, INTERP)
     _store_block(Qdd, aqk_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
-    _store_block(_inv16(Add, BC, "ieee"), t_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
+    _store_block(_inv16(Add, BC, INVERSE), t_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
     # zeros right of the diagonal block (Aqk and T are read back as 64×64 tiles), one masked store each
     rows = r0 + tl.arange(0, BC)
     cols = tl.arange(0, C)
@@ -200,7 +200,7 @@ def _intra_off_step(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, a
 @triton.jit
 def _prep_intra(q, k, b, g_in, kn_in, cu, chunk_idx, qg_out, aqk_out, t_out, qn_out,
                 scale, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                SCORES_BF16: tl.constexpr, STORE_QN: tl.constexpr, INTERP: tl.constexpr):
+                SCORES_BF16: tl.constexpr, STORE_QN: tl.constexpr, INVERSE: tl.constexpr, INTERP: tl.constexpr):
     """One (16-row block R, chunk, head), on `_prep_gate`'s G and ‖k‖: block R's rows of Q⊙Γ, of Aqk (zeros
     right of the diagonal block) and of T's storage: Akk_RJ (β-scaled) left of the diagonal, (I + Akk_RR)⁻¹ on
     it, zeros right of it. The off-diagonal blocks take one walk over the blocks J < R (G_J, k̂_J; re-reads that
@@ -231,7 +231,7 @@ def _prep_intra(q, k, b, g_in, kn_in, cu, chunk_idx, qg_out, aqk_out, t_out, qn_
     kh = k_raw.to(tl.float32) / k_n[:, None]
     beta = _load_beta(b, bos, L, r0, i_h, H, BC)
     qs, ks = _intra_row_block(qh, kh, beta, G, a, bos, L, i_h, r0, R, qg_out, aqk_out, t_out, H, K, C, BC,
-                              SCORES_BF16, INTERP)
+                              SCORES_BF16, INVERSE, INTERP)
     if SCORES_BF16:
         # the row operands of every off-diagonal block, rounded once (`_mm` leaves bf16 operands as they are)
         qs = _cast(qs, tl.bfloat16, INTERP)
@@ -740,8 +740,8 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
         _prep_intra[(plan.NT * (CHUNK // SUB), H)](q, k, b, G, kn, plan.cu, plan.chunk_idx, Qg, Aqk, Tm,
                                                      qn if store_norms else kn, scale,
                                                      H=H, K=K, C=CHUNK, BC=SUB, SCORES_BF16=lo == torch.bfloat16,
-                                                     STORE_QN=store_norms, INTERP=interp,
-                                                     **_launch_options("prep_intra"))
+                                                     STORE_QN=store_norms, INVERSE=_inverse_precision("prep"),
+                                                     INTERP=interp, **_launch_options("prep_intra"))
         _prep_solve[(plan.NT, H)](Tm, plan.cu, plan.chunk_idx, H=H, C=CHUNK, BC=SUB, INTERP=interp,
                                   **_launch_options("prep_solve"))
         SK, SV = min(K, 64), min(V, 64)

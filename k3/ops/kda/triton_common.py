@@ -104,6 +104,8 @@ TUNING = {
     # inputs; fp32 by default), and the products of its 16×16 inverse in "ieee" (exact FMA) or "tf32" (tensor cores)
     "prefill_u_bf16": False,
     "prefill_inverse": "ieee",
+    # ... and of the training forward's `_prep_intra` (its diagonal blocks of T): a measured variant
+    "prep_inverse": "ieee",
 }
 # (Sessions 11-12 had a "few programs" rule: BV 64 for the Ũ launch and 4-warp `_state_bwd` where the state passes
 # had one to two programs per SM. The 3-stage launches above beat it there too, `_state` 0.52 → 0.43 ms at 8 × 4096,
@@ -275,6 +277,14 @@ def _mm32(a, b):
 def _mm16(a, b, PRECISION: tl.constexpr):
     """`_mm32` at a chosen precision: "ieee" (exact FMA) or "tf32" (tensor cores, 10-bit operands)."""
     return tl.dot(a, b, input_precision=PRECISION)
+
+
+def _inverse_precision(kernel: str) -> str:
+    """`TUNING["<kernel>_inverse"]`, checked: the precision of `_inv16`'s products."""
+    value = TUNING[f"{kernel}_inverse"]
+    if value not in ("ieee", "tf32"):
+        raise ValueError(f"TUNING['{kernel}_inverse'] must be 'ieee' or 'tf32', got {value!r}")
+    return value
 
 
 @triton.jit

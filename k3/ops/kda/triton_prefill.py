@@ -37,8 +37,8 @@ import triton.language as tl
 
 from k3.ops import interpreting
 from k3.ops.kda.triton_common import (CHUNK, TUNING, _bp, _cast, _chunk_coords, _exp, _gate_tile, _inv16,
-                                      _launch_options, _load_beta, _mm, _mm_split, _sequence_coords, _state_mm,
-                                      _store_block, plan_for)
+                                      _inverse_precision, _launch_options, _load_beta, _mm, _mm_split,
+                                      _sequence_coords, _state_mm, _store_block, plan_for)
 
 @triton.jit
 def _store_rows(x, out, bos, L, i_h, row0, H, W: tl.constexpr, C: tl.constexpr, INTERP: tl.constexpr):
@@ -264,10 +264,8 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     gc = torch.empty(max(plan_c.NT, 1), H, K, dtype=torch.float32, device=dev)
     if plan_c.NT > 0:
         args = (q, k, v, z, b, A_log, dt_bias, plan_c.cu, plan_c.chunk_idx, qd, W, kr, U, M, gc, scale)
-        inverse = TUNING["prefill_inverse"]
-        if inverse not in ("ieee", "tf32"):
-            raise ValueError(f"TUNING['prefill_inverse'] must be 'ieee' or 'tf32', got {inverse!r}")
-        common = dict(H=H, K=K, V=V, G_MIN=g_min, SCORES_BF16=lo == torch.bfloat16, INVERSE=inverse, INTERP=interp)
+        common = dict(H=H, K=K, V=V, G_MIN=g_min, SCORES_BF16=lo == torch.bfloat16,
+                      INVERSE=_inverse_precision("prefill"), INTERP=interp)
         prepare = _launch_options("prefill_prepare")
         if C == 16:
             _prefill_prepare[(plan_c.NT, H)](*args, HALF=0, **common, **prepare)
