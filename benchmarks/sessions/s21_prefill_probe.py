@@ -21,7 +21,9 @@ CONFIGS = [{}, {"prefill_chunk": 16}, {"prefill_state_bf16": True}, {"prefill_ch
            {"prefill_u_bf16": True}, {"prefill_chunk": 16, "prefill_u_bf16": True}, {"prefill_inverse": "tf32"},
            {"prefill_chunk": 16, "prefill_inverse": "tf32"},
            {"prefill_state_bf16": True, "prefill_u_bf16": True, "prefill_inverse": "tf32"},
-           {"prefill_chunk": 16, "prefill_state_bf16": True, "prefill_u_bf16": True, "prefill_inverse": "tf32"}]
+           {"prefill_chunk": 16, "prefill_state_bf16": True, "prefill_u_bf16": True, "prefill_inverse": "tf32"},
+           {"prefill_chunk": 16, "prefill_state_bf16": True, "prefill_state_bv": 32},
+           {"prefill_state_bf16": True, "prefill_state_bv": 32}]
 
 
 def main():
