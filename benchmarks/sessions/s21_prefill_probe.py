@@ -3,6 +3,9 @@ process at the K3 shape (B=1 T=8192 H=96) and H=64, with the fp64 gate and the i
 the fp64 recurrence at T=8192 H=4 (dense, varlen) and T=32768 H=2.
 
     PYTHONPATH=. python3 benchmarks/sessions/s21_prefill_probe.py --out /tmp/probe.json
+
+As run in session 21 run 2 (code 3daffa5): `prefill_u_bf16` was deleted after it (it lost), and the defaults it
+compares against changed after it (16-token chunks, bf16 state products, tf32 inverses): a record, not a rerun.
 """
 from __future__ import annotations
 

@@ -414,7 +414,7 @@ def _check_forward(out, ref, dtype, what=""):
 
 @pytest.mark.parametrize("T", cases(1, 15, 16, 17, 63, 65, 150, gpu_only=(16, 63, 150)))
 def test_prefill_forward_matches_fp64_recurrence(dev, monkeypatch, T):
-    """The inference forward in 32-token chunks (`triton_prefill`, what chunk_kda runs when no backward can follow)
+    """The inference forward at its default chunk (`triton_prefill`, what chunk_kda runs when no backward can follow)
     against the fp64 recurrence, bf16 and fp32, at lengths around the 16-, 32- and 64-token chunk edges; and beside
     the 64-token inference forward (`prefill` off): fp32 inputs agree to 2e-5 in the interpreter (split-bf16
     products in both)."""
@@ -479,19 +479,22 @@ def test_prefill_forward_head_dims_value_blocks_and_bf16_products(dev, monkeypat
 
 
 @pytest.mark.parametrize("chunk", (16, 32))
-def test_prefill_forward_u_bf16_and_tf32_inverse(dev, monkeypatch, chunk):
-    """The measured variants of `_prefill_prepare` (session 21): U stored in bf16 for bf16 inputs, and the 16×16
-    inverse's products in tf32, each within the bf16 limits against fp64 at lengths around the chunk edges; a
-    precision the kernel does not know is refused."""
+def test_prefill_forward_state_products_and_inverse_precision(dev, monkeypatch, chunk):
+    """The inference forward's defaults for bf16 inputs (plain bf16 state products, tf32 inverses) and the exact
+    settings (split products, FMA inverses), each within the bf16 limits against fp64 at lengths around the chunk
+    edges; fp32 inputs always take the exact inverse; a precision the kernels do not know is refused."""
     from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda.triton_common import _inverse_precision
 
     monkeypatch.setitem(tc.TUNING, "prefill_chunk", chunk)
     inputs = make_raw(2, 47, 2, 32, 32, seed=56)
-    for variant in ({"prefill_u_bf16": True}, {"prefill_inverse": "tf32"},
-                    {"prefill_u_bf16": True, "prefill_inverse": "tf32", "prefill_state_bf16": True}):
-        for key, value in variant.items():
-            monkeypatch.setitem(tc.TUNING, key, value)
-        _check_forward(_infer(inputs, dev), reference(*inputs), torch.bfloat16, (chunk, variant))
+    _check_forward(_infer(inputs, dev), reference(*inputs), torch.bfloat16, (chunk, "defaults"))
+    monkeypatch.setitem(tc.TUNING, "prefill_state_bf16", False)
+    monkeypatch.setitem(tc.TUNING, "prefill_inverse", "ieee")
+    _check_forward(_infer(inputs, dev), reference(*inputs), torch.bfloat16, (chunk, "exact"))
+    monkeypatch.setitem(tc.TUNING, "prep_inverse", "tf32")
+    assert _inverse_precision("prep", torch.bfloat16) == "tf32"
+    assert _inverse_precision("prep", torch.float32) == "ieee"
     monkeypatch.setitem(tc.TUNING, "prefill_inverse", "fp16")
     with pytest.raises(ValueError, match="prefill_inverse"):
         _infer(inputs, dev)
@@ -562,6 +565,7 @@ def test_prefill_chunk_32_while_the_state_pass_fits_one_wave(dev, monkeypatch):
 
     device = torch.device(dev)
     plan = plan_for((0, 100, 300), device, 64)  # N = 2
+    monkeypatch.setitem(tc.TUNING, "prefill_chunk", 32)
     monkeypatch.setitem(tc.TUNING, "prefill_chunk32_max_programs", 8)
     assert tp.prefill_chunk_for(plan, 2, 128, device) == 32  # 2 · 2 · 128/64 = 8 programs
     assert tp.prefill_chunk_for(plan, 3, 128, device) == 16  # 12

@@ -740,8 +740,9 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
         _prep_intra[(plan.NT * (CHUNK // SUB), H)](q, k, b, G, kn, plan.cu, plan.chunk_idx, Qg, Aqk, Tm,
                                                      qn if store_norms else kn, scale,
                                                      H=H, K=K, C=CHUNK, BC=SUB, SCORES_BF16=lo == torch.bfloat16,
-                                                     STORE_QN=store_norms, INVERSE=_inverse_precision("prep"),
-                                                     INTERP=interp, **_launch_options("prep_intra"))
+                                                     STORE_QN=store_norms,
+                                                     INVERSE=_inverse_precision("prep", q.dtype), INTERP=interp,
+                                                     **_launch_options("prep_intra"))
         _prep_solve[(plan.NT, H)](Tm, plan.cu, plan.chunk_idx, H=H, C=CHUNK, BC=SUB, INTERP=interp,
                                   **_launch_options("prep_solve"))
         SK, SV = min(K, 64), min(V, 64)

@@ -81,10 +81,10 @@ TUNING = {
     "prefill": True,
     # ... where the state pass has at least this many (value block, sequence, head) programs (`prefill_applies`)
     "prefill_min_programs": 128,
-    # its chunk: 32 tokens (two launches of `_prefill_prepare`, HALF 1 and 2), or 16; at the K3 shape 1.97 against
-    # 2.02 ms, at H = 64 1.44 against 1.56 (session 15 run 3; `_prefill_prepare32`, one program per 32-token chunk
-    # with two anchors, 2.64 ms: run 2)
-    "prefill_chunk": 32,
+    # its chunk: 16 tokens, or 32 (two launches of `_prefill_prepare`, HALF 1 and 2). With split state products 32
+    # won (K3 shape 1.97 against 2.02 ms, H = 64 1.44 against 1.56; session 15 run 3); with the default bf16 state
+    # products and tf32 inverses below, 16 (K3 shape 1.65 against 1.76 ms est.; H = 64 even: session 21 run 2)
+    "prefill_chunk": 16,
     # ... 32 only while the state pass fits in one wave of this many programs (None: two per SM), else 16
     # (`prefill_chunk_for`: many programs are throughput-bound, where the 16-token chunks win)
     "prefill_chunk32_max_programs": None,
@@ -97,15 +97,17 @@ TUNING = {
     # `_prefill_state` per (value block of 64, sequence, head): 1.26 ms at 2 stages, 1.08 at 3 (run 3); BV 32 2.64
     # and 8 warps 4.04 (run 1, then on P, K_d and V instead of W and U)
     "prefill_state_bv": 64, "prefill_state_warps": 4, "prefill_state_stages": 3, "prefill_state_maxnreg": None,
-    # the prefill state pass in plain bf16 products (its state rounded to bf16 as an operand, FlashKDA's choice):
-    # a measured variant
-    "prefill_state_bf16": False,
-    # measured variants of `_prefill_prepare` (session 21): U stored in the operands' storage dtype (bf16 for bf16
-    # inputs; fp32 by default), and the products of its 16×16 inverse in "ieee" (exact FMA) or "tf32" (tensor cores)
-    "prefill_u_bf16": False,
-    "prefill_inverse": "ieee",
-    # ... and of the training forward's `_prep_intra` (its diagonal blocks of T): a measured variant
-    "prep_inverse": "ieee",
+    # the prefill state pass in plain bf16 products for 16-bit inputs (its fp32 state rounded to bf16 as an operand,
+    # FlashKDA's choice; fp32 inputs keep the split products): state pass 0.78 → 0.60 ms at 32-token chunks, 1.09 →
+    # 0.83 at 16 (K3 shape); o 3.0 → 4.0e-3 from fp64 at 16-token chunks, 4.1e-3 at T = 32768 (limit 5e-3, fla
+    # 5.4e-3; session 21 run 2)
+    "prefill_state_bf16": True,
+    # the products of the 16×16 inverses (`_inv16`) for 16-bit inputs: "tf32" (tensor cores) or "ieee" (exact FMA,
+    # what fp32 inputs always take). tf32: `_prefill_prepare` 0.913 → 0.824 ms at 16-token chunks (no change at 32)
+    # and `_prep_intra` 0.86 → 0.78, with the same errors from fp64 to two digits (A_log 2.2 → 2.5e-3; session 21
+    # run 2). (U stored in bf16 lost there: the state pass 0.78 → 0.82 ms at 32, 1.09 → 1.22 at 16.)
+    "prefill_inverse": "tf32",
+    "prep_inverse": "tf32",
 }
 # (Sessions 11-12 had a "few programs" rule: BV 64 for the Ũ launch and 4-warp `_state_bwd` where the state passes
 # had one to two programs per SM. The 3-stage launches above beat it there too, `_state` 0.52 → 0.43 ms at 8 × 4096,
@@ -279,12 +281,13 @@ def _mm16(a, b, PRECISION: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
-def _inverse_precision(kernel: str) -> str:
-    """`TUNING["<kernel>_inverse"]`, checked: the precision of `_inv16`'s products."""
+def _inverse_precision(kernel: str, dtype: torch.dtype) -> str:
+    """The precision of `_inv16`'s products in `kernel` ("prefill" or "prep") for inputs of `dtype`:
+    `TUNING["<kernel>_inverse"]` for 16-bit inputs, exact ("ieee") for fp32 ones."""
     value = TUNING[f"{kernel}_inverse"]
     if value not in ("ieee", "tf32"):
         raise ValueError(f"TUNING['{kernel}_inverse'] must be 'ieee' or 'tf32', got {value!r}")
-    return value
+    return value if dtype in (torch.bfloat16, torch.float16) else "ieee"
 
 
 @triton.jit

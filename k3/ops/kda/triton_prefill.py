@@ -1,5 +1,5 @@
-"""The inference forward of `chunk_kda` (no backward can follow: prefill, `torch.no_grad` forwards) in 32-token
-chunks made of 16-token halves (or 16-token chunks: `TUNING["prefill_chunk"]`).
+"""The inference forward of `chunk_kda` (no backward can follow: prefill, `torch.no_grad` forwards) in 16-token
+chunks, or 32-token chunks made of 16-token halves (`TUNING["prefill_chunk"]`).
 
 Why a second forward: the training forward (`triton_chunk.py`, 64-token chunks) writes what its backward reads: W,
 U, T, Aqk and G, ~5.8 GB of intermediates at the K3 shape, 2.9 ms where the memory floor is 0.24 ms. An
@@ -21,10 +21,11 @@ FlashKDA forward (CUDA); docs/kda-kernels.md §9 says what was taken over and wh
 
 The state is kept transposed, X = Sᵀ [BV, K] fp32 in registers, so that it is the left operand of both products
 that read it (X·Wᵀ, X·Q_dᵀ) and the accumulator of the one that writes it (X·Γ_C + Ũᵀ·K_r): it never goes through
-shared memory. Products with an fp32 operand are split bf16 (`_state_mm`, as the training forward's state pass)
-unless `state_bf16`.
+shared memory. For bf16 inputs its products take plain bf16 operands (`TUNING["prefill_state_bf16"]`, FlashKDA's
+choice: 0.26 ms less at the K3 shape, o 4.0e-3 from fp64 against 3.0e-3, session 21); for fp32 inputs, and with
+that switch off, products with an fp32 operand are split bf16 (`_state_mm`, as the training forward's state pass).
 
-Legend as in triton_chunk.py; here C = 32 or 16 and NT counts C-token chunks.
+Legend as in triton_chunk.py; here C = 16 or 32 and NT counts C-token chunks.
 """
 
 from __future__ import annotations
@@ -220,8 +221,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 def prefill_chunk_for(plan, H: int, V: int, device: torch.device) -> int:
-    """The inference forward's chunk: `TUNING["prefill_chunk"]` (32 by default) while the state pass's (value block,
-    sequence, head) programs fit in one wave, `TUNING["prefill_chunk32_max_programs"]` (None: two per SM, as many
+    """The inference forward's chunk: `TUNING["prefill_chunk"]` (16 by default); 32 only while the state pass's (value
+    block, sequence, head) programs fit in one wave, `TUNING["prefill_chunk32_max_programs"]` (None: two per SM, as many
     as its registers allow); 16 beyond. One wave is latency-bound, and 32-token chunks halve its sequential steps
     (K3 shape, 192 programs: 1.97 against 2.02 ms); several waves are throughput-bound, and there the 16-token
     chunks' smaller products and the join they skip win (varlen 6 and 8 documents, 1152 and 1536 programs: 2.19
@@ -242,8 +243,9 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
 
     plan: the 64-token plan of `chunk_kda` (its chunk numbering is the one of the returned states); the C-token
     plan of the same offsets is built here. dtypes: `inter_dtypes`, (Q_d, W, K_r storage) and (M storage); U is
-    fp32. The intermediates take TT·H·(3·K·2 + V·4 + C·4) bytes (bf16 inputs; 2.7 GB at the K3 shape, C = 32) and
-    are freed on return.
+    fp32. The intermediates take TT·H·(3·K·2 + V·4 + C·4) bytes (bf16 inputs; 2.6 GB at the K3 shape, C = 16) and
+    are freed on return. state_bf16: plain bf16 state products (also TUNING's `state_bf16`, and
+    `prefill_state_bf16` for bf16 inputs).
     """
     TT, H, K = q.shape
     V = v.shape[-1]
@@ -254,18 +256,18 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=torch.float32, device=dev) if want_hs else None
     interp = interpreting()
     BV = min(V, TUNING["prefill_state_bv"])
-    state_bf16 = state_bf16 or TUNING["state_bf16"] or TUNING["prefill_state_bf16"]
+    state_bf16 = state_bf16 or TUNING["state_bf16"] or (TUNING["prefill_state_bf16"] and lo == torch.bfloat16)
     C = prefill_chunk_for(plan, H, V, dev)
     plan_c = plan_for(plan.offsets, dev, C)
     qd = torch.empty(TT, H, K, dtype=lo, device=dev)
     W, kr = torch.empty_like(qd), torch.empty_like(qd)
-    U = torch.empty(TT, H, V, dtype=lo if TUNING["prefill_u_bf16"] else torch.float32, device=dev)
+    U = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
     M = torch.empty(TT, H, C, dtype=hi, device=dev)
     gc = torch.empty(max(plan_c.NT, 1), H, K, dtype=torch.float32, device=dev)
     if plan_c.NT > 0:
         args = (q, k, v, z, b, A_log, dt_bias, plan_c.cu, plan_c.chunk_idx, qd, W, kr, U, M, gc, scale)
         common = dict(H=H, K=K, V=V, G_MIN=g_min, SCORES_BF16=lo == torch.bfloat16,
-                      INVERSE=_inverse_precision("prefill"), INTERP=interp)
+                      INVERSE=_inverse_precision("prefill", q.dtype), INTERP=interp)
         prepare = _launch_options("prefill_prepare")
         if C == 16:
             _prefill_prepare[(plan_c.NT, H)](*args, HALF=0, **common, **prepare)
