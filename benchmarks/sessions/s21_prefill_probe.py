@@ -33,14 +33,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--configs", default="", help="a JSON list of TUNING overrides instead of CONFIGS")
     args = ap.parse_args()
+    configs = json.loads(args.configs) if args.configs else CONFIGS
     base = dict(triton_chunk.TUNING)
 
     def use(cfg):
         triton_chunk.TUNING.clear()
         triton_chunk.TUNING.update(base, **cfg)
 
-    rows = [{"tuning": cfg} for cfg in CONFIGS]
+    rows = [{"tuning": cfg} for cfg in configs]
     for row in rows:
         use(row["tuning"])
         errs, ok = small_gate("cuda")
