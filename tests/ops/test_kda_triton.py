@@ -482,23 +482,13 @@ def test_prefill_forward_head_dims_value_blocks_and_bf16_products(dev, monkeypat
 def test_prefill_forward_state_products_and_inverse_precision(dev, monkeypatch, chunk):
     """The inference forward's defaults for bf16 inputs (plain bf16 state products, tf32 inverses) and the exact
     settings (split products, FMA inverses), each within the bf16 limits against fp64 at lengths around the chunk
-    edges; the scores folded into the prepare (`prefill_fold`); fp32 inputs always take the exact inverse; settings
-    the kernels do not know are refused."""
+    edges; fp32 inputs always take the exact inverse; a precision the kernels do not know is refused."""
     from k3.ops.kda import triton_chunk as tc
     from k3.ops.kda.triton_common import _inverse_precision
 
     monkeypatch.setitem(tc.TUNING, "prefill_chunk", chunk)
     inputs = make_raw(2, 47, 2, 32, 32, seed=56)
     _check_forward(_infer(inputs, dev), reference(*inputs), torch.bfloat16, (chunk, "defaults"))
-    for fold in ("fp32", "bf16"):  # the scores folded into the prepare (16-token chunks; 32 ignores it)
-        monkeypatch.setitem(tc.TUNING, "prefill_fold", fold)
-        _check_forward(_infer(inputs, dev), reference(*inputs), torch.bfloat16, (chunk, fold))
-    fp32_inputs = make_raw(1, 40, 1, 32, 32, seed=58, dtype=torch.float32)  # "bf16" folds store fp32 for them
-    _check_forward(_infer(fp32_inputs, dev), reference(*fp32_inputs), torch.float32, (chunk, "fp32 inputs"))
-    monkeypatch.setitem(tc.TUNING, "prefill_fold", "fp16")
-    with pytest.raises(ValueError, match="prefill_fold"):
-        _infer(inputs, dev)
-    monkeypatch.setitem(tc.TUNING, "prefill_fold", None)
     monkeypatch.setitem(tc.TUNING, "prefill_state_bf16", False)
     monkeypatch.setitem(tc.TUNING, "prefill_inverse", "ieee")
     _check_forward(_infer(inputs, dev), reference(*inputs), torch.bfloat16, (chunk, "exact"))

@@ -108,9 +108,6 @@ TUNING = {
     # run 2). (U stored in bf16 lost there: the state pass 0.78 → 0.82 ms at 32, 1.09 → 1.22 at 16.)
     "prefill_inverse": "tf32",
     "prep_inverse": "tf32",
-    # the scores folded out of the 16-token state pass (`_prefill_prepare`'s FOLD): None (off), or the storage of
-    # the in-chunk output M·U, "fp32" or "bf16" (bf16 inputs). A measured variant (session 21)
-    "prefill_fold": None,
 }
 # (Sessions 11-12 had a "few programs" rule: BV 64 for the Ũ launch and 4-warp `_state_bwd` where the state passes
 # had one to two programs per SM. The 3-stage launches above beat it there too, `_state` 0.52 → 0.43 ms at 8 × 4096,

@@ -87,14 +87,10 @@ def _block16(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: tl.c
 @triton.jit
 def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out, kr_out, u_out, m_out, gc_out,
                      scale, H, K: tl.constexpr, V: tl.constexpr, G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr,
-                     INVERSE: tl.constexpr, HALF: tl.constexpr, FOLD: tl.constexpr, INTERP: tl.constexpr):
+                     INVERSE: tl.constexpr, HALF: tl.constexpr, INTERP: tl.constexpr):
     """One (16-token chunk, head), or one half of a (32-token chunk, head): Q_d, W, K_r ([TT, H, K]; bf16 for bf16
     inputs (SCORES_BF16), else fp32), U ([TT, H, V] fp32), M ([TT, H, C]: row r holds row r of the chunk's C×C
     block) and Γ_C ([NT, H, K]).
-
-    FOLD (16-token chunks): the scores folded out of the state pass, O = Q_d·S + M·(U − W·S) = (Q_d − M·W)·S + M·U:
-    qd_out takes Q_d − M·W and m_out ([TT, H, V]) the in-chunk output M·U, so the state pass has one product less
-    per step and no M to load.
 
     HALF 0: 16-token chunks. HALF 1 and 2 (`TUNING["prefill_chunk"]` 32: half the state pass's steps), two launches:
     HALF 1 writes each 32-token chunk's first 16 rows as a 16-token chunk; HALF 2 its last 16 rows as a 16-token
@@ -139,13 +135,9 @@ def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out
         if HALF == 1:
             _store_block(M, m_out, bos, L, i_h, row0, 0, H, 32, 16, INTERP)
             _store_block(tl.zeros([16, 16], dtype=tl.float32), m_out, bos, L, i_h, row0, 16, H, 32, 16, INTERP)
-            _store_rows(qd32, qd_out, bos, L, i_h, row0, H, K, 16, INTERP)
-        elif FOLD:
-            _store_rows(qd32 - _mm_split(M, W, INTERP), qd_out, bos, L, i_h, row0, H, K, 16, INTERP)
-            _store_rows(_mm_split(M, U, INTERP), m_out, bos, L, i_h, row0, H, V, 16, INTERP)
         else:
             _store_block(M, m_out, bos, L, i_h, row0, 0, H, 16, 16, INTERP)
-            _store_rows(qd32, qd_out, bos, L, i_h, row0, H, K, 16, INTERP)
+        _store_rows(qd32, qd_out, bos, L, i_h, row0, H, K, 16, INTERP)
         _store_rows(W, w_out, bos, L, i_h, row0, H, K, 16, INTERP)
         _store_rows(kr, kr_out, bos, L, i_h, row0, H, K, 16, INTERP)
         _store_rows(U, u_out, bos, L, i_h, row0, H, V, 16, INTERP)
@@ -155,28 +147,22 @@ def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out
 @triton.jit
 def _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
                   H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, STORE_HS: tl.constexpr,
-                  EVERY: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr,
-                  INTERP: tl.constexpr):
+                  EVERY: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """Chunk j of one sequence in `_prefill_state`, on the transposed state X = Sᵀ [BV, K]; returns X after it:
-    Ũᵀ = Uᵀ − X·Wᵀ, Oᵀ = X·Q_dᵀ + Ũᵀ·Mᵀ, X ← X·Diag(Γ_C) + Ũᵀ·K_r. FOLD: Q_d and M are the prepare's folded
-    Q_d − M·W and M·U, and Oᵀ = X·Q_dᵀ + (M·U)ᵀ."""
+    Ũᵀ = Uᵀ − X·Wᵀ, Oᵀ = X·Q_dᵀ + Ũᵀ·Mᵀ, X ← X·Diag(Γ_C) + Ũᵀ·K_r."""
     row0 = j * C
     W = tl.load(_bp(w, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     Qd = tl.load(_bp(qd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     Kr = tl.load(_bp(kr, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     U = tl.load(_bp(u, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+    M = tl.load(_bp(m_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
     g_end = tl.load(gc + ((c0 + j) * H + i_h).to(tl.int64) * K + tl.arange(0, K))
     if STORE_HS:
         # the state at every 64-token chunk start (prefix caching), numbered as the training forward's chunks
         if j % EVERY == 0:
             tl.store(hs + ((hs0 + j // EVERY) * H + i_h).to(tl.int64) * K * V + off_x, X)
     Ut = tl.trans(U).to(tl.float32) - _state_mm(X, tl.trans(W), BF16, SPLIT, INTERP)
-    if FOLD:
-        MU = tl.load(_bp(m_in, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-        out = _state_mm(X, tl.trans(Qd), BF16, SPLIT, INTERP) + tl.trans(MU).to(tl.float32)
-    else:
-        M = tl.load(_bp(m_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
-        out = _state_mm(X, tl.trans(Qd), BF16, SPLIT, INTERP) + _state_mm(Ut, tl.trans(M), BF16, SPLIT, INTERP)
+    out = _state_mm(X, tl.trans(Qd), BF16, SPLIT, INTERP) + _state_mm(Ut, tl.trans(M), BF16, SPLIT, INTERP)
     X = X * g_end[None, :] + _state_mm(Ut, Kr, BF16, SPLIT, INTERP)
     tl.store(_bp(o, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(tl.trans(out), o.dtype.element_ty, INTERP),
              boundary_check=(0,))
@@ -187,7 +173,7 @@ def _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v
 def _prefill_state(qd, w, kr, u, m_in, gc, h0, o, ht, hs, cu, chunk_off, hs_off,
                    H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_HS: tl.constexpr, EVERY: tl.constexpr,
-                   BF16: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr, INTERP: tl.constexpr):
+                   BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """One (value block, sequence, head): the C-token chunks in order, the transposed state in registers. Writes o,
     the final state (ht) and, with STORE_HS, the state at every 64-token chunk start (hs, indexed by hs_off, the
     64-token plan's first chunk per document)."""
@@ -206,12 +192,12 @@ def _prefill_state(qd, w, kr, u, m_in, gc, h0, o, ht, hs, cu, chunk_off, hs_off,
         j = 0
         while j < n_chunks:
             X = _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
-                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, FOLD, INTERP)
+                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, INTERP)
             j += 1
     else:
         for j in range(n_chunks):
             X = _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
-                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, FOLD, INTERP)
+                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, INTERP)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + off_x, X)
 
@@ -250,17 +236,6 @@ def prefill_chunk_for(plan, H: int, V: int, device: torch.device) -> int:
     return C if C == 16 or _state_programs(plan, H, V) <= limit else 16
 
 
-def _fold_dtype(C: int, lo: torch.dtype) -> torch.dtype | None:
-    """The storage dtype of the folded in-chunk output M·U (`TUNING["prefill_fold"]`), or None where the scores are
-    not folded: 16-token chunks only; "bf16" applies to bf16 inputs, fp32 ones store fp32."""
-    fold = TUNING["prefill_fold"]
-    if fold not in (None, "fp32", "bf16"):
-        raise ValueError(f"TUNING['prefill_fold'] must be None, 'fp32' or 'bf16', got {fold!r}")
-    if fold is None or C != 16:
-        return None
-    return lo if fold == "bf16" else torch.float32
-
-
 def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes,
                     state_bf16=False):
     """The inference forward on flattened [TT, H, ·] inputs: (o [TT, H, V] in v's dtype, the final state
@@ -287,13 +262,12 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     qd = torch.empty(TT, H, K, dtype=lo, device=dev)
     W, kr = torch.empty_like(qd), torch.empty_like(qd)
     U = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
-    fold = _fold_dtype(C, lo)
-    M = torch.empty(TT, H, V, dtype=fold, device=dev) if fold else torch.empty(TT, H, C, dtype=hi, device=dev)
+    M = torch.empty(TT, H, C, dtype=hi, device=dev)
     gc = torch.empty(max(plan_c.NT, 1), H, K, dtype=torch.float32, device=dev)
     if plan_c.NT > 0:
         args = (q, k, v, z, b, A_log, dt_bias, plan_c.cu, plan_c.chunk_idx, qd, W, kr, U, M, gc, scale)
         common = dict(H=H, K=K, V=V, G_MIN=g_min, SCORES_BF16=lo == torch.bfloat16,
-                      INVERSE=_inverse_precision("prefill", q.dtype), FOLD=fold is not None, INTERP=interp)
+                      INVERSE=_inverse_precision("prefill", q.dtype), INTERP=interp)
         prepare = _launch_options("prefill_prepare")
         if C == 16:
             _prefill_prepare[(plan_c.NT, H)](*args, HALF=0, **common, **prepare)
@@ -306,5 +280,5 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
                                           plan_c.cu, plan_c.chunk_off, plan.chunk_off, H=H, K=K, V=V, BV=BV,
                                           C=C, USE_H0=h0 is not None, STORE_HT=want_ht,
                                           STORE_HS=want_hs, EVERY=CHUNK // C, BF16=state_bf16, SPLIT=not state_bf16,
-                                          FOLD=fold is not None, INTERP=interp, **_launch_options("prefill_state"))
+                                          INTERP=interp, **_launch_options("prefill_state"))
     return o, ht, hs
