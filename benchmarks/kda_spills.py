@@ -48,7 +48,7 @@ INT32_ARGS = {"cu", "chunk_idx", "chunk_off", "hs_off"}
 CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
                   USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64,
                   STORE_UT=False, SPLIT=chunk.TUNING["state_split_inference"], STORE_QN=False, HALF=0,
-                  INVERSE=chunk.TUNING["prefill_inverse"])  # bf16 inputs
+                  INVERSE=chunk.TUNING["prefill_inverse"])  # the prefill's, for bf16 inputs (`_prep_intra`: below)
 # kernel -> its TUNING key prefix, in launch order; "_state_ut" is `_state` when it also stores Ũ (the backward's
 # recompute launch; the training forward's adds WRITE_O), launched with the state_ut settings
 TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
@@ -60,7 +60,8 @@ TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_
 # per-kernel constexprs on top of CONSTEXPRS
 _SK = chunk.TUNING["bwd_k_cols"]
 _SKV = chunk.TUNING["bwd_vk_cols"]
-KERNEL_CONSTEXPRS = {"_state_ut": dict(STORE_UT=True, SPLIT=chunk.TUNING["state_split"]),
+KERNEL_CONSTEXPRS = {"_prep_intra": dict(INVERSE=chunk.TUNING["prep_inverse"]),
+                     "_state_ut": dict(STORE_UT=True, SPLIT=chunk.TUNING["state_split"]),
                      "_state_bwd": dict(SPLIT=chunk.TUNING["state_bwd_products"] == "split",
                                         BF16=chunk.TUNING["state_bwd_products"] == "bf16"),
                      "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV), "_bwd_k_block": dict(SK=_SK),

@@ -492,17 +492,49 @@ def test_prefill_forward_state_products_and_inverse_precision(dev, monkeypatch, 
     monkeypatch.setitem(tc.TUNING, "prefill_state_bf16", False)
     monkeypatch.setitem(tc.TUNING, "prefill_inverse", "ieee")
     _check_forward(_infer(inputs, dev), reference(*inputs), torch.bfloat16, (chunk, "exact"))
+    monkeypatch.setitem(tc.TUNING, "prep_inverse", "ieee")
+    assert _inverse_precision("prep", torch.bfloat16) == "ieee"
     monkeypatch.setitem(tc.TUNING, "prep_inverse", "tf32")
-    assert _inverse_precision("prep", torch.bfloat16) == "tf32"
+    assert _inverse_precision("prep", torch.float16) == "tf32"
     assert _inverse_precision("prep", torch.float32) == "ieee"
     monkeypatch.setitem(tc.TUNING, "prefill_inverse", "fp16")
     with pytest.raises(ValueError, match="prefill_inverse"):
         _infer(inputs, dev)
 
 
+def test_kernel_precisions_follow_the_input_dtype(dev, monkeypatch):
+    """What the launches receive: bf16 and fp16 inputs get tf32 inverses (inference prepare and training
+    `_prep_intra`) and plain bf16 state products in the inference forward; fp32 inputs get exact inverses and split
+    products. (The interpreter computes tf32 dots exactly, so only the launch arguments can tell.)"""
+    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import triton_prefill as tp
+
+    seen = []
+
+    def spy(module, name):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, type("Spy", (), {"__getitem__": lambda self, grid: (
+            lambda *a, **k: seen.append((name, {x: k[x] for x in ("INVERSE", "BF16", "SPLIT") if x in k}))
+            or kernel[grid](*a, **k))})())
+
+    for module, name in ((tp, "_prefill_prepare"), (tp, "_prefill_state"), (tc, "_prep_intra")):
+        spy(module, name)
+    want = {torch.bfloat16: ("tf32", True), torch.float16: ("tf32", True), torch.float32: ("ieee", False)}
+    for dtype, (inverse, bf16) in want.items():
+        inputs = make_raw(1, 20, 1, 16, 16, seed=59, dtype=dtype)
+        seen.clear()
+        _infer(inputs, dev)
+        _fwd_bwd(inputs, dev)
+        got = dict(seen)
+        assert got["_prefill_prepare"] == {"INVERSE": inverse}, (dtype, seen)
+        assert got["_prefill_state"] == {"BF16": bf16, "SPLIT": not bf16}, (dtype, seen)
+        assert got["_prep_intra"] == {"INVERSE": inverse}, (dtype, seen)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's σ(±1e4)
 def test_prefill_forward_32_token_chunks(dev, monkeypatch):
-    """`TUNING["prefill_chunk"]` 32 (the default: two launches of `_prefill_prepare`, one per chunk half) against
+    """`TUNING["prefill_chunk"]` 32 (two launches of `_prefill_prepare`, one per chunk half; the default until
+    session 21) against
     fp64 at lengths around 32 and 64, bf16 and fp32, beside the 16-token chunks (fp32: 2e-5 in the
     interpreter); packed documents with every decay at the bound, where G reaches −160 inside a chunk; the states
     for prefix caching (every second 32-token chunk)."""

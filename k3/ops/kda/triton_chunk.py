@@ -14,7 +14,8 @@ measured variant are in docs/kda-kernels.md. In short:
   g ≥ −5); across blocks around the later (row) block's first row in the prepare, and also the earlier block's
   last row in the backward (all factors ≤ 1). So every score block
   is a tensor-core matmul (docs/kda.md §4). (I + Akk)⁻¹ comes from the four 16×16 diagonal inverses
-  (A nilpotent: (I − A)(I + A²)(I + A⁴)(I + A⁸), exact fp32) and T_RJ = −T_RR·Σ Akk_RM·T_MJ.
+  (A nilpotent: (I − A)(I + A²)(I + A⁴)(I + A⁸); tf32 products for 16-bit inputs, exact fp32 for fp32 ones:
+  `TUNING["prep_inverse"]`) and T_RJ = −T_RR·Σ Akk_RM·T_MJ.
 - Forward: `_prep_gate` writes the in-chunk cumulative gate G (fp32), G_C and ‖k‖; `_prep_intra` (one program per
   16-row block) the Q⊙Γ rows, Aqk and T's storage (the diagonal inverses, Akk below them); `_prep_solve` turns
   that into T in place; `_prep_wu` (column slices) writes W, U and K⊙exp(G_C − G). All run over every chunk in

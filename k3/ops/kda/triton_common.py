@@ -269,15 +269,16 @@ def _gate_tile(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K: tl.constexpr, R: 
 
 @triton.jit
 def _mm32(a, b):
-    """Exact-fp32 product of two 16×16 blocks (FMA; the blocks of (I + Akk)⁻¹ need no tf32 rounding). tf32x3
-    tensor-core products lost here (session 15 run 3: `_prefill_prepare` 0.92 → 0.98-1.13 ms, `_prep_intra` 0.85 →
-    1.03), though Nsight Compute finds the FMA path's unswizzled operand reads 3-5-way bank-conflicted."""
+    """Exact-fp32 product of two 16×16 blocks (FMA), for `_prep_solve`'s off-diagonal blocks of T. (For the
+    diagonal inverses see `_inv16`: tf32x3 products lost there in session 15, single tf32 won in session 21.)"""
     return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
 def _mm16(a, b, PRECISION: tl.constexpr):
-    """`_mm32` at a chosen precision: "ieee" (exact FMA) or "tf32" (tensor cores, 10-bit operands)."""
+    """A 16×16 product at a chosen precision: "ieee" (exact FMA; its unswizzled operand reads are 3-5-way
+    bank-conflicted, Nsight Compute session 15) or "tf32" (tensor cores, 10-bit operands; `_prefill_prepare` 0.913 →
+    0.824 ms, `_prep_intra` 0.86 → 0.78 at the K3 shape, session 21)."""
     return tl.dot(a, b, input_precision=PRECISION)
 
 

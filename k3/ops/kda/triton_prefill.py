@@ -11,7 +11,7 @@ FlashKDA forward (CUDA); docs/kda-kernels.md §9 says what was taken over and wh
 - `_prefill_prepare`, one program per (16-token chunk, head), all chunks in parallel: the gate, its in-chunk
   cumulative sum G (inclusive), the q/k L2 norms and β; then, with Γ = exp(G) and Γ_C its last row,
   Q_d = q̂⊙Γ, K_d = k̂⊙Γ, K_r = k̂⊙Γ_C/Γ, the in-chunk scores M = lower(Q_d·(k̂/Γ)ᵀ) (diagonal included),
-  P = (I + diag(β)·strict_lower(K_d·(k̂/Γ)ᵀ))⁻¹·diag(β) (the 16×16 inverse in exact fp32, `_inv16`), W = P·K_d and
+  P = (I + diag(β)·strict_lower(K_d·(k̂/Γ)ᵀ))⁻¹·diag(β) (the 16×16 inverse, `_inv16`, in tf32 for 16-bit inputs), W = P·K_d and
   U = P·V. It stores Q_d, W, K_r, U, M and Γ_C. For 32-token chunks it runs twice, once per half: the second
   launch joins each chunk's second half to its first (the algebra is in its docstring), so no program holds
   more than one half and no factor leaves e^±80.
