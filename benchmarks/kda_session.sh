@@ -6,9 +6,9 @@
 #     K3_GIT_SHA=$(git rev-parse HEAD) OUT=/tmp/out bash benchmarks/kda_session.sh [configs file]
 #     KDA_TESTS=1 OUT=/tmp/out bash benchmarks/kda_session.sh   # the KDA tests on the GPU, in a second call
 #     SHAPES="1,8192,96;1,8192,64" …   # the shapes each config is timed at (the first picks the table's config)
-# Default configs: benchmarks/kda_next_configs.txt (docs/kda-kernels.md §8: after session 15's 32-token inference
-# chunks, the 16-token form and the join's register cap on this code; prefill_state_bf16 is timed but never
-# picked). The state_bv 16 fault (an illegal address, reproducible in the T = 300 gate) goes under compute-sanitizer first.
+# Default configs: benchmarks/kda_next_configs.txt (docs/kda-kernels.md §8: after session 21's inference defaults
+# (16-token chunks, bf16 state products, tf32 inverses), the untimed concatenated product of the state pass
+# against them, 32-token chunks and split products).
 set -u
 OUT=${OUT:-benchmarks/results}
 CONFIGS=${1:-benchmarks/kda_next_configs.txt}

@@ -108,6 +108,9 @@ TUNING = {
     # run 2). (U stored in bf16 lost there: the state pass 0.78 → 0.82 ms at 32, 1.09 → 1.22 at 16.)
     "prefill_inverse": "tf32",
     "prep_inverse": "tf32",
+    # the 16-token state pass's X·Wᵀ and X·Q_dᵀ as one product with [W; Q_d] (N = 32: one wgmma wait less per step;
+    # docs/kda-kernels.md §8): written in session 21, untimed
+    "prefill_state_concat": False,
 }
 # (Sessions 11-12 had a "few programs" rule: BV 64 for the Ũ launch and 4-warp `_state_bwd` where the state passes
 # had one to two programs per SM. The 3-stage launches above beat it there too, `_state` 0.52 → 0.43 ms at 8 × 4096,
