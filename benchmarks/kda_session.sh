@@ -7,8 +7,8 @@
 #     KDA_TESTS=1 OUT=/tmp/out bash benchmarks/kda_session.sh   # the KDA tests on the GPU, in a second call
 #     SHAPES="1,8192,96;1,8192,64" …   # the shapes each config is timed at (the first picks the table's config)
 # Default configs: benchmarks/kda_next_configs.txt (docs/kda-kernels.md §8: after session 21's inference defaults
-# (16-token chunks, bf16 state products, tf32 inverses), the untimed concatenated product of the state pass
-# against them, 32-token chunks and split products).
+# (16-token chunks, bf16 state products, tf32 inverses), each of them undone on this code: 32-token chunks, split
+# products, exact inverses).
 set -u
 OUT=${OUT:-benchmarks/results}
 CONFIGS=${1:-benchmarks/kda_next_configs.txt}

@@ -48,7 +48,6 @@ INT32_ARGS = {"cu", "chunk_idx", "chunk_off", "hs_off"}
 CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
                   USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64,
                   STORE_UT=False, SPLIT=chunk.TUNING["state_split_inference"], STORE_QN=False, HALF=0,
-                  CONCAT=chunk.TUNING["prefill_state_concat"],
                   INVERSE=chunk.TUNING["prefill_inverse"])  # the prefill's, for bf16 inputs (`_prep_intra`: below)
 # kernel -> its TUNING key prefix, in launch order; "_state_ut" is `_state` when it also stores Ũ (the backward's
 # recompute launch; the training forward's adds WRITE_O), launched with the state_ut settings

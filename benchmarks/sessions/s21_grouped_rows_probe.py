@@ -4,6 +4,9 @@ cuBLAS matmul of the same shapes. Issue 9's 600 TFLOP/s goal on the small and K3
 
     python benchmarks/sessions/s21_grouped_rows_probe.py            # one H200
     TRITON_INTERPRET=1 python benchmarks/sessions/s21_grouped_rows_probe.py --quick   # CPU: correctness only
+
+Run 1 (session 21) had the tile's body written out inside the persistent loop; it is `_rows_tile` now (Triton
+inlines it: the same kernel).
 """
 from __future__ import annotations
 
@@ -50,20 +53,7 @@ def _rows_persistent(A, B, C, TILE_GROUP, TILE_ROW0, TILE_END, TOTAL, M, N, K: t
             tile += NUM_PROGRAMS
     else:
         for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, warp_specialize=WS):
-            mt = tile // N_TILES
-            nt = tile % N_TILES
-            g = tl.load(TILE_GROUP + mt)
-            row0 = tl.load(TILE_ROW0 + mt)
-            end = tl.load(TILE_END + mt)
-            acc = tl.zeros([BM, BN], dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                a = a_desc.load([row0, k0])
-                b = b_desc.load([g * N + nt * BN, k0])
-                acc = tl.dot(a, b.T, acc)
-            rows = row0 + tl.arange(0, BM)
-            cols = nt * BN + tl.arange(0, BN)
-            mask = (rows < end)[:, None] & (cols < N)[None, :]
-            tl.store(C + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(C.dtype.element_ty), mask=mask)
+            _rows_tile(a_desc, b_desc, C, TILE_GROUP, TILE_ROW0, TILE_END, tile, N, K, BM, BN, BK, N_TILES)
 
 
 @triton.jit

@@ -502,24 +502,6 @@ def test_prefill_forward_state_products_and_inverse_precision(dev, monkeypatch, 
         _infer(inputs, dev)
 
 
-def test_prefill_state_concatenated_product_matches(dev, monkeypatch):
-    """`TUNING["prefill_state_concat"]` (16-token chunks: X·Wᵀ and X·Q_dᵀ as one product with [W; Q_d] stored side by
-    side) against the separate products: the same per-element sums, so bit for bit in the interpreter (bf16 and
-    fp32, packed documents); within the forward's limits against fp64 on a GPU. 32-token chunks ignore it."""
-    from k3.ops.kda import triton_chunk as tc
-
-    cu = torch.tensor([0, 30, 31, 100], device=dev)
-    for dtype in (torch.bfloat16, torch.float32):
-        inputs = make_raw(1, 100, 2, 32, 32, seed=61, N=3, dtype=dtype)
-        base = _infer(inputs, dev, cu_seqlens=cu)
-        monkeypatch.setitem(tc.TUNING, "prefill_state_concat", True)
-        out = _infer(inputs, dev, cu_seqlens=cu)
-        monkeypatch.setitem(tc.TUNING, "prefill_state_concat", False)
-        _check_forward(out, reference(*inputs, cu_seqlens=cu.cpu()), dtype, dtype)
-        if not ON_GPU:
-            assert torch.equal(out[0], base[0]) and torch.equal(out[1], base[1]), dtype
-
-
 def test_kernel_precisions_follow_the_input_dtype(dev, monkeypatch):
     """What the launches receive: bf16 and fp16 inputs get tf32 inverses (inference prepare and training
     `_prep_intra`) and plain bf16 state products in the inference forward; fp32 inputs get exact inverses and split
@@ -552,9 +534,8 @@ def test_kernel_precisions_follow_the_input_dtype(dev, monkeypatch):
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's σ(±1e4)
 def test_prefill_forward_32_token_chunks(dev, monkeypatch):
     """`TUNING["prefill_chunk"]` 32 (two launches of `_prefill_prepare`, one per chunk half; the default until
-    session 21) against
-    fp64 at lengths around 32 and 64, bf16 and fp32, beside the 16-token chunks (fp32: 2e-5 in the
-    interpreter); packed documents with every decay at the bound, where G reaches −160 inside a chunk; the states
+    session 21) against fp64 at lengths around 32 and 64, bf16 and fp32, beside the 16-token chunks (fp32: 2e-5 in
+    the interpreter); packed documents with every decay at the bound, where G reaches −160 inside a chunk; the states
     for prefix caching (every second 32-token chunk)."""
     from k3.ops.kda import triton_chunk as tc
 

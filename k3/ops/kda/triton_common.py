@@ -83,7 +83,8 @@ TUNING = {
     "prefill_min_programs": 128,
     # its chunk: 16 tokens, or 32 (two launches of `_prefill_prepare`, HALF 1 and 2). With split state products 32
     # won (K3 shape 1.97 against 2.02 ms, H = 64 1.44 against 1.56; session 15 run 3); with the default bf16 state
-    # products and tf32 inverses below, 16 (K3 shape 1.65 against 1.76 ms est.; H = 64 even: session 21 run 2)
+    # products and tf32 inverses below, 16 (K3 shape 1.667 against 1.776 ms, H = 64 1.270 against 1.267; session 21
+    # run 3)
     "prefill_chunk": 16,
     # ... 32 only while the state pass fits in one wave of this many programs (None: two per SM), else 16
     # (`prefill_chunk_for`: many programs are throughput-bound, where the 16-token chunks win)
@@ -108,9 +109,6 @@ TUNING = {
     # run 2). (U stored in bf16 lost there: the state pass 0.78 → 0.82 ms at 32, 1.09 → 1.22 at 16.)
     "prefill_inverse": "tf32",
     "prep_inverse": "tf32",
-    # the 16-token state pass's X·Wᵀ and X·Q_dᵀ as one product with [W; Q_d] (N = 32: one wgmma wait less per step;
-    # docs/kda-kernels.md §8): written in session 21, untimed
-    "prefill_state_concat": False,
 }
 # (Sessions 11-12 had a "few programs" rule: BV 64 for the Ũ launch and 4-warp `_state_bwd` where the state passes
 # had one to two programs per SM. The 3-stage launches above beat it there too, `_state` 0.52 → 0.43 ms at 8 × 4096,
@@ -271,18 +269,17 @@ def _gate_tile(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K: tl.constexpr, R: 
 
 
 @triton.jit
-def _mm32(a, b):
-    """Exact-fp32 product of two 16×16 blocks (FMA), for `_prep_solve`'s off-diagonal blocks of T. (For the
-    diagonal inverses see `_inv16`: tf32x3 products lost there in session 15, single tf32 won in session 21.)"""
-    return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit
 def _mm16(a, b, PRECISION: tl.constexpr):
     """A 16×16 product at a chosen precision: "ieee" (exact FMA; its unswizzled operand reads are 3-5-way
     bank-conflicted, Nsight Compute session 15) or "tf32" (tensor cores, 10-bit operands; `_prefill_prepare` 0.913 →
-    0.824 ms, `_prep_intra` 0.86 → 0.78 at the K3 shape, session 21)."""
+    0.824 ms, `_prep_intra` 0.86 → 0.78 at the K3 shape, session 21). tf32x3 lost for the inverses (session 15)."""
     return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _mm32(a, b):
+    """Exact-fp32 product of two 16×16 blocks, for `_prep_solve`'s off-diagonal blocks of T."""
+    return _mm16(a, b, "ieee")
 
 
 def _inverse_precision(kernel: str, dtype: torch.dtype) -> str:

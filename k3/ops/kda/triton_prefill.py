@@ -11,8 +11,8 @@ FlashKDA forward (CUDA); docs/kda-kernels.md §9 says what was taken over and wh
 - `_prefill_prepare`, one program per (16-token chunk, head), all chunks in parallel: the gate, its in-chunk
   cumulative sum G (inclusive), the q/k L2 norms and β; then, with Γ = exp(G) and Γ_C its last row,
   Q_d = q̂⊙Γ, K_d = k̂⊙Γ, K_r = k̂⊙Γ_C/Γ, the in-chunk scores M = lower(Q_d·(k̂/Γ)ᵀ) (diagonal included),
-  P = (I + diag(β)·strict_lower(K_d·(k̂/Γ)ᵀ))⁻¹·diag(β) (the 16×16 inverse, `_inv16`, in tf32 for 16-bit inputs), W = P·K_d and
-  U = P·V. It stores Q_d, W, K_r, U, M and Γ_C. For 32-token chunks it runs twice, once per half: the second
+  P = (I + diag(β)·strict_lower(K_d·(k̂/Γ)ᵀ))⁻¹·diag(β) (the 16×16 inverse, `_inv16`, in tf32 for 16-bit inputs),
+  W = P·K_d and U = P·V. It stores Q_d, W, K_r, U, M and Γ_C. For 32-token chunks it runs twice, once per half: the second
   launch joins each chunk's second half to its first (the algebra is in its docstring), so no program holds
   more than one half and no factor leaves e^±80.
 - `_prefill_state`, one program per (value block, sequence, head), the chunks of a sequence in order. With S the
@@ -87,7 +87,7 @@ def _block16(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: tl.c
 @triton.jit
 def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out, kr_out, u_out, m_out, gc_out,
                      scale, H, K: tl.constexpr, V: tl.constexpr, G_MIN: tl.constexpr, SCORES_BF16: tl.constexpr,
-                     INVERSE: tl.constexpr, HALF: tl.constexpr, CONCAT: tl.constexpr, INTERP: tl.constexpr):
+                     INVERSE: tl.constexpr, HALF: tl.constexpr, INTERP: tl.constexpr):
     """One (16-token chunk, head), or one half of a (32-token chunk, head): Q_d, W, K_r ([TT, H, K]; bf16 for bf16
     inputs (SCORES_BF16), else fp32), U ([TT, H, V] fp32), M ([TT, H, C]: row r holds row r of the chunk's C×C
     block) and Γ_C ([NT, H, K]).
@@ -101,10 +101,7 @@ def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out
         Q_d1 = Q_d1'·Diag(Γ_C0'),  M = [[M0', 0], [Q_d1'·K_r0'ᵀ, M1']],
         K_r0 = K_r0'·Diag(Γ_C1'),  K_r1 = K_r1',  Γ_C = Γ_C0'·Γ_C1'.
     Every factor stays within e^±80 (each half is anchored at its own start), and a 32-token chunk's program
-    holds one half's tiles at a time: the register pressure of the 16-token prepare.
-
-    CONCAT (HALF 0 only): W and Q_d side by side in one [TT, H, 2K] tensor (w_out; qd_out is the same tensor), so
-    the state pass multiplies its state by both in one product (`TUNING["prefill_state_concat"]`)."""
+    holds one half's tiles at a time: the register pressure of the 16-token prepare."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if HALF == 0:
@@ -140,14 +137,8 @@ def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out
             _store_block(tl.zeros([16, 16], dtype=tl.float32), m_out, bos, L, i_h, row0, 16, H, 32, 16, INTERP)
         else:
             _store_block(M, m_out, bos, L, i_h, row0, 0, H, 16, 16, INTERP)
-        if CONCAT:
-            tl.store(_bp(w_out, bos, L, i_h, row0, 0, H, 2 * K, 16, K), _cast(W, w_out.dtype.element_ty, INTERP),
-                     boundary_check=(0,))
-            tl.store(_bp(w_out, bos, L, i_h, row0, K, H, 2 * K, 16, K),
-                     _cast(qd32, w_out.dtype.element_ty, INTERP), boundary_check=(0,))
-        else:
-            _store_rows(qd32, qd_out, bos, L, i_h, row0, H, K, 16, INTERP)
-            _store_rows(W, w_out, bos, L, i_h, row0, H, K, 16, INTERP)
+        _store_rows(qd32, qd_out, bos, L, i_h, row0, H, K, 16, INTERP)
+        _store_rows(W, w_out, bos, L, i_h, row0, H, K, 16, INTERP)
         _store_rows(kr, kr_out, bos, L, i_h, row0, H, K, 16, INTERP)
         _store_rows(U, u_out, bos, L, i_h, row0, H, V, 16, INTERP)
         tl.store(gc_ptr, gamma_end)
@@ -156,17 +147,12 @@ def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out
 @triton.jit
 def _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
                   H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, STORE_HS: tl.constexpr,
-                  EVERY: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, CONCAT: tl.constexpr,
-                  INTERP: tl.constexpr):
+                  EVERY: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """Chunk j of one sequence in `_prefill_state`, on the transposed state X = Sᵀ [BV, K]; returns X after it:
-    Ũᵀ = Uᵀ − X·Wᵀ, Oᵀ = X·Q_dᵀ + Ũᵀ·Mᵀ, X ← X·Diag(Γ_C) + Ũᵀ·K_r. CONCAT: X·Wᵀ and X·Q_dᵀ as one product
-    with [W; Q_d] (w holds both, row by row: the [C, 2K] tile read as [2C, K] rows W_0, Q_d0, W_1, …)."""
+    Ũᵀ = Uᵀ − X·Wᵀ, Oᵀ = X·Q_dᵀ + Ũᵀ·Mᵀ, X ← X·Diag(Γ_C) + Ũᵀ·K_r."""
     row0 = j * C
-    if CONCAT:
-        WQ = tl.load(_bp(w, bos, L, i_h, row0, 0, H, 2 * K, C, 2 * K), boundary_check=(0,), padding_option="zero")
-    else:
-        W = tl.load(_bp(w, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
-        Qd = tl.load(_bp(qd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    W = tl.load(_bp(w, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    Qd = tl.load(_bp(qd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     Kr = tl.load(_bp(kr, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     U = tl.load(_bp(u, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
     M = tl.load(_bp(m_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
@@ -175,14 +161,8 @@ def _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v
         # the state at every 64-token chunk start (prefix caching), numbered as the training forward's chunks
         if j % EVERY == 0:
             tl.store(hs + ((hs0 + j // EVERY) * H + i_h).to(tl.int64) * K * V + off_x, X)
-    if CONCAT:
-        both = _state_mm(X, tl.trans(tl.reshape(WQ, [2 * C, K])), BF16, SPLIT, INTERP)  # [BV, 2C]: W, Q_d, W, …
-        xw, xq = tl.split(tl.reshape(both, [BV, C, 2]))
-        Ut = tl.trans(U).to(tl.float32) - xw
-        out = xq + _state_mm(Ut, tl.trans(M), BF16, SPLIT, INTERP)
-    else:
-        Ut = tl.trans(U).to(tl.float32) - _state_mm(X, tl.trans(W), BF16, SPLIT, INTERP)
-        out = _state_mm(X, tl.trans(Qd), BF16, SPLIT, INTERP) + _state_mm(Ut, tl.trans(M), BF16, SPLIT, INTERP)
+    Ut = tl.trans(U).to(tl.float32) - _state_mm(X, tl.trans(W), BF16, SPLIT, INTERP)
+    out = _state_mm(X, tl.trans(Qd), BF16, SPLIT, INTERP) + _state_mm(Ut, tl.trans(M), BF16, SPLIT, INTERP)
     X = X * g_end[None, :] + _state_mm(Ut, Kr, BF16, SPLIT, INTERP)
     tl.store(_bp(o, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(tl.trans(out), o.dtype.element_ty, INTERP),
              boundary_check=(0,))
@@ -193,7 +173,7 @@ def _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v
 def _prefill_state(qd, w, kr, u, m_in, gc, h0, o, ht, hs, cu, chunk_off, hs_off,
                    H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_HS: tl.constexpr, EVERY: tl.constexpr,
-                   BF16: tl.constexpr, SPLIT: tl.constexpr, CONCAT: tl.constexpr, INTERP: tl.constexpr):
+                   BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """One (value block, sequence, head): the C-token chunks in order, the transposed state in registers. Writes o,
     the final state (ht) and, with STORE_HS, the state at every 64-token chunk start (hs, indexed by hs_off, the
     64-token plan's first chunk per document)."""
@@ -212,12 +192,12 @@ def _prefill_state(qd, w, kr, u, m_in, gc, h0, o, ht, hs, cu, chunk_off, hs_off,
         j = 0
         while j < n_chunks:
             X = _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
-                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, CONCAT, INTERP)
+                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, INTERP)
             j += 1
     else:
         for j in range(n_chunks):
             X = _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
-                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, CONCAT, INTERP)
+                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, INTERP)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + off_x, X)
 
@@ -279,19 +259,15 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     state_bf16 = state_bf16 or TUNING["state_bf16"] or (TUNING["prefill_state_bf16"] and lo == torch.bfloat16)
     C = prefill_chunk_for(plan, H, V, dev)
     plan_c = plan_for(plan.offsets, dev, C)
-    concat = TUNING["prefill_state_concat"] and C == 16
-    kr = torch.empty(TT, H, K, dtype=lo, device=dev)
-    if concat:  # W and Q_d side by side, one tensor (`_prefill_prepare`'s CONCAT)
-        W = qd = torch.empty(TT, H, 2 * K, dtype=lo, device=dev)
-    else:
-        qd, W = torch.empty_like(kr), torch.empty_like(kr)
+    qd = torch.empty(TT, H, K, dtype=lo, device=dev)
+    W, kr = torch.empty_like(qd), torch.empty_like(qd)
     U = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
     M = torch.empty(TT, H, C, dtype=hi, device=dev)
     gc = torch.empty(max(plan_c.NT, 1), H, K, dtype=torch.float32, device=dev)
     if plan_c.NT > 0:
         args = (q, k, v, z, b, A_log, dt_bias, plan_c.cu, plan_c.chunk_idx, qd, W, kr, U, M, gc, scale)
         common = dict(H=H, K=K, V=V, G_MIN=g_min, SCORES_BF16=lo == torch.bfloat16,
-                      INVERSE=_inverse_precision("prefill", q.dtype), CONCAT=concat, INTERP=interp)
+                      INVERSE=_inverse_precision("prefill", q.dtype), INTERP=interp)
         prepare = _launch_options("prefill_prepare")
         if C == 16:
             _prefill_prepare[(plan_c.NT, H)](*args, HALF=0, **common, **prepare)
@@ -304,5 +280,5 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
                                           plan_c.cu, plan_c.chunk_off, plan.chunk_off, H=H, K=K, V=V, BV=BV,
                                           C=C, USE_H0=h0 is not None, STORE_HT=want_ht,
                                           STORE_HS=want_hs, EVERY=CHUNK // C, BF16=state_bf16, SPLIT=not state_bf16,
-                                          CONCAT=concat, INTERP=interp, **_launch_options("prefill_state"))
+                                          INTERP=interp, **_launch_options("prefill_state"))
     return o, ht, hs
