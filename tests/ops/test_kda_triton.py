@@ -456,6 +456,45 @@ def test_prefill_forward_varlen_and_extreme_gates(dev, monkeypatch, g_min, chunk
     _check_forward(out, reference(*inputs, g_min=g_min, cu_seqlens=torch.tensor(cu)), torch.bfloat16, g_min)
 
 
+def test_segment_bounds_cover_every_chunk_once_at_even_cuts():
+    from k3.ops.kda.triton_common import segment_bounds
+
+    for n_chunks in range(0, 40):
+        for segments in (1, 2, 3, 4, 7, 64):
+            bounds = segment_bounds(n_chunks, segments)
+            assert [c for lo, hi in bounds for c in range(lo, hi)] == list(range(n_chunks))
+            assert all(lo % 2 == 0 for lo, _ in bounds) and len(bounds) <= segments
+            if n_chunks >= 2 * segments:
+                assert len(bounds) == segments and max(hi - lo for lo, hi in bounds) <= -(-n_chunks // segments) + 2
+
+
+@pytest.mark.parametrize("chunk", cases(16, 32, gpu_only=(32,)))
+def test_prefill_pipeline_segments_give_the_same_results(dev, monkeypatch, chunk):
+    """The inference forward as a pipeline of segments (`prefill_segments`: each segment's state pass after its
+    prepare, beside the next one's; on a GPU on two streams) gives bit-identical o, final states and chunk-start
+    states: packed documents that start, end and lie wholly inside segments, empty ones, and an initial state."""
+    from k3.ops.kda import chunk_kda
+    from k3.ops.kda import triton_chunk as tc
+
+    monkeypatch.setitem(tc.TUNING, "prefill_chunk", chunk)
+    lengths = [0, 70, 1, 0, 130, 17, 33, 0]
+    cu = torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(len(lengths))], device=dev)
+    inputs = make_raw(1, int(cu[-1]), 2, 32, 32, seed=56, N=len(lengths))
+    outs = []
+    for segments in (1, 2, 3, 5, 64):
+        monkeypatch.setitem(tc.TUNING, "prefill_segments", segments)
+        outs.append(_infer(inputs, dev, cu_seqlens=cu, return_chunk_states=True))
+    for segments, out in zip((2, 3, 5, 64), outs[1:]):
+        for a, b in zip(outs[0], out):
+            assert torch.equal(a, b), segments
+    _check_forward(outs[0][:2], reference(*inputs, cu_seqlens=cu.cpu()), torch.bfloat16, "segments")
+    monkeypatch.setitem(tc.TUNING, "prefill_segments", 4)
+    no_state = [t.to(dev) for t in inputs]
+    with torch.no_grad():  # without a final state the segments keep theirs in scratch
+        o, _ = chunk_kda(*no_state[:7], initial_state=no_state[7], cu_seqlens=cu)
+    assert torch.equal(o, outs[0][0])
+
+
 def test_prefill_forward_head_dims_value_blocks_and_bf16_products(dev, monkeypatch):
     """K = V = 128 (the model's head), V split into value blocks of 16 (the value columns are independent: the same
     results up to a product's summation order), and `state_bf16` (plain bf16 products) within the bf16 limits."""

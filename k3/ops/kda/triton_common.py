@@ -109,6 +109,10 @@ TUNING = {
     # run 2). (U stored in bf16 lost there: the state pass 0.78 → 0.82 ms at 32, 1.09 → 1.22 at 16.)
     "prefill_inverse": "tf32",
     "prep_inverse": "tf32",
+    # the inference forward as a pipeline of this many segments of chunks (`pipelined`; 1: none): each segment's
+    # state pass (latency-bound, a few programs per SM) runs on a high-priority side stream beside the next
+    # segment's prepare (throughput-bound), instead of after the whole prepare
+    "prefill_segments": 1,
 }
 # (Sessions 11-12 had a "few programs" rule: BV 64 for the Ũ launch and 4-warp `_state_bwd` where the state passes
 # had one to two programs per SM. The 3-stage launches above beat it there too, `_state` 0.52 → 0.43 ms at 8 × 4096,
@@ -121,6 +125,43 @@ TUNING = {
 # Session 13 replaced the two-sweep `_bwd_k` (one program per key slice and chunk; commit 965a25b has it) by
 # `_bwd_k_block` + `_bwd_gate`: fwd+bwd 14.01 → 11.65 ms at the K3 shape with the caps above (docs/kda-kernels.md
 # §7 items 22-25).
+
+
+def segment_bounds(n_chunks: int, segments: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of chunk indices that split n_chunks chunks into `segments` near-equal pipeline segments
+    (fewer if there are too few chunks). Every bound is even, so a chunk table sliced at it (two int32 per chunk)
+    keeps the 16-byte alignment that Triton specialises kernels on."""
+    pairs = -(-n_chunks // 2)
+    segments = max(1, min(segments, pairs))
+    cuts = [min(2 * round(i * pairs / segments), n_chunks) for i in range(segments + 1)]
+    return [(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:]) if hi > lo]
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device, priority=-1)  # the highest priority: its blocks are scheduled first
+
+
+def pipelined(device: torch.device, n: int, produce, consume) -> None:
+    """produce(i), then consume(i), for i in range(n), with consume(i) overlapping produce(i + 1): on CUDA the
+    producers run on the current stream and the consumers, in order, on a high-priority side stream, each after its
+    producer (an event); the current stream then waits for the side stream, so whatever follows (and the caching
+    allocator's reuse of the memory both used) is ordered after all of it. Elsewhere (CPU, the Triton interpreter)
+    the calls run in that order. Works under CUDA graph capture (the events become the graph's edges)."""
+    if device.type != "cuda" or n <= 1:
+        for i in range(n):
+            produce(i)
+            consume(i)
+        return
+    main, side = torch.cuda.current_stream(device), _side_stream(device)
+    for i in range(n):
+        produce(i)
+        ready = torch.cuda.Event()
+        ready.record(main)
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            consume(i)
+    main.wait_stream(side)
 
 
 def _launch_options(kernel: str) -> dict:

@@ -39,7 +39,8 @@ import triton.language as tl
 from k3.ops import interpreting
 from k3.ops.kda.triton_common import (CHUNK, TUNING, _bp, _cast, _chunk_coords, _exp, _gate_tile, _inv16,
                                       _inverse_precision, _launch_options, _load_beta, _mm, _mm_split,
-                                      _sequence_coords, _state_mm, _store_block, plan_for)
+                                      _sequence_coords, _state_mm, _store_block, pipelined, plan_for,
+                                      segment_bounds)
 
 @triton.jit
 def _store_rows(x, out, bos, L, i_h, row0, H, W: tl.constexpr, C: tl.constexpr, INTERP: tl.constexpr):
@@ -170,36 +171,51 @@ def _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v
 
 
 @triton.jit
-def _prefill_state(qd, w, kr, u, m_in, gc, h0, o, ht, hs, cu, chunk_off, hs_off,
+def _prefill_state(qd, w, kr, u, m_in, gc, h0, o, ht, hs, cu, chunk_off, hs_off, c_lo, c_hi,
                    H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_HS: tl.constexpr, EVERY: tl.constexpr,
-                   BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+                   BF16: tl.constexpr, SPLIT: tl.constexpr, SEGMENT: tl.constexpr, INTERP: tl.constexpr):
     """One (value block, sequence, head): the C-token chunks in order, the transposed state in registers. Writes o,
     the final state (ht) and, with STORE_HS, the state at every 64-token chunk start (hs, indexed by hs_off, the
-    64-token plan's first chunk per document)."""
+    64-token plan's first chunk per document).
+
+    SEGMENT (`prefill_forward`'s pipeline): only the sequence's chunks whose global index lies in [c_lo, c_hi); the
+    state starts from h0 (or zero) at the sequence's first chunk and from ht otherwise, and goes back to ht. A
+    sequence with no chunk in the range does nothing, except an empty one in the first segment (c_lo = 0), which
+    writes its initial state to ht."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_h, bos, L, c0, n_chunks = _sequence_coords(cu, chunk_off, i_nh, H, C)
     hs0 = tl.load(hs_off + i_nh // H).to(tl.int64)
     # X[v, k] = S[k, i_v·BV + v] in the [N, H, K, V] state layout
     off_x = (i_v * BV + tl.arange(0, BV))[:, None] + tl.arange(0, K)[None, :] * V
-    if USE_H0:
-        X = tl.load(h0 + i_nh.to(tl.int64) * K * V + off_x).to(tl.float32)
-    else:
-        X = tl.zeros([BV, K], dtype=tl.float32)
-    # The interpreter cannot take a loaded scalar as a `range` bound; compiled code needs `for` to pipeline loads.
-    if INTERP:
-        j = 0
-        while j < n_chunks:
-            X = _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
-                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, INTERP)
-            j += 1
-    else:
-        for j in range(n_chunks):
-            X = _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
-                              H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, INTERP)
-    if STORE_HT:
-        tl.store(ht + i_nh.to(tl.int64) * K * V + off_x, X)
+    j_lo = 0
+    j_hi = n_chunks
+    if SEGMENT:
+        # j stays int32, as the block pointers' offsets need
+        j_lo = tl.maximum(c_lo - c0.to(tl.int32), 0)
+        j_hi = tl.minimum(c_hi - c0.to(tl.int32), n_chunks)
+    if (j_lo < j_hi) | ((n_chunks == 0) & (c_lo == 0)):
+        if j_lo > 0:
+            X = tl.load(ht + i_nh.to(tl.int64) * K * V + off_x)
+        elif USE_H0:
+            X = tl.load(h0 + i_nh.to(tl.int64) * K * V + off_x).to(tl.float32)
+        else:
+            X = tl.zeros([BV, K], dtype=tl.float32)
+        # The interpreter cannot take a loaded scalar as a `range` bound; compiled code needs `for` to pipeline
+        # loads.
+        if INTERP:
+            j = j_lo
+            while j < j_hi:
+                X = _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
+                                  H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, INTERP)
+                j += 1
+        else:
+            for j in range(j_lo, j_hi):
+                X = _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
+                                  H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, INTERP)
+        if STORE_HT:
+            tl.store(ht + i_nh.to(tl.int64) * K * V + off_x, X)
 
 
 def _state_programs(plan, H: int, V: int) -> int:
@@ -264,21 +280,38 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     U = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
     M = torch.empty(TT, H, C, dtype=hi, device=dev)
     gc = torch.empty(max(plan_c.NT, 1), H, K, dtype=torch.float32, device=dev)
-    if plan_c.NT > 0:
-        args = (q, k, v, z, b, A_log, dt_bias, plan_c.cu, plan_c.chunk_idx, qd, W, kr, U, M, gc, scale)
-        common = dict(H=H, K=K, V=V, G_MIN=g_min, SCORES_BF16=lo == torch.bfloat16,
-                      INVERSE=_inverse_precision("prefill", q.dtype), INTERP=interp)
-        prepare = _launch_options("prefill_prepare")
-        if C == 16:
-            _prefill_prepare[(plan_c.NT, H)](*args, HALF=0, **common, **prepare)
-        else:
-            _prefill_prepare[(plan_c.NT, H)](*args, HALF=1, **common, **prepare)
-            _prefill_prepare[(plan_c.NT, H)](*args, HALF=2, **common, **_launch_options("prefill_join"))
+    ht_run = ht
+    segments = segment_bounds(plan_c.NT, TUNING["prefill_segments"])
+    if len(segments) > 1 and ht is None:
+        ht_run = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev)  # the state between segments
+    common = dict(H=H, K=K, V=V, G_MIN=g_min, SCORES_BF16=lo == torch.bfloat16,
+                  INVERSE=_inverse_precision("prefill", q.dtype), INTERP=interp)
     dummy = gc
-    _prefill_state[(V // BV, plan.N * H)](qd, W, kr, U, M, gc, h0 if h0 is not None else dummy, o,
-                                          ht if ht is not None else dummy, hs if hs is not None else dummy,
-                                          plan_c.cu, plan_c.chunk_off, plan.chunk_off, H=H, K=K, V=V, BV=BV,
-                                          C=C, USE_H0=h0 is not None, STORE_HT=want_ht,
-                                          STORE_HS=want_hs, EVERY=CHUNK // C, BF16=state_bf16, SPLIT=not state_bf16,
-                                          INTERP=interp, **_launch_options("prefill_state"))
+
+    def prepare(i):
+        c_lo, c_hi = segments[i]
+        # a segment's chunks: the chunk table and Γ_C sliced at its first chunk (the rows come from the table)
+        args = (q, k, v, z, b, A_log, dt_bias, plan_c.cu, plan_c.chunk_idx[c_lo:c_hi], qd, W, kr, U, M,
+                gc[c_lo:c_hi], scale)
+        if C == 16:
+            _prefill_prepare[(c_hi - c_lo, H)](*args, HALF=0, **common, **_launch_options("prefill_prepare"))
+        else:
+            _prefill_prepare[(c_hi - c_lo, H)](*args, HALF=1, **common, **_launch_options("prefill_prepare"))
+            _prefill_prepare[(c_hi - c_lo, H)](*args, HALF=2, **common, **_launch_options("prefill_join"))
+
+    def state(i):
+        c_lo, c_hi = segments[i] if plan_c.NT > 0 else (0, 0)
+        _prefill_state[(V // BV, plan.N * H)](qd, W, kr, U, M, gc, h0 if h0 is not None else dummy, o,
+                                              ht_run if ht_run is not None else dummy,
+                                              hs if hs is not None else dummy, plan_c.cu, plan_c.chunk_off,
+                                              plan.chunk_off, c_lo, c_hi, H=H, K=K, V=V, BV=BV, C=C,
+                                              USE_H0=h0 is not None, STORE_HT=ht_run is not None,
+                                              STORE_HS=want_hs, EVERY=CHUNK // C, BF16=state_bf16,
+                                              SPLIT=not state_bf16, SEGMENT=len(segments) > 1, INTERP=interp,
+                                              **_launch_options("prefill_state"))
+
+    if plan_c.NT == 0:
+        state(0)
+    else:
+        pipelined(dev, len(segments), prepare, state)
     return o, ht, hs
