@@ -1,0 +1,93 @@
+"""Session 22 probe (issue 5): the inference forward as a pipeline of segments (`TUNING["prefill_segments"]`: each
+segment's state pass on a high-priority side stream beside the next segment's prepare), timed interleaved in one
+process at the issue's inference shapes, each config's outputs checked bit-identical to the first config's.
+
+    PYTHONPATH=. python3 benchmarks/sessions/s22_pipeline_probe.py --out /tmp/probe.json [--configs JSON]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+
+import torch
+import triton
+
+from benchmarks.kda import VARLEN_MIX, cu_tensor, ours_fn, prefill_at_every_size, raw_inputs, reference_fn, rel
+from k3.ops.kda import triton_chunk
+
+CONFIGS = [{}, {"prefill_segments": 2}, {"prefill_segments": 3}, {"prefill_segments": 4}, {"prefill_segments": 6},
+           {"prefill_segments": 8}, {"prefill_segments": 16}, {"prefill_chunk": 32},
+           {"prefill_chunk": 32, "prefill_segments": 4}]
+# (name, B, T, H, document lengths, whether the inference kernels are forced where chunk_kda would not pick them)
+SHAPES = [("B=1 T=8192 H=96", 1, 8192, 96, None, False), ("B=1 T=8192 H=64", 1, 8192, 64, None, False),
+          ("varlen6 H=96", 1, 8192, 96, VARLEN_MIX, False), ("varlen8 H=96", 1, 8192, 96, [1024] * 8, False),
+          ("B=1 T=32768 H=32", 1, 32768, 32, None, False), ("B=1 T=32768 H=32 forced", 1, 32768, 32, None, True)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--configs", default="", help="a JSON list of TUNING overrides instead of CONFIGS")
+    args = ap.parse_args()
+    configs = json.loads(args.configs) if args.configs else CONFIGS
+    base = dict(triton_chunk.TUNING)
+
+    def use(cfg):
+        triton_chunk.TUNING.clear()
+        triton_chunk.TUNING.update(base, **cfg)
+
+    rows = [{"tuning": cfg, "ms": {}, "same": {}} for cfg in configs]
+    for name, B, T, H, lengths, force in SHAPES:
+        cu = None if lengths is None else cu_tensor(lengths, "cuda")
+        ins = raw_inputs(B, T, H, N=None if lengths is None else len(lengths), seed=4, device="cuda", h0=True)
+
+        def fwd():
+            with torch.no_grad(), (prefill_at_every_size() if force else contextlib.nullcontext()):
+                return ours_fn(ins, cu)
+
+        first = None
+        for row in rows:
+            use(row["tuning"])
+            out = fwd()
+            torch.cuda.synchronize()
+            if first is None:
+                first = out
+            row["same"][name] = all(torch.equal(a, b) for a, b in zip(first, out))
+        for rnd in range(args.rounds):
+            for row in rows:
+                use(row["tuning"])
+                row["ms"].setdefault(name, []).append(triton.testing.do_bench(fwd, warmup=10, rep=100))
+        for row in rows:
+            t = sorted(row["ms"][name])
+            print(f"[fwd {name}] {json.dumps(row['tuning'])}: median {t[len(t) // 2]:.3f} ms {[round(x, 3) for x in t]}"
+                  f" same-as-first {row['same'][name]}", flush=True)
+        del ins, first
+        torch.cuda.empty_cache()
+    # the default's error from fp64 with the pipeline on (bit-identical results make the others' the same)
+    for name, T, H, lengths in (("dense T=8192 H=4", 8192, 4, None), ("varlen T=8192 H=4", 8192, 4, VARLEN_MIX)):
+        cu = None if lengths is None else cu_tensor(lengths, "cuda")
+        ins = raw_inputs(1, T, H, N=None if lengths is None else len(lengths), seed=11, device="cuda", h0=True)
+        with torch.no_grad():
+            ref = reference_fn(ins, cu)
+            for row in rows[:2] + rows[3:4]:
+                use(row["tuning"])
+                with prefill_at_every_size():
+                    o, S = ours_fn(ins, cu)
+                print(f"[accuracy] {name} {json.dumps(row['tuning'])}: o {rel(o, ref[0]):.2e} S {rel(S, ref[1]):.2e}",
+                      flush=True)
+    use({})
+    names = [s[0] for s in SHAPES]
+    print("\nconfig | " + " | ".join(names))
+    for row in rows:
+        med = [sorted(row["ms"][n])[len(row["ms"][n]) // 2] for n in names]
+        print(json.dumps(row["tuning"]) + " | " + " | ".join(
+            f"{m:.3f}{'' if row['same'][n] else ' (DIFFERS)'}" for m, n in zip(med, names)))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
