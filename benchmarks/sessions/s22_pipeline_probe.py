@@ -23,6 +23,10 @@ CONFIGS = [{}, {"prefill_segments": 2}, {"prefill_segments": 3}, {"prefill_segme
 SHAPES = [("B=1 T=8192 H=96", 1, 8192, 96, None, False), ("B=1 T=8192 H=64", 1, 8192, 64, None, False),
           ("varlen6 H=96", 1, 8192, 96, VARLEN_MIX, False), ("varlen8 H=96", 1, 8192, 96, [1024] * 8, False),
           ("B=1 T=32768 H=32", 1, 32768, 32, None, False), ("B=1 T=32768 H=32 forced", 1, 32768, 32, None, True)]
+# run 2: the new defaults' rule at few programs (the small preset's KDA layer has H = 8)
+SHAPES_RUN2 = [("B=1 T=8192 H=96", 1, 8192, 96, None, False), ("B=1 T=8192 H=64", 1, 8192, 64, None, False),
+               ("B=1 T=32768 H=32", 1, 32768, 32, None, False), ("B=4 T=4096 H=8", 4, 4096, 8, None, False),
+               ("B=2 T=8192 H=8 forced", 2, 8192, 8, None, True), ("B=1 T=16384 H=8 forced", 1, 16384, 8, None, True)]
 
 
 def main():
@@ -30,7 +34,9 @@ def main():
     ap.add_argument("--out", default="")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--configs", default="", help="a JSON list of TUNING overrides instead of CONFIGS")
+    ap.add_argument("--run2", action="store_true", help="run 2's shapes (SHAPES_RUN2)")
     args = ap.parse_args()
+    shapes = SHAPES_RUN2 if args.run2 else SHAPES
     configs = json.loads(args.configs) if args.configs else CONFIGS
     base = dict(triton_chunk.TUNING)
 
@@ -39,7 +45,7 @@ def main():
         triton_chunk.TUNING.update(base, **cfg)
 
     rows = [{"tuning": cfg, "ms": {}, "same": {}} for cfg in configs]
-    for name, B, T, H, lengths, force in SHAPES:
+    for name, B, T, H, lengths, force in shapes:
         cu = None if lengths is None else cu_tensor(lengths, "cuda")
         ins = raw_inputs(B, T, H, N=None if lengths is None else len(lengths), seed=4, device="cuda", h0=True)
 
@@ -78,7 +84,7 @@ def main():
                 print(f"[accuracy] {name} {json.dumps(row['tuning'])}: o {rel(o, ref[0]):.2e} S {rel(S, ref[1]):.2e}",
                       flush=True)
     use({})
-    names = [s[0] for s in SHAPES]
+    names = [s[0] for s in shapes]
     print("\nconfig | " + " | ".join(names))
     for row in rows:
         med = [sorted(row["ms"][n])[len(row["ms"][n]) // 2] for n in names]

@@ -468,6 +468,22 @@ def test_segment_bounds_cover_every_chunk_once_at_even_cuts():
                 assert len(bounds) == segments and max(hi - lo for lo, hi in bounds) <= -(-n_chunks // segments) + 2
 
 
+def test_prefill_pipeline_only_within_one_wave(monkeypatch):
+    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import triton_prefill as tp
+    from k3.ops.kda.triton_common import plan_for
+
+    device = torch.device("cpu")
+    plan = plan_for((0, 100, 300), device, 64)  # N = 2
+    monkeypatch.setitem(tc.TUNING, "prefill_segments", 4)
+    monkeypatch.setitem(tc.TUNING, "prefill_pipeline_max_programs", 8)
+    assert tp.prefill_segments_for(plan, 2, 128, device) == 4  # 2 · 2 · 128/64 = 8 programs
+    assert tp.prefill_segments_for(plan, 3, 128, device) == 1  # 12
+    monkeypatch.setitem(tc.TUNING, "prefill_pipeline_max_programs", None)  # two per SM
+    assert tp.prefill_segments_for(plan, tp._sm_count(device), 64, device) == 4
+    assert tp.prefill_segments_for(plan, tp._sm_count(device) + 1, 64, device) == 1
+
+
 @pytest.mark.parametrize("chunk", cases(16, 32, gpu_only=(32,)))
 def test_prefill_pipeline_segments_give_the_same_results(dev, monkeypatch, chunk):
     """The inference forward as a pipeline of segments (`prefill_segments`: each segment's state pass after its
@@ -510,7 +526,8 @@ def test_prefill_forward_head_dims_value_blocks_and_bf16_products(dev, monkeypat
     monkeypatch.setitem(tc.prefill_forward.__globals__, "_prefill_state",
                         type("Spy", (), {"__getitem__": lambda self, grid: launched.append(grid) or state[grid]})())
     narrow = _infer(inputs, dev)
-    assert launched == [(4, 2)], launched  # V // 16 value blocks, N·H sequences and heads
+    # V // 16 value blocks, N·H sequences and heads; one launch per pipeline segment
+    assert launched and set(launched) == {(4, 2)}, launched
     for a, b in zip(base, narrow):
         torch.testing.assert_close(a, b, rtol=5e-5, atol=1e-5)
     inputs = make_raw(2, 100, 2, 32, 32, seed=55)
@@ -653,6 +670,7 @@ def test_prefill_chunk_32_while_the_state_pass_fits_one_wave(dev, monkeypatch):
     monkeypatch.setattr(tp, "_prefill_prepare", type("Spy", (), {"__getitem__": lambda self, grid: (
         lambda *a, **k: halves.append(k["HALF"]) or prepare[grid](*a, **k))})())
     inputs = make_raw(2, 20, 2, 32, 64, seed=57)  # N·H = 4 programs
+    monkeypatch.setitem(tc.TUNING, "prefill_segments", 1)  # one prepare launch (or pair) in all
     for limit, want in ((4, [1, 2]), (3, [0])):
         monkeypatch.setitem(tc.TUNING, "prefill_chunk32_max_programs", limit)
         halves.clear()

@@ -80,15 +80,17 @@ TUNING = {
     # the training forward's kernels without their stores for a backward
     "prefill": True,
     # ... where the state pass has at least this many (value block, sequence, head) programs (`prefill_applies`)
-    "prefill_min_programs": 128,
-    # its chunk: 16 tokens, or 32 (two launches of `_prefill_prepare`, HALF 1 and 2). With split state products 32
-    # won (K3 shape 1.97 against 2.02 ms, H = 64 1.44 against 1.56; session 15 run 3); with the default bf16 state
-    # products and tf32 inverses below, 16 (K3 shape 1.667 against 1.776 ms, H = 64 1.270 against 1.267; session 21
-    # run 3)
-    "prefill_chunk": 16,
-    # ... 32 only while the state pass fits in one wave of this many programs (None: two per SM), else 16
-    # (`prefill_chunk_for`: many programs are throughput-bound, where the 16-token chunks win)
-    "prefill_chunk32_max_programs": None,
+    # (session 22 run 1: 64 programs, T = 32768 H = 32, take 2.705 ms in 32-token chunks as a 4-segment pipeline,
+    # against 3.786 in the 64-token kernels; 128 before the pipeline)
+    "prefill_min_programs": 64,
+    # its chunk: 16 tokens, or 32 (two launches of `_prefill_prepare`, HALF 1 and 2) while the state pass has at most
+    # prefill_chunk32_max_programs (value block, sequence, head) programs (`prefill_chunk_for`), else 16. With split
+    # state products 32 won at one wave (K3 shape, 192 programs: 1.97 against 2.02 ms; session 15 run 3); with the
+    # bf16 state products and tf32 inverses below, 16 won there (1.667 against 1.776 ms, H = 64 1.270 against
+    # 1.267; session 21 run 3). As 4-segment pipelines (session 22 run 1): 192 programs 1.502 (16) against 1.709
+    # (32), 128 1.094 against 1.170, 64 (T = 32768 H = 32) 3.377 against 2.705: 32 at half a wave
+    "prefill_chunk": 32,
+    "prefill_chunk32_max_programs": 64,
     # `_prefill_prepare`: 0.92 ms at the K3 shape uncapped (128 registers), 0.99 at 96 (session 14 run 3; before it
     # formed W and U, 96 registers won: 0.93 → 0.87, run 2)
     "prefill_prepare_warps": 4, "prefill_prepare_stages": None, "prefill_prepare_maxnreg": None,
@@ -111,8 +113,14 @@ TUNING = {
     "prep_inverse": "tf32",
     # the inference forward as a pipeline of this many segments of chunks (`pipelined`; 1: none): each segment's
     # state pass (latency-bound, a few programs per SM) runs on a high-priority side stream beside the next
-    # segment's prepare (throughput-bound), instead of after the whole prepare
-    "prefill_segments": 1,
+    # segment's prepare (throughput-bound), instead of after the whole prepare. Session 22 run 1 (16-token chunks;
+    # 1 / 2 / 4 / 8 segments): K3 shape (192 programs) 1.655 / 1.537 / 1.502 / 1.523 ms, H = 64 1.260 / 1.135 /
+    # 1.094 / 1.089, T = 32768 H = 32 3.835 / 3.523 / 3.377 / 3.331; 16 segments lose (1.61, 1.80)
+    "prefill_segments": 4,
+    # ... only while the state pass has at most this many programs (None: two per SM, one wave): with several waves
+    # the state pass is throughput-bound itself, and the pipeline lost or tied (varlen6 / varlen8 at H = 96, 1152
+    # and 1536 programs: 1.722 / 1.630 ms alone, 1.748 / 1.748 at 4 segments, 1.738 / 1.637 at 2)
+    "prefill_pipeline_max_programs": None,
 }
 # (Sessions 11-12 had a "few programs" rule: BV 64 for the Ũ launch and 4-warp `_state_bwd` where the state passes
 # had one to two programs per SM. The 3-stage launches above beat it there too, `_state` 0.52 → 0.43 ms at 8 × 4096,

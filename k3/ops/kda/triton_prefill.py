@@ -18,6 +18,9 @@ FlashKDA forward (CUDA); docs/kda-kernels.md §9 says what was taken over and wh
 - `_prefill_state`, one program per (value block, sequence, head), the chunks of a sequence in order. With S the
   state at the chunk's start: Ũ = U − W·S, O = Q_d·S + M·Ũ, S ← Diag(Γ_C)·S + K_rᵀ·Ũ. 32-token chunks halve its
   sequential steps (1.08 → 0.78 ms at the K3 shape, session 15).
+- Where the state pass fits in one wave (latency-bound, a few programs per SM), the two run as a pipeline of
+  segments of chunks (`pipelined`, `TUNING["prefill_segments"]`): each segment's state pass, on a high-priority
+  side stream, beside the next segment's prepare (K3 shape 1.655 → 1.502 ms at 4 segments, session 22 run 1).
 
 The state is kept transposed, X = Sᵀ [BV, K] fp32 in registers, so that it is the left operand of both products
 that read it (X·Wᵀ, X·Q_dᵀ) and the accumulator of the one that writes it (X·Γ_C + Ũᵀ·K_r): it never goes through
@@ -227,7 +230,7 @@ def prefill_applies(plan, H: int, V: int) -> bool:
     """Whether these kernels are the faster inference forward here: their state pass walks each sequence in 2× (4×
     at 16-token chunks) the steps of the 64-token one with half its value blocks, so it needs enough (value block,
     sequence, head) programs to fill the GPU (session 14, 16-token chunks: 1.20-1.31× faster at 192 and 128
-    programs, 0.64× at 64)."""
+    programs, 0.64× at 64; session 22, 32-token chunks as a pipeline: 1.40× faster at 64)."""
     return TUNING["prefill"] and _state_programs(plan, H, V) >= TUNING["prefill_min_programs"]
 
 
@@ -236,20 +239,28 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+def _one_wave(limit, device: torch.device) -> int:
+    return 2 * _sm_count(device) if limit is None else limit
+
+
 def prefill_chunk_for(plan, H: int, V: int, device: torch.device) -> int:
-    """The inference forward's chunk: `TUNING["prefill_chunk"]` (16 by default); 32 only while the state pass's (value
-    block, sequence, head) programs fit in one wave, `TUNING["prefill_chunk32_max_programs"]` (None: two per SM, as many
-    as its registers allow); 16 beyond. One wave is latency-bound, and 32-token chunks halve its sequential steps
-    (K3 shape, 192 programs: 1.97 against 2.02 ms); several waves are throughput-bound, and there the 16-token
-    chunks' smaller products and the join they skip win (varlen 6 and 8 documents, 1152 and 1536 programs: 2.19
-    and 2.13 ms at 32 against 2.10 and 2.00 at 16; session 15 run 5, session 14 run 4)."""
+    """The inference forward's chunk: 32 while the state pass's (value block, sequence, head) programs are at most
+    `TUNING["prefill_chunk32_max_programs"]` (None: two per SM) and `TUNING["prefill_chunk"]` is 32; 16 beyond, or
+    always with `prefill_chunk` 16. Few programs are latency-bound, and 32-token chunks halve their sequential steps
+    (T = 32768 H = 32, 64 programs: 2.705 against 3.377 ms, session 22 run 1); more are throughput-bound, and there
+    the 16-token chunks' smaller products and the join they skip win (192 programs: 1.502 against 1.709 ms)."""
     C = TUNING["prefill_chunk"]
     if C not in (16, 32):
         raise ValueError(f"TUNING['prefill_chunk'] must be 16 or 32, got {C}")
-    limit = TUNING["prefill_chunk32_max_programs"]
-    if limit is None:
-        limit = 2 * _sm_count(device)
+    limit = _one_wave(TUNING["prefill_chunk32_max_programs"], device)
     return C if C == 16 or _state_programs(plan, H, V) <= limit else 16
+
+
+def prefill_segments_for(plan, H: int, V: int, device: torch.device) -> int:
+    """How many pipeline segments the inference forward runs in (`pipelined`): `TUNING["prefill_segments"]` while the
+    state pass fits in one wave (`prefill_pipeline_max_programs`, None: two programs per SM), else 1."""
+    limit = _one_wave(TUNING["prefill_pipeline_max_programs"], device)
+    return TUNING["prefill_segments"] if _state_programs(plan, H, V) <= limit else 1
 
 
 def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes,
@@ -281,7 +292,7 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     M = torch.empty(TT, H, C, dtype=hi, device=dev)
     gc = torch.empty(max(plan_c.NT, 1), H, K, dtype=torch.float32, device=dev)
     ht_run = ht
-    segments = segment_bounds(plan_c.NT, TUNING["prefill_segments"])
+    segments = segment_bounds(plan_c.NT, prefill_segments_for(plan, H, V, dev))
     if len(segments) > 1 and ht is None:
         ht_run = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev)  # the state between segments
     common = dict(H=H, K=K, V=V, G_MIN=g_min, SCORES_BF16=lo == torch.bfloat16,
