@@ -224,30 +224,6 @@ def _fwd_bwd(inputs, dev, seed=21, **kw):
     return [o.detach(), S.detach(), *hs] + [x.grad for x in leaves]
 
 
-def test_training_pipeline_segments_give_the_same_results(dev, monkeypatch):
-    """The training forward (prepare, then `_state`) and the backward (`_state_bwd` last segment first, then the chunk
-    kernels per segment) as pipelines of segments (`state_segments`, `state_bwd_segments`; on a GPU on two streams)
-    give bit-identical outputs, chunk-start states and gradients: packed documents that start, end and lie wholly
-    inside segments, empty ones first, in the middle and last, an initial state and dht; with the forward's
-    intermediates kept and recomputed."""
-    from k3.ops.kda import triton_chunk as tc
-
-    cu = [0, 0, 70, 71, 201, 201, 218, 218]
-    inputs = make_raw(1, cu[-1], 2, 32, 32, seed=44, N=len(cu) - 1)
-    kw = dict(cu_seqlens=torch.tensor(cu, device=dev), return_chunk_states=True)
-    runs = {}
-    for fwd_segments, bwd_segments, save in ((1, 1, True), (3, 2, True), (64, 5, False), (2, 64, True)):
-        monkeypatch.setitem(tc.TUNING, "state_segments", fwd_segments)
-        monkeypatch.setitem(tc.TUNING, "state_bwd_segments", bwd_segments)
-        runs[fwd_segments, bwd_segments, save] = _fwd_bwd([x.clone() for x in inputs], dev, save_intermediates=save,
-                                                          **kw)  # fresh leaves per run (CPU .to returns x itself)
-    base = runs.pop((1, 1, True))
-    names = ("o", "S", "hs") + NAMES
-    for key, run in runs.items():
-        for name, a, b in zip(names, base, run):
-            assert torch.equal(a, b), (key, name)
-
-
 @pytest.mark.parametrize("case", cases("bf16", "fp32", "varlen_all_bf16_state_bf16", "varlen_bf16_2slices",
                                        gpu_only=("bf16", "varlen_all_bf16_state_bf16")))
 def test_saved_intermediates_match_recompute_bitwise(dev, monkeypatch, case):

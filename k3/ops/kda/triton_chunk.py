@@ -53,7 +53,7 @@ from k3.ops import interpreting
 from k3.ops.kda.triton_common import (CHUNK, SUB, TUNING, _bp, _cast, _check_device, _chunk_coords, _exp,
                                       _gate_from, _gate_inputs, _gate_tile, _inv16, _inverse_precision,
                                       _launch_options, _load_beta, _load_block, _mm, _mm32, _sequence_coords,
-                                      _state_mm, _store_block, inter_dtypes, make_plan, pipeline_segments, pipelined)
+                                      _state_mm, _store_block, inter_dtypes, make_plan)
 from k3.ops.kda.triton_prefill import prefill_applies, prefill_forward
 
 
@@ -345,49 +345,36 @@ def _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, ut, bos, L, c0, i_h, i_v, of
 
 
 @triton.jit
-def _state(w, u, qg, kd, aqk, gc, h0, o, ht, hs, ut, cu, chunk_off, c_lo, c_hi,
+def _state(w, u, qg, kd, aqk, gc, h0, o, ht, hs, ut, cu, chunk_off,
            H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
            USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_HS: tl.constexpr, WRITE_O: tl.constexpr,
-           STORE_UT: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, SEGMENT: tl.constexpr,
-           INTERP: tl.constexpr):
+           STORE_UT: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """One (value block, sequence, head): the chunk-to-chunk state hand-off, in order, state in registers.
 
     Per chunk: Ũ = U − W·S; O = (Q⊙Γ)·S + Aqk·Ũ; S ← Diag(exp(G_C))·S + (K⊙exp(G_C − G))ᵀ·Ũ.
     hs (optional) receives S at every chunk start, ht the final state, ut (with STORE_UT) Ũ.
-    SEGMENT (a pipeline segment, `_fwd`): only the chunks with global index in [c_lo, c_hi), the state carried
-    between segments in ht, as `triton_prefill._prefill_state` does.
     """
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_h, bos, L, c0, n_chunks = _sequence_coords(cu, chunk_off, i_nh, H, C)
     off_s = tl.arange(0, K)[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]  # [K, BV]
-    j_lo = 0
-    j_hi = n_chunks
-    if SEGMENT:
-        # j stays int32, as the block pointers' offsets need
-        j_lo = tl.maximum(c_lo - c0.to(tl.int32), 0)
-        j_hi = tl.minimum(c_hi - c0.to(tl.int32), n_chunks)
-    if (j_lo < j_hi) | ((n_chunks == 0) & (c_lo == 0)):
-        if j_lo > 0:
-            S = tl.load(ht + i_nh.to(tl.int64) * K * V + off_s)
-        elif USE_H0:
-            S = tl.load(h0 + i_nh.to(tl.int64) * K * V + off_s).to(tl.float32)
-        else:
-            S = tl.zeros([K, BV], dtype=tl.float32)
-        # The interpreter cannot take a loaded scalar as a `range` bound; compiled code needs `for` to pipeline
-        # loads.
-        if INTERP:
-            j = j_lo
-            while j < j_hi:
-                S = _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, ut, bos, L, c0, i_h, i_v, off_s, H, K, V, BV, C,
-                                STORE_HS, WRITE_O, STORE_UT, BF16, SPLIT, INTERP)
-                j += 1
-        else:
-            for j in range(j_lo, j_hi):
-                S = _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, ut, bos, L, c0, i_h, i_v, off_s, H, K, V, BV, C,
-                                STORE_HS, WRITE_O, STORE_UT, BF16, SPLIT, INTERP)
-        if STORE_HT:
-            tl.store(ht + i_nh.to(tl.int64) * K * V + off_s, S)
+    if USE_H0:
+        S = tl.load(h0 + i_nh.to(tl.int64) * K * V + off_s).to(tl.float32)
+    else:
+        S = tl.zeros([K, BV], dtype=tl.float32)
+    # The interpreter cannot take a loaded scalar as a `range` bound; compiled code needs `for` to pipeline loads.
+    if INTERP:
+        j = 0
+        while j < n_chunks:
+            S = _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, ut, bos, L, c0, i_h, i_v, off_s, H, K, V, BV, C,
+                            STORE_HS, WRITE_O, STORE_UT, BF16, SPLIT, INTERP)
+            j += 1
+    else:
+        for j in range(n_chunks):
+            S = _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, ut, bos, L, c0, i_h, i_v, off_s, H, K, V, BV, C,
+                            STORE_HS, WRITE_O, STORE_UT, BF16, SPLIT, INTERP)
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + off_s, S)
 
 
 # backward kernels
@@ -437,46 +424,32 @@ def _state_bwd_step(dS, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v
 
 
 @triton.jit
-def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off, c_lo, c_hi, lead,
+def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
                H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-               USE_DHT: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, SEGMENT: tl.constexpr,
-               INTERP: tl.constexpr):
+               USE_DHT: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """One (value block, sequence, head): the state gradient, last chunk first.
 
     Writes dŨ [TT, H, V], the state gradient at every chunk end (dse) and at the start (dh0).
-    SEGMENT (a pipeline segment, `_bwd`, taken last segment first): only the chunks with global index in
-    [c_lo, c_hi); the state gradient starts from dht (or zero) at the sequence's last chunk and from dh0 otherwise,
-    and goes back to dh0. An empty sequence writes its dh0 in the lead (first taken) segment.
     """
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_h, bos, L, c0, n_chunks = _sequence_coords(cu, chunk_off, i_nh, H, C)
     off_s = tl.arange(0, K)[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
-    j_lo = 0
-    j_hi = n_chunks
-    carried = False  # whether the segment after this one left its state gradient in dh0
-    if SEGMENT:
-        j_lo = tl.maximum(c_lo - c0.to(tl.int32), 0)
-        j_hi = tl.minimum(c_hi - c0.to(tl.int32), n_chunks)
-        carried = j_hi < n_chunks
-    if (j_lo < j_hi) | ((n_chunks == 0) & (lead == 1)):
-        if carried:
-            dS = tl.load(dh0 + i_nh.to(tl.int64) * K * V + off_s)
-        elif USE_DHT:
-            dS = tl.load(dht + i_nh.to(tl.int64) * K * V + off_s).to(tl.float32)
-        else:
-            dS = tl.zeros([K, BV], dtype=tl.float32)
-        if INTERP:
-            j = j_hi - 1
-            while j >= j_lo:
-                dS = _state_bwd_step(dS, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v, off_s,
-                                     H, K, V, BV, C, BF16, SPLIT, INTERP)
-                j -= 1
-        else:
-            for jj in range(j_lo, j_hi):
-                dS = _state_bwd_step(dS, j_hi - 1 - (jj - j_lo), qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h,
-                                     i_v, off_s, H, K, V, BV, C, BF16, SPLIT, INTERP)
-        tl.store(dh0 + i_nh.to(tl.int64) * K * V + off_s, dS)
+    if USE_DHT:
+        dS = tl.load(dht + i_nh.to(tl.int64) * K * V + off_s).to(tl.float32)
+    else:
+        dS = tl.zeros([K, BV], dtype=tl.float32)
+    if INTERP:
+        j = n_chunks - 1
+        while j >= 0:
+            dS = _state_bwd_step(dS, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v, off_s,
+                                 H, K, V, BV, C, BF16, SPLIT, INTERP)
+            j -= 1
+    else:
+        for jj in range(n_chunks):
+            dS = _state_bwd_step(dS, n_chunks - 1 - jj, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v,
+                                 off_s, H, K, V, BV, C, BF16, SPLIT, INTERP)
+    tl.store(dh0 + i_nh.to(tl.int64) * K * V + off_s, dS)
 
 
 @triton.jit
@@ -741,12 +714,11 @@ def _bwd_norms(q, k, b, qn_in, kn_in, dqh, dkh, db_in, db_part, dq, dk, dbl, TT,
 # host side
 
 
-def _prepare_launcher(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, store_t=False, store_norms=False):
-    """Allocate the chunk-local operands for `_prep_gate`, `_prep_intra`, `_prep_solve` and `_prep_wu` on flattened
-    [TT, H, ·] inputs; returns them, (W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, T if store_t else None, (‖q‖, ‖k‖)
-    [TT, H] fp32 if store_norms else None, G [TT, H, K] fp32 if store_t else None: the backward reads T, the norms
-    and G, an inference forward does not store ‖q‖ and drops G after its last launch), and `launch(c_lo, c_hi)`,
-    which runs the four kernels on chunks c_lo … c_hi − 1 (the chunk table and G_C sliced at c_lo)."""
+def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, store_t=False, store_norms=False):
+    """Launch `_prep_gate`, `_prep_intra`, `_prep_solve` and `_prep_wu` on flattened [TT, H, ·] inputs; returns the
+    chunk-local operands (W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, T if store_t else None, (‖q‖, ‖k‖) [TT, H] fp32
+    if store_norms else None, and G [TT, H, K] fp32 if store_t else None: the backward reads T, the norms and G, an
+    inference forward does not store ‖q‖ and frees G before `_state`)."""
     TT, H, K = q.shape
     V = v.shape[-1]
     lo, hi = dtypes
@@ -758,39 +730,34 @@ def _prepare_launcher(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
     Tm = torch.empty(TT, H, CHUNK, dtype=torch.float32, device=q.device)
     kn = torch.empty(TT, H, dtype=torch.float32, device=q.device)  # ‖k‖ per row
     qn = torch.empty_like(kn) if store_norms else None
-    # the in-chunk cumulative gate: 4·TT·H·K bytes (384 MiB at the K3 shape), dropped after the prepare unless a
-    # backward reads it
-    G = torch.empty(TT, H, K, dtype=torch.float32, device=q.device) if plan.NT > 0 else None
-    interp = interpreting()
-    SK, SV = min(K, 64), min(V, 64)
-
-    def launch(c_lo, c_hi):
-        n = c_hi - c_lo
-        chunks, gcs = plan.chunk_idx[c_lo:c_hi], gc[c_lo:c_hi]
-        _prep_gate[(n, H)](k, z, A_log, dt_bias, plan.cu, chunks, G, gcs, kn, H=H, K=K, C=CHUNK, BC=SUB,
-                           G_MIN=g_min, **_launch_options("prep_gate"))
-        _prep_intra[(n * (CHUNK // SUB), H)](q, k, b, G, kn, plan.cu, chunks, Qg, Aqk, Tm,
-                                             qn if store_norms else kn, scale,
-                                             H=H, K=K, C=CHUNK, BC=SUB, SCORES_BF16=lo == torch.bfloat16,
-                                             STORE_QN=store_norms, INVERSE=_inverse_precision("prep", q.dtype),
-                                             INTERP=interp, **_launch_options("prep_intra"))
-        _prep_solve[(n, H)](Tm, plan.cu, chunks, H=H, C=CHUNK, BC=SUB, INTERP=interp,
-                            **_launch_options("prep_solve"))
-        _prep_wu[(n * (K // SK + V // SV), H)](k, v, b, G, gcs, plan.cu, chunks, Tm, kn, W, U, Kd,
-                                               H=H, K=K, V=V, C=CHUNK, SK=SK, SV=SV, INTERP=interp,
-                                               **_launch_options("prep_wu"))
-
-    operands = (W, U, Qg, Kd, Aqk, gc, (Tm if store_t else None), ((qn, kn) if store_norms else None),
-                (G if store_t else None))
-    return operands, launch
+    G = None
+    if plan.NT > 0:
+        interp = interpreting()
+        # the in-chunk cumulative gate: 4·TT·H·K bytes (384 MiB at the K3 shape), freed before `_state` unless a
+        # backward reads it
+        G = torch.empty(TT, H, K, dtype=torch.float32, device=q.device)
+        _prep_gate[(plan.NT, H)](k, z, A_log, dt_bias, plan.cu, plan.chunk_idx, G, gc, kn, H=H, K=K, C=CHUNK, BC=SUB,
+                                 G_MIN=g_min, **_launch_options("prep_gate"))
+        _prep_intra[(plan.NT * (CHUNK // SUB), H)](q, k, b, G, kn, plan.cu, plan.chunk_idx, Qg, Aqk, Tm,
+                                                     qn if store_norms else kn, scale,
+                                                     H=H, K=K, C=CHUNK, BC=SUB, SCORES_BF16=lo == torch.bfloat16,
+                                                     STORE_QN=store_norms,
+                                                     INVERSE=_inverse_precision("prep", q.dtype), INTERP=interp,
+                                                     **_launch_options("prep_intra"))
+        _prep_solve[(plan.NT, H)](Tm, plan.cu, plan.chunk_idx, H=H, C=CHUNK, BC=SUB, INTERP=interp,
+                                  **_launch_options("prep_solve"))
+        SK, SV = min(K, 64), min(V, 64)
+        _prep_wu[(plan.NT * (K // SK + V // SV), H)](k, v, b, G, gc, plan.cu, plan.chunk_idx, Tm, kn, W, U, Kd,
+                                                       H=H, K=K, V=V, C=CHUNK, SK=SK, SV=SV, INTERP=interp,
+                                                       **_launch_options("prep_wu"))
+    return (W, U, Qg, Kd, Aqk, gc, (Tm if store_t else None), ((qn, kn) if store_norms else None),
+            (G if store_t else None))
 
 
-def _state_launcher(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht=False, want_hs=False,
-                    state_bf16=False, want_ut=False, training=False, segmented=False):
-    """Allocate `_state`'s outputs; returns them, (o [TT, H, V] or None, final state [N, H, K, V] or None,
-    chunk-start states or None, Ũ = U − W·S [TT, H, V] in U's dtype if want_ut else None), and `launch(c_lo, c_hi)`,
-    which runs `_state` on chunks c_lo … c_hi − 1 (all of them unless segmented: then the state is carried between
-    launches in the final-state buffer, scratch if not wanted). training: a backward can follow (a training
+def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht=False, want_hs=False,
+               state_bf16=False, want_ut=False, training=False):
+    """Launch `_state`; returns (o [TT, H, V] or None, final state [N, H, K, V] or None, chunk-start states or None,
+    Ũ = U − W·S [TT, H, V] in U's dtype if want_ut else None). training: a backward can follow (a training
     forward, the backward's recompute), so the products are the `state_split` ones (else `state_split_inference`)."""
     TT, H, K = W.shape
     V = U.shape[-1]
@@ -798,61 +765,20 @@ def _state_launcher(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, wa
     key = "state_ut" if want_ut else "state"
     BV = min(V, TUNING[f"{key}_bv"])
     o = torch.empty(TT, H, V, dtype=out_dtype, device=dev) if write_o else None
-    ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht or segmented else None
+    ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
     hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=torch.float32, device=dev) if want_hs else None
     ut = torch.empty_like(U) if want_ut else None
     state_bf16 = state_bf16 or TUNING["state_bf16"]
     split = TUNING["state_split" if training else "state_split_inference"] and not state_bf16
     dummy = gc
-
-    def launch(c_lo, c_hi):
-        _state[(V // BV, plan.N * H)](W, U, Qg, Kd, Aqk, gc, h0 if h0 is not None else dummy,
-                                      o if o is not None else dummy, ht if ht is not None else dummy,
-                                      hs if hs is not None else dummy, ut if ut is not None else dummy,
-                                      plan.cu, plan.chunk_off, c_lo, c_hi,
-                                      H=H, K=K, V=V, BV=BV, C=CHUNK, USE_H0=h0 is not None, STORE_HT=ht is not None,
-                                      STORE_HS=want_hs, WRITE_O=write_o, STORE_UT=want_ut, BF16=state_bf16,
-                                      SPLIT=split, SEGMENT=segmented, INTERP=interpreting(), **_launch_options(key))
-
-    return (o, ht if want_ht else None, hs, ut), launch
-
-
-def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, store_t=False, store_norms=False):
-    """`_prepare_launcher`'s operands, its kernels launched on every chunk; G is freed on return unless kept."""
-    operands, launch = _prepare_launcher(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
-                                         store_t=store_t, store_norms=store_norms)
-    if plan.NT > 0:
-        launch(0, plan.NT)
-    return operands
-
-
-def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, **kw):
-    """`_state_launcher`'s outputs, `_state` launched on every chunk."""
-    outputs, launch = _state_launcher(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, **kw)
-    launch(0, plan.NT)
-    return outputs
-
-
-def _state_programs(plan, H: int, V: int, key: str) -> int:
-    """A state pass's (value block, sequence, head) programs."""
-    return plan.N * H * max(V // TUNING[f"{key}_bv"], 1)
-
-
-def _prepare_and_state(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, dtypes, store_t, store_norms,
-                       **state):
-    """The prepare kernels, then `_state` (`_fwd_prepare`, `_fwd_state(**state)`), as a pipeline of segments of
-    chunks where the state pass has few programs (`pipeline_segments`, TUNING["state_segments"]): each segment's
-    `_state` on a high-priority side stream beside the next segment's prepare. Returns both's outputs."""
-    prep = dict(store_t=store_t, store_norms=store_norms)
-    key = "state_ut" if state.get("want_ut") else "state"
-    segments = pipeline_segments(plan.NT, _state_programs(plan, q.shape[1], v.shape[-1], key), q.device, "state")
-    if len(segments) <= 1:
-        operands = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, **prep)
-        return operands, _fwd_state(*operands[:6], h0, plan, **state)
-    operands, prepare = _prepare_launcher(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, **prep)
-    outputs, state_pass = _state_launcher(*operands[:6], h0, plan, segmented=True, **state)
-    pipelined(q.device, len(segments), lambda i: prepare(*segments[i]), lambda i: state_pass(*segments[i]))
-    return operands, outputs
+    _state[(V // BV, plan.N * H)](W, U, Qg, Kd, Aqk, gc, h0 if h0 is not None else dummy,
+                                  o if o is not None else dummy, ht if ht is not None else dummy,
+                                  hs if hs is not None else dummy, ut if ut is not None else dummy,
+                                  plan.cu, plan.chunk_off,
+                                  H=H, K=K, V=V, BV=BV, C=CHUNK, USE_H0=h0 is not None, STORE_HT=want_ht,
+                                  STORE_HS=want_hs, WRITE_O=write_o, STORE_UT=want_ut, BF16=state_bf16, SPLIT=split,
+                                  INTERP=interpreting(), **_launch_options(key))
+    return o, ht, hs, ut
 
 
 def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes, state_bf16,
@@ -866,12 +792,10 @@ def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs
     `_state` launch as o, with the same `state_bf16`: storing them does not change the arithmetic (and `_bwd`
     recomputes them with `state_bf16` as well), so the gradients are bit-identical either way.
     """
-    operands, outputs = _prepare_and_state(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, dtypes,
-                                           store_t=keep, store_norms=keep, out_dtype=v.dtype, want_ht=want_ht,
-                                           want_hs=want_hs or keep, state_bf16=state_bf16, want_ut=keep,
-                                           training=training)
-    W, U, Qg, Kd, Aqk, gc, Tm, norms, G = operands
-    o, ht, hs, ut = outputs
+    W, U, Qg, Kd, Aqk, gc, Tm, norms, G = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
+                                                       store_t=keep, store_norms=keep)
+    o, ht, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, want_ht=want_ht, want_hs=want_hs or keep,
+                               state_bf16=state_bf16, want_ut=keep, training=training)
     # U is not needed by the backward
     kept = (W, Qg, Kd, Aqk, gc, Tm, hs, ut, G) + norms if keep else None
     return o, ht, (hs if want_hs else None), kept
@@ -901,12 +825,11 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
                          f"2-3 stages only, not {launch} (TUNING): with 1 stage the build computed wrong gradients "
                          "or faulted (docs/kda-kernels.md §7 item 20)")
     if inter is None:
-        operands, outputs = _prepare_and_state(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, dtypes,
-                                               store_t=True, store_norms=True, out_dtype=v.dtype, write_o=False,
-                                               want_hs=True, state_bf16=state_bf16, want_ut=True, training=True)
-        W, U, Qg, Kd, Aqk, gc, Tm, norms, G = operands
-        _, _, hs, ut = outputs
-        del U, operands, outputs
+        W, U, Qg, Kd, Aqk, gc, Tm, norms, G = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan,
+                                                           dtypes, store_t=True, store_norms=True)
+        _, _, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, write_o=False, want_hs=True,
+                                  state_bf16=state_bf16, want_ut=True, training=True)
+        del U
     else:
         W, Qg, Kd, Aqk, gc, Tm, hs, ut, G, *norms = inter
         del inter
@@ -917,21 +840,11 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     dh0 = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev)
     interp = interpreting()
     qn, kn = norms
-    segments = pipeline_segments(plan.NT, plan.N * H * max(V // TUNING["state_bwd_bv"], 1), dev, "state_bwd")
-    segmented = len(segments) > 1
-    segments = segments[::-1] or [(0, 0)]  # last segment first
-
-    def state_bwd(i):
-        c_lo, c_hi = segments[i]
-        _state_bwd[(V // BV, plan.N * H)](Qg, Kd, Aqk, W, gc, do, dht if dht is not None else dh0, du, dse, dh0,
-                                          plan.cu, plan.chunk_off, c_lo, c_hi, int(i == 0), H=H, K=K, V=V, BV=BV,
-                                          C=CHUNK, USE_DHT=dht is not None, BF16=products == "bf16",
-                                          SPLIT=products == "split", SEGMENT=segmented, INTERP=interp, **launch)
-
-    if not segmented:
-        state_bwd(0)
-        # before the chunk kernels' scratch (kept ones live on in the autograd context until the backward returns)
-        del W, Qg, Kd, Aqk
+    _state_bwd[(V // BV, plan.N * H)](Qg, Kd, Aqk, W, gc, do, dht if dht is not None else dh0, du, dse, dh0,
+                                      plan.cu, plan.chunk_off, H=H, K=K, V=V, BV=BV, C=CHUNK,
+                                      USE_DHT=dht is not None, BF16=products == "bf16", SPLIT=products == "split",
+                                      INTERP=interp, **launch)
+    del W, Qg, Kd, Aqk  # (kept ones live on in the autograd context until the backward returns)
     dv = torch.empty_like(v)
     dqh = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
     dkh = torch.empty_like(dqh)
@@ -945,58 +858,41 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     NS = K // SK
     SKG = min(K, TUNING["bwd_gate_cols"])
     NSG = K // SKG
-    SKV = min(K, TUNING["bwd_vk_cols"])
-    NSV = K // SKV
     dA_part = torch.zeros(NT, H, NSG, dtype=torch.float32, device=dev)
     dbias_part = torch.zeros(NT, H, K, dtype=torch.float32, device=dev)
-    db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
-    BT = TUNING["bwd_norms_rows"]
-
-    def chunk_passes(i):
-        """The chunk kernels on segment i's chunks: their chunk table and every per-chunk tensor sliced at its first
-        chunk, the row-wise `_bwd_norms` on its rows."""
-        c_lo, c_hi = segments[i]
-        n = c_hi - c_lo
-        if n == 0:
-            return
-        chunks = plan.chunk_idx[c_lo:c_hi]
-        dGs = dG[c_lo:c_hi]
+    if plan.NT > 0:
         # the value side over key slices from Ũ (docs/kda-kernels.md §7 item 13); dT and dβ leave each slice as
-        # partials for `_bwd_vv` (the segment's own: allocated per segment, freed after it)
-        dtk = torch.empty(n, H, NSV, CHUNK, CHUNK, dtype=torch.float32, device=dev)
-        dbk = torch.empty(n, H, NSV, CHUNK, dtype=torch.float32, device=dev)
+        # partials for `_bwd_vv`
+        SKV = min(K, TUNING["bwd_vk_cols"])
+        NSV = K // SKV
+        dtk = torch.empty(plan.NT, H, NSV, CHUNK, CHUNK, dtype=torch.float32, device=dev)
+        dbk = torch.empty(plan.NT, H, NSV, CHUNK, dtype=torch.float32, device=dev)
         # K = 16 with BV = 32 faulted (illegal address, in the value-side kernel of the time) on the H200; BV = 16
         # runs (docs/kda-kernels.md, runs 8-9)
-        _bwd_vk[(n * NSV, H)](q, k, b, G, gc[c_lo:c_hi], qn, kn, plan.cu, chunks, Tm, hs[c_lo:c_hi],
-                              dse[c_lo:c_hi], do, du, ut, dqh, dkh, dGs, dtk, dbk, scale, H=H, K=K, V=V, SK=SKV,
-                              BV=min(V, TUNING["bwd_vk_bv"]) if K > 16 else 16, C=CHUNK,
-                              **_launch_options("bwd_vk"))
-        _bwd_vv[(n, H)](v, b, plan.cu, chunks, Tm, do, du, ut, dtk, dbk, dv, daqk, dakk, dbeta,
-                        H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, INTERP=interp,
-                        **_launch_options("bwd_vv"))
-        del dtk, dbk
+        _bwd_vk[(plan.NT * NSV, H)](q, k, b, G, gc, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du, ut, dqh,
+                                    dkh, dG, dtk, dbk, scale, H=H, K=K, V=V, SK=SKV,
+                                    BV=min(V, TUNING["bwd_vk_bv"]) if K > 16 else 16, C=CHUNK,
+                                    **_launch_options("bwd_vk"))
+        _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, dtk, dbk, dv, daqk, dakk, dbeta,
+                              H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, INTERP=interp,
+                              **_launch_options("bwd_vv"))
+        del dtk, dbk, ut
         # per (16-row block, key slice): the score side (docs/kda-kernels.md §7 item 22); then per (key slice,
         # chunk) the reverse cumsum and the gate chain, and per row the norm and σ' chains
-        _bwd_k_block[(n * NS * (CHUNK // SUB), H)](q, k, b, G, qn, kn, plan.cu, chunks, dqh, dkh, dGs,
-                                                   daqk, dakk, db_part, scale, H=H, K=K, SK=SK, C=CHUNK,
-                                                   BC=SUB, INTERP=interp, **_launch_options("bwd_k"))
-        _bwd_gate[(n * NSG, H)](z, A_log, dt_bias, plan.cu, chunks, dGs, dz, dA_part[c_lo:c_hi],
-                                dbias_part[c_lo:c_hi], H=H, K=K, SK=SKG, C=CHUNK, G_MIN=g_min, INTERP=interp,
-                                **_launch_options("bwd_gate"))
-        r_lo, r_hi = plan.rows(c_lo, c_hi)
-        rows = slice(r_lo, r_hi)
-        _bwd_norms[(triton.cdiv(r_hi - r_lo, BT), H)](q[rows], k[rows], b[rows], qn[rows], kn[rows], dqh[rows],
-                                                      dkh[rows], dbeta[rows], db_part[rows], dq[rows], dk[rows],
-                                                      db[rows], r_hi - r_lo, scale, H=H, K=K, NS=NS, BT=BT,
-                                                      INTERP=interp, **_launch_options("bwd_norms"))
-
-    if segmented:
-        # `_state_bwd` (latency-bound) on a high-priority side stream, segment by segment, each segment's chunk
-        # kernels on the current stream after it
-        pipelined(dev, len(segments), state_bwd, chunk_passes, scan="produce")
+        db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
+        _bwd_k_block[(plan.NT * NS * (CHUNK // SUB), H)](q, k, b, G, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG,
+                                                         daqk, dakk, db_part, scale, H=H, K=K, SK=SK, C=CHUNK,
+                                                         BC=SUB, INTERP=interp,
+                                                         **_launch_options("bwd_k"))
+        del G
+        _bwd_gate[(plan.NT * NSG, H)](z, A_log, dt_bias, plan.cu, plan.chunk_idx, dG, dz, dA_part, dbias_part,
+                                      H=H, K=K, SK=SKG, C=CHUNK, G_MIN=g_min, INTERP=interp,
+                                      **_launch_options("bwd_gate"))
+        BT = TUNING["bwd_norms_rows"]
+        _bwd_norms[(triton.cdiv(TT, BT), H)](q, k, b, qn, kn, dqh, dkh, dbeta, db_part, dq, dk, db, TT, scale, H=H,
+                                             K=K, NS=NS, BT=BT, INTERP=interp,
+                                             **_launch_options("bwd_norms"))
     else:
-        chunk_passes(0)
-    if plan.NT == 0:
         dv.zero_()
     dA_log = dA_part.sum((0, 2)).to(A_log.dtype)
     ddt_bias = dbias_part.sum(0).reshape(-1).to(dt_bias.dtype)

@@ -121,12 +121,6 @@ TUNING = {
     # the state pass is throughput-bound itself, and the pipeline lost or tied (varlen6 / varlen8 at H = 96, 1152
     # and 1536 programs: 1.722 / 1.630 ms alone, 1.748 / 1.748 at 4 segments, 1.738 / 1.637 at 2)
     "prefill_pipeline_max_programs": None,
-    # the training forward (the prepare kernels, then `_state` storing Ũ) and the backward (`_state_bwd`, last
-    # segment first, then the chunk kernels on each segment) as pipelines of this many segments of chunks
-    # (`pipelined`; 1: none), while the state pass has at most *_pipeline_max_programs (value block, sequence, head)
-    # programs (None: four per SM). Untimed: off until measured
-    "state_segments": 1, "state_pipeline_max_programs": None,
-    "state_bwd_segments": 1, "state_bwd_pipeline_max_programs": None,
 }
 # (Sessions 11-12 had a "few programs" rule: BV 64 for the Ũ launch and 4-warp `_state_bwd` where the state passes
 # had one to two programs per SM. The 3-stage launches above beat it there too, `_state` 0.52 → 0.43 ms at 8 × 4096,
@@ -156,49 +150,26 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device, priority=-1)  # the highest priority: its blocks are scheduled first
 
 
-def pipelined(device: torch.device, n: int, produce, consume, scan: str = "consume") -> None:
-    """produce(i), then consume(i), for i in range(n), with consume(i) overlapping produce(i + 1). On CUDA the `scan`
-    role ("produce" or "consume": the latency-bound state pass, a few programs per SM) runs on a high-priority side
-    stream, so its blocks are scheduled first, and the other on the current stream; each consume(i) waits for
-    produce(i) (an event), the scan's calls run in order on their stream, and the current stream ends after all of
-    it, so whatever follows (and the caching allocator's reuse of memory either used) is ordered after it.
-    Elsewhere (CPU, the Triton interpreter) the calls run in that order. Works under CUDA graph capture (the events
-    become the graph's edges)."""
-    if scan not in ("produce", "consume"):
-        raise ValueError(f"scan is 'produce' or 'consume', not {scan!r}")
+def pipelined(device: torch.device, n: int, produce, consume) -> None:
+    """produce(i), then consume(i), for i in range(n), with consume(i) overlapping produce(i + 1): on CUDA the
+    producers run on the current stream and the consumers, in order, on a high-priority side stream, each after its
+    producer (an event); the current stream then waits for the side stream, so whatever follows (and the caching
+    allocator's reuse of the memory both used) is ordered after all of it. Elsewhere (CPU, the Triton interpreter)
+    the calls run in that order. Works under CUDA graph capture (the events become the graph's edges)."""
     if device.type != "cuda" or n <= 1:
         for i in range(n):
             produce(i)
             consume(i)
         return
     main, side = torch.cuda.current_stream(device), _side_stream(device)
-    if scan == "consume":
-        for i in range(n):
-            produce(i)
-            ready = torch.cuda.Event()
-            ready.record(main)
-            side.wait_event(ready)
-            with torch.cuda.stream(side):
-                consume(i)
-        main.wait_stream(side)
-    else:
-        side.wait_stream(main)
-        for i in range(n):
-            with torch.cuda.stream(side):
-                produce(i)
-            ready = torch.cuda.Event()
-            ready.record(side)
-            main.wait_event(ready)
+    for i in range(n):
+        produce(i)
+        ready = torch.cuda.Event()
+        ready.record(main)
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
             consume(i)
-
-
-def pipeline_segments(n_chunks: int, programs: int, device: torch.device, key: str) -> list[tuple[int, int]]:
-    """The pipeline segments of a launch (`segment_bounds`): TUNING[f"{key}_segments"] while the state pass's
-    `programs` are at most TUNING[f"{key}_pipeline_max_programs"] (None: four per SM), else one."""
-    limit = TUNING[f"{key}_pipeline_max_programs"]
-    if limit is None:
-        limit = 4 * (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132)
-    return segment_bounds(n_chunks, TUNING[f"{key}_segments"] if programs <= limit else 1)
+    main.wait_stream(side)
 
 
 def _launch_options(kernel: str) -> dict:
@@ -421,13 +392,6 @@ class _Plan:
         self.cu = packed[: self.N + 1]
         self.chunk_off = packed[n: n + self.N + 1]  # [N+1]
         self.chunk_idx = packed[2 * n:].view(-1, 2)  # [NT, 2]
-        # each chunk's first token, and the total: the rows of a range of chunks (`rows`)
-        self._chunk_rows = [s + chunk * j for s, c in zip(offsets[:-1], counts) for j in range(c)] + [offsets[-1]]
-
-    def rows(self, c_lo: int, c_hi: int) -> tuple[int, int]:
-        """The token rows [first, end) of chunks c_lo … c_hi − 1: contiguous, as chunks are numbered in token order
-        and only empty documents lie between consecutive ones."""
-        return self._chunk_rows[c_lo], self._chunk_rows[c_hi]
 
 
 @functools.lru_cache(maxsize=16)
