@@ -80,9 +80,12 @@ TUNING = {
     # the training forward's kernels without their stores for a backward
     "prefill": True,
     # ... where the state pass has at least this many (value block, sequence, head) programs (`prefill_applies`)
-    # (session 22 run 1: 64 programs, T = 32768 H = 32, take 2.705 ms in 32-token chunks as a 4-segment pipeline,
-    # against 3.786 in the 64-token kernels; 128 before the pipeline)
-    "prefill_min_programs": 64,
+    # ... or at least prefill_long_min_programs where the layer has at least prefill_long_work token-heads (TT·H):
+    # at 64 programs a long sequence wins in 32-token chunks as a pipeline (T = 32768 H = 32, 2^20 token-heads:
+    # 2.738 ms against 3.798 in the 64-token kernels) and short ones lose (B = 4 T = 4096 H = 8, 2^17: 1.170 against
+    # 0.619, more launches for little work; session 22 runs 1-2)
+    "prefill_min_programs": 128,
+    "prefill_long_min_programs": 64, "prefill_long_work": 2 ** 20,
     # its chunk: 16 tokens, or 32 (two launches of `_prefill_prepare`, HALF 1 and 2) while the state pass has at most
     # prefill_chunk32_max_programs (value block, sequence, head) programs (`prefill_chunk_for`), else 16. With split
     # state products 32 won at one wave (K3 shape, 192 programs: 1.97 against 2.02 ms; session 15 run 3); with the
@@ -111,16 +114,20 @@ TUNING = {
     # run 2). (U stored in bf16 lost there: the state pass 0.78 → 0.82 ms at 32, 1.09 → 1.22 at 16.)
     "prefill_inverse": "tf32",
     "prep_inverse": "tf32",
-    # the inference forward as a pipeline of this many segments of chunks (`pipelined`; 1: none): each segment's
-    # state pass (latency-bound, a few programs per SM) runs on a high-priority side stream beside the next
-    # segment's prepare (throughput-bound), instead of after the whole prepare. Session 22 run 1 (16-token chunks;
-    # 1 / 2 / 4 / 8 segments): K3 shape (192 programs) 1.655 / 1.537 / 1.502 / 1.523 ms, H = 64 1.260 / 1.135 /
-    # 1.094 / 1.089, T = 32768 H = 32 3.835 / 3.523 / 3.377 / 3.331; 16 segments lose (1.61, 1.80)
-    "prefill_segments": 4,
-    # ... only while the state pass has at most this many programs (None: two per SM, one wave): with several waves
-    # the state pass is throughput-bound itself, and the pipeline lost or tied (varlen6 / varlen8 at H = 96, 1152
-    # and 1536 programs: 1.722 / 1.630 ms alone, 1.748 / 1.748 at 4 segments, 1.738 / 1.637 at 2)
-    "prefill_pipeline_max_programs": None,
+    # the inference forward as a pipeline of segments of chunks (`pipelined`, `prefill_segments_for`): each segment's
+    # state pass (latency-bound, a few programs per SM) runs on a high-priority side stream beside the next segment's
+    # prepare (throughput-bound), instead of after the whole prepare; one segment per prefill_segment_tokens tokens
+    # of the layer, at most prefill_segments. Session 22 run 1 (16-token chunks; 1 / 2 / 4 / 8 segments): K3 shape
+    # (192 programs) 1.655 / 1.537 / 1.502 / 1.523 ms, H = 64 1.260 / 1.135 / 1.094 / 1.089, T = 32768 H = 32
+    # 3.835 / 3.523 / 3.377 / 3.331 (32-token chunks: 4 segments 2.738, 8 2.623, run 2); 16 segments lose (1.61,
+    # 1.80)
+    "prefill_segments": 8, "prefill_segment_tokens": 2048,
+    # ... only while the state pass has at most prefill_pipeline_max_programs (None: two per SM, one wave): with
+    # several waves the state pass is throughput-bound itself, and the pipeline lost or tied (varlen6 / varlen8 at
+    # H = 96, 1152 and 1536 programs: 1.722 / 1.630 ms alone, 1.748 / 1.748 at 4 segments, 1.738 / 1.637 at 2); and
+    # with at least prefill_pipeline_min_work token-heads (TT·H): with little work the launches are the time (B = 4
+    # T = 4096 H = 8, 2^17 token-heads: 4 segments 1.170 ms, 8 1.972)
+    "prefill_pipeline_max_programs": None, "prefill_pipeline_min_work": 2 ** 19,
 }
 # (Sessions 11-12 had a "few programs" rule: BV 64 for the Ũ launch and 4-warp `_state_bwd` where the state passes
 # had one to two programs per SM. The 3-stage launches above beat it there too, `_state` 0.52 → 0.43 ms at 8 × 4096,

@@ -230,8 +230,11 @@ def prefill_applies(plan, H: int, V: int) -> bool:
     """Whether these kernels are the faster inference forward here: their state pass walks each sequence in 2× (4×
     at 16-token chunks) the steps of the 64-token one with half its value blocks, so it needs enough (value block,
     sequence, head) programs to fill the GPU (session 14, 16-token chunks: 1.20-1.31× faster at 192 and 128
-    programs, 0.64× at 64; session 22, 32-token chunks as a pipeline: 1.40× faster at 64)."""
-    return TUNING["prefill"] and _state_programs(plan, H, V) >= TUNING["prefill_min_programs"]
+    programs, 0.64× at 64), or long sequences, where 32-token chunks as a pipeline win with fewer (session 22: 1.39×
+    faster at 64 programs and 2^20 token-heads, 0.53× at 2^17; `prefill_long_*`)."""
+    programs = _state_programs(plan, H, V)
+    long = programs >= TUNING["prefill_long_min_programs"] and plan.offsets[-1] * H >= TUNING["prefill_long_work"]
+    return TUNING["prefill"] and (programs >= TUNING["prefill_min_programs"] or long)
 
 
 @functools.cache
@@ -257,10 +260,15 @@ def prefill_chunk_for(plan, H: int, V: int, device: torch.device) -> int:
 
 
 def prefill_segments_for(plan, H: int, V: int, device: torch.device) -> int:
-    """How many pipeline segments the inference forward runs in (`pipelined`): `TUNING["prefill_segments"]` while the
-    state pass fits in one wave (`prefill_pipeline_max_programs`, None: two programs per SM), else 1."""
-    limit = _one_wave(TUNING["prefill_pipeline_max_programs"], device)
-    return TUNING["prefill_segments"] if _state_programs(plan, H, V) <= limit else 1
+    """How many pipeline segments the inference forward runs in (`pipelined`): one per
+    `TUNING["prefill_segment_tokens"]` tokens, at most `prefill_segments`, while the state pass fits in one wave
+    (`prefill_pipeline_max_programs`, None: two programs per SM) and the layer has at least
+    `prefill_pipeline_min_work` token-heads; else 1."""
+    TT = plan.offsets[-1]
+    if (_state_programs(plan, H, V) > _one_wave(TUNING["prefill_pipeline_max_programs"], device)
+            or TT * H < TUNING["prefill_pipeline_min_work"]):
+        return 1
+    return max(1, min(TUNING["prefill_segments"], TT // TUNING["prefill_segment_tokens"]))
 
 
 def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes,
