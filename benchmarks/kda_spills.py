@@ -48,7 +48,8 @@ INT32_ARGS = {"cu", "chunk_idx", "chunk_off", "hs_off"}
 CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
                   USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64,
                   STORE_UT=False, SPLIT=chunk.TUNING["state_split_inference"], STORE_QN=False, HALF=0,
-                  INVERSE=chunk.TUNING["prefill_inverse"])  # the prefill's, for bf16 inputs (`_prep_intra`: below)
+                  INVERSE=chunk.TUNING["prefill_inverse"],  # the prefill's, for bf16 inputs (`_prep_intra`: below)
+                  SEGMENT=False)
 # kernel -> its TUNING key prefix, in launch order; "_state_ut" is `_state` when it also stores Ũ (the backward's
 # recompute launch; the training forward's adds WRITE_O), launched with the state_ut settings
 TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
@@ -69,8 +70,8 @@ KERNEL_CONSTEXPRS = {"_prep_intra": dict(INVERSE=chunk.TUNING["prep_inverse"]),
                      "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
                      "_prefill_prepare": dict(HALF=0),
                      "_prefill_prepare_half1": dict(HALF=1), "_prefill_prepare_half2": dict(HALF=2),
-                     "_prefill_state": dict(C=chunk.TUNING["prefill_chunk"], STORE_HS=False,
-                                            EVERY=64 // chunk.TUNING["prefill_chunk"],
+                     # the K3 shape's (192 programs: 16-token chunks, `prefill_chunk_for`)
+                     "_prefill_state": dict(C=16, STORE_HS=False, EVERY=64 // 16,
                                             BF16=chunk.TUNING["prefill_state_bf16"],
                                             SPLIT=not chunk.TUNING["prefill_state_bf16"])}
 
@@ -93,7 +94,7 @@ def compile_report(fn, num_warps: int, num_stages: int = 3, maxnreg: int | None 
         elif name == "scale":
             signature[name] = "fp32"
         else:
-            signature[name] = ("i32" if name in ("H", "TT") else "*fp32" if name in FP32_ARGS
+            signature[name] = ("i32" if name in ("H", "TT", "c_lo", "c_hi") else "*fp32" if name in FP32_ARGS
                                else "*i32" if name in INT32_ARGS else "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
     report = sm90_report(fn, signature, constants, attrs, num_warps, num_stages, maxnreg, sass=sass)
