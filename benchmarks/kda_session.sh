@@ -6,9 +6,9 @@
 #     K3_GIT_SHA=$(git rev-parse HEAD) OUT=/tmp/out bash benchmarks/kda_session.sh [configs file]
 #     KDA_TESTS=1 OUT=/tmp/out bash benchmarks/kda_session.sh   # the KDA tests on the GPU, in a second call
 #     SHAPES="1,8192,96;1,8192,64" …   # the shapes each config is timed at (the first picks the table's config)
-# Default configs: benchmarks/kda_next_configs.txt (docs/kda-kernels.md §8: after session 21's inference defaults
-# (16-token chunks, bf16 state products, tf32 inverses), each of them undone on this code: 32-token chunks, split
-# products, exact inverses).
+# Default configs: benchmarks/kda_next_configs.txt (docs/kda-kernels.md §8: after session 22's inference defaults
+# (the pipeline of segments, 32-token chunks at or below 64 state programs, bf16 state products), each of them undone
+# on this code: no pipeline, 16-token chunks everywhere, split products).
 set -u
 OUT=${OUT:-benchmarks/results}
 CONFIGS=${1:-benchmarks/kda_next_configs.txt}
