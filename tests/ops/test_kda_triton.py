@@ -468,38 +468,45 @@ def test_segment_bounds_cover_every_chunk_once_at_even_cuts():
                 assert len(bounds) == segments and max(hi - lo for lo, hi in bounds) <= -(-n_chunks // segments) + 2
 
 
-def test_prefill_pipeline_segments_by_tokens_within_one_wave(monkeypatch):
-    """One segment per prefill_segment_tokens tokens, at most prefill_segments, while the state pass fits in one wave
-    and the layer has at least prefill_pipeline_min_work token-heads; else none. Long sequences take the inference
-    kernels from prefill_long_min_programs programs."""
+def test_prefill_pipeline_and_dispatch_rules(monkeypatch):
+    """The pipeline: one segment per prefill_segment_tokens tokens, at most prefill_segments, for one sequence whose
+    state pass fits in one wave and has at least prefill_pipeline_min_work token-heads; else none. The inference
+    kernels: from prefill_min_programs programs, or from fewer with enough token-heads (`prefill_few_programs`, whose
+    last tier only as a pipeline)."""
     from k3.ops.kda import triton_chunk as tc
     from k3.ops.kda import triton_prefill as tp
     from k3.ops.kda.triton_common import plan_for
 
     device = torch.device("cpu")
-    plan = plan_for((0, 8192, 16384), device, 64)  # N = 2, TT = 16384
+    one = plan_for((0, 16384), device, 64)
+    two = plan_for((0, 8192, 16384), device, 64)
     monkeypatch.setitem(tc.TUNING, "prefill_segments", 4)
     monkeypatch.setitem(tc.TUNING, "prefill_segment_tokens", 2048)
-    monkeypatch.setitem(tc.TUNING, "prefill_pipeline_min_work", 2 ** 15)  # 16384 tokens · 2 heads
+    monkeypatch.setitem(tc.TUNING, "prefill_pipeline_min_work", 2 ** 15)
     monkeypatch.setitem(tc.TUNING, "prefill_pipeline_max_programs", 8)
-    assert tp.prefill_segments_for(plan, 2, 128, device) == 4  # 2 · 2 · 128/64 = 8 programs, 8 segments' tokens
-    assert tp.prefill_segments_for(plan, 3, 128, device) == 1  # 12 programs
+    assert tp.prefill_segments_for(one, 4, 128, device) == 4  # 4 · 128/64 = 8 programs, 2^16 token-heads
+    assert tp.prefill_segments_for(one, 5, 128, device) == 1  # 10 programs
+    assert tp.prefill_segments_for(two, 2, 128, device) == 1  # two sequences would take turns
     monkeypatch.setitem(tc.TUNING, "prefill_segment_tokens", 5000)
-    assert tp.prefill_segments_for(plan, 2, 128, device) == 3
-    monkeypatch.setitem(tc.TUNING, "prefill_pipeline_min_work", 2 ** 16 + 1)  # 16384 · 4 heads = 2^16 token-heads
-    assert tp.prefill_segments_for(plan, 4, 64, device) == 1
+    assert tp.prefill_segments_for(one, 4, 128, device) == 3
+    monkeypatch.setitem(tc.TUNING, "prefill_pipeline_min_work", 2 ** 16 + 1)
+    assert tp.prefill_segments_for(one, 4, 128, device) == 1
     monkeypatch.setitem(tc.TUNING, "prefill_pipeline_max_programs", None)  # two per SM
     monkeypatch.setitem(tc.TUNING, "prefill_pipeline_min_work", 0)
-    assert tp.prefill_segments_for(plan, tp._sm_count(device), 64, device) == 3
-    assert tp.prefill_segments_for(plan, tp._sm_count(device) + 1, 64, device) == 1
+    assert tp.prefill_segments_for(one, 2 * tp._sm_count(device), 64, device) == 3
+    assert tp.prefill_segments_for(one, 2 * tp._sm_count(device) + 1, 64, device) == 1
+
+    long = plan_for((0, 65536), device, 64)
     monkeypatch.setitem(tc.TUNING, "prefill_min_programs", 128)
-    monkeypatch.setitem(tc.TUNING, "prefill_long_min_programs", 8)
-    monkeypatch.setitem(tc.TUNING, "prefill_long_work", 2 ** 15)
-    assert tp.prefill_applies(plan, 2, 128)  # 8 programs, 2^15 token-heads
-    assert not tp.prefill_applies(plan, 1, 128)  # 4 programs
-    monkeypatch.setitem(tc.TUNING, "prefill_long_work", 2 ** 15 + 1)
-    assert not tp.prefill_applies(plan, 2, 128)
-    assert tp.prefill_applies(plan, 32, 128)  # 128 programs
+    monkeypatch.setitem(tc.TUNING, "prefill_few_programs", [[8, 2 ** 16, False], [4, 2 ** 18, True]])
+    assert tp.prefill_applies(two, 32, 128, device)  # 128 programs
+    assert not tp.prefill_applies(two, 2, 128, device)  # 8 programs, 2^15 token-heads
+    assert tp.prefill_applies(two, 4, 128, device)  # 16 programs, 2^16
+    assert tp.prefill_applies(long, 4, 64, device)  # 4 programs, 2^18, pipelined (3 segments)
+    monkeypatch.setitem(tc.TUNING, "prefill_pipeline_max_programs", 3)
+    assert not tp.prefill_applies(long, 4, 64, device)  # the same, not pipelined
+    monkeypatch.setitem(tc.TUNING, "prefill", False)
+    assert not tp.prefill_applies(two, 32, 128, device)
 
 
 @pytest.mark.parametrize("chunk", cases(16, 32, gpu_only=(32,)))
@@ -509,10 +516,11 @@ def test_prefill_pipeline_segments_give_the_same_results(dev, monkeypatch, chunk
     states: packed documents that start, end and lie wholly inside segments, empty ones, and an initial state."""
     from k3.ops.kda import chunk_kda
     from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import triton_prefill as tp
 
     monkeypatch.setitem(tc.TUNING, "prefill_chunk", chunk)
-    monkeypatch.setitem(tc.TUNING, "prefill_segment_tokens", 1)  # segments at any size
-    monkeypatch.setitem(tc.TUNING, "prefill_pipeline_min_work", 0)
+    # segments at any size and packing (the rule pipelines one long sequence only; the kernels cut any packing)
+    monkeypatch.setattr(tp, "prefill_segments_for", lambda *a: tc.TUNING["prefill_segments"])
     lengths = [0, 70, 1, 0, 130, 17, 33, 0]
     cu = torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(len(lengths))], device=dev)
     inputs = make_raw(1, int(cu[-1]), 2, 32, 32, seed=56, N=len(lengths))

@@ -1021,7 +1021,7 @@ def chunk_kda(
     keep = bool(save_intermediates) and training
     raw = (flat(q), flat(k), flat(v), flat(z), flat(beta_logits), A_log.contiguous(), dt_bias.reshape(-1).contiguous())
     dtypes = inter_dtypes(q.dtype, all_bf16)
-    if not training and prefill_applies(plan, H, V):  # the inference forward in 32- or 16-token chunks (docs §9)
+    if not training and prefill_applies(plan, H, V, q.device):  # the inference forward in 32- or 16-token chunks (docs §9)
         o, ht, hs = prefill_forward(*raw, float(gate_lower_bound), scale, h0, plan, output_final_state,
                                     return_chunk_states, dtypes, state_bf16)
     else:

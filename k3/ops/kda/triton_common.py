@@ -80,12 +80,14 @@ TUNING = {
     # the training forward's kernels without their stores for a backward
     "prefill": True,
     # ... where the state pass has at least this many (value block, sequence, head) programs (`prefill_applies`)
-    # ... or at least prefill_long_min_programs where the layer has at least prefill_long_work token-heads (TT·H):
-    # at 64 programs a long sequence wins in 32-token chunks as a pipeline (T = 32768 H = 32, 2^20 token-heads:
-    # 2.738 ms against 3.798 in the 64-token kernels) and short ones lose (B = 4 T = 4096 H = 8, 2^17: 1.170 against
-    # 0.619, more launches for little work; session 22 runs 1-2)
+    # ... or, with fewer, where the layer has enough token-heads (TT·H): [min programs, min token-heads, only where
+    # the pipeline below applies (one sequence)]. Session 22 runs 1, 2 and 5 (32-token chunks), against the 64-token
+    # kernels: 64 programs at 2^20 token-heads (T = 32768 H = 32, pipelined) 2.63 against 3.80 ms, at 2^19 (B = 2
+    # T = 16384 H = 16, not pipelined) 1.688 against 1.920, at 2^17 (B = 4 T = 4096 H = 8) 1.170 against 0.619;
+    # 32 programs at 2^20 (T = 65536 H = 16) 4.401 pipelined, 5.139 not, against 5.186; 16 programs at 2^20
+    # (T = 131072 H = 8) 7.999 pipelined against 7.904
     "prefill_min_programs": 128,
-    "prefill_long_min_programs": 64, "prefill_long_work": 2 ** 20,
+    "prefill_few_programs": [[64, 2 ** 19, False], [32, 2 ** 20, True]],
     # its chunk: 16 tokens, or 32 (two launches of `_prefill_prepare`, HALF 1 and 2) while the state pass has at most
     # prefill_chunk32_max_programs (value block, sequence, head) programs (`prefill_chunk_for`), else 16. With split
     # state products 32 won at one wave (K3 shape, 192 programs: 1.97 against 2.02 ms; session 15 run 3); with the
@@ -127,6 +129,9 @@ TUNING = {
     # H = 96, 1152 and 1536 programs: 1.722 / 1.630 ms alone, 1.748 / 1.748 at 4 segments, 1.738 / 1.637 at 2); and
     # with at least prefill_pipeline_min_work token-heads (TT·H): with little work the launches are the time (B = 4
     # T = 4096 H = 8, 2^17 token-heads: 4 segments 1.170 ms, 8 1.972)
+    # ... and only for one sequence: segments cut the chunks in global order, so with several sequences a segment
+    # holds few of them and the state pass walks them one after another (B = 2 T = 16384 H = 16: 2.246 ms in 8
+    # segments against 1.688 in one; session 22 run 5)
     "prefill_pipeline_max_programs": None, "prefill_pipeline_min_work": 2 ** 19,
 }
 # (Sessions 11-12 had a "few programs" rule: BV 64 for the Ũ launch and 4-warp `_state_bwd` where the state passes

@@ -226,15 +226,20 @@ def _state_programs(plan, H: int, V: int) -> int:
     return plan.N * H * max(V // TUNING["prefill_state_bv"], 1)
 
 
-def prefill_applies(plan, H: int, V: int) -> bool:
+def prefill_applies(plan, H: int, V: int, device: torch.device) -> bool:
     """Whether these kernels are the faster inference forward here: their state pass walks each sequence in 2× (4×
     at 16-token chunks) the steps of the 64-token one with half its value blocks, so it needs enough (value block,
     sequence, head) programs to fill the GPU (session 14, 16-token chunks: 1.20-1.31× faster at 192 and 128
-    programs, 0.64× at 64), or long sequences, where 32-token chunks as a pipeline win with fewer (session 22: 1.39×
-    faster at 64 programs and 2^20 token-heads, 0.53× at 2^17; `prefill_long_*`)."""
+    programs, 0.64× at 64), or, with fewer, enough work (`TUNING["prefill_few_programs"]`: 32-token chunks win 1.14×
+    at 64 programs and 2^19 token-heads, 1.18× at 32 programs and 2^20 as a pipeline; session 22)."""
+    if not TUNING["prefill"]:
+        return False
     programs = _state_programs(plan, H, V)
-    long = programs >= TUNING["prefill_long_min_programs"] and plan.offsets[-1] * H >= TUNING["prefill_long_work"]
-    return TUNING["prefill"] and (programs >= TUNING["prefill_min_programs"] or long)
+    if programs >= TUNING["prefill_min_programs"]:
+        return True
+    work = plan.offsets[-1] * H
+    return any(programs >= least and work >= least_work and (not piped or prefill_segments_for(plan, H, V, device) > 1)
+               for least, least_work, piped in TUNING["prefill_few_programs"])
 
 
 @functools.cache
@@ -261,11 +266,11 @@ def prefill_chunk_for(plan, H: int, V: int, device: torch.device) -> int:
 
 def prefill_segments_for(plan, H: int, V: int, device: torch.device) -> int:
     """How many pipeline segments the inference forward runs in (`pipelined`): one per
-    `TUNING["prefill_segment_tokens"]` tokens, at most `prefill_segments`, while the state pass fits in one wave
-    (`prefill_pipeline_max_programs`, None: two programs per SM) and the layer has at least
-    `prefill_pipeline_min_work` token-heads; else 1."""
+    `TUNING["prefill_segment_tokens"]` tokens, at most `prefill_segments`, for one sequence whose state pass fits in
+    one wave (`prefill_pipeline_max_programs`, None: two programs per SM) and has at least `prefill_pipeline_min_work`
+    token-heads; else 1 (segments cut the chunks in global order: several sequences would take turns)."""
     TT = plan.offsets[-1]
-    if (_state_programs(plan, H, V) > _one_wave(TUNING["prefill_pipeline_max_programs"], device)
+    if (plan.N > 1 or _state_programs(plan, H, V) > _one_wave(TUNING["prefill_pipeline_max_programs"], device)
             or TT * H < TUNING["prefill_pipeline_min_work"]):
         return 1
     return max(1, min(TUNING["prefill_segments"], TT // TUNING["prefill_segment_tokens"]))
