@@ -238,8 +238,9 @@ def prefill_applies(plan, H: int, V: int, device: torch.device) -> bool:
     if programs >= TUNING["prefill_min_programs"]:
         return True
     work = plan.offsets[-1] * H
-    return any(programs >= least and work >= least_work and (not piped or prefill_segments_for(plan, H, V, device) > 1)
-               for least, least_work, piped in TUNING["prefill_few_programs"])
+    piped = prefill_segments_for(plan, H, V, device) > 1
+    return any(programs >= least and work >= least_work and (piped or not only_piped)
+               for least, least_work, only_piped in TUNING["prefill_few_programs"])
 
 
 @functools.cache
