@@ -70,8 +70,8 @@ KERNEL_CONSTEXPRS = {"_prep_intra": dict(INVERSE=chunk.TUNING["prep_inverse"]),
                      "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
                      "_prefill_prepare": dict(HALF=0),
                      "_prefill_prepare_half1": dict(HALF=1), "_prefill_prepare_half2": dict(HALF=2),
-                     # the K3 shape's (192 programs: 16-token chunks, `prefill_chunk_for`)
-                     "_prefill_state": dict(C=16, STORE_HS=False, EVERY=64 // 16,
+                     # the K3 shape's (192 programs: 16-token chunks, `prefill_chunk_for`, in a pipeline's segments)
+                     "_prefill_state": dict(C=16, STORE_HS=False, EVERY=64 // 16, SEGMENT=True,
                                             BF16=chunk.TUNING["prefill_state_bf16"],
                                             SPLIT=not chunk.TUNING["prefill_state_bf16"])}
 

@@ -104,7 +104,9 @@ def test_decode_full_shape():
 def test_pipelined_forward_in_a_cuda_graph_and_on_another_stream():
     """The inference forward as a pipeline (B=1 T=8192 H=64: 128 state programs, 4 segments on two streams) captured
     in a CUDA graph and replayed, and run on a non-default current stream: both bit-identical to the eager forward on
-    the default stream, also after the inputs change in place (the graph reads them at replay)."""
+    the default stream, also after the inputs change in place (the graph reads them at replay); and the same as one
+    segment, and within the limits of the fp64 recurrence."""
+    from k3.ops.kda import triton_chunk as tc
     from k3.ops.kda import triton_prefill as tp
     from k3.ops.kda.triton_common import make_plan
 
@@ -112,6 +114,16 @@ def test_pipelined_forward_in_a_cuda_graph_and_on_another_stream():
     assert tp.prefill_segments_for(make_plan(1, 8192, None, inputs[0].device), 64, 128, inputs[0].device) == 4
     with torch.no_grad():
         eager = ours(inputs, None)
+        saved = tc.TUNING["prefill_segments"]
+        tc.TUNING["prefill_segments"] = 1
+        try:
+            single = ours(inputs, None)
+        finally:
+            tc.TUNING["prefill_segments"] = saved
+        for a, b in zip(eager, single):
+            assert torch.equal(a, b)
+        e = errors((eager[0], eager[1], None), _run(ref64, [x.cpu() for x in inputs], grads=False))
+        assert e["o"] <= TOL["o"] and e["S"] <= TOL["S"], e
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -8,6 +8,7 @@ docs/kda-kernels.md §4; the launch settings' measurements beside each entry of 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -80,8 +81,8 @@ TUNING = {
     # the training forward's kernels without their stores for a backward
     "prefill": True,
     # ... where the state pass has at least this many (value block, sequence, head) programs (`prefill_applies`)
-    # ... or, with fewer, where the layer has enough token-heads (TT·H): [min programs, min token-heads, only where
-    # the pipeline below applies (one sequence)]. Session 22 runs 1, 2 and 5 (32-token chunks), against the 64-token
+    # ... or, with fewer (and at most prefill_chunk32_max_programs: 32-token chunks), where the layer has enough
+    # token-heads (TT·H): [min programs, min token-heads, only where the pipeline below applies (one sequence)]. Session 22 runs 1, 2 and 5 (32-token chunks), against the 64-token
     # kernels: 64 programs at 2^20 token-heads (T = 32768 H = 32, pipelined) 2.63 against 3.80 ms, at 2^19 (B = 2
     # T = 16384 H = 16, not pipelined) 1.688 against 1.920, at 2^17 (B = 4 T = 4096 H = 8) 1.170 against 0.619;
     # 32 programs at 2^20 (T = 65536 H = 16) 4.401 pipelined, 5.139 not, against 5.186; 16 programs at 2^20
@@ -93,7 +94,7 @@ TUNING = {
     # state products 32 won at one wave (K3 shape, 192 programs: 1.97 against 2.02 ms; session 15 run 3); with the
     # bf16 state products and tf32 inverses below, 16 won there (1.667 against 1.776 ms, H = 64 1.270 against
     # 1.267; session 21 run 3). As 4-segment pipelines (session 22 run 1): 192 programs 1.502 (16) against 1.709
-    # (32), 128 1.094 against 1.170, 64 (T = 32768 H = 32) 3.377 against 2.705: 32 at half a wave
+    # (32), 128 1.094 against 1.170, 64 (T = 32768 H = 32) 3.377 against 2.705: 32 at a quarter of a wave
     "prefill_chunk": 32,
     "prefill_chunk32_max_programs": 64,
     # `_prefill_prepare`: 0.92 ms at the K3 shape uncapped (128 registers), 0.99 at 96 (session 14 run 3; before it
@@ -158,7 +159,9 @@ def segment_bounds(n_chunks: int, segments: int) -> list[tuple[int, int]]:
 
 
 @functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def _side_stream(device: torch.device, thread: int) -> torch.cuda.Stream:
+    """One per device and thread: a stream shared across threads would tie one thread's work (or CUDA graph capture)
+    to another's."""
     return torch.cuda.Stream(device, priority=-1)  # the highest priority: its blocks are scheduled first
 
 
@@ -173,15 +176,17 @@ def pipelined(device: torch.device, n: int, produce, consume) -> None:
             produce(i)
             consume(i)
         return
-    main, side = torch.cuda.current_stream(device), _side_stream(device)
-    for i in range(n):
-        produce(i)
-        ready = torch.cuda.Event()
-        ready.record(main)
-        side.wait_event(ready)
-        with torch.cuda.stream(side):
-            consume(i)
-    main.wait_stream(side)
+    # Triton launches on the current device's current stream: make it the device's
+    with torch.cuda.device(device):
+        main, side = torch.cuda.current_stream(device), _side_stream(device, threading.get_ident())
+        for i in range(n):
+            produce(i)
+            ready = torch.cuda.Event()
+            ready.record(main)
+            side.wait_event(ready)
+            with torch.cuda.stream(side):
+                consume(i)
+        main.wait_stream(side)
 
 
 def _launch_options(kernel: str) -> dict:

@@ -18,9 +18,10 @@ FlashKDA forward (CUDA); docs/kda-kernels.md §9 says what was taken over and wh
 - `_prefill_state`, one program per (value block, sequence, head), the chunks of a sequence in order. With S the
   state at the chunk's start: Ũ = U − W·S, O = Q_d·S + M·Ũ, S ← Diag(Γ_C)·S + K_rᵀ·Ũ. 32-token chunks halve its
   sequential steps (1.08 → 0.78 ms at the K3 shape, session 15).
-- Where the state pass fits in one wave (latency-bound, a few programs per SM), the two run as a pipeline of
-  segments of chunks (`pipelined`, `TUNING["prefill_segments"]`): each segment's state pass, on a high-priority
-  side stream, beside the next segment's prepare (K3 shape 1.655 → 1.502 ms at 4 segments, session 22 run 1).
+- For one sequence whose state pass fits in one wave (latency-bound, a few programs per SM) and has at least 2^19
+  token-heads, the two run as a pipeline of segments of chunks (`pipelined`, `prefill_segments_for`): each
+  segment's state pass, on a high-priority side stream, beside the next segment's prepare (K3 shape 1.655 → 1.502
+  ms at 4 segments interleaved, session 22 run 1; 1.666 → 1.515 in the issue's table, run 3).
 
 The state is kept transposed, X = Sᵀ [BV, K] fp32 in registers, so that it is the left operand of both products
 that read it (X·Wᵀ, X·Q_dᵀ) and the accumulator of the one that writes it (X·Γ_C + Ũᵀ·K_r): it never goes through
@@ -173,7 +174,8 @@ def _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v
     return X
 
 
-@triton.jit
+# c_lo and c_hi not specialised on (divisibility by 16 would compile a variant per segment bound's residue)
+@triton.jit(do_not_specialize=["c_lo", "c_hi"])
 def _prefill_state(qd, w, kr, u, m_in, gc, h0, o, ht, hs, cu, chunk_off, hs_off, c_lo, c_hi,
                    H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_HS: tl.constexpr, EVERY: tl.constexpr,
@@ -237,6 +239,8 @@ def prefill_applies(plan, H: int, V: int, device: torch.device) -> bool:
     programs = _state_programs(plan, H, V)
     if programs >= TUNING["prefill_min_programs"]:
         return True
+    if programs > _one_wave(TUNING["prefill_chunk32_max_programs"], device):
+        return False  # the tiers were measured in 32-token chunks; 16-token ones at these counts lose or tie
     work = plan.offsets[-1] * H
     piped = prefill_segments_for(plan, H, V, device) > 1
     return any(programs >= least and work >= least_work and (piped or not only_piped)
