@@ -52,8 +52,8 @@ import triton.language as tl
 from k3.ops import interpreting
 from k3.ops.kda.triton_common import (CHUNK, SUB, TUNING, _bp, _cast, _check_device, _chunk_coords, _exp,
                                       _gate_from, _gate_inputs, _gate_tile, _inv16, _inverse_precision,
-                                      _launch_options, _load_beta, _load_block, _mm, _mm32, _sequence_coords,
-                                      _state_mm, _store_block, inter_dtypes, make_plan)
+                                      _launch_options, _load_beta, _load_block, _load_gamma, _mm, _mm32,
+                                      _sequence_coords, _state_mm, _store_block, inter_dtypes, make_plan)
 from k3.ops.kda.triton_prefill import prefill_applies, prefill_forward
 
 
@@ -320,7 +320,9 @@ def _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, ut, bos, L, c0, i_h, i_v, of
                 STORE_HS: tl.constexpr, WRITE_O: tl.constexpr, STORE_UT: tl.constexpr, BF16: tl.constexpr,
                 SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """Chunk j of one sequence in `_state`; returns the state after it. STORE_UT: also store Ũ (for the
-    backward's `_bwd_vk` / `_bwd_vv`; a separate specialisation, so the inference forward compiles without it)."""
+    backward's `_bwd_vk` / `_bwd_vv`; a separate specialisation, so the inference forward compiles without it).
+    G_C is loaded in the step: loaded one step ahead (`_load_gamma`, as `_state_bwd` and `_prefill_state` do) this
+    launch took 1.30 → 1.57 ms at the K3 shape (session 23 run 2), where the load was already behind two products."""
     row0 = j * C
     W = tl.load(_bp(w, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     Kd = tl.load(_bp(kd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
@@ -405,22 +407,23 @@ def _unit_cols(q, k, qn_in, kn_in, bos, L, row0, c0, i_h, scale, H, K: tl.conste
 
 
 @triton.jit
-def _state_bwd_step(dS, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v, off_s,
+def _state_bwd_step(dS, g_end, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v, off_s,
                     H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                     BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
-    """Chunk j, walking backwards: dŨ = Aqkᵀ·dO + Kd·dS_end; dS_start = Qgᵀ·dO + Diag(Γ_C)·dS_end − Wᵀ·dŨ."""
+    """Chunk j, walking backwards: dŨ = Aqkᵀ·dO + Kd·dS_end; dS_start = Qgᵀ·dO + Diag(Γ_C)·dS_end − Wᵀ·dŨ.
+    g_end is G_C of chunk j; returns chunk j − 1's too (`_load_gamma`)."""
     row0 = j * C
     Aq = tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
     Kd = tl.load(_bp(kd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     Qg = tl.load(_bp(qg, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     W = tl.load(_bp(w, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-    g_end = tl.load(gc + ((c0 + j) * H + i_h) * K + tl.arange(0, K))
+    g_next = _load_gamma(gc, c0, tl.maximum(j - 1, 0), 1, i_h, H, K)
     tl.store(dse + ((c0 + j) * H + i_h) * K * V + off_s, dS)
     dUt = _state_mm(tl.trans(Aq), dO, BF16, SPLIT, INTERP) + _state_mm(Kd, dS, BF16, SPLIT, INTERP)
     tl.store(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), dUt, boundary_check=(0,))
     return (_state_mm(tl.trans(Qg), dO, BF16, SPLIT, INTERP) + tl.exp(g_end)[:, None] * dS
-            - _state_mm(tl.trans(W), dUt, BF16, SPLIT, INTERP))
+            - _state_mm(tl.trans(W), dUt, BF16, SPLIT, INTERP)), g_next
 
 
 @triton.jit
@@ -439,16 +442,17 @@ def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
         dS = tl.load(dht + i_nh.to(tl.int64) * K * V + off_s).to(tl.float32)
     else:
         dS = tl.zeros([K, BV], dtype=tl.float32)
+    g_end = _load_gamma(gc, c0, n_chunks - 1, n_chunks, i_h, H, K)
     if INTERP:
         j = n_chunks - 1
         while j >= 0:
-            dS = _state_bwd_step(dS, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v, off_s,
-                                 H, K, V, BV, C, BF16, SPLIT, INTERP)
+            dS, g_end = _state_bwd_step(dS, g_end, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v, off_s,
+                                        H, K, V, BV, C, BF16, SPLIT, INTERP)
             j -= 1
     else:
         for jj in range(n_chunks):
-            dS = _state_bwd_step(dS, n_chunks - 1 - jj, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v,
-                                 off_s, H, K, V, BV, C, BF16, SPLIT, INTERP)
+            dS, g_end = _state_bwd_step(dS, g_end, n_chunks - 1 - jj, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0,
+                                        i_h, i_v, off_s, H, K, V, BV, C, BF16, SPLIT, INTERP)
     tl.store(dh0 + i_nh.to(tl.int64) * K * V + off_s, dS)
 
 

@@ -42,8 +42,8 @@ import triton.language as tl
 
 from k3.ops import interpreting
 from k3.ops.kda.triton_common import (CHUNK, TUNING, _bp, _cast, _chunk_coords, _exp, _gate_tile, _inv16,
-                                      _inverse_precision, _launch_options, _load_beta, _mm, _mm_split,
-                                      _sequence_coords, _state_mm, _store_block, pipelined, plan_for,
+                                      _inverse_precision, _launch_options, _load_beta, _load_gamma, _mm,
+                                      _mm_split, _sequence_coords, _state_mm, _store_block, pipelined, plan_for,
                                       segment_bounds)
 
 @triton.jit
@@ -150,7 +150,7 @@ def _prefill_prepare(q, k, v, z, b, A_log, dt_bias, cu, chunk_idx, qd_out, w_out
 
 
 @triton.jit
-def _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
+def _prefill_step(X, g_end, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, n_chunks, hs0, i_h, i_v, off_x,
                   H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, STORE_HS: tl.constexpr,
                   EVERY: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """Chunk j of one sequence in `_prefill_state`, on the transposed state X = Sᵀ [BV, K]; returns X after it:
@@ -161,7 +161,7 @@ def _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v
     Kr = tl.load(_bp(kr, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     U = tl.load(_bp(u, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
     M = tl.load(_bp(m_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
-    g_end = tl.load(gc + ((c0 + j) * H + i_h).to(tl.int64) * K + tl.arange(0, K))
+    g_next = _load_gamma(gc, c0, tl.minimum(j + 1, n_chunks - 1), n_chunks, i_h, H, K)
     if STORE_HS:
         # the state at every 64-token chunk start (prefix caching), numbered as the training forward's chunks
         if j % EVERY == 0:
@@ -171,7 +171,7 @@ def _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v
     X = X * g_end[None, :] + _state_mm(Ut, Kr, BF16, SPLIT, INTERP)
     tl.store(_bp(o, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(tl.trans(out), o.dtype.element_ty, INTERP),
              boundary_check=(0,))
-    return X
+    return X, g_next
 
 
 # c_lo and c_hi not specialised on (divisibility by 16 would compile a variant per segment bound's residue)
@@ -207,18 +207,19 @@ def _prefill_state(qd, w, kr, u, m_in, gc, h0, o, ht, hs, cu, chunk_off, hs_off,
             X = tl.load(h0 + i_nh.to(tl.int64) * K * V + off_x).to(tl.float32)
         else:
             X = tl.zeros([BV, K], dtype=tl.float32)
+        g_end = _load_gamma(gc, c0, j_lo, n_chunks, i_h, H, K)  # then each step loads the next one's
         # The interpreter cannot take a loaded scalar as a `range` bound; compiled code needs `for` to pipeline
         # loads.
         if INTERP:
             j = j_lo
             while j < j_hi:
-                X = _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
-                                  H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, INTERP)
+                X, g_end = _prefill_step(X, g_end, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, n_chunks, hs0,
+                                         i_h, i_v, off_x, H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, INTERP)
                 j += 1
         else:
             for j in range(j_lo, j_hi):
-                X = _prefill_step(X, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, hs0, i_h, i_v, off_x,
-                                  H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, INTERP)
+                X, g_end = _prefill_step(X, g_end, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, n_chunks, hs0,
+                                         i_h, i_v, off_x, H, K, V, BV, C, STORE_HS, EVERY, BF16, SPLIT, INTERP)
         if STORE_HT:
             tl.store(ht + i_nh.to(tl.int64) * K * V + off_x, X)
 
