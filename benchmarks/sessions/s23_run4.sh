@@ -11,9 +11,9 @@ export PYTHONPATH=$PWD
 step() { local limit=$1; shift; echo "=== [$(date +%T)] $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
 BV128='{"prefill_state_bv": 128, "prefill_state_warps": 8, "prefill_min_programs": 64, "prefill_chunk32_max_programs": 32}'
 {
-step 130 python3 benchmarks/sessions/s22_pipeline_probe.py --rounds 2 --out "$OUT/s23_run4_probe.json" \
+step 90 python3 benchmarks/sessions/s22_pipeline_probe.py --rounds 2 --no-accuracy --out "$OUT/s23_run4_probe.json" \
     --configs "[{}, $BV128, ${BV128%\}}, \"prefill_segments\": 1}, ${BV128%\}}, \"prefill_segment_tokens\": 1024}]"
-step 110 python3 -c "import sys, json; from k3.ops.kda import triton_common as tc; tc.TUNING.update(json.loads(sys.argv[1])); import pytest; sys.exit(pytest.main(sys.argv[2:]))" \
+step 100 python3 -c "import sys, json; from k3.ops.kda import triton_common as tc; tc.TUNING.update(json.loads(sys.argv[1])); import pytest; sys.exit(pytest.main(sys.argv[2:]))" \
     "$BV128" -q --tb=short -p no:cacheprovider tests/gpu/test_kda_triton_gpu.py
 } 2>&1 | grep --line-buffered -v "Warning\|warn_once" > "$OUT/log.txt"
 grep -v "^\s*$" "$OUT/log.txt" | tail -c 11500
