@@ -418,7 +418,7 @@ def _state_bwd_step(dS, g_end, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i
     Qg = tl.load(_bp(qg, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     W = tl.load(_bp(w, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-    g_next = _load_gamma(gc, c0, tl.maximum(j - 1, 0), 1, i_h, H, K)
+    g_next = _load_gamma(gc, c0, tl.maximum(j - 1, 0), 1, i_h, H, K)  # (in the loop the sequence has chunks)
     tl.store(dse + ((c0 + j) * H + i_h) * K * V + off_s, dS)
     dUt = _state_mm(tl.trans(Aq), dO, BF16, SPLIT, INTERP) + _state_mm(Kd, dS, BF16, SPLIT, INTERP)
     tl.store(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), dUt, boundary_check=(0,))

@@ -82,9 +82,10 @@ TUNING = {
     "prefill": True,
     # ... where the state pass has at least this many (value block, sequence, head) programs (`prefill_applies`)
     # ... or, with fewer (and at most prefill_chunk32_max_programs: 32-token chunks), where the layer has enough
-    # token-heads (TT·H): [min programs, min token-heads, only where the pipeline below applies (one sequence)]. Session 22 runs 1, 2 and 5 (32-token chunks), against the 64-token
-    # kernels: 64 programs at 2^20 token-heads (T = 32768 H = 32, pipelined) 2.63 against 3.80 ms, at 2^19 (B = 2
-    # T = 16384 H = 16, not pipelined) 1.688 against 1.920, at 2^17 (B = 4 T = 4096 H = 8) 1.170 against 0.619;
+    # token-heads (TT·H): [min programs, min token-heads, only where the pipeline below applies (one sequence)].
+    # Session 22 runs 1, 2 and 5 (32-token chunks), against the 64-token kernels: 64 programs at 2^20 token-heads
+    # (T = 32768 H = 32, pipelined) 2.63 against 3.80 ms, at 2^19 (B = 2 T = 16384 H = 16, not pipelined) 1.688
+    # against 1.920, at 2^17 (B = 4 T = 4096 H = 8) 1.170 against 0.619;
     # 32 programs at 2^20 (T = 65536 H = 16) 4.401 pipelined, 5.139 not, against 5.186; 16 programs at 2^20
     # (T = 131072 H = 8) 7.999 pipelined against 7.904
     "prefill_min_programs": 128,
