@@ -5,11 +5,7 @@
 # the backward as pipelines (state_segments, state_bwd_segments) at the K3 shape and the small preset's; the GPU
 # tests of both pipelines.
 #     OUT=/tmp/out bash benchmarks/sessions/s22_run2.sh
-set -u
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD
-step() { local limit=$1; shift; echo "=== [$(date +%T)] $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
+. benchmarks/sessions/prelude.sh
 {
 step 150 python3 benchmarks/sessions/s22_pipeline_probe.py --run2 --rounds 2 --out "$OUT/s22_run2_probe.json" \
     --configs '[{}, {"prefill": false}, {"prefill_segments": 8}, {"prefill_state_bv": 32},

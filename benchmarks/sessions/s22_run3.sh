@@ -4,12 +4,7 @@
 # token-heads): state-pass launch variants timed interleaved at the issue's inference shapes, the issue's table with
 # fla, the KDA GPU tests.
 #     OUT=/tmp/out bash benchmarks/sessions/s22_run3.sh
-set -u
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD
-step() { local limit=$1; shift; echo "=== [$(date +%T)] $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
+. benchmarks/sessions/prelude.sh
 {
 step 150 python3 benchmarks/sessions/s22_pipeline_probe.py --rounds 2 --out "$OUT/s22_run3_probe.json" --configs \
     '[{}, {"prefill_state_bv": 128, "prefill_state_warps": 8}, {"prefill_state_bv": 128}, {"prefill_state_stages": 2},

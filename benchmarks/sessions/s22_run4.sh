@@ -3,12 +3,7 @@
 # state pass), and shorter segments, timed interleaved at the issue's inference shapes; then every KDA GPU test,
 # the pipelined forward in a CUDA graph and on another stream included.
 #     OUT=/tmp/out bash benchmarks/sessions/s22_run4.sh
-set -u
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD
-step() { local limit=$1; shift; echo "=== [$(date +%T)] $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
+. benchmarks/sessions/prelude.sh
 {
 step 150 python3 benchmarks/sessions/s22_pipeline_probe.py --rounds 2 --out "$OUT/s22_run4_probe.json" --configs \
     '[{}, {"prefill_prepare_maxnreg": 96}, {"prefill_prepare_maxnreg": 168}, {"prefill_prepare_warps": 8},

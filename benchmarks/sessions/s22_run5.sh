@@ -3,11 +3,7 @@
 # token-heads, 32 and 16 programs at 2^20), each shape as chunk_kda picks and forced onto the inference kernels,
 # against the 64-token kernels.
 #     OUT=/tmp/out bash benchmarks/sessions/s22_run5.sh
-set -u
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD
-step() { local limit=$1; shift; echo "=== [$(date +%T)] $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
+. benchmarks/sessions/prelude.sh
 {
 step 200 python3 benchmarks/sessions/s22_pipeline_probe.py --run5 --no-accuracy --rounds 2 \
     --out "$OUT/s22_run5_probe.json" --configs '[{}, {"prefill": false}, {"prefill_segments": 1}]'

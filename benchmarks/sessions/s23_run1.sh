@@ -3,12 +3,7 @@
 # tests, the GPU file with the graph test against one segment and fp64), issue 5's table at that code, and Nsight
 # Compute's stall samples of the inference state pass alone (one segment) at the K3 shape.
 #     OUT=/tmp/out bash benchmarks/sessions/s23_run1.sh
-set -u
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD
-step() { local limit=$1; shift; echo "=== [$(date +%T)] $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
+. benchmarks/sessions/prelude.sh
 {
 step 200 python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_kda_triton_gpu.py \
     "tests/ops/test_kda_triton.py" -k "pipeline or prefix_caching or segment or gpu or graph or full"

@@ -5,11 +5,8 @@
 # `git archive` of the previous commit's k3/ and benchmarks/) and after, back to back; then the inference forward
 # interleaved at one segment and pipelined.
 #     OUT=/tmp/out bash benchmarks/sessions/s23_run2.sh
-set -u
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
+. benchmarks/sessions/prelude.sh
 ROOT=$PWD
-step() { local limit=$1; shift; echo "=== [$(date +%T)] $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
 table() {  # $1: tree, $2: tag
     (cd "$1" && PYTHONPATH=$PWD step 120 python3 -m benchmarks.kda --fla-cases none --out "$OUT/kda-$2.json")
     (cd "$1" && PYTHONPATH=$PWD step 90 python3 -m benchmarks.kda --fla-cases none --cases none --profile)

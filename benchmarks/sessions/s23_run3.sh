@@ -5,12 +5,7 @@
 # faster, and Nsight Compute's stall samples of the new `_prefill_state` (one segment), of the training state passes
 # and of the two largest backward kernels.
 #     OUT=/tmp/out bash benchmarks/sessions/s23_run3.sh
-set -u
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD
-step() { local limit=$1; shift; echo "=== [$(date +%T)] $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
+. benchmarks/sessions/prelude.sh
 {
 step 150 python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_kda_triton_gpu.py
 step 200 python3 -m benchmarks.kda --fla-configs 1 --out "$OUT/kda.json" \

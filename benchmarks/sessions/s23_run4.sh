@@ -5,11 +5,7 @@
 # 4 warps, interleaved (the probe checks each setting's outputs against the first's, bit for bit). The device
 # time left after refused starts (about 4 minutes) held no room for the GPU tests under these settings.
 #     OUT=/tmp/out bash benchmarks/sessions/s23_run4.sh
-set -u
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD
-step() { local limit=$1; shift; echo "=== [$(date +%T)] $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
+. benchmarks/sessions/prelude.sh
 BV128='{"prefill_state_bv": 128, "prefill_state_warps": 8, "prefill_min_programs": 64, "prefill_chunk32_max_programs": 32}'
 {
 step 120 python3 benchmarks/sessions/s22_pipeline_probe.py --rounds 2 --no-accuracy --out "$OUT/s23_run4_probe.json" \

@@ -418,7 +418,7 @@ def _state_bwd_step(dS, g_end, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i
     Qg = tl.load(_bp(qg, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     W = tl.load(_bp(w, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-    g_next = _load_gamma(gc, c0, tl.maximum(j - 1, 0), 1, i_h, H, K)  # (in the loop the sequence has chunks)
+    g_next = _load_gamma(gc, c0, tl.maximum(j - 1, 0), i_h, H, K, True)
     tl.store(dse + ((c0 + j) * H + i_h) * K * V + off_s, dS)
     dUt = _state_mm(tl.trans(Aq), dO, BF16, SPLIT, INTERP) + _state_mm(Kd, dS, BF16, SPLIT, INTERP)
     tl.store(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), dUt, boundary_check=(0,))
@@ -442,7 +442,7 @@ def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
         dS = tl.load(dht + i_nh.to(tl.int64) * K * V + off_s).to(tl.float32)
     else:
         dS = tl.zeros([K, BV], dtype=tl.float32)
-    g_end = _load_gamma(gc, c0, n_chunks - 1, n_chunks, i_h, H, K)
+    g_end = _load_gamma(gc, c0, n_chunks - 1, i_h, H, K, n_chunks > 0)
     if INTERP:
         j = n_chunks - 1
         while j >= 0:
@@ -1025,7 +1025,8 @@ def chunk_kda(
     keep = bool(save_intermediates) and training
     raw = (flat(q), flat(k), flat(v), flat(z), flat(beta_logits), A_log.contiguous(), dt_bias.reshape(-1).contiguous())
     dtypes = inter_dtypes(q.dtype, all_bf16)
-    if not training and prefill_applies(plan, H, V, q.device):  # the inference forward in 32- or 16-token chunks (docs §9)
+    # the inference forward in 32- or 16-token chunks (docs §9)
+    if not training and prefill_applies(plan, H, V, q.device):
         o, ht, hs = prefill_forward(*raw, float(gate_lower_bound), scale, h0, plan, output_final_state,
                                     return_chunk_states, dtypes, state_bf16)
     else:

@@ -300,13 +300,13 @@ def _sequence_coords(cu, chunk_off, i_nh, H, C: tl.constexpr):
 
 
 @triton.jit
-def _load_gamma(gc, c0, j, n_chunks, i_h, H, K: tl.constexpr):
-    """G_C [K] (or Γ_C) of chunk j of the sequence whose first chunk is c0, from gc [NT, H, K]; zeros if the
-    sequence has no chunk. `_prefill_state` and `_state_bwd` load it one step ahead, for their next step: Triton's
+def _load_gamma(gc, c0, j, i_h, H, K: tl.constexpr, valid):
+    """G_C [K] (or Γ_C) of chunk j of the sequence whose first chunk is c0, from gc [NT, H, K]; zeros unless
+    valid (False for a sequence with no chunk, whose chunk index may lie past gc). `_prefill_state` and `_state_bwd` load it one step ahead, for their next step: Triton's
     pipeliner leaves this [K] load in its iteration, and waiting for it took 42% of the inference state pass's stall
     samples (ncu, session 23 run 1). Loaded ahead: the forward 1.52 → 1.38 ms at the K3 shape, `_state_bwd` 1.39 →
     1.28 ms (run 2)."""
-    return tl.load(gc + ((c0 + j) * H + i_h).to(tl.int64) * K + tl.arange(0, K), mask=n_chunks > 0, other=0.0)
+    return tl.load(gc + ((c0 + j) * H + i_h).to(tl.int64) * K + tl.arange(0, K), mask=valid, other=0.0)
 
 
 @triton.jit

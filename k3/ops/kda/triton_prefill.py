@@ -161,7 +161,7 @@ def _prefill_step(X, g_end, j, qd, w, kr, u, m_in, gc, o, hs, bos, L, c0, n_chun
     Kr = tl.load(_bp(kr, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     U = tl.load(_bp(u, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
     M = tl.load(_bp(m_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
-    g_next = _load_gamma(gc, c0, tl.minimum(j + 1, n_chunks - 1), n_chunks, i_h, H, K)
+    g_next = _load_gamma(gc, c0, tl.minimum(j + 1, n_chunks - 1), i_h, H, K, True)
     if STORE_HS:
         # the state at every 64-token chunk start (prefix caching), numbered as the training forward's chunks
         if j % EVERY == 0:
@@ -207,7 +207,7 @@ def _prefill_state(qd, w, kr, u, m_in, gc, h0, o, ht, hs, cu, chunk_off, hs_off,
             X = tl.load(h0 + i_nh.to(tl.int64) * K * V + off_x).to(tl.float32)
         else:
             X = tl.zeros([BV, K], dtype=tl.float32)
-        g_end = _load_gamma(gc, c0, j_lo, n_chunks, i_h, H, K)  # then each step loads the next one's
+        g_end = _load_gamma(gc, c0, j_lo, i_h, H, K, n_chunks > 0)  # then each step loads the next one's
         # The interpreter cannot take a loaded scalar as a `range` bound; compiled code needs `for` to pipeline
         # loads.
         if INTERP:

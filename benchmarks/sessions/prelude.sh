@@ -1,0 +1,12 @@
+# Sourced by the session scripts (`. benchmarks/sessions/prelude.sh`, from the repository root): $OUT (default
+# benchmarks/results) made, the wheels carried in .whl/ (fla-core, docs/kda-kernels.md §6) installed to /tmp/site,
+# PYTHONPATH set to them and the checkout, and `step LIMIT CMD...`, which runs CMD under a time limit between
+# timestamped markers and its exit status.
+set -u
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
+fi
+export PYTHONPATH=/tmp/site:$PWD
+step() { local limit=$1; shift; echo "=== [$(date +%T)] $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
