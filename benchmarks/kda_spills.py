@@ -143,7 +143,8 @@ def sass_counts(cubin: bytes) -> dict:
             "EX2": sum(op.startswith("MUFU.EX2") for op in ops), "loops": loops}
 
 
-def tuned_settings(name: str) -> dict:
+def tuned_settings(name: str, bv: int | None = None) -> dict:
+    """The launch settings of TUNING for one kernel, with value block bv instead of TUNING's where given."""
     prefix = TUNING_PREFIX[name]
     settings = {"num_warps": chunk.TUNING.get(f"{prefix}_warps", 4)}
     for key, option in (("stages", "num_stages"), ("maxnreg", "maxnreg")):
@@ -151,7 +152,9 @@ def tuned_settings(name: str) -> dict:
             settings[option] = chunk.TUNING[f"{prefix}_{key}"]
     bv_key = f"{prefix}_bv"
     if bv_key in chunk.TUNING:
-        settings["BV"] = chunk.TUNING[bv_key]
+        settings["BV"] = bv or chunk.TUNING[bv_key]
+    if settings["num_warps"] is None:  # `prefill_forward`'s rule: a warpgroup per 64 value columns
+        settings["num_warps"] = max(settings["BV"] // 16, 1)
     return settings
 
 
@@ -169,9 +172,7 @@ def main() -> None:
         p.error(f"unknown kernels {sorted(unknown)}; choose from {', '.join(TUNING_PREFIX)}")
     print(f"{'kernel':14s} {'settings':40s} {'regs':>5s} {'spill st/ld B':>14s} {'shared KB':>10s}")
     for name in args.kernels or list(TUNING_PREFIX):
-        base = tuned_settings(name)
-        if args.bv is not None and "BV" in base:
-            base["BV"] = args.bv
+        base = tuned_settings(name, args.bv)
         for warps, stages, cap in itertools.product(args.warps or [base["num_warps"]],
                                                     args.stages or [base.get("num_stages")],
                                                     args.maxnreg or [base.get("maxnreg")]):

@@ -104,9 +104,12 @@ TUNING = {
     # ... its second launch at 32-token chunks (HALF 2, the join): 128 registers (68 B of spills offline, 4
     # programs per SM) 1.19 ms for both launches, uncapped (168, 3 per SM) 1.24, 8 warps 1.59 (session 15 run 2)
     "prefill_join_warps": 4, "prefill_join_stages": None, "prefill_join_maxnreg": 128,
-    # `_prefill_state` per (value block of 64, sequence, head): 1.26 ms at 2 stages, 1.08 at 3 (run 3); BV 32 2.64
-    # and 8 warps 4.04 (run 1, then on P, K_d and V instead of W and U)
-    "prefill_state_bv": 64, "prefill_state_warps": 4, "prefill_state_stages": 3, "prefill_state_maxnreg": None,
+    # `_prefill_state` per (value block, sequence, head): 1.26 ms at 2 stages, 1.08 at 3 (run 3); BV 32 2.64
+    # and 8 warps 4.04 (run 1, then on P, K_d and V instead of W and U). BV 128 (one program per (sequence, head) of
+    # the model's heads; warps None: 4 per 64 value columns, 8 here) 1.338 against BV 64 on 4 warps 1.379 ms at
+    # the K3 shape, bit-identical, ties at H = 64, varlen and T = 32768 (session 23 run 4); the thresholds above
+    # count programs at BV 64 whatever BV launches (`_state_programs`)
+    "prefill_state_bv": 128, "prefill_state_warps": None, "prefill_state_stages": 3, "prefill_state_maxnreg": None,
     # the prefill state pass in plain bf16 products for 16-bit inputs (its fp32 state rounded to bf16 as an operand,
     # FlashKDA's choice; fp32 inputs keep the split products): state pass 0.78 → 0.60 ms at 32-token chunks, 1.09 →
     # 0.83 at 16 (K3 shape); o 3.0 → 4.0e-3 from fp64 at 16-token chunks, 4.1e-3 at T = 32768 (limit 5e-3, fla
@@ -302,10 +305,10 @@ def _sequence_coords(cu, chunk_off, i_nh, H, C: tl.constexpr):
 @triton.jit
 def _load_gamma(gc, c0, j, i_h, H, K: tl.constexpr, valid):
     """G_C [K] (or Γ_C) of chunk j of the sequence whose first chunk is c0, from gc [NT, H, K]; zeros unless
-    valid (False for a sequence with no chunk, whose chunk index may lie past gc). `_prefill_state` and `_state_bwd` load it one step ahead, for their next step: Triton's
-    pipeliner leaves this [K] load in its iteration, and waiting for it took 42% of the inference state pass's stall
-    samples (ncu, session 23 run 1). Loaded ahead: the forward 1.52 → 1.38 ms at the K3 shape, `_state_bwd` 1.39 →
-    1.28 ms (run 2)."""
+    valid (False for a sequence with no chunk, whose chunk index may lie past gc). `_prefill_state` and `_state_bwd`
+    load it one step ahead, for their next step: Triton's pipeliner leaves this [K] load in its iteration, and
+    waiting for it took 42% of the inference state pass's stall samples (ncu, session 23 run 1). Loaded ahead: the
+    forward 1.52 → 1.38 ms at the K3 shape, `_state_bwd` 1.39 → 1.28 ms (run 2)."""
     return tl.load(gc + ((c0 + j) * H + i_h).to(tl.int64) * K + tl.arange(0, K), mask=valid, other=0.0)
 
 

@@ -12,12 +12,14 @@ FlashKDA forward (CUDA); docs/kda-kernels.md §9 says what was taken over and wh
   cumulative sum G (inclusive), the q/k L2 norms and β; then, with Γ = exp(G) and Γ_C its last row,
   Q_d = q̂⊙Γ, K_d = k̂⊙Γ, K_r = k̂⊙Γ_C/Γ, the in-chunk scores M = lower(Q_d·(k̂/Γ)ᵀ) (diagonal included),
   P = (I + diag(β)·strict_lower(K_d·(k̂/Γ)ᵀ))⁻¹·diag(β) (the 16×16 inverse, `_inv16`, in tf32 for 16-bit inputs),
-  W = P·K_d and U = P·V. It stores Q_d, W, K_r, U, M and Γ_C. For 32-token chunks it runs twice, once per half: the second
-  launch joins each chunk's second half to its first (the algebra is in its docstring), so no program holds
-  more than one half and no factor leaves e^±80.
+  W = P·K_d and U = P·V. It stores Q_d, W, K_r, U, M and Γ_C. For 32-token chunks it runs twice, once per half:
+  the second launch joins each chunk's second half to its first (the algebra is in its docstring), so no program
+  holds more than one half and no factor leaves e^±80.
 - `_prefill_state`, one program per (value block, sequence, head), the chunks of a sequence in order. With S the
   state at the chunk's start: Ũ = U − W·S, O = Q_d·S + M·Ũ, S ← Diag(Γ_C)·S + K_rᵀ·Ũ. 32-token chunks halve its
-  sequential steps (1.08 → 0.78 ms at the K3 shape, session 15).
+  sequential steps (1.08 → 0.78 ms at the K3 shape, session 15). The model's 128-wide heads take one value block
+  of 128 on 8 warps: one program per (sequence, head), whose two warpgroups share the step's W, Q_d and K_r tiles
+  that two programs of 64 columns each load (1.379 → 1.338 ms at the K3 shape, session 23 run 4).
 - For one sequence whose state pass fits in one wave (latency-bound, a few programs per SM) and has at least 2^19
   token-heads, the two run as a pipeline of segments of chunks (`pipelined`, `prefill_segments_for`): each
   segment's state pass, on a high-priority side stream, beside the next segment's prepare (K3 shape 1.655 → 1.502
@@ -225,16 +227,19 @@ def _prefill_state(qd, w, kr, u, m_in, gc, h0, o, ht, hs, cu, chunk_off, hs_off,
 
 
 def _state_programs(plan, H: int, V: int) -> int:
-    """`_prefill_state`'s (value block, sequence, head) programs."""
-    return plan.N * H * max(V // TUNING["prefill_state_bv"], 1)
+    """`_prefill_state`'s work in (64-column value block, sequence, head) units: its programs at BV 64, the value
+    block in which the dispatch thresholds below were measured (sessions 14-22), whatever BV it launches with (at
+    BV 128 one program holds two units on two warpgroups), so that every shape keeps the path it was measured on."""
+    return plan.N * H * max(V // 64, 1)
 
 
 def prefill_applies(plan, H: int, V: int, device: torch.device) -> bool:
     """Whether these kernels are the faster inference forward here: their state pass walks each sequence in 2× (4×
     at 16-token chunks) the steps of the 64-token one with half its value blocks, so it needs enough (value block,
-    sequence, head) programs to fill the GPU (session 14, 16-token chunks: 1.20-1.31× faster at 192 and 128
-    programs, 0.64× at 64), or, with fewer, enough work (`TUNING["prefill_few_programs"]`: 32-token chunks win 1.14×
-    at 64 programs and 2^19 token-heads, 1.18× at 32 programs and 2^20 as a pipeline; session 22)."""
+    sequence, head) programs, counted at BV 64 (`_state_programs`), to fill the GPU (session 14, 16-token chunks:
+    1.20-1.31× faster at 192 and 128 programs, 0.64× at 64), or, with fewer, enough work
+    (`TUNING["prefill_few_programs"]`: 32-token chunks win 1.14× at 64 programs and 2^19 token-heads, 1.18× at 32
+    programs and 2^20 as a pipeline; session 22)."""
     if not TUNING["prefill"]:
         return False
     programs = _state_programs(plan, H, V)
@@ -329,6 +334,10 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
             _prefill_prepare[(c_hi - c_lo, H)](*args, HALF=1, **common, **_launch_options("prefill_prepare"))
             _prefill_prepare[(c_hi - c_lo, H)](*args, HALF=2, **common, **_launch_options("prefill_join"))
 
+    state_options = _launch_options("prefill_state")
+    if state_options["num_warps"] is None:
+        state_options["num_warps"] = max(BV // 16, 1)  # a warpgroup per 64 value columns
+
     def state(i):
         c_lo, c_hi = segments[i] if plan_c.NT > 0 else (0, 0)
         _prefill_state[(V // BV, plan.N * H)](qd, W, kr, U, M, gc, h0 if h0 is not None else dummy, o,
@@ -338,7 +347,7 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
                                               USE_H0=h0 is not None, STORE_HT=ht_run is not None,
                                               STORE_HS=want_hs, EVERY=CHUNK // C, BF16=state_bf16,
                                               SPLIT=not state_bf16, SEGMENT=len(segments) > 1, INTERP=interp,
-                                              **_launch_options("prefill_state"))
+                                              **state_options)
 
     if plan_c.NT == 0:
         state(0)
