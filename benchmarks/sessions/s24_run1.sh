@@ -4,9 +4,11 @@
 # inference forward's launch knobs around the new default, interleaved (segments, the prepare's warps, the state
 # pass's stages, and its register cap: at 208 registers on 8 warps a state program leaves room for one 4-warp
 # prepare program of 96 on its SM, at 160 (4 B of spills offline) for two). Then two backward code variants against the previous code (.old/, a `git archive` of HEAD),
-# back to back: `_bwd_k_block` loading its fp32 scratch (the value side's dq̂, dk̂, dG) at its start instead of its
-# end, and `_bwd_vk` loading T and G before its value loop instead of after; with the training state pass at
-# BV 64 on 8 warps (two value blocks per program share the step's W, Q_g and K_d tiles) as a knob.
+# back to back: `_bwd_k_block` walking its neighbouring blocks in loops with run-time bounds (pipelined loads,
+# cp.async) instead of an unrolled loop of plain loads, and `_bwd_vk` loading T and G before its value loop instead
+# of after; .var/ also has `_bwd_k_block` loading its fp32 scratch (the value side's dq̂, dk̂, dG) at its start.
+# The training state pass at BV 64 on 8 warps (two value blocks per program share the step's W, Q_g and K_d tiles)
+# as a knob.
 # Two device calls (the per-call limit): part a, the tests, the table and the forward probe; part b, the backward.
 #     OUT=/tmp/out bash benchmarks/sessions/s24_run1.sh a|b
 . benchmarks/sessions/prelude.sh
@@ -26,7 +28,8 @@ step 240 python3 benchmarks/sessions/s22_pipeline_probe.py --rounds 2 --no-accur
                 {"prefill_state_stages": 2}, {"prefill_state_stages": 4}]'
 else
 compare "$ROOT/.old" '[{}]'
-compare "$ROOT" '[{}, {"bwd_k_maxnreg": 80}, {"state_ut_bv": 64, "state_ut_warps": 8}]'
+compare "$ROOT" '[{}, {"state_ut_bv": 64, "state_ut_warps": 8}, {"bwd_k_maxnreg": 80}]'
+compare "$ROOT/.var" '[{}]'
 compare "$ROOT/.old" '[{}]'
 fi
 } 2>&1 | grep --line-buffered -v "Warning\|warn_once" > "$OUT/log.txt"
