@@ -41,6 +41,8 @@ def main():
     ap.add_argument("--configs", default="", help="a JSON list of TUNING overrides instead of CONFIGS")
     ap.add_argument("--run2", action="store_true", help="run 2's shapes (SHAPES_RUN2)")
     ap.add_argument("--run5", action="store_true", help="run 5's shapes (SHAPES_RUN5)")
+    ap.add_argument("--rotate", action="store_true",
+                    help="start each round at the next config (session 24: an order effect between two configs)")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the fp64 error section")
     args = ap.parse_args()
     shapes = SHAPES_RUN2 if args.run2 else SHAPES_RUN5 if args.run5 else SHAPES
@@ -69,7 +71,8 @@ def main():
                 first = out
             row["same"][name] = all(torch.equal(a, b) for a, b in zip(first, out))
         for rnd in range(args.rounds):
-            for row in rows:
+            shift = rnd % len(rows) if args.rotate else 0
+            for row in rows[shift:] + rows[:shift]:
                 use(row["tuning"])
                 row["ms"].setdefault(name, []).append(triton.testing.do_bench(fwd, warmup=10, rep=100))
         for row in rows:

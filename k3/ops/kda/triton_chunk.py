@@ -490,6 +490,9 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
     dW = tl.zeros([C, SK], dtype=tl.float32)
     dKd = tl.zeros([C, SK], dtype=tl.float32)
     dgc = tl.zeros([SK], dtype=tl.float32)
+    # T and G are needed only after the loop; loaded before it, their latency hides behind its products
+    Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    G = tl.load(_bp(g_in, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
     for i_v in range(0, V // BV):
         off_s = (c0 + cs)[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
         S = tl.load(hs + s_base + off_s)
@@ -501,9 +504,7 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
         dW -= tl.dot(dU, tl.trans(S))
         dKd += tl.dot(Ut.to(tl.float32), tl.trans(dSe))
         dgc += tl.sum(S * dSe, 1)
-    Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
     dXk = tl.dot(tl.trans(Tm), dW)
-    G = tl.load(_bp(g_in, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
     qh, kh = _unit_cols(q, k, qn_in, kn_in, bos, L, row0, c0, i_h, scale, H, K, SK, C)
     gam = tl.exp(G)
     Kg = kh * gam
