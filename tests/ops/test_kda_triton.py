@@ -543,8 +543,8 @@ def test_prefill_pipeline_segments_give_the_same_results(dev, monkeypatch, chunk
 
 
 def test_prefill_forward_head_dims_value_blocks_and_bf16_products(dev, monkeypatch):
-    """K = V = 128 (the model's head: one state program per (sequence, head) on 8 warps), V = 64 (one of 64 on 4
-    warps), V split into value blocks of 16 (the value columns are independent: the same results up to a product's
+    """K = V = 128 (the model's head), V = 64, each launched with TUNING's value block and a warpgroup per 64 value
+    columns; V split into value blocks of 16 (the value columns are independent: the same results up to a product's
     summation order), and `state_bf16` (plain bf16 products) within the bf16 limits."""
     from k3.ops.kda import triton_chunk as tc
 
@@ -557,13 +557,16 @@ def test_prefill_forward_head_dims_value_blocks_and_bf16_products(dev, monkeypat
 
     monkeypatch.setitem(tc.prefill_forward.__globals__, "_prefill_state", Spy())
     inputs = make_raw(1, 40, 1, 128, 128, seed=53, bias=2.0)
-    _check_forward(_infer(inputs, dev), reference(*inputs), torch.bfloat16, "K = V = 128")
-    assert launched == [((1, 1), 8)], launched  # (value blocks, N·H), warps; one segment
+    monkeypatch.setitem(tc.TUNING, "prefill_state_bv", 128)
+    _check_forward(_infer(inputs, dev), reference(*inputs), torch.bfloat16, "K = V = 128, BV 128")
+    monkeypatch.setitem(tc.TUNING, "prefill_state_bv", 64)
+    _check_forward(_infer(inputs, dev), reference(*inputs), torch.bfloat16, "K = V = 128, BV 64")
+    assert launched == [((1, 1), 8), ((2, 1), 4)], launched  # (value blocks, N·H), warps; one segment
     inputs = make_raw(1, 70, 2, 32, 64, seed=54, dtype=torch.float32)
     base = _infer(inputs, dev)
     monkeypatch.setitem(tc.TUNING, "prefill_state_bv", 16)
     narrow = _infer(inputs, dev)
-    assert launched[1:] == [((1, 2), 4), ((4, 2), 1)], launched
+    assert launched[2:] == [((1, 2), 4), ((4, 2), 1)], launched
     for a, b in zip(base, narrow):
         torch.testing.assert_close(a, b, rtol=5e-5, atol=1e-5)
     inputs = make_raw(2, 100, 2, 32, 32, seed=55)

@@ -469,8 +469,10 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
     `_bwd_k_block` reads. The two terms that sum over K leave as this slice's partials, for `_bwd_vv`:
     dT_k = dW·(β·K⊙Γ)ᵀ (dtk_out [NT, H, NS, C, C]) and dβ_k = Σ_k (Tᵀ·dW)⊙K⊙Γ (dbk_out [NT, H, NS, C]).
     G and G_C are the prepare's (g_in [TT, H, K], gc_in [NT, H, K]; G reads 0 past the document end, where every
-    factor it enters multiplies a zero row). ‖q‖, ‖k‖ come from qn_in, kn_in ([TT, H], `_load_norm`); Tᵀ·dW is
-    taken right after the loop, before q̂, k̂ and G are live (fewer spills offline). (States, their gradients and dŨ
+    factor it enters multiplies a zero row). ‖q‖, ‖k‖ come from qn_in, kn_in ([TT, H], `_load_norm`). T, G, q̂ and
+    k̂, which only the part after the loop reads, are loaded before it: one program of 255 registers per SM has no
+    neighbour to hide their latency, the loop's products do (no spills offline; 2.63 → 2.32 ms at the K3 shape,
+    session 24 run 2; T and G alone 2.57). (States, their gradients and dŨ
     stored in bf16, with split-bf16 products here: slower, `_bwd_vk` 2.91 → 2.99 ms at the K3 shape with all three,
     session 13 run 3.)
     """
@@ -490,9 +492,10 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
     dW = tl.zeros([C, SK], dtype=tl.float32)
     dKd = tl.zeros([C, SK], dtype=tl.float32)
     dgc = tl.zeros([SK], dtype=tl.float32)
-    # T and G are needed only after the loop; loaded before it, their latency hides behind its products
+    # read only after the loop: loaded before it, their latency hides behind its products
     Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
     G = tl.load(_bp(g_in, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
+    qh, kh = _unit_cols(q, k, qn_in, kn_in, bos, L, row0, c0, i_h, scale, H, K, SK, C)
     for i_v in range(0, V // BV):
         off_s = (c0 + cs)[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
         S = tl.load(hs + s_base + off_s)
@@ -505,7 +508,6 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
         dKd += tl.dot(Ut.to(tl.float32), tl.trans(dSe))
         dgc += tl.sum(S * dSe, 1)
     dXk = tl.dot(tl.trans(Tm), dW)
-    qh, kh = _unit_cols(q, k, qn_in, kn_in, bos, L, row0, c0, i_h, scale, H, K, SK, C)
     gam = tl.exp(G)
     Kg = kh * gam
     p_part = ((i_c * H + i_h) * NS + s).to(tl.int64)

@@ -105,11 +105,12 @@ TUNING = {
     # programs per SM) 1.19 ms for both launches, uncapped (168, 3 per SM) 1.24, 8 warps 1.59 (session 15 run 2)
     "prefill_join_warps": 4, "prefill_join_stages": None, "prefill_join_maxnreg": 128,
     # `_prefill_state` per (value block, sequence, head): 1.26 ms at 2 stages, 1.08 at 3 (run 3); BV 32 2.64
-    # and 8 warps 4.04 (run 1, then on P, K_d and V instead of W and U). BV 128 (one program per (sequence, head) of
-    # the model's heads; warps None: 4 per 64 value columns, 8 here) 1.338 against BV 64 on 4 warps 1.379 ms at
-    # the K3 shape, bit-identical, ties at H = 64, varlen and T = 32768 (session 23 run 4); the thresholds above
-    # count programs at BV 64 whatever BV launches (`_state_programs`)
-    "prefill_state_bv": 128, "prefill_state_warps": None, "prefill_state_stages": 3, "prefill_state_maxnreg": None,
+    # and 8 warps 4.04 (run 1, then on P, K_d and V instead of W and U). Warps None: 4 per 64 value columns. BV 128
+    # on 8 warps (one program per (sequence, head): its two warpgroups share the step's W, Q_d and K_r tiles) won
+    # in session 23 run 4 (K3 shape 1.338 against 1.379 ms) but lost in all three timings of session 24 (runs 1-2,
+    # the configs' order rotated per round: 1.341 against 1.326, H = 64 0.953 against 0.905; varlen and T = 32768
+    # tie). The thresholds above count programs at BV 64 whatever BV launches (`_state_programs`)
+    "prefill_state_bv": 64, "prefill_state_warps": None, "prefill_state_stages": 3, "prefill_state_maxnreg": None,
     # the prefill state pass in plain bf16 products for 16-bit inputs (its fp32 state rounded to bf16 as an operand,
     # FlashKDA's choice; fp32 inputs keep the split products): state pass 0.78 → 0.60 ms at 32-token chunks, 1.09 →
     # 0.83 at 16 (K3 shape); o 3.0 → 4.0e-3 from fp64 at 16-token chunks, 4.1e-3 at T = 32768 (limit 5e-3, fla

@@ -17,9 +17,9 @@ FlashKDA forward (CUDA); docs/kda-kernels.md §9 says what was taken over and wh
   holds more than one half and no factor leaves e^±80.
 - `_prefill_state`, one program per (value block, sequence, head), the chunks of a sequence in order. With S the
   state at the chunk's start: Ũ = U − W·S, O = Q_d·S + M·Ũ, S ← Diag(Γ_C)·S + K_rᵀ·Ũ. 32-token chunks halve its
-  sequential steps (1.08 → 0.78 ms at the K3 shape, session 15). The model's 128-wide heads take one value block
-  of 128 on 8 warps: one program per (sequence, head), whose two warpgroups share the step's W, Q_d and K_r tiles
-  that two programs of 64 columns each load (1.379 → 1.338 ms at the K3 shape, session 23 run 4).
+  sequential steps (1.08 → 0.78 ms at the K3 shape, session 15). Value blocks of 64 on 4 warps: one block of 128
+  on 8 warps, whose two warpgroups share the step's W, Q_d and K_r tiles, won once and lost three times (sessions
+  23-24, `TUNING["prefill_state_bv"]`).
 - For one sequence whose state pass fits in one wave (latency-bound, a few programs per SM) and has at least 2^19
   token-heads, the two run as a pipeline of segments of chunks (`pipelined`, `prefill_segments_for`): each
   segment's state pass, on a high-priority side stream, beside the next segment's prepare (K3 shape 1.655 → 1.502
