@@ -512,6 +512,30 @@ def test_prefill_pipeline_and_dispatch_rules(monkeypatch):
     assert not tp.prefill_applies(two, 32, 128, device)
 
 
+def test_prefill_dispatch_does_not_depend_on_the_launch_value_block(monkeypatch):
+    """The dispatch thresholds were measured at BV 64 and count programs at BV 64 (`_state_programs`): whichever
+    value block the state pass launches with, every shape takes the same path, chunk and segments."""
+    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import triton_prefill as tp
+    from k3.ops.kda.triton_common import plan_for
+
+    device = torch.device("cpu")
+    plans = [plan_for(offsets, device, 64) for offsets in
+             ((0, 8192), (0, 32768), (0, 65536), (0, 8192, 16384), (0, 1300, 1847, 3895, 4858, 5129, 8192))]
+    shapes = [(plan, H, V) for plan in plans for H in (1, 8, 16, 32, 64, 96) for V in (64, 128)]
+
+    def decisions():
+        return [(tp.prefill_applies(*shape, device), tp.prefill_chunk_for(*shape, device),
+                 tp.prefill_segments_for(*shape, device)) for shape in shapes]
+
+    monkeypatch.setitem(tc.TUNING, "prefill_state_bv", 64)
+    at_64 = decisions()
+    assert len(set(at_64)) > 3  # the shapes reach several paths
+    for bv in (32, 128):
+        monkeypatch.setitem(tc.TUNING, "prefill_state_bv", bv)
+        assert decisions() == at_64, bv
+
+
 @pytest.mark.parametrize("chunk", [16, 32])
 def test_prefill_pipeline_segments_give_the_same_results(dev, monkeypatch, chunk):
     """The inference forward as a pipeline of segments (`prefill_segments`: each segment's state pass after its
