@@ -37,6 +37,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import k3.ops.kda.triton_chunk as chunk  # noqa: E402
 import k3.ops.kda.triton_prefill as prefill  # noqa: E402
+from k3.ops.kda.triton_common import _launch_options  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 FP32_ARGS = {"A_log", "dt_bias", "t_in", "t_out", "hs", "dse", "du", "dqh_in", "dkh_in", "dg_in", "daqk_in",
@@ -144,17 +145,14 @@ def sass_counts(cubin: bytes) -> dict:
 
 
 def tuned_settings(name: str, bv: int | None = None) -> dict:
-    """The launch settings of TUNING for one kernel, with value block bv instead of TUNING's where given."""
+    """The launch settings of TUNING for one kernel (`_launch_options`), with value block bv instead of TUNING's
+    where given (capped at V, as the launches do)."""
     prefix = TUNING_PREFIX[name]
-    settings = {"num_warps": chunk.TUNING.get(f"{prefix}_warps", 4)}
-    for key, option in (("stages", "num_stages"), ("maxnreg", "maxnreg")):
-        if chunk.TUNING.get(f"{prefix}_{key}") is not None:
-            settings[option] = chunk.TUNING[f"{prefix}_{key}"]
     bv_key = f"{prefix}_bv"
+    settings = {}
     if bv_key in chunk.TUNING:
-        settings["BV"] = bv or chunk.TUNING[bv_key]
-    if settings["num_warps"] is None:  # `prefill_forward`'s rule: a warpgroup per 64 value columns
-        settings["num_warps"] = max(settings["BV"] // 16, 1)
+        settings["BV"] = min(bv if bv is not None else chunk.TUNING[bv_key], CONSTEXPRS["V"])
+    settings.update(_launch_options(prefix, settings.get("BV")))
     return settings
 
 

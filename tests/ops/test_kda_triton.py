@@ -568,7 +568,7 @@ def test_prefill_pipeline_segments_give_the_same_results(dev, monkeypatch, chunk
 
 def test_prefill_forward_head_dims_value_blocks_and_bf16_products(dev, monkeypatch):
     """K = V = 128 (the model's head), V = 64, each launched with TUNING's value block and a warpgroup per 64 value
-    columns; V split into value blocks of 16 (the value columns are independent: the same results up to a product's
+    columns (at least one); V split into value blocks of 16 (the value columns are independent: the same results up to a product's
     summation order), and `state_bf16` (plain bf16 products) within the bf16 limits."""
     from k3.ops.kda import triton_chunk as tc
 
@@ -590,7 +590,7 @@ def test_prefill_forward_head_dims_value_blocks_and_bf16_products(dev, monkeypat
     base = _infer(inputs, dev)
     monkeypatch.setitem(tc.TUNING, "prefill_state_bv", 16)
     narrow = _infer(inputs, dev)
-    assert launched[2:] == [((1, 2), 4), ((4, 2), 1)], launched
+    assert launched[2:] == [((1, 2), 4), ((4, 2), 4)], launched
     for a, b in zip(base, narrow):
         torch.testing.assert_close(a, b, rtol=5e-5, atol=1e-5)
     inputs = make_raw(2, 100, 2, 32, 32, seed=55)
@@ -962,7 +962,7 @@ def test_errors(dev):
 
 def test_launch_options_follow_tuning(monkeypatch):
     """TUNING's optional per-kernel num_stages / maxnreg reach the launch only when set (benchmarks/kda.py
-    --tuning sweeps them); warps always do."""
+    --tuning sweeps them); warps always do, as set or, where None, from the value block."""
     pytest.importorskip("triton")
     from k3.ops.kda import triton_chunk as tc
 
@@ -974,6 +974,11 @@ def test_launch_options_follow_tuning(monkeypatch):
     monkeypatch.setitem(tc.TUNING, "bwd_k_stages", 3)
     monkeypatch.setitem(tc.TUNING, "bwd_k_maxnreg", None)
     assert tc._launch_options("bwd_k")["num_stages"] == 3 and "maxnreg" not in tc._launch_options("bwd_k")
+    # warps None: a warpgroup per 64 value columns of the launch's value block, at least one
+    monkeypatch.setitem(tc.TUNING, "prefill_state_warps", None)
+    assert [tc._launch_options("prefill_state", bv)["num_warps"] for bv in (16, 64, 128, 256)] == [4, 4, 8, 16]
+    with pytest.raises(ValueError, match="value block"):
+        tc._launch_options("prefill_state")
 
 
 # the prepare (`_prep_gate`, `_prep_intra`, `_prep_solve`, `_prep_wu`) against the chunk operands in fp64

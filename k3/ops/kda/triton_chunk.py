@@ -472,9 +472,8 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
     factor it enters multiplies a zero row). ‖q‖, ‖k‖ come from qn_in, kn_in ([TT, H], `_load_norm`). T, G, q̂ and
     k̂, which only the part after the loop reads, are loaded before it: one program of 255 registers per SM has no
     neighbour to hide their latency, the loop's products do (no spills offline; 2.63 → 2.32 ms at the K3 shape,
-    session 24 run 2; T and G alone 2.57). (States, their gradients and dŨ
-    stored in bf16, with split-bf16 products here: slower, `_bwd_vk` 2.91 → 2.99 ms at the K3 shape with all three,
-    session 13 run 3.)
+    session 24 run 2; T and G alone 2.57). (States, their gradients and dŨ stored in bf16, with split-bf16
+    products here: slower, `_bwd_vk` 2.91 → 2.99 ms at the K3 shape with all three, session 13 run 3.)
     """
     NS: tl.constexpr = K // SK
     pid = tl.program_id(0)

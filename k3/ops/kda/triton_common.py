@@ -68,9 +68,10 @@ TUNING = {
     # partials summed first 1.18 → 1.02 ms (session 9 run 4)
     # (session 13: 64-column slices without the register cap, one program of 255 registers per SM, `_bwd_vk` 2.91 →
     # 2.65 ms and `_bwd_vv` 1.02 → 0.94 (half the partials) at the K3 shape, run 3)
-    # (session 24: with T, G, q̂ and k̂ loaded before the value loop, 2.63 → 2.33 ms; then 4 stages 2.27, 2 stages 2.85,
-    # run 3; 172 KB of shared memory, still one program per SM)
-    "bwd_vk_cols": 64, "bwd_vk_bv": 32, "bwd_vk_warps": 8, "bwd_vk_stages": 4, "bwd_vk_maxnreg": None,
+    # (session 24: with T, G, q̂ and k̂ loaded before the value loop, 2.63 → 2.32 ms, run 2. Run 3: 2.33 at 3 stages,
+    # 2.27 at 4 (172 KB of shared memory, still one program per SM; the fp64 gate passed, the GPU tests have not run
+    # at 4 stages), 2.85 at 2)
+    "bwd_vk_cols": 64, "bwd_vk_bv": 32, "bwd_vk_warps": 8, "bwd_vk_stages": 3, "bwd_vk_maxnreg": None,
     "bwd_vv_bv": 32, "bwd_vv_warps": 8, "bwd_vv_stages": 3, "bwd_vv_maxnreg": 128,
     # `_bwd_k_block` (session 13) per (16-row block, key slice of 32): capped at 72 registers (92 B of spills) for seven
     # programs per SM, 3.54 → 2.75 ms at the K3 shape (96: 3.26, 80: 2.96, 64: 2.77; runs 3-4)
@@ -107,11 +108,13 @@ TUNING = {
     # programs per SM) 1.19 ms for both launches, uncapped (168, 3 per SM) 1.24, 8 warps 1.59 (session 15 run 2)
     "prefill_join_warps": 4, "prefill_join_stages": None, "prefill_join_maxnreg": 128,
     # `_prefill_state` per (value block, sequence, head): 1.26 ms at 2 stages, 1.08 at 3 (run 3); BV 32 2.64
-    # and 8 warps 4.04 (run 1, then on P, K_d and V instead of W and U). Warps None: 4 per 64 value columns. BV 128
+    # and 8 warps 4.04 (run 1, then on P, K_d and V instead of W and U). Warps None: 4 per 64 value columns, at
+    # least 4 (`_launch_options`). BV 128
     # on 8 warps (one program per (sequence, head): its two warpgroups share the step's W, Q_d and K_r tiles) won
     # in session 23 run 4 (K3 shape 1.338 against 1.379 ms) but lost in all three timings of session 24 (runs 1-2,
     # the configs' order rotated per round: 1.341 against 1.326, H = 64 0.953 against 0.905; varlen and T = 32768
-    # tie). The thresholds above count programs at BV 64 whatever BV launches (`_state_programs`)
+    # tie). prefill_min_programs, prefill_few_programs, prefill_chunk32_max_programs and (below)
+    # prefill_pipeline_max_programs count programs at BV 64 whatever BV launches (`_state_programs`)
     "prefill_state_bv": 64, "prefill_state_warps": None, "prefill_state_stages": 3, "prefill_state_maxnreg": None,
     # the prefill state pass in plain bf16 products for 16-bit inputs (its fp32 state rounded to bf16 as an operand,
     # FlashKDA's choice; fp32 inputs keep the split products): state pass 0.78 → 0.60 ms at 32-token chunks, 1.09 →
@@ -196,9 +199,15 @@ def pipelined(device: torch.device, n: int, produce, consume) -> None:
         main.wait_stream(side)
 
 
-def _launch_options(kernel: str) -> dict:
-    """num_warps, and num_stages / maxnreg where TUNING sets them, for one chunk kernel's launch."""
-    options = {"num_warps": TUNING[f"{kernel}_warps"]}
+def _launch_options(kernel: str, bv: int | None = None) -> dict:
+    """num_warps, and num_stages / maxnreg where TUNING sets them, for one chunk kernel's launch. Warps None (for a
+    kernel launched with value block bv): a warpgroup per 64 value columns, at least one."""
+    warps = TUNING[f"{kernel}_warps"]
+    if warps is None:
+        if bv is None:
+            raise ValueError(f"TUNING['{kernel}_warps'] is None: the warps follow the value block, which was not given")
+        warps = 4 * max(bv // 64, 1)
+    options = {"num_warps": warps}
     for key, option in (("stages", "num_stages"), ("maxnreg", "maxnreg")):
         if TUNING.get(f"{kernel}_{key}") is not None:
             options[option] = TUNING[f"{kernel}_{key}"]

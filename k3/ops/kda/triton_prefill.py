@@ -263,11 +263,12 @@ def _one_wave(limit, device: torch.device) -> int:
 
 
 def prefill_chunk_for(plan, H: int, V: int, device: torch.device) -> int:
-    """The inference forward's chunk: 32 while the state pass's (value block, sequence, head) programs are at most
-    `TUNING["prefill_chunk32_max_programs"]` (None: two per SM) and `TUNING["prefill_chunk"]` is 32; 16 beyond, or
-    always with `prefill_chunk` 16. Few programs are latency-bound, and 32-token chunks halve their sequential steps
-    (T = 32768 H = 32, 64 programs: 2.705 against 3.377 ms, session 22 run 1); more are throughput-bound, and there
-    the 16-token chunks' smaller products and the join they skip win (192 programs: 1.502 against 1.709 ms)."""
+    """The inference forward's chunk: 32 while the state pass's (value block, sequence, head) programs (counted at
+    BV 64, `_state_programs`) are at most `TUNING["prefill_chunk32_max_programs"]` (None: two per SM) and
+    `TUNING["prefill_chunk"]` is 32; 16 beyond, or always with `prefill_chunk` 16. Few programs are latency-bound,
+    and 32-token chunks halve their sequential steps (T = 32768 H = 32, 64 programs: 2.705 against 3.377 ms, session
+    22 run 1); more are throughput-bound, and there the 16-token chunks' smaller products and the join they skip win
+    (192 programs: 1.502 against 1.709 ms)."""
     C = TUNING["prefill_chunk"]
     if C not in (16, 32):
         raise ValueError(f"TUNING['prefill_chunk'] must be 16 or 32, got {C}")
@@ -278,8 +279,9 @@ def prefill_chunk_for(plan, H: int, V: int, device: torch.device) -> int:
 def prefill_segments_for(plan, H: int, V: int, device: torch.device) -> int:
     """How many pipeline segments the inference forward runs in (`pipelined`): one per
     `TUNING["prefill_segment_tokens"]` tokens, at most `prefill_segments`, for one sequence whose state pass fits in
-    one wave (`prefill_pipeline_max_programs`, None: two programs per SM) and has at least `prefill_pipeline_min_work`
-    token-heads; else 1 (segments cut the chunks in global order: several sequences would take turns)."""
+    one wave (`prefill_pipeline_max_programs` programs counted at BV 64, None: two per SM) and has at least
+    `prefill_pipeline_min_work` token-heads; else 1 (segments cut the chunks in global order: several sequences
+    would take turns)."""
     TT = plan.offsets[-1]
     if (plan.N > 1 or _state_programs(plan, H, V) > _one_wave(TUNING["prefill_pipeline_max_programs"], device)
             or TT * H < TUNING["prefill_pipeline_min_work"]):
@@ -334,10 +336,6 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
             _prefill_prepare[(c_hi - c_lo, H)](*args, HALF=1, **common, **_launch_options("prefill_prepare"))
             _prefill_prepare[(c_hi - c_lo, H)](*args, HALF=2, **common, **_launch_options("prefill_join"))
 
-    state_options = _launch_options("prefill_state")
-    if state_options["num_warps"] is None:
-        state_options["num_warps"] = max(BV // 16, 1)  # a warpgroup per 64 value columns
-
     def state(i):
         c_lo, c_hi = segments[i] if plan_c.NT > 0 else (0, 0)
         _prefill_state[(V // BV, plan.N * H)](qd, W, kr, U, M, gc, h0 if h0 is not None else dummy, o,
@@ -347,7 +345,7 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
                                               USE_H0=h0 is not None, STORE_HT=ht_run is not None,
                                               STORE_HS=want_hs, EVERY=CHUNK // C, BF16=state_bf16,
                                               SPLIT=not state_bf16, SEGMENT=len(segments) > 1, INTERP=interp,
-                                              **state_options)
+                                              **_launch_options("prefill_state", BV))
 
     if plan_c.NT == 0:
         state(0)
