@@ -568,8 +568,8 @@ def test_prefill_pipeline_segments_give_the_same_results(dev, monkeypatch, chunk
 
 def test_prefill_forward_head_dims_value_blocks_and_bf16_products(dev, monkeypatch):
     """K = V = 128 (the model's head), V = 64, each launched with TUNING's value block and a warpgroup per 64 value
-    columns (at least one); V split into value blocks of 16 (the value columns are independent: the same results up to a product's
-    summation order), and `state_bf16` (plain bf16 products) within the bf16 limits."""
+    columns (at least one); V split into value blocks of 16 (the value columns are independent: the same results up
+    to a product's summation order), and `state_bf16` (plain bf16 products) within the bf16 limits."""
     from k3.ops.kda import triton_chunk as tc
 
     launched = []

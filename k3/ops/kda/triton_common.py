@@ -109,12 +109,12 @@ TUNING = {
     "prefill_join_warps": 4, "prefill_join_stages": None, "prefill_join_maxnreg": 128,
     # `_prefill_state` per (value block, sequence, head): 1.26 ms at 2 stages, 1.08 at 3 (run 3); BV 32 2.64
     # and 8 warps 4.04 (run 1, then on P, K_d and V instead of W and U). Warps None: 4 per 64 value columns, at
-    # least 4 (`_launch_options`). BV 128
-    # on 8 warps (one program per (sequence, head): its two warpgroups share the step's W, Q_d and K_r tiles) won
-    # in session 23 run 4 (K3 shape 1.338 against 1.379 ms) but lost in all three timings of session 24 (runs 1-2,
-    # the configs' order rotated per round: 1.341 against 1.326, H = 64 0.953 against 0.905; varlen and T = 32768
-    # tie). prefill_min_programs, prefill_few_programs, prefill_chunk32_max_programs and (below)
-    # prefill_pipeline_max_programs count programs at BV 64 whatever BV launches (`_state_programs`)
+    # least 4 (`_launch_options`). BV 128 on 8 warps (one program per (sequence, head): its two warpgroups share
+    # the step's W, Q_d and K_r tiles) won in session 23 run 4 (K3 shape 1.338 against 1.379 ms) but lost in all
+    # three timings of session 24 (runs 1-2, the configs' order rotated per round: 1.341 against 1.326, H = 64
+    # 0.953 against 0.905; varlen and T = 32768 tie). prefill_min_programs, prefill_few_programs,
+    # prefill_chunk32_max_programs and (below) prefill_pipeline_max_programs count programs at BV 64 whatever BV
+    # launches (`_state_programs`)
     "prefill_state_bv": 64, "prefill_state_warps": None, "prefill_state_stages": 3, "prefill_state_maxnreg": None,
     # the prefill state pass in plain bf16 products for 16-bit inputs (its fp32 state rounded to bf16 as an operand,
     # FlashKDA's choice; fp32 inputs keep the split products): state pass 0.78 → 0.60 ms at 32-token chunks, 1.09 →

@@ -226,11 +226,15 @@ def _prefill_state(qd, w, kr, u, m_in, gc, h0, o, ht, hs, cu, chunk_off, hs_off,
             tl.store(ht + i_nh.to(tl.int64) * K * V + off_x, X)
 
 
+# the value block in which the dispatch thresholds (TUNING's prefill_*_programs) were measured, sessions 14-22
+DISPATCH_BV = 64
+
+
 def _state_programs(plan, H: int, V: int) -> int:
-    """`_prefill_state`'s work in (64-column value block, sequence, head) units: its programs at BV 64, the value
-    block in which the dispatch thresholds below were measured (sessions 14-22), whatever BV it launches with (at
-    BV 128 one program holds two units on two warpgroups), so that every shape keeps the path it was measured on."""
-    return plan.N * H * max(V // 64, 1)
+    """`_prefill_state`'s work in (value block of DISPATCH_BV columns, sequence, head) units: its programs at that
+    value block whatever BV it launches with (at BV 128 one program holds two units on two warpgroups), so that
+    every shape keeps the path it was measured on."""
+    return plan.N * H * max(V // DISPATCH_BV, 1)
 
 
 def prefill_applies(plan, H: int, V: int, device: torch.device) -> bool:
