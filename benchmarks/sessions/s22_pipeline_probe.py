@@ -44,8 +44,12 @@ def main():
     ap.add_argument("--rotate", action="store_true",
                     help="start each round at the next config (session 24: an order effect between two configs)")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the fp64 error section")
+    ap.add_argument("--shapes", default="", help="comma-separated shape names: only these (session 25)")
     args = ap.parse_args()
     shapes = SHAPES_RUN2 if args.run2 else SHAPES_RUN5 if args.run5 else SHAPES
+    if args.shapes:
+        shapes = [s for s in SHAPES + SHAPES_RUN2 + SHAPES_RUN5 if s[0] in args.shapes.split(",")]
+        shapes = list({s[0]: s for s in shapes}.values())
     configs = json.loads(args.configs) if args.configs else CONFIGS
     base = dict(triton_chunk.TUNING)
 

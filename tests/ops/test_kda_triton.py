@@ -466,6 +466,16 @@ def test_segment_bounds_cover_every_chunk_once_at_even_cuts():
             assert all(lo % 2 == 0 for lo, _ in bounds) and len(bounds) <= segments
             if n_chunks >= 2 * segments:
                 assert len(bounds) == segments and max(hi - lo for lo, hi in bounds) <= -(-n_chunks // segments) + 2
+    # shorter segments after the regular ones (TUNING's prefill_segment_tail): sizes in proportion, to a chunk pair
+    for n_chunks in range(0, 40):
+        for segments, tail in ((4, [0.5, 0.25]), (2, [0.3]), (1, [1.0])):
+            bounds = segment_bounds(n_chunks, segments, tail)
+            assert [c for lo, hi in bounds for c in range(lo, hi)] == list(range(n_chunks))
+            assert all(lo % 2 == 0 for lo, _ in bounds) and len(bounds) <= segments + len(tail)
+    sizes = [hi - lo for lo, hi in segment_bounds(512, 4, [0.5, 0.25])]
+    assert sizes == [108, 108, 108, 108, 54, 26]
+    with pytest.raises(ValueError, match="positive"):
+        segment_bounds(512, 4, [0.5, 0])
 
 
 def test_prefill_pipeline_and_dispatch_rules(monkeypatch):
@@ -552,12 +562,15 @@ def test_prefill_pipeline_segments_give_the_same_results(dev, monkeypatch, chunk
     cu = torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(len(lengths))], device=dev)
     inputs = make_raw(1, int(cu[-1]), 2, 32, 32, seed=56, N=len(lengths))
     outs = []
-    for segments in (1, 2, 3, 5, 64):
+    splits = ((1, []), (2, []), (3, []), (5, []), (64, []), (2, [0.5, 0.25]))  # (segments, prefill_segment_tail)
+    for segments, tail in splits:
         monkeypatch.setitem(tc.TUNING, "prefill_segments", segments)
+        monkeypatch.setitem(tc.TUNING, "prefill_segment_tail", tail)
         outs.append(_infer(inputs, dev, cu_seqlens=cu, return_chunk_states=True))
-    for segments, out in zip((2, 3, 5, 64), outs[1:]):
+    for split, out in zip(splits[1:], outs[1:]):
         for a, b in zip(outs[0], out):
-            assert torch.equal(a, b), segments
+            assert torch.equal(a, b), split
+    monkeypatch.setitem(tc.TUNING, "prefill_segment_tail", [])
     _check_forward(outs[0][:2], reference(*inputs, cu_seqlens=cu.cpu()), torch.bfloat16, "segments")
     monkeypatch.setitem(tc.TUNING, "prefill_segments", 4)
     no_state = [t.to(dev) for t in inputs]

@@ -135,6 +135,9 @@ TUNING = {
     # 3.835 / 3.523 / 3.377 / 3.331 (32-token chunks: 4 segments 2.738, 8 2.623, run 2); 16 segments lose (1.61,
     # 1.80)
     "prefill_segments": 8, "prefill_segment_tokens": 2048,
+    # ... then shorter segments, each this fraction of a regular one (`segment_bounds`): the last segment's state
+    # pass runs alone after the whole prepare, so a short one shortens the pipeline's tail (session 25)
+    "prefill_segment_tail": [],
     # ... only while the state pass has at most prefill_pipeline_max_programs (None: two per SM, one wave): with
     # several waves the state pass is throughput-bound itself, and the pipeline lost or tied (varlen6 / varlen8 at
     # H = 96, 1152 and 1536 programs: 1.722 / 1.630 ms alone, 1.748 / 1.748 at 4 segments, 1.738 / 1.637 at 2); and
@@ -158,13 +161,20 @@ TUNING = {
 # §7 items 22-25).
 
 
-def segment_bounds(n_chunks: int, segments: int) -> list[tuple[int, int]]:
-    """[lo, hi) ranges of chunk indices that split n_chunks chunks into `segments` near-equal pipeline segments
-    (fewer if there are too few chunks). Every bound is even, so a chunk table sliced at it (two int32 per chunk)
-    keeps the 16-byte alignment that Triton specialises kernels on."""
+def segment_bounds(n_chunks: int, segments: int, tail=()) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of chunk indices that split n_chunks chunks into `segments` near-equal pipeline segments,
+    followed by one shorter segment per entry of `tail` (its size as a fraction of a regular one), fewer if there
+    are too few chunks. Every bound is even, so a chunk table sliced at it (two int32 per chunk) keeps the 16-byte
+    alignment that Triton specialises kernels on."""
     pairs = -(-n_chunks // 2)
-    segments = max(1, min(segments, pairs))
-    cuts = [min(2 * round(i * pairs / segments), n_chunks) for i in range(segments + 1)]
+    weights = [1.0] * max(1, segments) + [float(w) for w in tail]
+    if any(w <= 0 for w in weights):
+        raise ValueError(f"segment tail fractions must be positive, got {list(tail)}")
+    total, edges, acc = sum(weights), [0.0], 0.0
+    for w in weights:
+        acc += w
+        edges.append(acc / total)
+    cuts = sorted({min(2 * round(e * pairs), n_chunks) for e in edges} | {n_chunks})
     return [(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:]) if hi > lo]
 
 

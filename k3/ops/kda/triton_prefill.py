@@ -322,7 +322,8 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     M = torch.empty(TT, H, C, dtype=hi, device=dev)
     gc = torch.empty(max(plan_c.NT, 1), H, K, dtype=torch.float32, device=dev)
     ht_run = ht
-    segments = segment_bounds(plan_c.NT, prefill_segments_for(plan, H, V, dev))
+    n_segments = prefill_segments_for(plan, H, V, dev)
+    segments = segment_bounds(plan_c.NT, n_segments, TUNING["prefill_segment_tail"] if n_segments > 1 else ())
     if len(segments) > 1 and ht is None:
         ht_run = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev)  # the state between segments
     common = dict(H=H, K=K, V=V, G_MIN=g_min, SCORES_BF16=lo == torch.bfloat16,
