@@ -69,9 +69,9 @@ TUNING = {
     # (session 13: 64-column slices without the register cap, one program of 255 registers per SM, `_bwd_vk` 2.91 →
     # 2.65 ms and `_bwd_vv` 1.02 → 0.94 (half the partials) at the K3 shape, run 3)
     # (session 24: with T, G, q̂ and k̂ loaded before the value loop, 2.63 → 2.32 ms, run 2. Run 3: 2.33 at 3 stages,
-    # 2.27 at 4 (172 KB of shared memory, still one program per SM; the fp64 gate passed, the GPU tests have not run
-    # at 4 stages), 2.85 at 2)
-    "bwd_vk_cols": 64, "bwd_vk_bv": 32, "bwd_vk_warps": 8, "bwd_vk_stages": 3, "bwd_vk_maxnreg": None,
+    # 2.27 at 4 (172 KB of shared memory, still one program per SM), 2.85 at 2; 4 stages the default since session
+    # 25: the KDA GPU tests passed with it, and fwd+bwd 11.238 → 11.192 ms, `_bwd_vk` 2.33 → 2.27, run 1)
+    "bwd_vk_cols": 64, "bwd_vk_bv": 32, "bwd_vk_warps": 8, "bwd_vk_stages": 4, "bwd_vk_maxnreg": None,
     "bwd_vv_bv": 32, "bwd_vv_warps": 8, "bwd_vv_stages": 3, "bwd_vv_maxnreg": 128,
     # `_bwd_k_block` (session 13) per (16-row block, key slice of 32): capped at 72 registers (92 B of spills) for seven
     # programs per SM, 3.54 → 2.75 ms at the K3 shape (96: 3.26, 80: 2.96, 64: 2.77; runs 3-4)
