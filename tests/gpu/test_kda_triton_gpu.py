@@ -111,7 +111,7 @@ def test_pipelined_forward_in_a_cuda_graph_and_on_another_stream():
     from k3.ops.kda.triton_common import make_plan
 
     inputs = [x.cuda() for x in make_raw(1, 8192, 64, 128, 128, seed=3, bias=2.0)]
-    assert tp.prefill_segments_for(make_plan(1, 8192, None, inputs[0].device), 64, 128, inputs[0].device) == 4
+    assert tp.prefill_segments_for(make_plan(1, 8192, None, inputs[0].device), 64, 128, inputs[0].device) == (4, ())
     with torch.no_grad():
         eager = ours(inputs, None)
         saved = tc.TUNING["prefill_segments"]

@@ -480,9 +480,10 @@ def test_segment_bounds_cover_every_chunk_once_at_even_cuts():
 
 def test_prefill_pipeline_and_dispatch_rules(monkeypatch):
     """The pipeline: one segment per prefill_segment_tokens tokens, at most prefill_segments, for one sequence whose
-    state pass fits in one wave and has at least prefill_pipeline_min_work token-heads; else none. The inference
-    kernels: from prefill_min_programs programs, or from fewer with enough token-heads (`prefill_few_programs`, whose
-    last tier only as a pipeline)."""
+    state pass fits in one wave and has at least prefill_pipeline_min_work token-heads; else none. From
+    prefill_tail_min_programs state programs (None: more than SMs), one per prefill_tail_segment_tokens tokens and
+    then the shorter prefill_segment_tail. The inference kernels: from prefill_min_programs programs, or from fewer
+    with enough token-heads (`prefill_few_programs`, whose last tier only as a pipeline)."""
     from k3.ops.kda import triton_chunk as tc
     from k3.ops.kda import triton_prefill as tp
     from k3.ops.kda.triton_common import plan_for
@@ -494,17 +495,31 @@ def test_prefill_pipeline_and_dispatch_rules(monkeypatch):
     monkeypatch.setitem(tc.TUNING, "prefill_segment_tokens", 2048)
     monkeypatch.setitem(tc.TUNING, "prefill_pipeline_min_work", 2 ** 15)
     monkeypatch.setitem(tc.TUNING, "prefill_pipeline_max_programs", 8)
-    assert tp.prefill_segments_for(one, 4, 128, device) == 4  # 4 · 128/64 = 8 programs, 2^16 token-heads
-    assert tp.prefill_segments_for(one, 5, 128, device) == 1  # 10 programs
-    assert tp.prefill_segments_for(two, 2, 128, device) == 1  # two sequences would take turns
+    monkeypatch.setitem(tc.TUNING, "prefill_tail_min_programs", 10 ** 6)
+    assert tp.prefill_segments_for(one, 4, 128, device) == (4, ())  # 4 · 128/64 = 8 programs, 2^16 token-heads
+    assert tp.prefill_segments_for(one, 5, 128, device) == (1, ())  # 10 programs
+    assert tp.prefill_segments_for(two, 2, 128, device) == (1, ())  # two sequences would take turns
     monkeypatch.setitem(tc.TUNING, "prefill_segment_tokens", 5000)
-    assert tp.prefill_segments_for(one, 4, 128, device) == 3
+    assert tp.prefill_segments_for(one, 4, 128, device) == (3, ())
     monkeypatch.setitem(tc.TUNING, "prefill_pipeline_min_work", 2 ** 16 + 1)
-    assert tp.prefill_segments_for(one, 4, 128, device) == 1
+    assert tp.prefill_segments_for(one, 4, 128, device) == (1, ())
     monkeypatch.setitem(tc.TUNING, "prefill_pipeline_max_programs", None)  # two per SM
     monkeypatch.setitem(tc.TUNING, "prefill_pipeline_min_work", 0)
-    assert tp.prefill_segments_for(one, 2 * tp._sm_count(device), 64, device) == 3
-    assert tp.prefill_segments_for(one, 2 * tp._sm_count(device) + 1, 64, device) == 1
+    assert tp.prefill_segments_for(one, 2 * tp._sm_count(device), 64, device) == (3, ())
+    assert tp.prefill_segments_for(one, 2 * tp._sm_count(device) + 1, 64, device) == (1, ())
+    # the tail: from more state programs than SMs (None), longer regular segments, then the shorter ones
+    monkeypatch.setitem(tc.TUNING, "prefill_tail_min_programs", None)
+    monkeypatch.setitem(tc.TUNING, "prefill_tail_segment_tokens", 8192)
+    monkeypatch.setitem(tc.TUNING, "prefill_segment_tail", [0.5, 0.25])
+    assert tp.prefill_segments_for(one, tp._sm_count(device), 64, device) == (3, ())
+    assert tp.prefill_segments_for(one, tp._sm_count(device) + 1, 64, device) == (2, (0.5, 0.25))
+    monkeypatch.setitem(tc.TUNING, "prefill_tail_segment_tokens", 16384)
+    assert tp.prefill_segments_for(one, 2 * tp._sm_count(device), 64, device) == (1, (0.5, 0.25))
+    monkeypatch.setitem(tc.TUNING, "prefill_segment_tokens", 16384)  # no pipeline, no tail
+    assert tp.prefill_segments_for(one, 2 * tp._sm_count(device), 64, device) == (1, ())
+    monkeypatch.setitem(tc.TUNING, "prefill_segment_tokens", 5000)
+    monkeypatch.setitem(tc.TUNING, "prefill_tail_min_programs", 300)
+    assert tp.prefill_segments_for(one, 2 * tp._sm_count(device), 64, device) == (3, ())
 
     long = plan_for((0, 65536), device, 64)
     monkeypatch.setitem(tc.TUNING, "prefill_min_programs", 128)
@@ -557,7 +572,8 @@ def test_prefill_pipeline_segments_give_the_same_results(dev, monkeypatch, chunk
 
     monkeypatch.setitem(tc.TUNING, "prefill_chunk", chunk)
     # segments at any size and packing (the rule pipelines one long sequence only; the kernels cut any packing)
-    monkeypatch.setattr(tp, "prefill_segments_for", lambda *a: tc.TUNING["prefill_segments"])
+    monkeypatch.setattr(tp, "prefill_segments_for",
+                        lambda *a: (tc.TUNING["prefill_segments"], tuple(tc.TUNING["prefill_segment_tail"])))
     lengths = [0, 70, 1, 0, 130, 17, 33, 0]
     cu = torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(len(lengths))], device=dev)
     inputs = make_raw(1, int(cu[-1]), 2, 32, 32, seed=56, N=len(lengths))

@@ -135,9 +135,14 @@ TUNING = {
     # 3.835 / 3.523 / 3.377 / 3.331 (32-token chunks: 4 segments 2.738, 8 2.623, run 2); 16 segments lose (1.61,
     # 1.80)
     "prefill_segments": 8, "prefill_segment_tokens": 2048,
-    # ... then shorter segments, each this fraction of a regular one (`segment_bounds`): the last segment's state
-    # pass runs alone after the whole prepare, so a short one shortens the pipeline's tail (session 25)
-    "prefill_segment_tail": [],
+    # ... but with at least prefill_tail_min_programs state programs (None: more than the GPU has SMs), one per
+    # prefill_tail_segment_tokens tokens, then shorter segments, each the given fraction of a regular one
+    # (`segment_bounds`). There each segment's prepare outlasts its state pass (K3 shape: 317 against 186 µs), and the
+    # last state pass runs alone after the whole prepare (155 µs), so a short last segment shortens the pipeline's
+    # tail. Session 25 run 4, rotated, ms, equal segments / 4096 tokens + [0.5, 0.25]: K3 shape (192 programs) 1.319
+    # / 1.290, H = 80 (160) 1.128 / 1.101, T = 16384 H = 96 2.611 / 2.578, H = 128 (256) 1.717 / 1.717; below
+    # the threshold it loses: H = 64 (128) 0.903 / 0.908, T = 32768 H = 32 (64) 2.366 / 2.407
+    "prefill_tail_min_programs": None, "prefill_tail_segment_tokens": 4096, "prefill_segment_tail": [0.5, 0.25],
     # ... only while the state pass has at most prefill_pipeline_max_programs (None: two per SM, one wave): with
     # several waves the state pass is throughput-bound itself, and the pipeline lost or tied (varlen6 / varlen8 at
     # H = 96, 1152 and 1536 programs: 1.722 / 1.630 ms alone, 1.748 / 1.748 at 4 segments, 1.738 / 1.637 at 2); and

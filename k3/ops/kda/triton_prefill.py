@@ -252,7 +252,8 @@ def prefill_applies(plan, H: int, V: int, device: torch.device) -> bool:
     if programs > _one_wave(TUNING["prefill_chunk32_max_programs"], device):
         return False  # the tiers were measured in 32-token chunks; 16-token ones at these counts lose or tie
     work = plan.offsets[-1] * H
-    piped = prefill_segments_for(plan, H, V, device) > 1
+    regular, tail = prefill_segments_for(plan, H, V, device)
+    piped = regular + len(tail) > 1
     return any(programs >= least and work >= least_work and (piped or not only_piped)
                for least, least_work, only_piped in TUNING["prefill_few_programs"])
 
@@ -280,17 +281,25 @@ def prefill_chunk_for(plan, H: int, V: int, device: torch.device) -> int:
     return C if C == 16 or _state_programs(plan, H, V) <= limit else 16
 
 
-def prefill_segments_for(plan, H: int, V: int, device: torch.device) -> int:
-    """How many pipeline segments the inference forward runs in (`pipelined`): one per
-    `TUNING["prefill_segment_tokens"]` tokens, at most `prefill_segments`, for one sequence whose state pass fits in
-    one wave (`prefill_pipeline_max_programs` programs counted at BV 64, None: two per SM) and has at least
-    `prefill_pipeline_min_work` token-heads; else 1 (segments cut the chunks in global order: several sequences
-    would take turns)."""
+def prefill_segments_for(plan, H: int, V: int, device: torch.device) -> tuple[int, tuple[float, ...]]:
+    """The inference forward's pipeline (`pipelined`) as (regular segments, the shorter tail segments' sizes as
+    fractions of a regular one; `segment_bounds`). One segment per `TUNING["prefill_segment_tokens"]` tokens, at
+    most `prefill_segments`, for one sequence whose state pass fits in one wave (`prefill_pipeline_max_programs`
+    programs counted at BV 64, None: two per SM) and has at least `prefill_pipeline_min_work` token-heads; else
+    (1, ()) (segments cut the chunks in global order: several sequences would take turns). Where such a pipeline
+    has at least `prefill_tail_min_programs` state programs (None: more than the GPU has SMs), one per
+    `prefill_tail_segment_tokens` tokens instead, followed by `prefill_segment_tail`."""
     TT = plan.offsets[-1]
-    if (plan.N > 1 or _state_programs(plan, H, V) > _one_wave(TUNING["prefill_pipeline_max_programs"], device)
+    programs = _state_programs(plan, H, V)
+    if (plan.N > 1 or programs > _one_wave(TUNING["prefill_pipeline_max_programs"], device)
             or TT * H < TUNING["prefill_pipeline_min_work"]):
-        return 1
-    return max(1, min(TUNING["prefill_segments"], TT // TUNING["prefill_segment_tokens"]))
+        return 1, ()
+    segments = max(1, min(TUNING["prefill_segments"], TT // TUNING["prefill_segment_tokens"]))
+    least = TUNING["prefill_tail_min_programs"]
+    if segments == 1 or programs < (_sm_count(device) + 1 if least is None else least):
+        return segments, ()
+    regular = max(1, min(TUNING["prefill_segments"], TT // TUNING["prefill_tail_segment_tokens"]))
+    return regular, tuple(TUNING["prefill_segment_tail"])
 
 
 def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes,
@@ -322,8 +331,7 @@ def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_
     M = torch.empty(TT, H, C, dtype=hi, device=dev)
     gc = torch.empty(max(plan_c.NT, 1), H, K, dtype=torch.float32, device=dev)
     ht_run = ht
-    n_segments = prefill_segments_for(plan, H, V, dev)
-    segments = segment_bounds(plan_c.NT, n_segments, TUNING["prefill_segment_tail"] if n_segments > 1 else ())
+    segments = segment_bounds(plan_c.NT, *prefill_segments_for(plan, H, V, dev))
     if len(segments) > 1 and ht is None:
         ht_run = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev)  # the state between segments
     common = dict(H=H, K=K, V=V, G_MIN=g_min, SCORES_BF16=lo == torch.bfloat16,
