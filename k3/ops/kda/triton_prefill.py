@@ -23,7 +23,9 @@ FlashKDA forward (CUDA); docs/kda-kernels.md §9 says what was taken over and wh
 - For one sequence whose state pass fits in one wave (latency-bound, a few programs per SM) and has at least 2^19
   token-heads, the two run as a pipeline of segments of chunks (`pipelined`, `prefill_segments_for`): each
   segment's state pass, on a high-priority side stream, beside the next segment's prepare (K3 shape 1.655 → 1.502
-  ms at 4 segments interleaved, session 22 run 1; 1.666 → 1.515 in the issue's table, run 3).
+  ms at 4 segments interleaved, session 22 run 1; 1.666 → 1.515 in the issue's table, run 3). With more state
+  programs than SMs the segments end in two shorter ones (`prefill_segment_tail`): the last state pass runs alone
+  after the whole prepare (K3 shape 1.319 → 1.290 ms, session 25).
 
 The state is kept transposed, X = Sᵀ [BV, K] fp32 in registers, so that it is the left operand of both products
 that read it (X·Wᵀ, X·Q_dᵀ) and the accumulator of the one that writes it (X·Γ_C + Ũᵀ·K_r): it never goes through
