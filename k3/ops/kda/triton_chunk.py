@@ -660,137 +660,6 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
 
 
 @triton.jit
-def _kb_own(q, k, b, g_in, qn_in, kn_in, daqk_in, dakk_in, bos, L, i_h, r0, R, c0, scale, H, K: tl.constexpr,
-            SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, INTERP: tl.constexpr):
-    """`_bwd_k_pair`: row block R (rows at r0, inside the document) with its diagonal block, as `_bwd_k_block`
-    does it: (q̂, k̂, β, G, a, e, rowq, rowk, cs). The scaled tiles are formed here and again in `_kb_finish`
-    rather than kept: a pair's program holds two blocks' accumulators."""
-    qh, kh = _unit_cols(q, k, qn_in, kn_in, bos, L, r0, c0, i_h, scale, H, K, SK, BC)
-    beta = _load_beta(b, bos, L, r0, i_h, H, BC)
-    G, a, e = _g_block(g_in, bos, L, i_h, r0, c0, H, K, SK, BC)
-    rf = _exp(G - a[None, :], INTERP)
-    kc = kh * _exp(a[None, :] - G, INTERP)
-    daq = _load_block(daqk_in, bos, L, i_h, r0, R * BC, H, C, BC)
-    dak = _load_block(dakk_in, bos, L, i_h, r0, R * BC, H, C, BC)
-    rowq = tl.dot(daq, kc)
-    rowk = tl.dot(dak, kc)
-    cs = tl.dot(tl.trans(daq), qh * rf) + tl.dot(tl.trans(beta[:, None] * dak), kh * rf)
-    return qh, kh, beta, G, a, e, rowq, rowk, cs
-
-
-@triton.jit
-def _kb_finish(dqh_in, dkh_in, dg_in, db_part, bos, L, i_h, i_c, r0, R, c0, s, qh, kh, beta, G, a, e, rowq, rowk,
-               cs, co, H, K: tl.constexpr, SK: tl.constexpr, NS: tl.constexpr, C: tl.constexpr,
-               BC: tl.constexpr, INTERP: tl.constexpr):
-    """`_bwd_k_pair`: row block R's finished dq̂, dk̂, dG (before the cumsum) and dβ partial, as `_bwd_k_block`."""
-    rf = _exp(G - a[None, :], INTERP)
-    ec = _exp(a[None, :] - G, INTERP)
-    qs = qh * rf
-    ks = kh * rf
-    kc = kh * ec
-    p_dqh = _bp(dqh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
-    p_dkh = _bp(dkh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
-    p_dg = dg_in + (i_c * H + i_h).to(tl.int64) * C * K + (R * BC + tl.arange(0, BC))[:, None] * K + c0 + \
-        tl.arange(0, SK)[None, :]
-    dbeta = tl.sum(ks * rowk, 1)
-    rowk = beta[:, None] * rowk
-    ce = _exp(e[None, :] - G, INTERP) * co
-    dqh = tl.load(p_dqh, boundary_check=(0,), padding_option="zero") + rf * rowq
-    dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero") + rf * rowk + ec * cs + ce
-    dG = tl.load(p_dg) + qs * rowq + ks * rowk - kc * cs - kh * ce
-    tl.store(p_dqh, dqh, boundary_check=(0,))
-    tl.store(p_dkh, dkh, boundary_check=(0,))
-    tl.store(p_dg, dG)
-    tl.store(tl.make_block_ptr(db_part + (bos * H + i_h) * NS + s, (L,), (H * NS,), (r0,), (BC,), (0,)), dbeta,
-             boundary_check=(0,))
-
-
-@triton.jit
-def _bwd_k_pair(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_in, daqk_in, dakk_in, db_part,
-                scale, H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                INTERP: tl.constexpr):
-    """`_bwd_k_block` for two adjacent row blocks A = 2P and B = A + 1 per program (`TUNING["bwd_k_pairs"]`): the
-    same per-block arithmetic, but each neighbouring block's tiles are loaded and scaled once for both (session 13's
-    reading: the single-block kernel is bound by the L1 traffic of up to four programs loading the same neighbours).
-
-    Blocks J < A feed both row sides through k̂_J⊙exp(e_J − G_J); blocks J > B both column sides through
-    (q̂_J, k̂_J)⊙exp(G_J − a_J), each product then scaled by its block's exp(a_J − e_R) (a per-column factor, so it
-    leaves the contraction over rows); the block (B, A) is B's row side and A's column side at once, with the one
-    factor exp(a_B − e_A). When B lies past the document end only A's row side remains."""
-    NS: tl.constexpr = K // SK
-    NP: tl.constexpr = C // BC // 2
-    pid = tl.program_id(0)
-    P = pid % NP
-    s = (pid // NP) % NS
-    i_c = pid // (NP * NS)
-    c0 = s * SK
-    i_h = tl.program_id(1)
-    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
-    A = 2 * P
-    rA = row0 + A * BC
-    rB = rA + BC
-    if rA < L:
-        qhA, khA, betaA, GA, aA, eA, rowqA, rowkA, csA = _kb_own(
-            q, k, b, g_in, qn_in, kn_in, daqk_in, dakk_in, bos, L, i_h, rA, A, c0, scale, H, K, SK, C, BC, INTERP)
-        coA = tl.zeros([BC, SK], dtype=tl.float32)
-        if rB < L:
-            qhB, khB, betaB, GB, aB, eB, rowqB, rowkB, csB = _kb_own(
-                q, k, b, g_in, qn_in, kn_in, daqk_in, dakk_in, bos, L, i_h, rB, A + 1, c0, scale, H, K, SK, C, BC,
-                INTERP)
-            coB = tl.zeros([BC, SK], dtype=tl.float32)
-            # the block (B, A): B's row side, A's column side
-            daqBA = _load_block(daqk_in, bos, L, i_h, rB, A * BC, H, C, BC)
-            dakBA = _load_block(dakk_in, bos, L, i_h, rB, A * BC, H, C, BC)
-            dBA = _exp(aB - eA, INTERP)[None, :]
-            kendA = khA * _exp(eA[None, :] - GA, INTERP)
-            rowqB += dBA * tl.dot(daqBA, kendA)
-            rowkB += dBA * tl.dot(dakBA, kendA)
-            rfB = _exp(GB - aB[None, :], INTERP)
-            coA += dBA * (tl.dot(tl.trans(daqBA), qhB * rfB) + tl.dot(tl.trans(betaB[:, None] * dakBA), khB * rfB))
-            for J in tl.static_range(C // BC):
-                rJ = row0 + J * BC
-                if J < A:
-                    _, kJ = _unit_cols(q, k, qn_in, kn_in, bos, L, rJ, c0, i_h, scale, H, K, SK, BC)
-                    GJ, _, eJ = _g_block(g_in, bos, L, i_h, rJ, c0, H, K, SK, BC)
-                    kend = kJ * _exp(eJ[None, :] - GJ, INTERP)
-                    dA_ = _exp(aA - eJ, INTERP)[None, :]
-                    dB_ = _exp(aB - eJ, INTERP)[None, :]
-                    rowqA += dA_ * tl.dot(_load_block(daqk_in, bos, L, i_h, rA, J * BC, H, C, BC), kend)
-                    rowkA += dA_ * tl.dot(_load_block(dakk_in, bos, L, i_h, rA, J * BC, H, C, BC), kend)
-                    rowqB += dB_ * tl.dot(_load_block(daqk_in, bos, L, i_h, rB, J * BC, H, C, BC), kend)
-                    rowkB += dB_ * tl.dot(_load_block(dakk_in, bos, L, i_h, rB, J * BC, H, C, BC), kend)
-                if J > A + 1 and rJ < L:
-                    qJ, kJ = _unit_cols(q, k, qn_in, kn_in, bos, L, rJ, c0, i_h, scale, H, K, SK, BC)
-                    bJ = _load_beta(b, bos, L, rJ, i_h, H, BC)
-                    GJ, aJ, _ = _g_block(g_in, bos, L, i_h, rJ, c0, H, K, SK, BC)
-                    fJ = _exp(GJ - aJ[None, :], INTERP)
-                    qJ = qJ * fJ
-                    kJ = kJ * fJ
-                    daq = _load_block(daqk_in, bos, L, i_h, rJ, A * BC, H, C, BC)
-                    dak = _load_block(dakk_in, bos, L, i_h, rJ, A * BC, H, C, BC)
-                    coA += _exp(aJ - eA, INTERP)[None, :] * (tl.dot(tl.trans(daq), qJ) +
-                                                             tl.dot(tl.trans(bJ[:, None] * dak), kJ))
-                    daq = _load_block(daqk_in, bos, L, i_h, rJ, (A + 1) * BC, H, C, BC)
-                    dak = _load_block(dakk_in, bos, L, i_h, rJ, (A + 1) * BC, H, C, BC)
-                    coB += _exp(aJ - eB, INTERP)[None, :] * (tl.dot(tl.trans(daq), qJ) +
-                                                             tl.dot(tl.trans(bJ[:, None] * dak), kJ))
-            _kb_finish(dqh_in, dkh_in, dg_in, db_part, bos, L, i_h, i_c, rB, A + 1, c0, s, qhB, khB, betaB, GB, aB,
-                       eB, rowqB, rowkB, csB, coB, H, K, SK, NS, C, BC, INTERP)
-        else:
-            for J in tl.static_range(C // BC):
-                if J < A:
-                    rJ = row0 + J * BC
-                    _, kJ = _unit_cols(q, k, qn_in, kn_in, bos, L, rJ, c0, i_h, scale, H, K, SK, BC)
-                    GJ, _, eJ = _g_block(g_in, bos, L, i_h, rJ, c0, H, K, SK, BC)
-                    kend = kJ * _exp(eJ[None, :] - GJ, INTERP)
-                    dA_ = _exp(aA - eJ, INTERP)[None, :]
-                    rowqA += dA_ * tl.dot(_load_block(daqk_in, bos, L, i_h, rA, J * BC, H, C, BC), kend)
-                    rowkA += dA_ * tl.dot(_load_block(dakk_in, bos, L, i_h, rA, J * BC, H, C, BC), kend)
-        _kb_finish(dqh_in, dkh_in, dg_in, db_part, bos, L, i_h, i_c, rA, A, c0, s, qhA, khA, betaA, GA, aA, eA,
-                   rowqA, rowkA, csA, coA, H, K, SK, NS, C, BC, INTERP)
-
-
-@triton.jit
 def _bwd_gate(z, A_log, dt_bias, cu, chunk_idx, dg_in, dz, dA_part, dbias_part,
               H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, G_MIN: tl.constexpr, INTERP: tl.constexpr):
     """After `_bwd_k_block`, one (key slice of SK columns, chunk, head): dG → dg by the reverse cumsum over the
@@ -1017,16 +886,10 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         # per (16-row block, key slice): the score side (docs/kda-kernels.md §7 item 22); then per (key slice,
         # chunk) the reverse cumsum and the gate chain, and per row the norm and σ' chains
         db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
-        if TUNING["bwd_k_pairs"]:
-            _bwd_k_pair[(plan.NT * NS * (CHUNK // SUB // 2), H)](q, k, b, G, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh,
-                                                                 dG, daqk, dakk, db_part, scale, H=H, K=K, SK=SK,
-                                                                 C=CHUNK, BC=SUB, INTERP=interp,
-                                                                 **_launch_options("bwd_k_pair"))
-        else:
-            _bwd_k_block[(plan.NT * NS * (CHUNK // SUB), H)](q, k, b, G, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh,
-                                                             dG, daqk, dakk, db_part, scale, H=H, K=K, SK=SK, C=CHUNK,
-                                                             BC=SUB, INTERP=interp,
-                                                             **_launch_options("bwd_k"))
+        _bwd_k_block[(plan.NT * NS * (CHUNK // SUB), H)](q, k, b, G, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG,
+                                                         daqk, dakk, db_part, scale, H=H, K=K, SK=SK, C=CHUNK,
+                                                         BC=SUB, INTERP=interp,
+                                                         **_launch_options("bwd_k"))
         del G
         _bwd_gate[(plan.NT * NSG, H)](z, A_log, dt_bias, plan.cu, plan.chunk_idx, dG, dz, dA_part, dbias_part,
                                       H=H, K=K, SK=SKG, C=CHUNK, G_MIN=g_min, INTERP=interp,
