@@ -52,9 +52,11 @@ CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF
                   INVERSE=chunk.TUNING["prefill_inverse"],  # the prefill's, for bf16 inputs (`_prep_intra`: below)
                   SEGMENT=False)
 # kernel -> its TUNING key prefix, in launch order; "_state_ut" is `_state` when it also stores Ũ (the backward's
-# recompute launch; the training forward's adds WRITE_O), launched with the state_ut settings
+# recompute launch), "_state_ut_o" the training forward's, which also writes o (more shared memory: 216 KB at 3
+# stages against 128, and 288 KB at 4, which the H200 refused in session 25), both with the state_ut settings
 TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
-                 "_prep_wu": "prep_wu", "_state": "state", "_state_ut": "state_ut", "_state_bwd": "state_bwd",
+                 "_prep_wu": "prep_wu", "_state": "state", "_state_ut": "state_ut", "_state_ut_o": "state_ut",
+                 "_state_bwd": "state_bwd",
                  "_bwd_vk": "bwd_vk", "_bwd_vv": "bwd_vv", "_bwd_k_block": "bwd_k", "_bwd_gate": "bwd_gate",
                  "_bwd_norms": "bwd_norms", "_prefill_prepare": "prefill_prepare", "_prefill_state": "prefill_state",
                  "_prefill_prepare_half1": "prefill_prepare",
@@ -64,6 +66,7 @@ _SK = chunk.TUNING["bwd_k_cols"]
 _SKV = chunk.TUNING["bwd_vk_cols"]
 KERNEL_CONSTEXPRS = {"_prep_intra": dict(INVERSE=chunk.TUNING["prep_inverse"]),
                      "_state_ut": dict(STORE_UT=True, SPLIT=chunk.TUNING["state_split"]),
+                     "_state_ut_o": dict(STORE_UT=True, WRITE_O=True, SPLIT=chunk.TUNING["state_split"]),
                      "_state_bwd": dict(SPLIT=chunk.TUNING["state_bwd_products"] == "split",
                                         BF16=chunk.TUNING["state_bwd_products"] == "bf16"),
                      "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV), "_bwd_k_block": dict(SK=_SK),
@@ -78,7 +81,7 @@ KERNEL_CONSTEXPRS = {"_prep_intra": dict(INVERSE=chunk.TUNING["prep_inverse"]),
 
 
 def kernel_fn(name: str):
-    aliases = {"_state_ut": chunk._state, "_prefill_prepare_half1": prefill._prefill_prepare,
+    aliases = {"_state_ut": chunk._state, "_state_ut_o": chunk._state, "_prefill_prepare_half1": prefill._prefill_prepare,
                "_prefill_prepare_half2": prefill._prefill_prepare}
     return aliases.get(name) or getattr(chunk, name, None) or getattr(prefill, name)
 
