@@ -81,8 +81,8 @@ KERNEL_CONSTEXPRS = {"_prep_intra": dict(INVERSE=chunk.TUNING["prep_inverse"]),
 
 
 def kernel_fn(name: str):
-    aliases = {"_state_ut": chunk._state, "_state_ut_o": chunk._state, "_prefill_prepare_half1": prefill._prefill_prepare,
-               "_prefill_prepare_half2": prefill._prefill_prepare}
+    aliases = {"_state_ut": chunk._state, "_state_ut_o": chunk._state,
+               "_prefill_prepare_half1": prefill._prefill_prepare, "_prefill_prepare_half2": prefill._prefill_prepare}
     return aliases.get(name) or getattr(chunk, name, None) or getattr(prefill, name)
 
 

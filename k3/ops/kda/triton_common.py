@@ -8,6 +8,7 @@ docs/kda-kernels.md §4; the launch settings' measurements beside each entry of 
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 from collections.abc import Sequence
 
@@ -168,7 +169,7 @@ TUNING = {
 # §7 items 22-25).
 
 
-def segment_bounds(n_chunks: int, segments: int, tail=()) -> list[tuple[int, int]]:
+def segment_bounds(n_chunks: int, segments: int, tail: Sequence[float] = ()) -> list[tuple[int, int]]:
     """[lo, hi) ranges of chunk indices that split n_chunks chunks into `segments` near-equal pipeline segments,
     followed by one shorter segment per entry of `tail` (its size as a fraction of a regular one), fewer if there
     are too few chunks. Every bound is even, so a chunk table sliced at it (two int32 per chunk) keeps the 16-byte
@@ -177,11 +178,8 @@ def segment_bounds(n_chunks: int, segments: int, tail=()) -> list[tuple[int, int
     weights = [1.0] * max(1, segments) + [float(w) for w in tail]
     if any(w <= 0 for w in weights):
         raise ValueError(f"segment tail fractions must be positive, got {list(tail)}")
-    total, edges, acc = sum(weights), [0.0], 0.0
-    for w in weights:
-        acc += w
-        edges.append(acc / total)
-    cuts = sorted({min(2 * round(e * pairs), n_chunks) for e in edges} | {n_chunks})
+    edges = [0.0, *itertools.accumulate(weights)]  # the last is sum(weights) exactly: the last cut is n_chunks
+    cuts = [min(2 * round(pairs * e / edges[-1]), n_chunks) for e in edges]
     return [(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:]) if hi > lo]
 
 
