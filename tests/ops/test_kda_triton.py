@@ -224,8 +224,8 @@ def _fwd_bwd(inputs, dev, seed=21, **kw):
     return [o.detach(), S.detach(), *hs] + [x.grad for x in leaves]
 
 
-@pytest.mark.parametrize("case", cases("bf16", "fp32", "varlen_all_bf16_state_bf16", "varlen_bf16_2slices",
-                                       gpu_only=("bf16", "varlen_all_bf16_state_bf16")))
+@pytest.mark.parametrize("case", cases("bf16", "fp32", "varlen_all_bf16_state_bf16",
+                                       "varlen_bf16_2slices_bf16_storage", gpu_only=("bf16", "varlen_all_bf16_state_bf16")))
 def test_saved_intermediates_match_recompute_bitwise(dev, monkeypatch, case):
     """The backward with the forward's kept operands, states and Ũ gives bit-identical gradients to the one
     that recomputes them, and really skips the recompute: one prepare and one `_state` launch per call. Ũ comes
@@ -242,12 +242,15 @@ def test_saved_intermediates_match_recompute_bitwise(dev, monkeypatch, case):
         inputs = make_raw(1, cu[-1], 2, 32, 32, seed=22, N=len(cu) - 1)
         kw = dict(cu_seqlens=torch.tensor(cu, device=dev), return_chunk_states=True, all_bf16=True,
                   state_bf16=True)
-    elif case == "varlen_bf16_2slices":
+    elif case == "varlen_bf16_2slices_bf16_storage":
+        # every backward intermediate in bf16, the returned chunk-start states fp32 (the backward rounds the kept
+        # ones as the recompute stores them)
         cu = [0, 5, 70, 70, 150]
         inputs = make_raw(1, cu[-1], 2, 32, 32, seed=42, N=len(cu) - 1)
-        kw = dict(cu_seqlens=torch.tensor(cu, device=dev))
+        kw = dict(cu_seqlens=torch.tensor(cu, device=dev), return_chunk_states=True)
         monkeypatch.setitem(tc.TUNING, "bwd_vk_cols", 16)
         monkeypatch.setitem(tc.TUNING, "bwd_k_cols", 16)
+        monkeypatch.setitem(tc.TUNING, "bwd_storage_bf16", ["hs", "ut", "dse", "du"])
     else:
         inputs = make_raw(2, 70, 2, 32, 32, seed=23, dtype=torch.bfloat16 if case == "bf16" else torch.float32)
     runs = {}
@@ -267,6 +270,44 @@ def test_saved_intermediates_match_recompute_bitwise(dev, monkeypatch, case):
         calls.clear()
         _fwd_bwd(inputs, dev, **kw)
         assert sum(name == "prepare" for name, _ in calls) == 1
+
+
+def test_backward_bf16_storage(dev, monkeypatch):
+    """TUNING["bwd_storage_bf16"]: the chunk-start states, Ũ, dS_end and dŨ stored in bf16 for bf16 inputs (the
+    value side multiplies them as stored) pass the fp64 tolerances, leave the forward bit-identical and change the
+    gradients (the path ran); the tensors saved for the backward are bf16 where named, fp32 for fp32 inputs.
+    Names outside the four are refused."""
+    from k3.ops.kda import triton_chunk as tc
+
+    cu = [0, 40, 41, 100]
+    inputs = make_raw(1, cu[-1], 2, 32, 64, seed=43, N=len(cu) - 1)
+    monkeypatch.setitem(tc.TUNING, "bwd_storage_bf16", [])
+    base, ref = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
+    monkeypatch.setitem(tc.TUNING, "bwd_storage_bf16", ["hs", "ut", "dse", "du"])
+    stored, ref = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
+    check(stored, ref, torch.bfloat16, "bf16 storage")
+    assert torch.equal(stored[0], base[0]) and torch.equal(stored[1], base[1])
+    assert all(not torch.equal(a, b) for a, b in zip(stored[2][:7], base[2][:7]))
+
+    def saved_dtypes(dtype, names):
+        """dtypes of the saved chunk-start states [NT, H, K, V] and Ũ ([TT, H, V], not v itself); V = 16 is no
+        other saved tensor's last dim."""
+        monkeypatch.setitem(tc.TUNING, "bwd_storage_bf16", names)
+        leaves = [x.to(dev, dtype if i < 5 else x.dtype).requires_grad_()
+                  for i, x in enumerate(make_raw(1, 70, 2, 32, 16, seed=3)[:7])]
+        seen = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+            tc.chunk_kda(*leaves)
+        states = [t.dtype for t in seen if t.dim() == 4 and t.shape[2:] == (32, 16)]
+        ut = [t.dtype for t in seen if t.dim() == 3 and t.shape[-1] == 16 and t.data_ptr() != leaves[2].data_ptr()]
+        return states, ut
+
+    assert saved_dtypes(torch.bfloat16, ["hs", "ut"]) == ([torch.bfloat16], [torch.bfloat16])
+    assert saved_dtypes(torch.bfloat16, ["dse", "du"]) == ([torch.float32], [torch.float32])
+    assert saved_dtypes(torch.float32, ["hs", "ut", "dse", "du"]) == ([torch.float32], [torch.float32])
+    monkeypatch.setitem(tc.TUNING, "bwd_storage_bf16", ["h"])
+    with pytest.raises(ValueError, match="bwd_storage_bf16"):
+        run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
 
 
 @pytest.mark.parametrize("key", ["state_bv", "state_ut_bv", "state_bwd_bv"])

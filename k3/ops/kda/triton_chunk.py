@@ -50,10 +50,11 @@ import triton
 import triton.language as tl
 
 from k3.ops import interpreting
-from k3.ops.kda.triton_common import (CHUNK, SUB, TUNING, _bp, _cast, _check_device, _chunk_coords, _exp,
-                                      _gate_from, _gate_inputs, _gate_tile, _inv16, _inverse_precision,
+from k3.ops.kda.triton_common import (CHUNK, SUB, TUNING, _bp, _cast, _check_device, _chunk_coords, _dot_stored,
+                                      _exp, _gate_from, _gate_inputs, _gate_tile, _inv16, _inverse_precision,
                                       _launch_options, _load_beta, _load_block, _load_gamma, _mm, _mm32,
-                                      _sequence_coords, _state_mm, _store_block, inter_dtypes, make_plan)
+                                      _sequence_coords, _state_mm, _store_block, backward_storage, inter_dtypes,
+                                      make_plan)
 from k3.ops.kda.triton_prefill import prefill_applies, prefill_forward
 
 
@@ -342,7 +343,7 @@ def _state_step(S, j, w, u, qg, kd, aqk, gc, o, hs, ut, bos, L, c0, i_h, i_v, of
         # the chunk-start state, stored last and through a block pointer: at the start, through the offset tile,
         # the forward that also writes o spilled 796 B (offline sm_90 report; here 156 B)
         tl.store(tl.make_block_ptr(hs + ((c0 + j) * H + i_h).to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV),
-                                   (K, BV), (1, 0)), S)
+                                   (K, BV), (1, 0)), _cast(S, hs.dtype.element_ty, INTERP))
     return tl.exp(g_end)[:, None] * S + _state_mm(tl.trans(Kd), Ut, BF16, SPLIT, INTERP)
 
 
@@ -419,9 +420,10 @@ def _state_bwd_step(dS, g_end, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i
     W = tl.load(_bp(w, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
     g_next = _load_gamma(gc, c0, tl.maximum(j - 1, 0), i_h, H, K, True)
-    tl.store(dse + ((c0 + j) * H + i_h) * K * V + off_s, dS)
+    tl.store(dse + ((c0 + j) * H + i_h) * K * V + off_s, _cast(dS, dse.dtype.element_ty, INTERP))
     dUt = _state_mm(tl.trans(Aq), dO, BF16, SPLIT, INTERP) + _state_mm(Kd, dS, BF16, SPLIT, INTERP)
-    tl.store(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), dUt, boundary_check=(0,))
+    tl.store(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(dUt, du.dtype.element_ty, INTERP),
+             boundary_check=(0,))
     return (_state_mm(tl.trans(Qg), dO, BF16, SPLIT, INTERP) + tl.exp(g_end)[:, None] * dS
             - _state_mm(tl.trans(W), dUt, BF16, SPLIT, INTERP)), g_next
 
@@ -459,7 +461,8 @@ def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
 @triton.jit
 def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do, du, ut,
             dqh_out, dkh_out, dg_out, dtk_out, dbk_out,
-            scale, H, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):
+            scale, H, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+            INTERP: tl.constexpr):
     """Value side, part 1: one (key slice of SK columns, chunk, head), the value-dim gradients that are
     elementwise in the key column, from the forward's Ũ = U − W·S (no W, no W·S).
 
@@ -502,10 +505,10 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
         dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
         dU = tl.load(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
         Ut = tl.load(_bp(ut, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-        dQg += tl.dot(dO.to(tl.float32), tl.trans(S))
-        dW -= tl.dot(dU, tl.trans(S))
-        dKd += tl.dot(Ut.to(tl.float32), tl.trans(dSe))
-        dgc += tl.sum(S * dSe, 1)
+        dQg += _dot_stored(dO, tl.trans(S), INTERP)
+        dW -= _dot_stored(dU, tl.trans(S), INTERP)
+        dKd += _dot_stored(Ut, tl.trans(dSe), INTERP)
+        dgc += tl.sum(S.to(tl.float32) * dSe.to(tl.float32), 1)
     dXk = tl.dot(tl.trans(Tm), dW)
     gam = tl.exp(G)
     Kg = kh * gam
@@ -557,7 +560,8 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dtk_in, dbk_in,
         Ut = tl.load(_bp(ut, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
         vb = tl.load(_bp(v, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
         vb = vb.to(tl.float32)
-        dAqk += tl.dot(dO.to(tl.float32), tl.trans(Ut.to(tl.float32)))
+        dAqk += _dot_stored(dO, tl.trans(Ut), INTERP)
+        dU = dU.to(tl.float32)
         dXv = tl.dot(TmT, dU)
         tl.store(_bp(dv, bos, L, i_h, row0, i_v * BV, H, V, C, BV),
                  _cast(beta[:, None] * dXv, dv.dtype.element_ty, INTERP), boundary_check=(0,))
@@ -761,10 +765,11 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
 
 
 def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht=False, want_hs=False,
-               state_bf16=False, want_ut=False, training=False):
+               state_bf16=False, want_ut=False, training=False, stored=(torch.float32, torch.float32)):
     """Launch `_state`; returns (o [TT, H, V] or None, final state [N, H, K, V] or None, chunk-start states or None,
-    Ũ = U − W·S [TT, H, V] in U's dtype if want_ut else None). training: a backward can follow (a training
-    forward, the backward's recompute), so the products are the `state_split` ones (else `state_split_inference`)."""
+    Ũ = U − W·S [TT, H, V] if want_ut else None). training: a backward can follow (a training forward, the
+    backward's recompute), so the products are the `state_split` ones (else `state_split_inference`). stored: the
+    dtypes of the chunk-start states (fp32 where the caller returns them) and of Ũ (U's unless bf16)."""
     TT, H, K = W.shape
     V = U.shape[-1]
     dev = W.device
@@ -772,8 +777,8 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
     BV = min(V, TUNING[f"{key}_bv"])
     o = torch.empty(TT, H, V, dtype=out_dtype, device=dev) if write_o else None
     ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
-    hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=torch.float32, device=dev) if want_hs else None
-    ut = torch.empty_like(U) if want_ut else None
+    hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=stored[0], device=dev) if want_hs else None
+    ut = torch.empty_like(U, dtype=torch.bfloat16 if stored[1] == torch.bfloat16 else U.dtype) if want_ut else None
     state_bf16 = state_bf16 or TUNING["state_bf16"]
     split = TUNING["state_split" if training else "state_split_inference"] and not state_bf16
     dummy = gc
@@ -800,8 +805,11 @@ def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs
     """
     W, U, Qg, Kd, Aqk, gc, Tm, norms, G = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
                                                        store_t=keep, store_norms=keep)
+    # the returned chunk-start states are fp32; kept only for the backward, in its storage dtype
+    stored = (backward_storage(q.dtype, "hs") if keep and not want_hs else torch.float32,
+              backward_storage(q.dtype, "ut"))
     o, ht, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, want_ht=want_ht, want_hs=want_hs or keep,
-                               state_bf16=state_bf16, want_ut=keep, training=training)
+                               state_bf16=state_bf16, want_ut=keep, training=training, stored=stored)
     # U is not needed by the backward
     kept = (W, Qg, Kd, Aqk, gc, Tm, hs, ut, G) + norms if keep else None
     return o, ht, (hs if want_hs else None), kept
@@ -834,15 +842,18 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         W, U, Qg, Kd, Aqk, gc, Tm, norms, G = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan,
                                                            dtypes, store_t=True, store_norms=True)
         _, _, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, write_o=False, want_hs=True,
-                                  state_bf16=state_bf16, want_ut=True, training=True)
+                                  state_bf16=state_bf16, want_ut=True, training=True,
+                                  stored=(backward_storage(q.dtype, "hs"), backward_storage(q.dtype, "ut")))
         del U
     else:
         W, Qg, Kd, Aqk, gc, Tm, hs, ut, G, *norms = inter
         del inter
+        # chunk-start states the forward returned (fp32), rounded as the recompute would have stored them
+        hs = hs.to(backward_storage(q.dtype, "hs"))
     BV = min(V, TUNING["state_bwd_bv"])
     NT = max(plan.NT, 1)
-    du = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
-    dse = torch.empty(NT, H, K, V, dtype=torch.float32, device=dev)
+    du = torch.empty(TT, H, V, dtype=backward_storage(q.dtype, "du"), device=dev)
+    dse = torch.empty(NT, H, K, V, dtype=backward_storage(q.dtype, "dse"), device=dev)
     dh0 = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev)
     interp = interpreting()
     qn, kn = norms
@@ -877,7 +888,7 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         # runs (docs/kda-kernels.md, runs 8-9)
         _bwd_vk[(plan.NT * NSV, H)](q, k, b, G, gc, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du, ut, dqh,
                                     dkh, dG, dtk, dbk, scale, H=H, K=K, V=V, SK=SKV,
-                                    BV=min(V, TUNING["bwd_vk_bv"]) if K > 16 else 16, C=CHUNK,
+                                    BV=min(V, TUNING["bwd_vk_bv"]) if K > 16 else 16, C=CHUNK, INTERP=interp,
                                     **_launch_options("bwd_vk"))
         _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, dtk, dbk, dv, daqk, dakk, dbeta,
                               H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, INTERP=interp,

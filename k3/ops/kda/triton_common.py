@@ -73,6 +73,10 @@ TUNING = {
     # 2.27 at 4 (172 KB of shared memory, still one program per SM), 2.85 at 2; 4 stages the default since session
     # 25: the KDA GPU tests passed with it, and fwd+bwd 11.238 → 11.192 ms, `_bwd_vk` 2.33 → 2.27, run 1)
     "bwd_vk_cols": 64, "bwd_vk_bv": 32, "bwd_vk_warps": 8, "bwd_vk_stages": 4, "bwd_vk_maxnreg": None,
+    # the chunk-start states and Ũ (training `_state`), dS_end and dŨ (`_state_bwd`) stored in bf16 for bf16 inputs
+    # (fp32 otherwise; `backward_storage`), and multiplied as stored in `_bwd_vk` / `_bwd_vv` (`_dot_stored`: plain
+    # bf16 products, where fp32 tiles go in as tf32); fla stores them so. Session 26
+    "bwd_storage_bf16": [],
     "bwd_vv_bv": 32, "bwd_vv_warps": 8, "bwd_vv_stages": 3, "bwd_vv_maxnreg": 128,
     # `_bwd_k_block` (session 13) per (16-row block, key slice of 32): capped at 72 registers (92 B of spills) for seven
     # programs per SM, 3.54 → 2.75 ms at the K3 shape (96: 3.26, 80: 2.96, 64: 2.77; runs 3-4)
@@ -269,6 +273,15 @@ def _dot16(a, b, INTERP: tl.constexpr):
     if INTERP:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     return tl.dot(a, b)
+
+
+@triton.jit
+def _dot_stored(a, b, INTERP: tl.constexpr):
+    """a @ b on operands as stored, fp32 accumulation: plain bf16 products when both are bf16 (exact products of
+    the stored values; the backward's bf16 storage, `backward_storage`), else tf32."""
+    if a.dtype.is_bf16() and b.dtype.is_bf16():
+        return _dot16(a, b, INTERP)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32))
 
 
 @triton.jit
@@ -488,6 +501,19 @@ def _check_device(*xs: torch.Tensor) -> None:
         raise RuntimeError("chunk_kda runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1")
     if any(x.device != xs[0].device for x in xs):
         raise ValueError("all inputs must be on one device")
+
+
+BACKWARD_STORED = ("hs", "ut", "dse", "du")
+
+
+def backward_storage(dtype: torch.dtype, name: str) -> torch.dtype:
+    """The dtype of one tensor the training forward or `_state_bwd` stores for the value-side backward ("hs": the
+    chunk-start states, "ut": Ũ, "dse": dS_end, "du": dŨ): bf16 for bf16 inputs where TUNING["bwd_storage_bf16"]
+    names it, else fp32 (Ũ: U's dtype)."""
+    chosen = TUNING["bwd_storage_bf16"]
+    if not set(chosen) <= set(BACKWARD_STORED):
+        raise ValueError(f"TUNING['bwd_storage_bf16'] names some of {BACKWARD_STORED}, got {chosen!r}")
+    return torch.bfloat16 if dtype == torch.bfloat16 and name in chosen else torch.float32
 
 
 def inter_dtypes(dtype: torch.dtype, all_bf16: bool = False) -> tuple[torch.dtype, torch.dtype]:
