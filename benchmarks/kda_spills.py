@@ -12,7 +12,7 @@ speed, not a measurement of it: spills were not the main cost of the old fused p
     python benchmarks/kda_spills.py _prep_intra --maxnreg 128 168   # with a register cap (more programs per SM)
     python benchmarks/kda_spills.py _prep_intra _prep_wu --maxnreg 0 128 --sass   # 0: no cap; SASS counts
     python benchmarks/kda_spills.py _bwd_vk _bwd_vv --warps 4 8 --maxnreg 0 168 128 --stages 1 3 --sass
-    python benchmarks/kda_spills.py _bwd_vk _bwd_vv --bf16-storage ut dse du   # TUNING["bwd_storage_bf16"]
+    python benchmarks/kda_spills.py _bwd_vk _bwd_vv --bf16-storage ut dse du   # TUNING's bwd_storage_bf16 is the default
 
 `--sass` also disassembles the cubin (the bundled `cuobjdump -sass`) and counts instructions (NOPs excluded):
 the whole kernel, its barriers, and each loop body (a backward branch; software pipelining can copy a body
@@ -168,16 +168,21 @@ def main() -> None:
     p.add_argument("--maxnreg", type=int, nargs="+", help="register caps per thread to try (a launch option; 0: none)")
     p.add_argument("--stages", type=int, nargs="+", help="num_stages to try instead of TUNING's (Triton's default 3)")
     p.add_argument("--sass", action="store_true", help="also count SASS instructions (cuobjdump)")
-    p.add_argument("--bf16-storage", nargs="+", default=[], choices=["hs", "ut", "dse", "du"],
-                   help="compile these backward intermediates as bf16 (TUNING['bwd_storage_bf16'])")
+    p.add_argument("--bf16-storage", nargs="*", choices=["hs", "ut", "dse", "du"],
+                   help="the backward intermediates compiled as bf16 (default: TUNING['bwd_storage_bf16']; none: "
+                        "all fp32)")
     args = p.parse_args()
-    FP32_ARGS.difference_update(args.bf16_storage)
+    stored_bf16 = chunk.TUNING["bwd_storage_bf16"] if args.bf16_storage is None else args.bf16_storage
+    FP32_ARGS.difference_update(stored_bf16)
+
     unknown = set(args.kernels) - set(TUNING_PREFIX)
     if unknown:
         p.error(f"unknown kernels {sorted(unknown)}; choose from {', '.join(TUNING_PREFIX)}")
     print(f"{'kernel':14s} {'settings':40s} {'regs':>5s} {'spill st/ld B':>14s} {'shared KB':>10s}")
     for name in args.kernels or list(TUNING_PREFIX):
         base = tuned_settings(name, args.bv)
+        if name == "_bwd_vk" and len(set(stored_bf16)) < 4:  # as `_bwd` launches it
+            base["num_stages"] = chunk.TUNING["bwd_vk_fp32_stages"]
         for warps, stages, cap in itertools.product(args.warps or [base["num_warps"]],
                                                     args.stages or [base.get("num_stages")],
                                                     args.maxnreg or [base.get("maxnreg")]):

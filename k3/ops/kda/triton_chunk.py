@@ -522,8 +522,10 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
     # G_C feeds Γ_C and every exp(G_C − G_i): its gradient lands on the last row, spread back by the cumsum.
     dG_end = tl.exp(gc) * dgc + tl.sum(kh * dKd, 0)
     dG = tl.where(rows[:, None] == C - 1, dG + dG_end[None, :], dG) + qh * dqh + kh * dKg
-    tl.store(_bp(dqh_out, bos, L, i_h, row0, c0, H, K, C, SK), dqh, boundary_check=(0,))
-    tl.store(_bp(dkh_out, bos, L, i_h, row0, c0, H, K, C, SK), dKd + dKg, boundary_check=(0,))
+    tl.store(_bp(dqh_out, bos, L, i_h, row0, c0, H, K, C, SK), _cast(dqh, dqh_out.dtype.element_ty, INTERP),
+             boundary_check=(0,))
+    tl.store(_bp(dkh_out, bos, L, i_h, row0, c0, H, K, C, SK), _cast(dKd + dKg, dkh_out.dtype.element_ty, INTERP),
+             boundary_check=(0,))
     tl.store(dg_out + (i_c * H + i_h).to(tl.int64) * C * K + rows[:, None] * K + (c0 + cs)[None, :], dG)
 
 
@@ -652,12 +654,12 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
         dbeta = tl.sum(ks * rowk, 1)
         rowk = beta[:, None] * rowk
         ce = _exp(e[None, :] - G, INTERP) * co
-        dqh = tl.load(p_dqh, boundary_check=(0,), padding_option="zero") + rf * rowq
-        dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero") + rf * rowk + ec * cs + ce
+        dqh = tl.load(p_dqh, boundary_check=(0,), padding_option="zero").to(tl.float32) + rf * rowq
+        dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero").to(tl.float32) + rf * rowk + ec * cs + ce
         # padding rows keep their dG: the last row carries G_C's gradient into the chunk (`_bwd_vk`)
         dG = tl.load(p_dg) + qs * rowq + ks * rowk - kc * cs - kh * ce
-        tl.store(p_dqh, dqh, boundary_check=(0,))
-        tl.store(p_dkh, dkh, boundary_check=(0,))
+        tl.store(p_dqh, _cast(dqh, dqh_in.dtype.element_ty, INTERP), boundary_check=(0,))
+        tl.store(p_dkh, _cast(dkh, dkh_in.dtype.element_ty, INTERP), boundary_check=(0,))
         tl.store(p_dg, dG)
         tl.store(tl.make_block_ptr(db_part + (bos * H + i_h) * NS + s, (L,), (H * NS,), (r0,), (BC,), (0,)), dbeta,
                  boundary_check=(0,))
@@ -697,7 +699,7 @@ def _norm_bwd_rows(x, dxh, dx, n_in, row_off, off, m, sc, INTERP: tl.constexpr):
     xr = tl.load(x + off, mask=m[:, None], other=0.0).to(tl.float32)
     n = tl.load(n_in + row_off, mask=m, other=1.0)
     y = xr / n[:, None]
-    dy = tl.load(dxh + off, mask=m[:, None], other=0.0) * sc
+    dy = tl.load(dxh + off, mask=m[:, None], other=0.0).to(tl.float32) * sc
     tl.store(dx + off, _cast((dy - y * tl.sum(y * dy, 1)[:, None]) / n[:, None], dx.dtype.element_ty, INTERP),
              mask=m[:, None])
 
@@ -863,7 +865,9 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
                                       INTERP=interp, **launch)
     del W, Qg, Kd, Aqk  # (kept ones live on in the autograd context until the backward returns)
     dv = torch.empty_like(v)
-    dqh = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
+    # the value side's dq̂, dk̂, finished by the score side (`bwd_scratch_bf16`)
+    dqh = torch.empty(TT, H, K, dtype=torch.bfloat16 if q.dtype == torch.bfloat16 and TUNING["bwd_scratch_bf16"]
+                      else torch.float32, device=dev)
     dkh = torch.empty_like(dqh)
     dG = torch.empty(NT, H, CHUNK, K, dtype=torch.float32, device=dev)
     daqk = torch.empty(TT, H, CHUNK, dtype=torch.float32, device=dev)
@@ -886,10 +890,13 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         dbk = torch.empty(plan.NT, H, NSV, CHUNK, dtype=torch.float32, device=dev)
         # K = 16 with BV = 32 faulted (illegal address, in the value-side kernel of the time) on the H200; BV = 16
         # runs (docs/kda-kernels.md, runs 8-9)
+        vk_launch = _launch_options("bwd_vk")
+        if torch.float32 in (hs.dtype, dse.dtype, du.dtype, ut.dtype):  # larger loop tiles (TUNING)
+            vk_launch["num_stages"] = TUNING["bwd_vk_fp32_stages"]
         _bwd_vk[(plan.NT * NSV, H)](q, k, b, G, gc, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du, ut, dqh,
                                     dkh, dG, dtk, dbk, scale, H=H, K=K, V=V, SK=SKV,
                                     BV=min(V, TUNING["bwd_vk_bv"]) if K > 16 else 16, C=CHUNK, INTERP=interp,
-                                    **_launch_options("bwd_vk"))
+                                    **vk_launch)
         _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, dtk, dbk, dv, daqk, dakk, dbeta,
                               H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, INTERP=interp,
                               **_launch_options("bwd_vv"))

@@ -72,11 +72,22 @@ TUNING = {
     # (session 24: with T, G, q̂ and k̂ loaded before the value loop, 2.63 → 2.32 ms, run 2. Run 3: 2.33 at 3 stages,
     # 2.27 at 4 (172 KB of shared memory, still one program per SM), 2.85 at 2; 4 stages the default since session
     # 25: the KDA GPU tests passed with it, and fwd+bwd 11.238 → 11.192 ms, `_bwd_vk` 2.33 → 2.27, run 1)
-    "bwd_vk_cols": 64, "bwd_vk_bv": 32, "bwd_vk_warps": 8, "bwd_vk_stages": 4, "bwd_vk_maxnreg": None,
-    # the chunk-start states and Ũ (training `_state`), dS_end and dŨ (`_state_bwd`) stored in bf16 for bf16 inputs
-    # (fp32 otherwise; `backward_storage`), and multiplied as stored in `_bwd_vk` / `_bwd_vv` (`_dot_stored`: plain
-    # bf16 products, where fp32 tiles go in as tf32); fla stores them so. Session 26
-    "bwd_storage_bf16": [],
+    # (session 26: with its loop's tiles in bf16 (bwd_storage_bf16) 124 KB at 4 stages, 160 at 6: 2.24 → 2.17 ms,
+    # run 1; bwd_vk_fp32_stages where any of them is fp32: 244 KB at 6 stages, past the H200's 227)
+    "bwd_vk_cols": 64, "bwd_vk_bv": 32, "bwd_vk_warps": 8, "bwd_vk_stages": 6, "bwd_vk_maxnreg": None,
+    "bwd_vk_fp32_stages": 4,
+    # which of the chunk-start states ("hs") and Ũ ("ut", from the training `_state`), dS_end ("dse") and dŨ ("du",
+    # from `_state_bwd`) are stored in bf16 for bf16 inputs (fp32 otherwise; `backward_storage`); `_bwd_vk` and
+    # `_bwd_vv` multiply them as stored (`_dot_stored`: plain bf16 products; a bf16 tile against an fp32 one goes
+    # in as tf32). fla stores all four in bf16. Session 26 run 1 at the K3 shape, fwd+bwd 11.120 ms with none: all
+    # four 10.879 (`_bwd_vk` 2.27 → 2.24, `_state` 1.29 → 1.20, `_state_bwd` 1.27 → 1.20, `_bwd_vv` 0.94 → 0.85),
+    # and 10.787 with `_bwd_vk` at 6 stages (2.17); ut, dse, du 11.089; ut, du 11.556 (the mixed products' tf32
+    # conversions: `_bwd_vk` 2.66). Errors at T = 8192 H = 4 (dense / varlen, none → all four): dq 3.1 → 3.6e-3,
+    # dk 2.9 → 3.7e-3, dA_log 2.5 → 3.5e-3 and 0.6 → 2.1e-3, all below fla's (docs/kda-kernels.md §7 item 53)
+    "bwd_storage_bf16": ["hs", "ut", "dse", "du"],
+    # the scratch dq̂, dk̂ that `_bwd_vk` writes, `_bwd_k_block` finishes and `_bwd_norms` reads in bf16 for bf16
+    # inputs (fp32 otherwise): half of their 3.2 GB of traffic at the K3 shape, two more roundings (session 26)
+    "bwd_scratch_bf16": False,
     "bwd_vv_bv": 32, "bwd_vv_warps": 8, "bwd_vv_stages": 3, "bwd_vv_maxnreg": 128,
     # `_bwd_k_block` (session 13) per (16-row block, key slice of 32): capped at 72 registers (92 B of spills) for seven
     # programs per SM, 3.54 → 2.75 ms at the K3 shape (96: 3.26, 80: 2.96, 64: 2.77; runs 3-4)
