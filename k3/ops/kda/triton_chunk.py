@@ -22,7 +22,7 @@ measured variant are in docs/kda-kernels.md. In short:
   parallel. `_state` then walks each sequence's chunks in order with the state in registers, split over value
   blocks, and writes the output (and, on request, the state at every chunk start and Ũ = U − W·S).
 - Backward: by default (`save_intermediates`) the forward keeps W, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, G, T, the
-  chunk-start states and Ũ, at ~2.4 GiB per layer at the K3 shape (`chunk_kda`'s docstring); with the switch
+  chunk-start states and Ũ, at ~1.9 GiB per layer at the K3 shape (`chunk_kda`'s docstring); with the switch
   off only the raw inputs are saved and the prepare kernels and `_state` run again. Then `_state_bwd` walks the
   chunks backwards for the state gradient; `_bwd_vk` (per key slice) and `_bwd_vv` (per chunk: the sums over
   K, dT and dβ) gather everything that contracts over the value dim; `_bwd_k_block` (per 16-row block and key
@@ -30,9 +30,11 @@ measured variant are in docs/kda-kernels.md. In short:
   reverse cumsum and the gate chain; `_bwd_norms` (per row) the two sums over K that remain, the q/k norm
   backward and dβ's σ'.
 
-Intermediates are stored in bf16 for bf16 inputs except U, Ũ and Aqk (fp32 unless all_bf16) and G and T
-(fp32); states and accumulators are fp32; the state passes' products (`_state`, `_state_bwd`) are split bf16
-(about 16 mantissa bits, `_mm_split`), other fp32 operands multiply in tf32, bf16 score blocks in bf16.
+Intermediates are stored in bf16 for bf16 inputs except U and Aqk (fp32 unless all_bf16) and G and T (fp32); the
+chunk-start states, Ũ, dS_end and dŨ that the value-side backward reads are bf16 as TUNING["bwd_storage_bf16"]
+names them (all four by default), and multiplied there as stored; the states carried by the state passes and all
+accumulators are fp32; the state passes' products (`_state`, `_state_bwd`) are split bf16 (about 16 mantissa bits,
+`_mm_split`), other fp32 operands multiply in tf32, bf16 score blocks in bf16.
 Everything is indexed by packed document offsets (`cu_seqlens`, fla's convention); a dense batch is B
 equal-length documents. On CPU the same kernels run in the Triton interpreter (`TRITON_INTERPRET=1`, set
 before triton is imported).
@@ -1000,11 +1002,12 @@ def chunk_kda(
       T = (I + Akk)⁻¹          [TT, H, 64]       fp32
       G_C                      [NT, H, K]        fp32
       G (in-chunk cumsum)      [TT, H, K]        fp32
-      chunk-start states       [NT, H, K, V]     fp32 (shared with the returned ones if return_chunk_states)
-      Ũ = U − W·S              [TT, H, V]        U's dtype (fp32 unless all_bf16)
+      chunk-start states       [NT, H, K, V]     bf16 (TUNING["bwd_storage_bf16"]; fp32 for fp32 inputs, and
+                                                 the returned fp32 ones if return_chunk_states)
+      Ũ = U − W·S              [TT, H, V]        bf16 (the same switch; else U's dtype)
       ‖q‖, ‖k‖                 2 × [TT, H]       fp32
-    At the K3 shape (T = 8192, H = 96, K = V = 128, bf16, no all_bf16) that is 576 + 192 + 192 + 6 + 384 + 768 +
-    384 MiB ≈ 2.44 GiB per layer (the states are the largest part: 4·K·V/64 = 1 KiB per token and head), in
+    At the K3 shape (T = 8192, H = 96, K = V = 128, bf16, no all_bf16) that is 576 + 192 + 192 + 6 + 384 + 384 +
+    192 MiB ≈ 1.88 GiB per layer (the states are the largest part: 2·K·V/64 = 512 B per token and head), in
     exchange for the recompute: ~6.5 ms of the then ~32 ms forward + backward (docs/kda-kernels.md §7 item 9).
     (G since session 13: the backward reads it instead of recomputing the gate, §7 item 23.)
     initial_state is then not saved. The kept W, Q⊙Γ, K⊙exp(G_C − G), Aqk and Ũ are released when the
