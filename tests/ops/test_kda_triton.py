@@ -275,8 +275,8 @@ def test_saved_intermediates_match_recompute_bitwise(dev, monkeypatch, case):
 def test_backward_bf16_storage(dev, monkeypatch):
     """TUNING["bwd_storage_bf16"]: the chunk-start states, Ũ, dS_end and dŨ stored in bf16 for bf16 inputs (the
     value side multiplies them as stored) pass the fp64 tolerances, leave the forward bit-identical and change the
-    gradients (the path ran); the tensors saved for the backward are bf16 where named, fp32 for fp32 inputs.
-    Names outside the four are refused."""
+    gradients (the path ran); with `bwd_scratch_bf16` as well, only dq and dk change again. The tensors saved for
+    the backward are bf16 where named, fp32 for fp32 inputs. Names outside the four are refused."""
     from k3.ops.kda import triton_chunk as tc
 
     cu = [0, 40, 41, 100]
@@ -288,6 +288,12 @@ def test_backward_bf16_storage(dev, monkeypatch):
     check(stored, ref, torch.bfloat16, "bf16 storage")
     assert torch.equal(stored[0], base[0]) and torch.equal(stored[1], base[1])
     assert all(not torch.equal(a, b) for a, b in zip(stored[2][:7], base[2][:7]))
+    # the scratch dq̂, dk̂ in bf16 too (`bwd_scratch_bf16`): only dq and dk move
+    monkeypatch.setitem(tc.TUNING, "bwd_scratch_bf16", True)
+    scratch, ref = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
+    check(scratch, ref, torch.bfloat16, "bf16 scratch")
+    assert [torch.equal(a, b) for a, b in zip(scratch[2], stored[2])] == [False, False] + [True] * 6
+    monkeypatch.setitem(tc.TUNING, "bwd_scratch_bf16", False)
 
     def saved_dtypes(dtype, names):
         """dtypes of the saved chunk-start states [NT, H, K, V] and Ũ ([TT, H, V], not v itself); V = 16 is no
