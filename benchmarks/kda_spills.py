@@ -183,6 +183,7 @@ def main() -> None:
         base = tuned_settings(name, args.bv)
         if name == "_bwd_vk" and len(set(stored_bf16)) < 4:  # as `_bwd` launches it
             base["num_stages"] = chunk.TUNING["bwd_vk_fp32_stages"]
+            base["BV"] = args.bv or chunk.TUNING["bwd_vk_fp32_bv"]
         for warps, stages, cap in itertools.product(args.warps or [base["num_warps"]],
                                                     args.stages or [base.get("num_stages")],
                                                     args.maxnreg or [base.get("maxnreg")]):

@@ -892,12 +892,14 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         dbk = torch.empty(plan.NT, H, NSV, CHUNK, dtype=torch.float32, device=dev)
         # K = 16 with BV = 32 faulted (illegal address, in the value-side kernel of the time) on the H200; BV = 16
         # runs (docs/kda-kernels.md, runs 8-9)
+        # fp32 loop tiles take twice the shared memory per stage: their own launch (TUNING)
+        fp32_tiles = torch.float32 in (hs.dtype, dse.dtype, du.dtype, ut.dtype)
         vk_launch = _launch_options("bwd_vk")
-        if torch.float32 in (hs.dtype, dse.dtype, du.dtype, ut.dtype):  # larger loop tiles (TUNING)
+        if fp32_tiles:
             vk_launch["num_stages"] = TUNING["bwd_vk_fp32_stages"]
+        BVK = min(V, TUNING["bwd_vk_fp32_bv" if fp32_tiles else "bwd_vk_bv"]) if K > 16 else 16
         _bwd_vk[(plan.NT * NSV, H)](q, k, b, G, gc, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du, ut, dqh,
-                                    dkh, dG, dtk, dbk, scale, H=H, K=K, V=V, SK=SKV,
-                                    BV=min(V, TUNING["bwd_vk_bv"]) if K > 16 else 16, C=CHUNK, INTERP=interp,
+                                    dkh, dG, dtk, dbk, scale, H=H, K=K, V=V, SK=SKV, BV=BVK, C=CHUNK, INTERP=interp,
                                     **vk_launch)
         _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, dtk, dbk, dv, daqk, dakk, dbeta,
                               H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, INTERP=interp,

@@ -73,9 +73,10 @@ TUNING = {
     # 2.27 at 4 (172 KB of shared memory, still one program per SM), 2.85 at 2; 4 stages the default since session
     # 25: the KDA GPU tests passed with it, and fwd+bwd 11.238 → 11.192 ms, `_bwd_vk` 2.33 → 2.27, run 1)
     # (session 26: with its loop's tiles in bf16 (bwd_storage_bf16) 124 KB at 4 stages, 160 at 6: 2.24 → 2.17 ms,
-    # run 1; bwd_vk_fp32_stages where any of them is fp32: 244 KB at 6 stages, past the H200's 227)
-    "bwd_vk_cols": 64, "bwd_vk_bv": 32, "bwd_vk_warps": 8, "bwd_vk_stages": 6, "bwd_vk_maxnreg": None,
-    "bwd_vk_fp32_stages": 4,
+    # run 1; on value blocks of 64, 152 KB at 3 stages: 2.18 → 2.07, 192 KB at 4: 2.08, run 4. Where any of the
+    # tiles is fp32 the launch is bwd_vk_fp32_bv / _stages, session 25's: BV 64 takes 224 KB at 3 stages there)
+    "bwd_vk_cols": 64, "bwd_vk_bv": 64, "bwd_vk_warps": 8, "bwd_vk_stages": 3, "bwd_vk_maxnreg": None,
+    "bwd_vk_fp32_bv": 32, "bwd_vk_fp32_stages": 4,
     # which of the chunk-start states ("hs") and Ũ ("ut", from the training `_state`), dS_end ("dse") and dŨ ("du",
     # from `_state_bwd`) are stored in bf16 for bf16 inputs (fp32 otherwise; `backward_storage`); `_bwd_vk` and
     # `_bwd_vv` multiply them as stored (`_dot_stored`: plain bf16 products; a bf16 tile against an fp32 one goes
