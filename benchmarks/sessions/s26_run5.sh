@@ -6,7 +6,7 @@
 . benchmarks/sessions/prelude.sh
 {
 step 330 python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_kda_triton_gpu.py tests/ops/test_kda_triton.py \
-    -k "backward or fp64 or long_sequence or full_head or varlen or gate_lower or decays or causality or split_call or nan or saved or state_bwd or bf16_storage or key_slices or kept_norms"
+    -k "gpu or key_slices or full_head or saved or bf16_storage or fp64 or long_sequence or kept_norms or varlen_tiny"
 step 150 python3 -m benchmarks.kda --fla-configs 1 --out "$OUT/kda.json" --cases "fwd+bwd" \
     --fla-cases "fwd+bwd B=1 T=8192 H=96"
 } 2>&1 | grep --line-buffered -v "Warning\|warn_once" > "$OUT/log.txt"
