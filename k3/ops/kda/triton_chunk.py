@@ -477,8 +477,9 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
     factor it enters multiplies a zero row). ‖q‖, ‖k‖ come from qn_in, kn_in ([TT, H], `_load_norm`). T, G, q̂ and
     k̂, which only the part after the loop reads, are loaded before it: one program of 255 registers per SM has no
     neighbour to hide their latency, the loop's products do (no spills offline; 2.63 → 2.32 ms at the K3 shape,
-    session 24 run 2; T and G alone 2.57). (States, their gradients and dŨ stored in bf16, with split-bf16
-    products here: slower, `_bwd_vk` 2.91 → 2.99 ms at the K3 shape with all three, session 13 run 3.)
+    session 24 run 2; T and G alone 2.57). S, dS_end, dŨ and Ũ arrive as `TUNING["bwd_storage_bf16"]` stored them
+    and multiply as stored (`_dot_stored`): all bf16 by default, plain bf16 products on value blocks of 64
+    (2.27 → 2.07 ms, session 26; with split-bf16 products on bf16 storage, session 13: slower, 2.91 → 2.99).
     """
     NS: tl.constexpr = K // SK
     pid = tl.program_id(0)
@@ -890,13 +891,13 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         NSV = K // SKV
         dtk = torch.empty(plan.NT, H, NSV, CHUNK, CHUNK, dtype=torch.float32, device=dev)
         dbk = torch.empty(plan.NT, H, NSV, CHUNK, dtype=torch.float32, device=dev)
-        # K = 16 with BV = 32 faulted (illegal address, in the value-side kernel of the time) on the H200; BV = 16
-        # runs (docs/kda-kernels.md, runs 8-9)
         # fp32 loop tiles take twice the shared memory per stage: their own launch (TUNING)
         fp32_tiles = torch.float32 in (hs.dtype, dse.dtype, du.dtype, ut.dtype)
         vk_launch = _launch_options("bwd_vk")
         if fp32_tiles:
             vk_launch["num_stages"] = TUNING["bwd_vk_fp32_stages"]
+        # K = 16 with BV = 32 faulted (illegal address, in the value-side kernel of the time) on the H200; BV = 16
+        # runs (docs/kda-kernels.md, runs 8-9)
         BVK = min(V, TUNING["bwd_vk_fp32_bv" if fp32_tiles else "bwd_vk_bv"]) if K > 16 else 16
         _bwd_vk[(plan.NT * NSV, H)](q, k, b, G, gc, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du, ut, dqh,
                                     dkh, dG, dtk, dbk, scale, H=H, K=K, V=V, SK=SKV, BV=BVK, C=CHUNK, INTERP=interp,
