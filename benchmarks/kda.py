@@ -256,7 +256,8 @@ def main() -> int:
     ap.add_argument("--cases", default="", help="comma-separated substrings of case names to run")
     ap.add_argument("--out", default="", help="also write the JSON here")
     ap.add_argument("--sweep", action="store_true", help="per-stage times under alternative launch configs")
-    ap.add_argument("--variants", action="store_true", help="also time chunk_kda's state_bf16 and all_bf16 variants (main shape)")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time chunk_kda's state_bf16 and all_bf16 variants (main shape)")
     ap.add_argument("--accuracy", action="store_true",
                     help="errors vs fp64 at T=8192 H=4 for each --compare config (or TUNING as it is) and fla")
     ap.add_argument("--profile", action="store_true", help="per-kernel CUDA times of fwd+bwd at B=1 T=8192 H=96")
