@@ -62,6 +62,9 @@ TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_
                  "_bwd_norms": "bwd_norms", "_prefill_prepare": "prefill_prepare", "_prefill_state": "prefill_state",
                  "_prefill_prepare_half1": "prefill_prepare",
                  "_prefill_prepare_half2": "prefill_join"}
+# the launches whose chunk-start states, Ũ, dS_end, dŨ follow TUNING["bwd_storage_bf16"] (the inference `_state`
+# stores fp32 states, the ones it returns)
+STORED_FOR_BACKWARD = {"_state_ut", "_state_ut_o", "_state_bwd", "_bwd_vk", "_bwd_vv"}
 # per-kernel constexprs on top of CONSTEXPRS
 _SK = chunk.TUNING["bwd_k_cols"]
 _SKV = chunk.TUNING["bwd_vk_cols"]
@@ -88,9 +91,9 @@ def kernel_fn(name: str):
 
 
 def compile_report(fn, num_warps: int, num_stages: int = 3, maxnreg: int | None = None, sass: bool = False,
-                   **constexprs) -> tuple:
+                   bf16_args=(), **constexprs) -> tuple:
     """(registers, spill store bytes, spill load bytes, shared bytes) of one kernel for sm_90; with `sass`
-    also its SASS counts (`sass_counts`)."""
+    also its SASS counts (`sass_counts`). bf16_args: pointers of FP32_ARGS taken as bf16 instead."""
     signature, constants, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if fn.params[i].is_constexpr:
@@ -99,7 +102,8 @@ def compile_report(fn, num_warps: int, num_stages: int = 3, maxnreg: int | None 
         elif name == "scale":
             signature[name] = "fp32"
         else:
-            signature[name] = ("i32" if name in ("H", "TT", "c_lo", "c_hi") else "*fp32" if name in FP32_ARGS
+            signature[name] = ("i32" if name in ("H", "TT", "c_lo", "c_hi")
+                               else "*fp32" if name in FP32_ARGS and name not in bf16_args
                                else "*i32" if name in INT32_ARGS else "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
     report = sm90_report(fn, signature, constants, attrs, num_warps, num_stages, maxnreg, sass=sass)
@@ -173,7 +177,6 @@ def main() -> None:
                         "all fp32)")
     args = p.parse_args()
     stored_bf16 = chunk.TUNING["bwd_storage_bf16"] if args.bf16_storage is None else args.bf16_storage
-    FP32_ARGS.difference_update(stored_bf16)
 
     unknown = set(args.kernels) - set(TUNING_PREFIX)
     if unknown:
@@ -190,8 +193,9 @@ def main() -> None:
             settings = {**base, "num_warps": warps, "maxnreg": cap or None}
             if stages is not None:
                 settings["num_stages"] = stages
-            regs, stores, loads, shared, *sass = compile_report(kernel_fn(name), **settings, sass=args.sass,
-                                                                **KERNEL_CONSTEXPRS.get(name, {}))
+            regs, stores, loads, shared, *sass = compile_report(
+                kernel_fn(name), **settings, sass=args.sass,
+                bf16_args=stored_bf16 if name in STORED_FOR_BACKWARD else (), **KERNEL_CONSTEXPRS.get(name, {}))
             shown = {k: v for k, v in settings.items() if v is not None}
             print(f"{name:14s} {str(shown):52s} {regs:5d} {f'{stores} / {loads}':>14s} {shared / 1024:10.0f}"
                   + (f"  SASS {sass[0]['total']} (BAR {sass[0]['BAR']}, EX2 {sass[0]['EX2']}, loop bodies "

@@ -213,10 +213,11 @@ def test_nan_initial_state_stays_in_its_sequence(dev):
 
 
 def _fwd_bwd(inputs, dev, seed=21, **kw):
-    """chunk_kda forward + backward (with dht) on fresh leaves; returns outputs and gradients."""
+    """chunk_kda forward + backward (with dht) on fresh leaves (copies: on CPU `.to(dev)` would return the inputs
+    themselves, and two calls would accumulate into the same .grad tensors); returns outputs and gradients."""
     from k3.ops.kda import chunk_kda
 
-    leaves = [x.to(dev).requires_grad_() for x in inputs]
+    leaves = [x.detach().to(dev, copy=True).requires_grad_() for x in inputs]
     o, S, *hs = chunk_kda(*leaves[:7], initial_state=leaves[7], output_final_state=True, **kw)
     gen = torch.Generator().manual_seed(seed)
     do, dS = torch.randn(o.shape, generator=gen).to(o), torch.randn(S.shape, generator=gen).to(S)

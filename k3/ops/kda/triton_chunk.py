@@ -468,18 +468,18 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
     """Value side, part 1: one (key slice of SK columns, chunk, head), the value-dim gradients that are
     elementwise in the key column, from the forward's Ũ = U − W·S (no W, no W·S).
 
-    Looping over value blocks, on the slice's rows of S and dS_end: dQg = dO·Sᵀ, dW = −dŨ·Sᵀ, dKd = Ũ·dS_endᵀ
-    and dΓ_C = Σ_v S ⊙ dS_end. Then, per key column, the finished value-side dq̂ = dQg⊙Γ,
-    dk̂ = dKd⊙exp(G_C − G) + β·(Tᵀ·dW)⊙Γ and dG (with G_C's gradient on the last row) into the fp32 scratch
-    `_bwd_k_block` reads. The two terms that sum over K leave as this slice's partials, for `_bwd_vv`:
-    dT_k = dW·(β·K⊙Γ)ᵀ (dtk_out [NT, H, NS, C, C]) and dβ_k = Σ_k (Tᵀ·dW)⊙K⊙Γ (dbk_out [NT, H, NS, C]).
-    G and G_C are the prepare's (g_in [TT, H, K], gc_in [NT, H, K]; G reads 0 past the document end, where every
+    Looping over value blocks, on the slice's rows of S and dS_end: dQg = dO·Sᵀ, dW = −dŨ·Sᵀ, dKd = Ũ·dS_endᵀ and
+    dΓ_C = Σ_v S ⊙ dS_end. Then, per key column, the finished value-side dq̂ = dQg⊙Γ, dk̂ = dKd⊙exp(G_C − G) +
+    β·(Tᵀ·dW)⊙Γ and dG (with G_C's gradient on the last row) into the scratch `_bwd_k_block` reads (fp32; dq̂ and
+    dk̂ in bf16 with `bwd_scratch_bf16`). The two terms that sum over K leave as this slice's partials, for
+    `_bwd_vv`: dT_k = dW·(β·K⊙Γ)ᵀ (dtk_out [NT, H, NS, C, C]) and dβ_k = Σ_k (Tᵀ·dW)⊙K⊙Γ (dbk_out [NT, H, NS, C]). G
+    and G_C are the prepare's (g_in [TT, H, K], gc_in [NT, H, K]; G reads 0 past the document end, where every
     factor it enters multiplies a zero row). ‖q‖, ‖k‖ come from qn_in, kn_in ([TT, H], `_load_norm`). T, G, q̂ and
     k̂, which only the part after the loop reads, are loaded before it: one program of 255 registers per SM has no
     neighbour to hide their latency, the loop's products do (no spills offline; 2.63 → 2.32 ms at the K3 shape,
     session 24 run 2; T and G alone 2.57). S, dS_end, dŨ and Ũ arrive as `TUNING["bwd_storage_bf16"]` stored them
-    and multiply as stored (`_dot_stored`): all bf16 by default, plain bf16 products on value blocks of 64
-    (2.27 → 2.07 ms, session 26; with split-bf16 products on bf16 storage, session 13: slower, 2.91 → 2.99).
+    and multiply as stored (`_dot_stored`): all bf16 by default, plain bf16 products on value blocks of 64 (2.27 →
+    2.07 ms, session 26; with split-bf16 products on bf16 storage, session 13: slower, 2.91 → 2.99).
     """
     NS: tl.constexpr = K // SK
     pid = tl.program_id(0)
@@ -596,7 +596,7 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
     dq̂, dk̂ and dG come out of 16×16 by 16×SK matmuls; the gate gets +x⊙dx on the row factor's side and −x⊙dx on
     the column's (if a quantity depends on G only through x⊙exp(±G), dG = ±x⊙dx).
 
-    On top of the value side's dq̂, dk̂ and dG (fp32 scratch, `_bwd_vk`) it writes block R's finished dq̂ and dk̂,
+    On top of the value side's dq̂, dk̂ and dG (scratch from `_bwd_vk`, fp32 unless `bwd_scratch_bf16`) it writes block R's finished dq̂ and dk̂,
     its dG before the reverse cumsum (`_bwd_gate` does that and the gate chain) and this slice's dβ partial
     (db_part: [TT, H, NS]); `_bwd_norms` finishes dq̂, dk̂ and dβ, which reduce over K. G is the prepare's
     ([TT, H, K], `_g_block`), ‖q‖ and ‖k‖ too (`_load_norm`). A block wholly past the document end does nothing:
@@ -803,10 +803,10 @@ def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs
     can follow (`_fwd_state`), so o is the same whether or not the forward keeps its operands.
 
     keep: also return what the backward would recompute, (W, Qg, Kd, Aqk, gc, T, hs, Ũ, G, ‖q‖, ‖k‖), for
-    `_bwd(inter=…)`; else kept is None. The states and
-    Ũ = U − W·S (U's dtype; the value-side backward reads it instead of recomputing W·S) come from the same
-    `_state` launch as o, with the same `state_bf16`: storing them does not change the arithmetic (and `_bwd`
-    recomputes them with `state_bf16` as well), so the gradients are bit-identical either way.
+    `_bwd(inter=…)`; else kept is None. The states and Ũ = U − W·S (in `backward_storage`'s dtypes; the value-side
+    backward reads Ũ instead of recomputing W·S) come from the same `_state` launch as o, with the same
+    `state_bf16`: storing them does not change the arithmetic (and `_bwd` recomputes them with `state_bf16` as
+    well), so the gradients are bit-identical either way.
     """
     W, U, Qg, Kd, Aqk, gc, Tm, norms, G = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
                                                        store_t=keep, store_norms=keep)
