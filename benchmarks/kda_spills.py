@@ -12,7 +12,7 @@ speed, not a measurement of it: spills were not the main cost of the old fused p
     python benchmarks/kda_spills.py _prep_intra --maxnreg 128 168   # with a register cap (more programs per SM)
     python benchmarks/kda_spills.py _prep_intra _prep_wu --maxnreg 0 128 --sass   # 0: no cap; SASS counts
     python benchmarks/kda_spills.py _bwd_vk _bwd_vv --warps 4 8 --maxnreg 0 168 128 --stages 1 3 --sass
-    python benchmarks/kda_spills.py _bwd_vk _bwd_vv --bf16-storage ut dse du   # TUNING's bwd_storage_bf16 is the default
+    python benchmarks/kda_spills.py _bwd_vk _bwd_vv --bf16-storage ut dse du   # default: TUNING's
 
 `--sass` also disassembles the cubin (the bundled `cuobjdump -sass`) and counts instructions (NOPs excluded):
 the whole kernel, its barriers, and each loop body (a backward branch; software pipelining can copy a body

@@ -226,7 +226,8 @@ def _fwd_bwd(inputs, dev, seed=21, **kw):
 
 
 @pytest.mark.parametrize("case", cases("bf16", "fp32", "varlen_all_bf16_state_bf16",
-                                       "varlen_bf16_2slices_bf16_storage", gpu_only=("bf16", "varlen_all_bf16_state_bf16")))
+                                       "varlen_bf16_2slices_bf16_storage",
+                                       gpu_only=("bf16", "varlen_all_bf16_state_bf16")))
 def test_saved_intermediates_match_recompute_bitwise(dev, monkeypatch, case):
     """The backward with the forward's kept operands, states and Ũ gives bit-identical gradients to the one
     that recomputes them, and really skips the recompute: one prepare and one `_state` launch per call. Ũ comes

@@ -770,11 +770,11 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
 
 
 def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht=False, want_hs=False,
-               state_bf16=False, want_ut=False, training=False, stored=(torch.float32, torch.float32)):
+               state_bf16=False, want_ut=False, training=False, hs_dtype=torch.float32, ut_dtype=None):
     """Launch `_state`; returns (o [TT, H, V] or None, final state [N, H, K, V] or None, chunk-start states or None,
     Ũ = U − W·S [TT, H, V] if want_ut else None). training: a backward can follow (a training forward, the
-    backward's recompute), so the products are the `state_split` ones (else `state_split_inference`). stored: the
-    dtypes of the chunk-start states (fp32 where the caller returns them) and of Ũ (U's unless bf16)."""
+    backward's recompute), so the products are the `state_split` ones (else `state_split_inference`). hs_dtype,
+    ut_dtype: the dtypes of the chunk-start states and of Ũ (None: U's)."""
     TT, H, K = W.shape
     V = U.shape[-1]
     dev = W.device
@@ -782,8 +782,8 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
     BV = min(V, TUNING[f"{key}_bv"])
     o = torch.empty(TT, H, V, dtype=out_dtype, device=dev) if write_o else None
     ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
-    hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=stored[0], device=dev) if want_hs else None
-    ut = torch.empty_like(U, dtype=torch.bfloat16 if stored[1] == torch.bfloat16 else U.dtype) if want_ut else None
+    hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=hs_dtype, device=dev) if want_hs else None
+    ut = torch.empty_like(U, dtype=ut_dtype) if want_ut else None
     state_bf16 = state_bf16 or TUNING["state_bf16"]
     split = TUNING["state_split" if training else "state_split_inference"] and not state_bf16
     dummy = gc
@@ -811,10 +811,10 @@ def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs
     W, U, Qg, Kd, Aqk, gc, Tm, norms, G = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
                                                        store_t=keep, store_norms=keep)
     # the returned chunk-start states are fp32; kept only for the backward, in its storage dtype
-    stored = (backward_storage(q.dtype, "hs") if keep and not want_hs else torch.float32,
-              backward_storage(q.dtype, "ut"))
+    hs_dtype = backward_storage(q.dtype, "hs") if keep and not want_hs else torch.float32
     o, ht, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, want_ht=want_ht, want_hs=want_hs or keep,
-                               state_bf16=state_bf16, want_ut=keep, training=training, stored=stored)
+                               state_bf16=state_bf16, want_ut=keep, training=training, hs_dtype=hs_dtype,
+                               ut_dtype=backward_storage(q.dtype, "ut", U.dtype))
     # U is not needed by the backward
     kept = (W, Qg, Kd, Aqk, gc, Tm, hs, ut, G) + norms if keep else None
     return o, ht, (hs if want_hs else None), kept
@@ -848,7 +848,8 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
                                                            dtypes, store_t=True, store_norms=True)
         _, _, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, write_o=False, want_hs=True,
                                   state_bf16=state_bf16, want_ut=True, training=True,
-                                  stored=(backward_storage(q.dtype, "hs"), backward_storage(q.dtype, "ut")))
+                                  hs_dtype=backward_storage(q.dtype, "hs"),
+                                  ut_dtype=backward_storage(q.dtype, "ut", U.dtype))
         del U
     else:
         W, Qg, Kd, Aqk, gc, Tm, hs, ut, G, *norms = inter

@@ -518,14 +518,14 @@ def _check_device(*xs: torch.Tensor) -> None:
 BACKWARD_STORED = ("hs", "ut", "dse", "du")
 
 
-def backward_storage(dtype: torch.dtype, name: str) -> torch.dtype:
+def backward_storage(dtype: torch.dtype, name: str, otherwise: torch.dtype = torch.float32) -> torch.dtype:
     """The dtype of one tensor the training forward or `_state_bwd` stores for the value-side backward ("hs": the
     chunk-start states, "ut": Ũ, "dse": dS_end, "du": dŨ): bf16 for bf16 inputs where TUNING["bwd_storage_bf16"]
-    names it, else fp32 (Ũ: U's dtype)."""
+    names it, else `otherwise` (fp32; Ũ passes U's dtype)."""
     chosen = TUNING["bwd_storage_bf16"]
     if not set(chosen) <= set(BACKWARD_STORED):
         raise ValueError(f"TUNING['bwd_storage_bf16'] names some of {BACKWARD_STORED}, got {chosen!r}")
-    return torch.bfloat16 if dtype == torch.bfloat16 and name in chosen else torch.float32
+    return torch.bfloat16 if dtype == torch.bfloat16 and name in chosen else otherwise
 
 
 def inter_dtypes(dtype: torch.dtype, all_bf16: bool = False) -> tuple[torch.dtype, torch.dtype]:
