@@ -24,8 +24,8 @@ measured variant are in docs/kda-kernels.md. In short:
 - Backward: by default (`save_intermediates`) the forward keeps W, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, G, T, the
   chunk-start states and Ũ, at ~1.9 GiB per layer at the K3 shape (`chunk_kda`'s docstring); with the switch
   off only the raw inputs are saved and the prepare kernels and `_state` run again. Then `_state_bwd` walks the
-  chunks backwards for the state gradient; `_bwd_vk` (per key slice) and `_bwd_vv` (per chunk: the sums over
-  K, dT and dβ) gather everything that contracts over the value dim; `_bwd_k_block` (per 16-row block and key
+  chunks backwards for the state gradient; `_bwd_vk` (per key slice) and `_bwd_vv` (per chunk: dAqk, dv and
+  dAkk = −Tᵀ·(dŨ·Ũᵀ), which needs no key side) gather everything that contracts over the value dim; `_bwd_k_block` (per 16-row block and key
   slice) the score backward, in the prepare's blocks and anchors; `_bwd_gate` (per key slice and chunk) the
   reverse cumsum and the gate chain; `_bwd_norms` (per row) the two sums over K that remain, the q/k norm
   backward and dβ's σ'.
@@ -462,7 +462,7 @@ def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
 
 @triton.jit
 def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do, du, ut,
-            dqh_out, dkh_out, dg_out, dtk_out, dbk_out,
+            dqh_out, dkh_out, dg_out, dbk_out,
             scale, H, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
             INTERP: tl.constexpr):
     """Value side, part 1: one (key slice of SK columns, chunk, head), the value-dim gradients that are
@@ -471,8 +471,8 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
     Looping over value blocks, on the slice's rows of S and dS_end: dQg = dO·Sᵀ, dW = −dŨ·Sᵀ, dKd = Ũ·dS_endᵀ and
     dΓ_C = Σ_v S ⊙ dS_end. Then, per key column, the finished value-side dq̂ = dQg⊙Γ, dk̂ = dKd⊙exp(G_C − G) +
     β·(Tᵀ·dW)⊙Γ and dG (with G_C's gradient on the last row) into the scratch `_bwd_k_block` reads (fp32; dq̂ and
-    dk̂ in bf16 with `bwd_scratch_bf16`). The two terms that sum over K leave as this slice's partials, for
-    `_bwd_vv`: dT_k = dW·(β·K⊙Γ)ᵀ (dtk_out [NT, H, NS, C, C]) and dβ_k = Σ_k (Tᵀ·dW)⊙K⊙Γ (dbk_out [NT, H, NS, C]). G
+    dk̂ in bf16 with `bwd_scratch_bf16`). The one term that sums over K leaves as this slice's partial, for
+    `_bwd_vv`: dβ_k = Σ_k (Tᵀ·dW)⊙K⊙Γ (dbk_out [NT, H, NS, C]); T's gradient needs no key side (`_bwd_vv`). G
     and G_C are the prepare's (g_in [TT, H, K], gc_in [NT, H, K]; G reads 0 past the document end, where every
     factor it enters multiplies a zero row). ‖q‖, ‖k‖ come from qn_in, kn_in ([TT, H], `_load_norm`). T, G, q̂ and
     k̂, which only the part after the loop reads, are loaded before it: one program of 255 registers per SM has no
@@ -517,7 +517,6 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
     Kg = kh * gam
     p_part = ((i_c * H + i_h) * NS + s).to(tl.int64)
     tl.store(dbk_out + p_part * C + rows, tl.sum(dXk * Kg, 1))
-    tl.store(dtk_out + p_part * C * C + rows[:, None] * C + rows[None, :], tl.dot(dW, tl.trans(beta[:, None] * Kg)))
     dKg = beta[:, None] * dXk * gam
     dqh = dQg * gam
     dKd = dKd * tl.exp(gc[None, :] - G)
@@ -533,16 +532,17 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
 
 
 @triton.jit
-def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dtk_in, dbk_in,
+def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dbk_in,
             dv, daqk_out, dakk_out, db_out,
             H, V: tl.constexpr, NS: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, INTERP: tl.constexpr):
     """Value side, part 2: one (chunk, head), the value-dim gradients that sum over K.
 
-    Looping over value blocks: dAqk = dO·Ũᵀ and, through U = T·diag(β)·V, dv = β·Tᵀ·dŨ, dT_v = dŨ·(β·V)ᵀ and
-    dβ_v = Σ_v (Tᵀ·dŨ)⊙V, on top of `_bwd_vk`'s NS partials of dT and dβ, summed first (in slice order:
-    deterministic) in a pipelined loop: their loads in flight together, not one exposed load and layout conversion
-    each after the value loop (1.18 → 1.02 ms at the K3 shape with 3 stages, session 9 run 4). Then
-    dAkk = −Tᵀ·dT·Tᵀ. Writes dv, and dAqk, dAkk (masked to their lower triangles) and dβ for `_bwd_k_block` /
+    Looping over value blocks: dAqk = dO·Ũᵀ, dŨ·Ũᵀ and, through U = T·diag(β)·V, dv = β·Tᵀ·dŨ and
+    dβ_v = Σ_v (Tᵀ·dŨ)⊙V, on top of `_bwd_vk`'s NS partials of dβ, summed first (in slice order: deterministic).
+    Then dAkk = −Tᵀ·(dŨ·Ũᵀ): Ũ = T·X with X = β·V − (β·K⊙Γ)·S and T = (I + Akk)⁻¹, so Akk's gradient is
+    −Tᵀ·dŨ·Ũᵀ (below the diagonal). It equals the chain through W and U, −Tᵀ·dT·Tᵀ with dT = dŨ·Xᵀ, without X's
+    two cancelling halves, one of which (dW·(β·K⊙Γ)ᵀ) sums over K in `_bwd_vk`'s slices (session 27; docs
+    §7 item 57). Writes dv, and dAqk, dAkk (masked to their lower triangles) and dβ for `_bwd_k_block` /
     `_bwd_norms`.
     """
     i_c = tl.program_id(0)
@@ -553,11 +553,10 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dtk_in, dbk_in,
     Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
     TmT = tl.trans(Tm)
     dAqk = tl.zeros([C, C], dtype=tl.float32)
-    dT = tl.zeros([C, C], dtype=tl.float32)
+    dUU = tl.zeros([C, C], dtype=tl.float32)
     dbeta = tl.zeros([C], dtype=tl.float32)
     p_part = ((i_c * H + i_h) * NS).to(tl.int64)
-    for s in tl.range(0, NS, num_stages=3):
-        dT += tl.load(dtk_in + (p_part + s) * C * C + rows[:, None] * C + rows[None, :])
+    for s in tl.static_range(NS):
         dbeta += tl.load(dbk_in + (p_part + s) * C + rows)
     for i_v in range(0, V // BV):
         dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
@@ -566,16 +565,17 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dtk_in, dbk_in,
         vb = tl.load(_bp(v, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
         vb = vb.to(tl.float32)
         dAqk += _dot_stored(dO, tl.trans(Ut), INTERP)
-        dU = dU.to(tl.float32)
-        dXv = tl.dot(TmT, dU)
+        dUU += _dot_stored(dU, tl.trans(Ut), INTERP)
+        dXv = tl.dot(TmT, dU.to(tl.float32))
         tl.store(_bp(dv, bos, L, i_h, row0, i_v * BV, H, V, C, BV),
                  _cast(beta[:, None] * dXv, dv.dtype.element_ty, INTERP), boundary_check=(0,))
         dbeta += tl.sum(dXv * vb, 1)
-        dT += tl.dot(dU, tl.trans(beta[:, None] * vb))
-    dAkk = -tl.dot(tl.dot(TmT, dT), TmT)
-    tl.store(_bp(daqk_out, bos, L, i_h, row0, 0, H, C, C, C), tl.where(rows[:, None] >= rows[None, :], dAqk, 0.0),
+    dAkk = -tl.dot(TmT, dUU)
+    tl.store(_bp(daqk_out, bos, L, i_h, row0, 0, H, C, C, C),
+             _cast(tl.where(rows[:, None] >= rows[None, :], dAqk, 0.0), daqk_out.dtype.element_ty, INTERP),
              boundary_check=(0,))
-    tl.store(_bp(dakk_out, bos, L, i_h, row0, 0, H, C, C, C), tl.where(rows[:, None] > rows[None, :], dAkk, 0.0),
+    tl.store(_bp(dakk_out, bos, L, i_h, row0, 0, H, C, C, C),
+             _cast(tl.where(rows[:, None] > rows[None, :], dAkk, 0.0), dakk_out.dtype.element_ty, INTERP),
              boundary_check=(0,))
     tl.store(tl.make_block_ptr(db_out + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,)), dbeta, boundary_check=(0,))
 
@@ -624,8 +624,8 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
         ks = kh * rf
         kc = kh * ec
         # the diagonal block; dAqk, dAkk arrive masked to their lower triangles
-        daq = _load_block(daqk_in, bos, L, i_h, r0, R * BC, H, C, BC)
-        dak = _load_block(dakk_in, bos, L, i_h, r0, R * BC, H, C, BC)
+        daq = _load_block(daqk_in, bos, L, i_h, r0, R * BC, H, C, BC).to(tl.float32)
+        dak = _load_block(dakk_in, bos, L, i_h, r0, R * BC, H, C, BC).to(tl.float32)
         rowq = tl.dot(daq, kc)
         rowk = tl.dot(dak, kc)
         cs = tl.dot(tl.trans(daq), qs) + tl.dot(tl.trans(beta[:, None] * dak), ks)
@@ -638,16 +638,16 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
                 GJ, _, eJ = _g_block(g_in, bos, L, i_h, rJ, c0, H, K, SK, BC)
                 kend = kJ * _exp(eJ[None, :] - GJ, INTERP)
                 d = _exp(a - eJ, INTERP)[None, :]
-                rowq += d * tl.dot(_load_block(daqk_in, bos, L, i_h, r0, J * BC, H, C, BC), kend)
-                rowk += d * tl.dot(_load_block(dakk_in, bos, L, i_h, r0, J * BC, H, C, BC), kend)
+                rowq += d * tl.dot(_load_block(daqk_in, bos, L, i_h, r0, J * BC, H, C, BC).to(tl.float32), kend)
+                rowk += d * tl.dot(_load_block(dakk_in, bos, L, i_h, r0, J * BC, H, C, BC).to(tl.float32), kend)
             if J > R and rJ < L:
                 # block (J, R): R's column side
                 qJ, kJ = _unit_cols(q, k, qn_in, kn_in, bos, L, rJ, c0, i_h, scale, H, K, SK, BC)
                 bJ = _load_beta(b, bos, L, rJ, i_h, H, BC)
                 GJ, aJ, _ = _g_block(g_in, bos, L, i_h, rJ, c0, H, K, SK, BC)
                 fJ = _exp(GJ - aJ[None, :], INTERP) * _exp(aJ - e, INTERP)[None, :]
-                daqJ = _load_block(daqk_in, bos, L, i_h, rJ, R * BC, H, C, BC)
-                dakJ = _load_block(dakk_in, bos, L, i_h, rJ, R * BC, H, C, BC)
+                daqJ = _load_block(daqk_in, bos, L, i_h, rJ, R * BC, H, C, BC).to(tl.float32)
+                dakJ = _load_block(dakk_in, bos, L, i_h, rJ, R * BC, H, C, BC).to(tl.float32)
                 co += tl.dot(tl.trans(daqJ), qJ * fJ) + tl.dot(tl.trans(bJ[:, None] * dakJ), kJ * fJ)
         p_dqh = _bp(dqh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
         p_dkh = _bp(dkh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
@@ -874,7 +874,8 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
                       else torch.float32, device=dev)
     dkh = torch.empty_like(dqh)
     dG = torch.empty(NT, H, CHUNK, K, dtype=torch.float32, device=dev)
-    daqk = torch.empty(TT, H, CHUNK, dtype=torch.float32, device=dev)
+    daqk = torch.empty(TT, H, CHUNK, dtype=torch.bfloat16 if q.dtype == torch.bfloat16 and TUNING["bwd_da_bf16"]
+                       else torch.float32, device=dev)
     dakk = torch.empty_like(daqk)
     dbeta = torch.empty(TT, H, dtype=torch.float32, device=dev)
     dq, dk, dz = torch.empty_like(q), torch.empty_like(k), torch.empty_like(z)
@@ -886,11 +887,10 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     dA_part = torch.zeros(NT, H, NSG, dtype=torch.float32, device=dev)
     dbias_part = torch.zeros(NT, H, K, dtype=torch.float32, device=dev)
     if plan.NT > 0:
-        # the value side over key slices from Ũ (docs/kda-kernels.md §7 item 13); dT and dβ leave each slice as
-        # partials for `_bwd_vv`
+        # the value side over key slices from Ũ (docs/kda-kernels.md §7 item 13); dβ leaves each slice as a
+        # partial for `_bwd_vv`
         SKV = min(K, TUNING["bwd_vk_cols"])
         NSV = K // SKV
-        dtk = torch.empty(plan.NT, H, NSV, CHUNK, CHUNK, dtype=torch.float32, device=dev)
         dbk = torch.empty(plan.NT, H, NSV, CHUNK, dtype=torch.float32, device=dev)
         # fp32 loop tiles take twice the shared memory per stage: their own launch (TUNING)
         fp32_tiles = torch.float32 in (hs.dtype, dse.dtype, du.dtype, ut.dtype)
@@ -901,12 +901,12 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         # runs (docs/kda-kernels.md, runs 8-9)
         BVK = min(V, TUNING["bwd_vk_fp32_bv" if fp32_tiles else "bwd_vk_bv"]) if K > 16 else 16
         _bwd_vk[(plan.NT * NSV, H)](q, k, b, G, gc, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du, ut, dqh,
-                                    dkh, dG, dtk, dbk, scale, H=H, K=K, V=V, SK=SKV, BV=BVK, C=CHUNK, INTERP=interp,
+                                    dkh, dG, dbk, scale, H=H, K=K, V=V, SK=SKV, BV=BVK, C=CHUNK, INTERP=interp,
                                     **vk_launch)
-        _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, dtk, dbk, dv, daqk, dakk, dbeta,
+        _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, dbk, dv, daqk, dakk, dbeta,
                               H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, INTERP=interp,
                               **_launch_options("bwd_vv"))
-        del dtk, dbk, ut
+        del dbk, ut
         # per (16-row block, key slice): the score side (docs/kda-kernels.md §7 item 22); then per (key slice,
         # chunk) the reverse cumsum and the gate chain, and per row the norm and σ' chains
         db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)

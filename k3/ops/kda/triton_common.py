@@ -89,6 +89,9 @@ TUNING = {
     # the scratch dq̂, dk̂ that `_bwd_vk` writes, `_bwd_k_block` finishes and `_bwd_norms` reads in bf16 for bf16
     # inputs (fp32 otherwise): half of their 3.2 GB of traffic at the K3 shape, two more roundings (session 26)
     "bwd_scratch_bf16": False,
+    # dAqk and dAkk, which `_bwd_vv` writes and `_bwd_k_block` reads (each 16×16 block by eight programs), in bf16
+    # for bf16 inputs (fp32 otherwise); `_bwd_k_block` multiplies them in tf32 as before
+    "bwd_da_bf16": False,
     "bwd_vv_bv": 32, "bwd_vv_warps": 8, "bwd_vv_stages": 3, "bwd_vv_maxnreg": 128,
     # `_bwd_k_block` (session 13) per (16-row block, key slice of 32): capped at 72 registers (92 B of spills) for seven
     # programs per SM, 3.54 → 2.75 ms at the K3 shape (96: 3.26, 80: 2.96, 64: 2.77; runs 3-4)
