@@ -277,8 +277,10 @@ def test_saved_intermediates_match_recompute_bitwise(dev, monkeypatch, case):
 def test_backward_bf16_storage(dev, monkeypatch):
     """TUNING["bwd_storage_bf16"]: the chunk-start states, Ũ, dS_end and dŨ stored in bf16 for bf16 inputs (the
     value side multiplies them as stored) pass the fp64 tolerances, leave the forward bit-identical and change the
-    gradients (the path ran); with `bwd_scratch_bf16` as well, only dq and dk change again. The tensors saved for
-    the backward are bf16 where named, fp32 for fp32 inputs. Names outside the four are refused."""
+    gradients (the path ran); with `bwd_scratch_bf16` as well, only dq and dk change again; `bwd_da_bf16` (dAqk,
+    dAkk in bf16) moves the score side's gradients and neither dv nor dh0, and does nothing for fp32 inputs. The
+    tensors saved for the backward are bf16 where named, fp32 for fp32 inputs. Names outside the four are
+    refused."""
     from k3.ops.kda import triton_chunk as tc
 
     cu = [0, 40, 41, 100]
@@ -296,6 +298,19 @@ def test_backward_bf16_storage(dev, monkeypatch):
     check(scratch, ref, torch.bfloat16, "bf16 scratch")
     assert [torch.equal(a, b) for a, b in zip(scratch[2], stored[2])] == [False, False] + [True] * 6
     monkeypatch.setitem(tc.TUNING, "bwd_scratch_bf16", False)
+    # dAqk, dAkk the other way round (`bwd_da_bf16`): everything the score side reaches moves, dv and dh0 do not
+    da_bf16 = tc.TUNING["bwd_da_bf16"]
+    monkeypatch.setitem(tc.TUNING, "bwd_da_bf16", not da_bf16)
+    flipped, ref = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
+    check(flipped, ref, torch.bfloat16, "bwd_da_bf16 flipped")
+    assert [torch.equal(a, b) for a, b in zip(flipped[2], stored[2])] == [False, False, True] + [False] * 4 + [True]
+    fp32 = [x.float() if i < 5 else x for i, x in enumerate(make_raw(1, 70, 2, 32, 16, seed=3))]
+    grads = {}
+    for flag in (True, False):
+        monkeypatch.setitem(tc.TUNING, "bwd_da_bf16", flag)
+        grads[flag] = run_both([x.clone() for x in fp32], dev)[0][2]
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+    monkeypatch.setitem(tc.TUNING, "bwd_da_bf16", da_bf16)
 
     def saved_dtypes(dtype, names):
         """dtypes of the saved chunk-start states [NT, H, K, V] and Ũ ([TT, H, V], not v itself); V = 16 is no
@@ -1162,7 +1177,7 @@ def test_prepare_matches_fp64_chunk_operands(dev, case):
 
 
 # the backward over key slices: `_bwd_vk` (value side, slices of TUNING["bwd_vk_cols"]) + `_bwd_vv`, and
-# `_bwd_k_block` (slices of TUNING["bwd_k_cols"]) + `_bwd_gate` + `_bwd_norms`
+# `_bwd_k_block` (slices of TUNING["bwd_k_cols"]) + `_bwd_norms`
 
 SLICE_CASES = {
     # name: (document lengths or None for a dense [2, 70] batch, H, K, V, input dtype, bwd_vk_cols, bwd_k_cols,

@@ -90,16 +90,20 @@ TUNING = {
     # inputs (fp32 otherwise): half of their 3.2 GB of traffic at the K3 shape, two more roundings (session 26)
     "bwd_scratch_bf16": False,
     # dAqk and dAkk, which `_bwd_vv` writes and `_bwd_k_block` reads (each 16×16 block by eight programs), in bf16
-    # for bf16 inputs (fp32 otherwise); `_bwd_k_block` multiplies them in tf32 as before
-    "bwd_da_bf16": False,
-    "bwd_vv_bv": 32, "bwd_vv_warps": 8, "bwd_vv_stages": 3, "bwd_vv_maxnreg": 128,
+    # for bf16 inputs (fp32 otherwise); `_bwd_k_block` multiplies them in tf32 as before. Session 27 run 1 at the
+    # K3 shape: fwd+bwd 10.343 → 10.065 ms (`_bwd_k_block` 2.77 → 2.55, `_bwd_vv` 0.74 → 0.68); at T = 8192 H = 4
+    # dq 3.6 → 3.7e-3, the rest within 0.1e-3 (docs/kda-kernels.md §7 item 58)
+    "bwd_da_bf16": True,
+    # `_bwd_vv` since dAkk = −Tᵀ·(dŨ·Ũᵀ) (session 27, no dT partials to sum): on value blocks of 64 at 2 stages
+    # 0.74 → 0.69 ms at the K3 shape (run 1; 4 warps 0.78)
+    "bwd_vv_bv": 64, "bwd_vv_warps": 8, "bwd_vv_stages": 2, "bwd_vv_maxnreg": 128,
     # `_bwd_k_block` (session 13) per (16-row block, key slice of 32): capped at 72 registers (92 B of spills) for seven
     # programs per SM, 3.54 → 2.75 ms at the K3 shape (96: 3.26, 80: 2.96, 64: 2.77; runs 3-4)
     "bwd_k_cols": 32, "bwd_k_warps": 4, "bwd_k_stages": None, "bwd_k_maxnreg": 72,
     # (session 25: two row blocks per program, each neighbour's tiles loaded once for both, 3.56 ms at 128 registers,
     # 3.59 at 96, 3.94 at 80: deleted, commit 60f62a9 has it; 64-column slices on 8 warps 3.18)
-    # `_bwd_gate` per (key slice of bwd_gate_cols, chunk, head): 0.38 ms at the K3 shape (128 columns: 0.51; run 1)
-    "bwd_gate_cols": 32, "bwd_gate_warps": 4, "bwd_gate_stages": None, "bwd_gate_maxnreg": None,
+    # (`_bwd_gate`, per key slice of 32 and chunk, 0.38 ms at the K3 shape, did the reverse cumsum and the gate
+    # chain until session 27; `_bwd_vk` does them now, §7 item 59)
     "bwd_norms_rows": 16, "bwd_norms_warps": 4, "bwd_norms_stages": None, "bwd_norms_maxnreg": None,
     "decode_bv": 64, "decode_warps": 4,
     # the inference forward (no backward can follow) in 16-token chunks (`triton_prefill.py`, session 14); False:
