@@ -1177,7 +1177,7 @@ def test_prepare_matches_fp64_chunk_operands(dev, case):
 
 
 # the backward over key slices: `_bwd_vk` (value side, slices of TUNING["bwd_vk_cols"]) + `_bwd_vv`, and
-# `_bwd_k_block` (slices of TUNING["bwd_k_cols"]) + `_bwd_norms`
+# `_bwd_k_block` (slices of TUNING["bwd_k_cols"]) + `_bwd_gate` + `_bwd_norms`
 
 SLICE_CASES = {
     # name: (document lengths or None for a dense [2, 70] batch, H, K, V, input dtype, bwd_vk_cols, bwd_k_cols,

@@ -24,11 +24,11 @@ measured variant are in docs/kda-kernels.md. In short:
 - Backward: by default (`save_intermediates`) the forward keeps W, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, G, T, the
   chunk-start states and Ũ, at ~1.9 GiB per layer at the K3 shape (`chunk_kda`'s docstring); with the switch
   off only the raw inputs are saved and the prepare kernels and `_state` run again. Then `_state_bwd` walks the
-  chunks backwards for the state gradient; `_bwd_vv` (per chunk: dAqk, dv and dAkk = −Tᵀ·(dŨ·Ũᵀ), which needs
-  no key side) and `_bwd_vk` (per key slice) gather everything that contracts over the value dim, with
-  `_bwd_k_block` (per 16-row block and key slice) between them: the score backward, in the prepare's blocks and
-  anchors, which `_bwd_vk` adds to its own before the reverse cumsum and the gate chain; `_bwd_norms` (per row)
-  the two sums over K that remain, the q/k norm backward and dβ's σ'.
+  chunks backwards for the state gradient; `_bwd_vk` (per key slice) and `_bwd_vv` (per chunk: dAqk, dv and
+  dAkk = −Tᵀ·(dŨ·Ũᵀ), which needs no key side) gather everything that contracts over the value dim; `_bwd_k_block` (per 16-row block and key
+  slice) the score backward, in the prepare's blocks and anchors; `_bwd_gate` (per key slice and chunk) the
+  reverse cumsum and the gate chain; `_bwd_norms` (per row) the two sums over K that remain, the q/k norm
+  backward and dβ's σ'.
 
 Intermediates are stored in bf16 for bf16 inputs except U and Aqk (fp32 unless all_bf16) and G and T (fp32); the
 chunk-start states, Ũ, dS_end and dŨ that the value-side backward reads are bf16 as TUNING["bwd_storage_bf16"]
@@ -461,23 +461,18 @@ def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
 
 
 @triton.jit
-def _bwd_vk(q, k, z, b, A_log, dt_bias, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do, du, ut,
-            dqh_io, dkh_io, dg_in, dbv_out, dz, dA_part, dbias_part,
+def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do, du, ut,
+            dqh_out, dkh_out, dg_out, dbk_out,
             scale, H, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-            G_MIN: tl.constexpr, INTERP: tl.constexpr):
+            INTERP: tl.constexpr):
     """Value side, part 1: one (key slice of SK columns, chunk, head), the value-dim gradients that are
     elementwise in the key column, from the forward's Ũ = U − W·S (no W, no W·S).
 
     Looping over value blocks, on the slice's rows of S and dS_end: dQg = dO·Sᵀ, dW = −dŨ·Sᵀ, dKd = Ũ·dS_endᵀ and
-    dΓ_C = Σ_v S ⊙ dS_end. Then, per key column, the value-side dq̂ = dQg⊙Γ, dk̂ = dKd⊙exp(G_C − G) + β·(Tᵀ·dW)⊙Γ
-    and dG (with G_C's gradient on the last row), added to the score side's, which `_bwd_k_block` left in the
-    scratch (dqh_io, dkh_io: [TT, H, K], fp32, or bf16 with `bwd_scratch_bf16`; dg_in: [NT, H, C, K], rows past the
-    document end unwritten). The finished dq̂, dk̂ go back to the scratch for `_bwd_norms`; the finished dG goes
-    through the reverse cumsum over the chunk and the gate chain here (the chunk's 64 rows are this program's):
-    dz, and this chunk's partial sums of dA_log (dA_part [NT, H, NS]) and dt_bias (dbias_part [NT, H, K]), which
-    the caller reduces (session 27: no dG pass of its own, §7 item 59). The one term that sums over K leaves as
-    this slice's partial, for `_bwd_norms`: dβ_k = Σ_k (Tᵀ·dW)⊙K⊙Γ (dbv_out [TT, H, NS]); T's gradient needs no
-    key side (`_bwd_vv`). G
+    dΓ_C = Σ_v S ⊙ dS_end. Then, per key column, the finished value-side dq̂ = dQg⊙Γ, dk̂ = dKd⊙exp(G_C − G) +
+    β·(Tᵀ·dW)⊙Γ and dG (with G_C's gradient on the last row) into the scratch `_bwd_k_block` reads (fp32; dq̂ and
+    dk̂ in bf16 with `bwd_scratch_bf16`). The one term that sums over K leaves as this slice's partial, for
+    `_bwd_vv`: dβ_k = Σ_k (Tᵀ·dW)⊙K⊙Γ (dbk_out [NT, H, NS, C]); T's gradient needs no key side (`_bwd_vv`). G
     and G_C are the prepare's (g_in [TT, H, K], gc_in [NT, H, K]; G reads 0 past the document end, where every
     factor it enters multiplies a zero row). ‖q‖, ‖k‖ come from qn_in, kn_in ([TT, H], `_load_norm`). T, G, q̂ and
     k̂, which only the part after the loop reads, are loaded before it: one program of 255 registers per SM has no
@@ -520,8 +515,8 @@ def _bwd_vk(q, k, z, b, A_log, dt_bias, g_in, gc_in, qn_in, kn_in, cu, chunk_idx
     dXk = tl.dot(tl.trans(Tm), dW)
     gam = tl.exp(G)
     Kg = kh * gam
-    tl.store(tl.make_block_ptr(dbv_out + (bos * H + i_h) * NS + s, (L,), (H * NS,), (row0,), (C,), (0,)),
-             tl.sum(dXk * Kg, 1), boundary_check=(0,))
+    p_part = ((i_c * H + i_h) * NS + s).to(tl.int64)
+    tl.store(dbk_out + p_part * C + rows, tl.sum(dXk * Kg, 1))
     dKg = beta[:, None] * dXk * gam
     dqh = dQg * gam
     dKd = dKd * tl.exp(gc[None, :] - G)
@@ -529,39 +524,26 @@ def _bwd_vk(q, k, z, b, A_log, dt_bias, g_in, gc_in, qn_in, kn_in, cu, chunk_idx
     # G_C feeds Γ_C and every exp(G_C − G_i): its gradient lands on the last row, spread back by the cumsum.
     dG_end = tl.exp(gc) * dgc + tl.sum(kh * dKd, 0)
     dG = tl.where(rows[:, None] == C - 1, dG + dG_end[None, :], dG) + qh * dqh + kh * dKg
-    valid = row0 + rows < L
-    dG += tl.load(dg_in + (i_c * H + i_h).to(tl.int64) * C * K + rows[:, None] * K + (c0 + cs)[None, :],
-                  mask=valid[:, None], other=0.0)
-    p_dqh = _bp(dqh_io, bos, L, i_h, row0, c0, H, K, C, SK)
-    p_dkh = _bp(dkh_io, bos, L, i_h, row0, c0, H, K, C, SK)
-    dqh += tl.load(p_dqh, boundary_check=(0,), padding_option="zero").to(tl.float32)
-    tl.store(p_dqh, _cast(dqh, dqh_io.dtype.element_ty, INTERP), boundary_check=(0,))
-    dkh = dKd + dKg + tl.load(p_dkh, boundary_check=(0,), padding_option="zero").to(tl.float32)
-    tl.store(p_dkh, _cast(dkh, dkh_io.dtype.element_ty, INTERP), boundary_check=(0,))
-    # dG → dg by the reverse cumsum over the chunk, then the chain through g = g_min·σ(x), x = exp(A)·(z + bias)
-    z_raw, a_exp, bias = _gate_inputs(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K, C, SK)
-    _, x = _gate_from(z_raw, a_exp, bias, valid, G_MIN)
-    sg = tl.sigmoid(x)
-    dx = tl.where(valid[:, None], tl.cumsum(dG, 0, reverse=True) * G_MIN * sg * (1.0 - sg), 0.0)
-    dzv = dx * a_exp
-    tl.store(_bp(dz, bos, L, i_h, row0, c0, H, K, C, SK), _cast(dzv, dz.dtype.element_ty, INTERP),
+    tl.store(_bp(dqh_out, bos, L, i_h, row0, c0, H, K, C, SK), _cast(dqh, dqh_out.dtype.element_ty, INTERP),
              boundary_check=(0,))
-    tl.store(dA_part + (i_c * H + i_h) * NS + s, tl.sum(tl.sum(dx * x, 1), 0))
-    tl.store(dbias_part + (i_c * H + i_h).to(tl.int64) * K + c0 + cs, tl.sum(dzv, 0))
+    tl.store(_bp(dkh_out, bos, L, i_h, row0, c0, H, K, C, SK), _cast(dKd + dKg, dkh_out.dtype.element_ty, INTERP),
+             boundary_check=(0,))
+    tl.store(dg_out + (i_c * H + i_h).to(tl.int64) * C * K + rows[:, None] * K + (c0 + cs)[None, :], dG)
 
 
 @triton.jit
-def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut,
+def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dbk_in,
             dv, daqk_out, dakk_out, db_out,
-            H, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, INTERP: tl.constexpr):
+            H, V: tl.constexpr, NS: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, INTERP: tl.constexpr):
     """Value side, part 2: one (chunk, head), the value-dim gradients that sum over K.
 
     Looping over value blocks: dAqk = dO·Ũᵀ, dŨ·Ũᵀ and, through U = T·diag(β)·V, dv = β·Tᵀ·dŨ and
-    dβ_v = Σ_v (Tᵀ·dŨ)⊙V. Then dAkk = −Tᵀ·(dŨ·Ũᵀ): Ũ = T·X with X = β·V − (β·K⊙Γ)·S and T = (I + Akk)⁻¹, so Akk's gradient is
+    dβ_v = Σ_v (Tᵀ·dŨ)⊙V, on top of `_bwd_vk`'s NS partials of dβ, summed first (in slice order: deterministic).
+    Then dAkk = −Tᵀ·(dŨ·Ũᵀ): Ũ = T·X with X = β·V − (β·K⊙Γ)·S and T = (I + Akk)⁻¹, so Akk's gradient is
     −Tᵀ·dŨ·Ũᵀ (below the diagonal). It equals the chain through W and U, −Tᵀ·dT·Tᵀ with dT = dŨ·Xᵀ, without X's
     two cancelling halves, one of which (dW·(β·K⊙Γ)ᵀ) sums over K in `_bwd_vk`'s slices (session 27; docs
-    §7 item 57). Writes dv, and dAqk, dAkk (masked to their lower triangles) and dβ_v for `_bwd_k_block` /
-    `_bwd_norms`. It needs nothing of the key side, so it runs first.
+    §7 item 57). Writes dv, and dAqk, dAkk (masked to their lower triangles) and dβ for `_bwd_k_block` /
+    `_bwd_norms`.
     """
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -573,6 +555,9 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut,
     dAqk = tl.zeros([C, C], dtype=tl.float32)
     dUU = tl.zeros([C, C], dtype=tl.float32)
     dbeta = tl.zeros([C], dtype=tl.float32)
+    p_part = ((i_c * H + i_h) * NS).to(tl.int64)
+    for s in tl.static_range(NS):
+        dbeta += tl.load(dbk_in + (p_part + s) * C + rows)
     for i_v in range(0, V // BV):
         dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
         dU = tl.load(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
@@ -596,7 +581,7 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut,
 
 
 @triton.jit
-def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_out, dkh_out, dg_out, daqk_in, dakk_in, db_part,
+def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_in, daqk_in, dakk_in, db_part,
                  scale, H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, INTERP: tl.constexpr):
     """The score backward of one (16-row block R, key slice of SK columns, chunk, head): everything that lands on
     block R's rows, so no program waits for another and nothing is carried across blocks.
@@ -611,11 +596,11 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_out, dkh_out, d
     dq̂, dk̂ and dG come out of 16×16 by 16×SK matmuls; the gate gets +x⊙dx on the row factor's side and −x⊙dx on
     the column's (if a quantity depends on G only through x⊙exp(±G), dG = ±x⊙dx).
 
-    It writes block R's score-side dq̂ and dk̂ (scratch, fp32 unless `bwd_scratch_bf16`) and dG before the reverse
-    cumsum, which `_bwd_vk` adds to the value side's and finishes (it runs after this kernel since session 27), and
-    this slice's dβ partial (db_part: [TT, H, NS]); `_bwd_norms` finishes dq̂, dk̂ and dβ, which reduce over K. G is the prepare's
-    ([TT, H, K], `_g_block`), ‖q‖ and ‖k‖ too (`_load_norm`). A block wholly past the document end does nothing
-    (`_bwd_vk` reads its dG rows as zero). The products are tf32
+    On top of the value side's dq̂, dk̂ and dG (scratch from `_bwd_vk`, fp32 unless `bwd_scratch_bf16`) it writes block R's finished dq̂ and dk̂,
+    its dG before the reverse cumsum (`_bwd_gate` does that and the gate chain) and this slice's dβ partial
+    (db_part: [TT, H, NS]); `_bwd_norms` finishes dq̂, dk̂ and dβ, which reduce over K. G is the prepare's
+    ([TT, H, K], `_g_block`), ‖q‖ and ‖k‖ too (`_load_norm`). A block wholly past the document end does nothing:
+    its dG rows (G_C's gradient may sit on the chunk's last row) pass through unchanged. The products are tf32
     (bf16 operands: 3.51 → 3.40 ms at the K3 shape, but ddt_bias 4.0e-4 → 6.5e-3 from fp64 in the interpreter, near
     its 8e-3 limit; session 13 run 2).
     """
@@ -664,20 +649,51 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_out, dkh_out, d
                 daqJ = _load_block(daqk_in, bos, L, i_h, rJ, R * BC, H, C, BC).to(tl.float32)
                 dakJ = _load_block(dakk_in, bos, L, i_h, rJ, R * BC, H, C, BC).to(tl.float32)
                 co += tl.dot(tl.trans(daqJ), qJ * fJ) + tl.dot(tl.trans(bJ[:, None] * dakJ), kJ * fJ)
-        p_dg = dg_out + (i_c * H + i_h).to(tl.int64) * C * K + (R * BC + tl.arange(0, BC))[:, None] * K + c0 + \
+        p_dqh = _bp(dqh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
+        p_dkh = _bp(dkh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
+        p_dg = dg_in + (i_c * H + i_h).to(tl.int64) * C * K + (R * BC + tl.arange(0, BC))[:, None] * K + c0 + \
             tl.arange(0, SK)[None, :]
         # rowk was taken with dAkk; Akk = diag(β)·Ã, so Σ_i dAkk·Ã = Σ_k ks⊙rowk, and Ã's own gradient is β·rowk
         dbeta = tl.sum(ks * rowk, 1)
         rowk = beta[:, None] * rowk
         ce = _exp(e[None, :] - G, INTERP) * co
-        tl.store(_bp(dqh_out, bos, L, i_h, r0, c0, H, K, BC, SK), _cast(rf * rowq, dqh_out.dtype.element_ty, INTERP),
-                 boundary_check=(0,))
-        tl.store(_bp(dkh_out, bos, L, i_h, r0, c0, H, K, BC, SK),
-                 _cast(rf * rowk + ec * cs + ce, dkh_out.dtype.element_ty, INTERP), boundary_check=(0,))
-        # padding rows get 0 (their q̂, k̂ are 0); `_bwd_vk` puts G_C's gradient on the chunk's last row
-        tl.store(p_dg, qs * rowq + ks * rowk - kc * cs - kh * ce)
+        dqh = tl.load(p_dqh, boundary_check=(0,), padding_option="zero").to(tl.float32) + rf * rowq
+        dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero").to(tl.float32) + rf * rowk + ec * cs + ce
+        # padding rows keep their dG: the last row carries G_C's gradient into the chunk (`_bwd_vk`)
+        dG = tl.load(p_dg) + qs * rowq + ks * rowk - kc * cs - kh * ce
+        tl.store(p_dqh, _cast(dqh, dqh_in.dtype.element_ty, INTERP), boundary_check=(0,))
+        tl.store(p_dkh, _cast(dkh, dkh_in.dtype.element_ty, INTERP), boundary_check=(0,))
+        tl.store(p_dg, dG)
         tl.store(tl.make_block_ptr(db_part + (bos * H + i_h) * NS + s, (L,), (H * NS,), (r0,), (BC,), (0,)), dbeta,
                  boundary_check=(0,))
+
+
+@triton.jit
+def _bwd_gate(z, A_log, dt_bias, cu, chunk_idx, dg_in, dz, dA_part, dbias_part,
+              H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, G_MIN: tl.constexpr, INTERP: tl.constexpr):
+    """After `_bwd_k_block`, one (key slice of SK columns, chunk, head): dG → dg by the reverse cumsum over the
+    chunk, then the gate chain: dz, and this chunk's partial sums of dA_log (dA_part: [NT, H, NS]) and dt_bias
+    (dbias_part: [NT, H, K]), reduced by the caller."""
+    NS: tl.constexpr = K // SK
+    pid = tl.program_id(0)
+    i_c = pid // NS
+    s = pid % NS
+    c0 = s * SK
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
+    rows = tl.arange(0, C)
+    g_base = (i_c * H + i_h).to(tl.int64) * C * K
+    valid = row0 + rows < L
+    z_raw, a_exp, bias = _gate_inputs(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K, C, SK)
+    _, x = _gate_from(z_raw, a_exp, bias, valid, G_MIN)
+    dg = tl.cumsum(tl.load(dg_in + g_base + rows[:, None] * K + c0 + tl.arange(0, SK)[None, :]), 0, reverse=True)
+    sg = tl.sigmoid(x)
+    dx = tl.where(valid[:, None], dg * G_MIN * sg * (1.0 - sg), 0.0)
+    dzv = dx * a_exp
+    tl.store(_bp(dz, bos, L, i_h, row0, c0, H, K, C, SK), _cast(dzv, dz.dtype.element_ty, INTERP),
+             boundary_check=(0,))
+    tl.store(dA_part + (i_c * H + i_h) * NS + s, tl.sum(tl.sum(dx * x, 1), 0))
+    tl.store(dbias_part + (i_c * H + i_h).to(tl.int64) * K + c0 + tl.arange(0, SK), tl.sum(dzv, 0))
 
 
 @triton.jit
@@ -692,11 +708,11 @@ def _norm_bwd_rows(x, dxh, dx, n_in, row_off, off, m, sc, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _bwd_norms(q, k, b, qn_in, kn_in, dqh, dkh, db_in, db_part, dbv_part, dq, dk, dbl, TT, scale,
-               H, K: tl.constexpr, NS: tl.constexpr, NSV: tl.constexpr, BT: tl.constexpr, INTERP: tl.constexpr):
-    """Last, per (BT tokens, head): the L2-norm backward of q and k from the finished dq̂, dk̂
-    (y = x/‖x‖ → dx = (dy − y·⟨y, dy⟩)/‖x‖; q̂ = scale·y) and dβ's logit (`_bwd_vv`'s dβ plus the partials of
-    `_bwd_k_block`'s NS and `_bwd_vk`'s NSV key slices, times σ')."""
+def _bwd_norms(q, k, b, qn_in, kn_in, dqh, dkh, db_in, db_part, dq, dk, dbl, TT, scale,
+               H, K: tl.constexpr, NS: tl.constexpr, BT: tl.constexpr, INTERP: tl.constexpr):
+    """After `_bwd_k_block`, per (BT tokens, head): the L2-norm backward of q and k from the finished
+    dq̂, dk̂ (y = x/‖x‖ → dx = (dy − y·⟨y, dy⟩)/‖x‖; q̂ = scale·y) and dβ's logit (the value side's dβ
+    plus the NS slices' partials, times σ')."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     i_h = tl.program_id(1)
     m = rows < TT
@@ -705,8 +721,7 @@ def _bwd_norms(q, k, b, qn_in, kn_in, dqh, dkh, db_in, db_part, dbv_part, dq, dk
     _norm_bwd_rows(q, dqh, dq, qn_in, row_off, off, m, scale, INTERP)
     _norm_bwd_rows(k, dkh, dk, kn_in, row_off, off, m, 1.0, INTERP)
     parts = tl.load(db_part + row_off[:, None] * NS + tl.arange(0, NS)[None, :], mask=m[:, None], other=0.0)
-    parts_v = tl.load(dbv_part + row_off[:, None] * NSV + tl.arange(0, NSV)[None, :], mask=m[:, None], other=0.0)
-    dbeta = tl.load(db_in + row_off, mask=m, other=0.0) + tl.sum(parts, 1) + tl.sum(parts_v, 1)
+    dbeta = tl.load(db_in + row_off, mask=m, other=0.0) + tl.sum(parts, 1)
     beta = tl.sigmoid(tl.load(b + row_off, mask=m, other=0.0).to(tl.float32))
     tl.store(dbl + row_off, _cast(dbeta * beta * (1.0 - beta), dbl.dtype.element_ty, INTERP), mask=m)
 
@@ -810,9 +825,9 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
 
     inter: the forward's (W, Qg, Kd, Aqk, gc, T, hs, Ũ, G, ‖q‖, ‖k‖) (`_fwd(keep=True)`); then nothing is recomputed
     and h0 is not used. Without it the prepare kernels and `_state` (storing G, the chunk-start states, Ũ and the
-    norms) run again here. Then `_state_bwd`; `_bwd_vv` per chunk (dv, dAqk, dAkk: no key side); the score
-    backward per 16-row block and key slice (`_bwd_k_block`); the value side per key slice and chunk, finishing
-    dq̂, dk̂ and dG with the cumsum and gate chains (`_bwd_vk`); and the row-wise norm and σ' chains (`_bwd_norms`).
+    norms) run again here. Then `_state_bwd`, the value side over key slices (`_bwd_vk`, `_bwd_vv`), the
+    score backward per 16-row block and key slice (`_bwd_k_block`), the cumsum and gate chains per key slice and
+    chunk (`_bwd_gate`) and the row-wise norm and σ' chains (`_bwd_norms`).
     The backward state pass multiplies as TUNING["state_bwd_products"] says (split bf16), whatever
     state_bf16 is: state_bf16 only changes the forward and the recomputed states.
     """
@@ -854,7 +869,7 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
                                       INTERP=interp, **launch)
     del W, Qg, Kd, Aqk  # (kept ones live on in the autograd context until the backward returns)
     dv = torch.empty_like(v)
-    # the score side's dq̂, dk̂ and dG, finished by the value side (`bwd_scratch_bf16`)
+    # the value side's dq̂, dk̂, finished by the score side (`bwd_scratch_bf16`)
     dqh = torch.empty(TT, H, K, dtype=torch.bfloat16 if q.dtype == torch.bfloat16 and TUNING["bwd_scratch_bf16"]
                       else torch.float32, device=dev)
     dkh = torch.empty_like(dqh)
@@ -867,25 +882,16 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     db = torch.empty_like(b)
     SK = min(K, TUNING["bwd_k_cols"])
     NS = K // SK
-    SKV = min(K, TUNING["bwd_vk_cols"])
-    NSV = K // SKV
-    dA_part = torch.zeros(NT, H, NSV, dtype=torch.float32, device=dev)
+    SKG = min(K, TUNING["bwd_gate_cols"])
+    NSG = K // SKG
+    dA_part = torch.zeros(NT, H, NSG, dtype=torch.float32, device=dev)
     dbias_part = torch.zeros(NT, H, K, dtype=torch.float32, device=dev)
     if plan.NT > 0:
-        # per chunk, what contracts over the value dim and needs no key side: dv, dAqk, dAkk = −Tᵀ·(dŨ·Ũᵀ), dβ_v
-        _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, dv, daqk, dakk, dbeta,
-                              H=H, V=V, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, INTERP=interp,
-                              **_launch_options("bwd_vv"))
-        # per (16-row block, key slice): the score side (docs/kda-kernels.md §7 item 22), into the scratch
-        db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
-        _bwd_k_block[(plan.NT * NS * (CHUNK // SUB), H)](q, k, b, G, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG,
-                                                         daqk, dakk, db_part, scale, H=H, K=K, SK=SK, C=CHUNK,
-                                                         BC=SUB, INTERP=interp,
-                                                         **_launch_options("bwd_k"))
-        del daqk, dakk
-        # per (key slice, chunk): the value side over key slices from Ũ (docs/kda-kernels.md §7 item 13), added to
-        # the score side's, then the reverse cumsum and the gate chain; dβ leaves each slice as a partial
-        dbv_part = torch.empty(TT, H, NSV, dtype=torch.float32, device=dev)
+        # the value side over key slices from Ũ (docs/kda-kernels.md §7 item 13); dβ leaves each slice as a
+        # partial for `_bwd_vv`
+        SKV = min(K, TUNING["bwd_vk_cols"])
+        NSV = K // SKV
+        dbk = torch.empty(plan.NT, H, NSV, CHUNK, dtype=torch.float32, device=dev)
         # fp32 loop tiles take twice the shared memory per stage: their own launch (TUNING)
         fp32_tiles = torch.float32 in (hs.dtype, dse.dtype, du.dtype, ut.dtype)
         vk_launch = _launch_options("bwd_vk")
@@ -894,14 +900,27 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         # K = 16 with BV = 32 faulted (illegal address, in the value-side kernel of the time) on the H200; BV = 16
         # runs (docs/kda-kernels.md, runs 8-9)
         BVK = min(V, TUNING["bwd_vk_fp32_bv" if fp32_tiles else "bwd_vk_bv"]) if K > 16 else 16
-        _bwd_vk[(plan.NT * NSV, H)](q, k, z, b, A_log, dt_bias, G, gc, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse,
-                                    do, du, ut, dqh, dkh, dG, dbv_part, dz, dA_part, dbias_part, scale, H=H, K=K, V=V,
-                                    SK=SKV, BV=BVK, C=CHUNK, G_MIN=g_min, INTERP=interp, **vk_launch)
-        del ut, G, dG
-        # per row: the norm and σ' chains
+        _bwd_vk[(plan.NT * NSV, H)](q, k, b, G, gc, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du, ut, dqh,
+                                    dkh, dG, dbk, scale, H=H, K=K, V=V, SK=SKV, BV=BVK, C=CHUNK, INTERP=interp,
+                                    **vk_launch)
+        _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, dbk, dv, daqk, dakk, dbeta,
+                              H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, INTERP=interp,
+                              **_launch_options("bwd_vv"))
+        del dbk, ut
+        # per (16-row block, key slice): the score side (docs/kda-kernels.md §7 item 22); then per (key slice,
+        # chunk) the reverse cumsum and the gate chain, and per row the norm and σ' chains
+        db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
+        _bwd_k_block[(plan.NT * NS * (CHUNK // SUB), H)](q, k, b, G, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG,
+                                                         daqk, dakk, db_part, scale, H=H, K=K, SK=SK, C=CHUNK,
+                                                         BC=SUB, INTERP=interp,
+                                                         **_launch_options("bwd_k"))
+        del G
+        _bwd_gate[(plan.NT * NSG, H)](z, A_log, dt_bias, plan.cu, plan.chunk_idx, dG, dz, dA_part, dbias_part,
+                                      H=H, K=K, SK=SKG, C=CHUNK, G_MIN=g_min, INTERP=interp,
+                                      **_launch_options("bwd_gate"))
         BT = TUNING["bwd_norms_rows"]
-        _bwd_norms[(triton.cdiv(TT, BT), H)](q, k, b, qn, kn, dqh, dkh, dbeta, db_part, dbv_part, dq, dk, db, TT,
-                                             scale, H=H, K=K, NS=NS, NSV=NSV, BT=BT, INTERP=interp,
+        _bwd_norms[(triton.cdiv(TT, BT), H)](q, k, b, qn, kn, dqh, dkh, dbeta, db_part, dq, dk, db, TT, scale, H=H,
+                                             K=K, NS=NS, BT=BT, INTERP=interp,
                                              **_launch_options("bwd_norms"))
     else:
         dv.zero_()

@@ -102,8 +102,10 @@ TUNING = {
     "bwd_k_cols": 32, "bwd_k_warps": 4, "bwd_k_stages": None, "bwd_k_maxnreg": 72,
     # (session 25: two row blocks per program, each neighbour's tiles loaded once for both, 3.56 ms at 128 registers,
     # 3.59 at 96, 3.94 at 80: deleted, commit 60f62a9 has it; 64-column slices on 8 warps 3.18)
-    # (`_bwd_gate`, per key slice of 32 and chunk, 0.38 ms at the K3 shape, did the reverse cumsum and the gate
-    # chain until session 27; `_bwd_vk` does them now, §7 item 59)
+    # `_bwd_gate` per (key slice of bwd_gate_cols, chunk, head): 0.38 ms at the K3 shape (128 columns: 0.51; run 1).
+    # (Session 27 run 2 moved its cumsum and gate chain into `_bwd_vk`, run after `_bwd_k_block`: `_bwd_vk` 1.80 →
+    # 3.13 ms, fwd+bwd 10.545 against ~10.0; reverted, §7 item 59)
+    "bwd_gate_cols": 32, "bwd_gate_warps": 4, "bwd_gate_stages": None, "bwd_gate_maxnreg": None,
     "bwd_norms_rows": 16, "bwd_norms_warps": 4, "bwd_norms_stages": None, "bwd_norms_maxnreg": None,
     "decode_bv": 64, "decode_warps": 4,
     # the inference forward (no backward can follow) in 16-token chunks (`triton_prefill.py`, session 14); False:
