@@ -1241,33 +1241,6 @@ def test_backward_key_slices(dev, monkeypatch, case):
 
 
 
-@pytest.mark.parametrize("case", cases("varlen_bf16", "dense_fp32", gpu_only=("dense_fp32",)))
-def test_score_backward_one_program_per_chunk(dev, monkeypatch, case):
-    """`bwd_k_chunked`: `_bwd_k_block` with one program per (key slice, chunk) walking the four row blocks does each
-    block's arithmetic as one program per block does: every gradient bit-identical in the interpreter, and within
-    the fp64 tolerances. On a GPU the two builds may contract other products: within 1e-6 for fp32 gradients, 1e-4
-    for bf16 ones (an fp32 difference of ~1e-7 can flip a bf16 rounding, as in `test_backward_key_slices`)."""
-    from k3.ops.kda import triton_chunk as tc
-
-    if case == "varlen_bf16":
-        cu = [0, 1, 17, 17, 90, 150]
-        inputs, dtype = make_raw(1, cu[-1], 2, 32, 32, seed=44, N=len(cu) - 1), torch.bfloat16
-    else:
-        cu, dtype = None, torch.float32
-        inputs = make_raw(2, 70, 2, 32, 32, seed=45, dtype=dtype)
-    runs = {}
-    for chunked in (False, True):
-        monkeypatch.setitem(tc.TUNING, "bwd_k_chunked", chunked)
-        runs[chunked] = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
-    check(*runs[True], dtype, case)
-    for name, a, r in zip(NAMES, runs[True][0][2], runs[False][0][2]):
-        if ON_GPU:
-            tol = 1e-6 if a.dtype == torch.float32 else 1e-4
-            assert rel_err(a.cpu(), r.cpu()) <= tol, (name, rel_err(a.cpu(), r.cpu()))
-        else:
-            assert torch.equal(a, r), name
-
-
 # the row norms ‖q‖, ‖k‖ the prepare keeps for the backward (`_load_norm` in `_bwd_vk`, `_bwd_k_block`, `_bwd_norms`)
 
 

@@ -581,11 +581,38 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dbk_in,
 
 
 @triton.jit
-def _k_block_rows(R, q, k, b, g_in, qn_in, kn_in, dqh_in, dkh_in, dg_in, daqk_in, dakk_in, db_part, bos, L, row0,
-                  i_c, i_h, s, c0, scale, H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                  NS: tl.constexpr, INTERP: tl.constexpr):
-    """`_bwd_k_block`'s work for row block R of chunk i_c and key slice s (R run-time or constexpr)."""
+def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_in, daqk_in, dakk_in, db_part,
+                 scale, H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, INTERP: tl.constexpr):
+    """The score backward of one (16-row block R, key slice of SK columns, chunk, head): everything that lands on
+    block R's rows, so no program waits for another and nothing is carried across blocks.
+
+    Block (R, J) of Aqk = Σ_k q̂[r]k̂[i]·exp(G[r] − G[i]) (and of Ã, Akk = diag(β)·Ã) is a product of 16-row tiles
+    around anchors, every factor within fp32's range because g ≥ −5 (docs/kda.md §4):
+    - the diagonal block around a_R (G at R's first row): row factor exp(G_r − a_R), column factor exp(a_R − G_i);
+    - a block (R, J < R), R's row side: Σ_i dA[r, i]·k̂_i⊙exp(e_J − G_i) (e_J: G at J's last row), times
+      exp(a_R − e_J) and the row factor;
+    - a block (J > R, R), R's column side: Σ_r dA[r, i]·(q̂_r or β_r k̂_r)⊙exp(G_r − a_J), times exp(a_J − e_R) and
+      finished with exp(e_R − G_i) ≤ 1.
+    dq̂, dk̂ and dG come out of 16×16 by 16×SK matmuls; the gate gets +x⊙dx on the row factor's side and −x⊙dx on
+    the column's (if a quantity depends on G only through x⊙exp(±G), dG = ±x⊙dx).
+
+    On top of the value side's dq̂, dk̂ and dG (scratch from `_bwd_vk`, fp32 unless `bwd_scratch_bf16`) it writes block R's finished dq̂ and dk̂,
+    its dG before the reverse cumsum (`_bwd_gate` does that and the gate chain) and this slice's dβ partial
+    (db_part: [TT, H, NS]); `_bwd_norms` finishes dq̂, dk̂ and dβ, which reduce over K. G is the prepare's
+    ([TT, H, K], `_g_block`), ‖q‖ and ‖k‖ too (`_load_norm`). A block wholly past the document end does nothing:
+    its dG rows (G_C's gradient may sit on the chunk's last row) pass through unchanged. The products are tf32
+    (bf16 operands: 3.51 → 3.40 ms at the K3 shape, but ddt_bias 4.0e-4 → 6.5e-3 from fp64 in the interpreter, near
+    its 8e-3 limit; session 13 run 2).
+    """
+    NS: tl.constexpr = K // SK
     NB: tl.constexpr = C // BC
+    pid = tl.program_id(0)
+    R = pid % NB
+    s = (pid // NB) % NS
+    i_c = pid // (NB * NS)
+    c0 = s * SK
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
     r0 = row0 + R * BC
     if r0 < L:
         qh, kh = _unit_cols(q, k, qn_in, kn_in, bos, L, r0, c0, i_h, scale, H, K, SK, BC)
@@ -639,52 +666,6 @@ def _k_block_rows(R, q, k, b, g_in, qn_in, kn_in, dqh_in, dkh_in, dg_in, daqk_in
         tl.store(p_dg, dG)
         tl.store(tl.make_block_ptr(db_part + (bos * H + i_h) * NS + s, (L,), (H * NS,), (r0,), (BC,), (0,)), dbeta,
                  boundary_check=(0,))
-
-
-@triton.jit
-def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_in, daqk_in, dakk_in, db_part,
-                 scale, H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                 CHUNKED: tl.constexpr, INTERP: tl.constexpr):
-    """The score backward of one (16-row block R, key slice of SK columns, chunk, head): everything that lands on
-    block R's rows, so no program waits for another and nothing is carried across blocks.
-
-    Block (R, J) of Aqk = Σ_k q̂[r]k̂[i]·exp(G[r] − G[i]) (and of Ã, Akk = diag(β)·Ã) is a product of 16-row tiles
-    around anchors, every factor within fp32's range because g ≥ −5 (docs/kda.md §4):
-    - the diagonal block around a_R (G at R's first row): row factor exp(G_r − a_R), column factor exp(a_R − G_i);
-    - a block (R, J < R), R's row side: Σ_i dA[r, i]·k̂_i⊙exp(e_J − G_i) (e_J: G at J's last row), times
-      exp(a_R − e_J) and the row factor;
-    - a block (J > R, R), R's column side: Σ_r dA[r, i]·(q̂_r or β_r k̂_r)⊙exp(G_r − a_J), times exp(a_J − e_R) and
-      finished with exp(e_R − G_i) ≤ 1.
-    dq̂, dk̂ and dG come out of 16×16 by 16×SK matmuls; the gate gets +x⊙dx on the row factor's side and −x⊙dx on
-    the column's (if a quantity depends on G only through x⊙exp(±G), dG = ±x⊙dx).
-
-    On top of the value side's dq̂, dk̂ and dG (scratch from `_bwd_vk`, fp32 unless `bwd_scratch_bf16`) it writes block R's finished dq̂ and dk̂,
-    its dG before the reverse cumsum (`_bwd_gate` does that and the gate chain) and this slice's dβ partial
-    (db_part: [TT, H, NS]); `_bwd_norms` finishes dq̂, dk̂ and dβ, which reduce over K. G is the prepare's
-    ([TT, H, K], `_g_block`), ‖q‖ and ‖k‖ too (`_load_norm`). A block wholly past the document end does nothing:
-    its dG rows (G_C's gradient may sit on the chunk's last row) pass through unchanged. The products are tf32
-    (bf16 operands: 3.51 → 3.40 ms at the K3 shape, but ddt_bias 4.0e-4 → 6.5e-3 from fp64 in the interpreter, near
-    its 8e-3 limit; session 13 run 2).
-    """
-    NS: tl.constexpr = K // SK
-    NB: tl.constexpr = C // BC
-    pid = tl.program_id(0)
-    i_h = tl.program_id(1)
-    if CHUNKED:
-        # one program per (key slice, chunk): the four row blocks in turn, the neighbours' tiles from L1
-        s = pid % NS
-        i_c = pid // NS
-        bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
-        for R in tl.static_range(NB):
-            _k_block_rows(R, q, k, b, g_in, qn_in, kn_in, dqh_in, dkh_in, dg_in, daqk_in, dakk_in, db_part, bos,
-                          L, row0, i_c, i_h, s, s * SK, scale, H, K, SK, C, BC, NS, INTERP)
-    else:
-        R = pid % NB
-        s = (pid // NB) % NS
-        i_c = pid // (NB * NS)
-        bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
-        _k_block_rows(R, q, k, b, g_in, qn_in, kn_in, dqh_in, dkh_in, dg_in, daqk_in, dakk_in, db_part, bos, L,
-                      row0, i_c, i_h, s, s * SK, scale, H, K, SK, C, BC, NS, INTERP)
 
 
 @triton.jit
@@ -929,10 +910,10 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         # per (16-row block, key slice): the score side (docs/kda-kernels.md §7 item 22); then per (key slice,
         # chunk) the reverse cumsum and the gate chain, and per row the norm and σ' chains
         db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
-        chunked = TUNING["bwd_k_chunked"]
-        _bwd_k_block[(plan.NT * NS * (1 if chunked else CHUNK // SUB), H)](
-            q, k, b, G, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG, daqk, dakk, db_part, scale, H=H, K=K, SK=SK,
-            C=CHUNK, BC=SUB, CHUNKED=chunked, INTERP=interp, **_launch_options("bwd_k"))
+        _bwd_k_block[(plan.NT * NS * (CHUNK // SUB), H)](q, k, b, G, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG,
+                                                         daqk, dakk, db_part, scale, H=H, K=K, SK=SK, C=CHUNK,
+                                                         BC=SUB, INTERP=interp,
+                                                         **_launch_options("bwd_k"))
         del G
         _bwd_gate[(plan.NT * NSG, H)](z, A_log, dt_bias, plan.cu, plan.chunk_idx, dG, dz, dA_part, dbias_part,
                                       H=H, K=K, SK=SKG, C=CHUNK, G_MIN=g_min, INTERP=interp,
