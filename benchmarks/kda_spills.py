@@ -177,6 +177,10 @@ def main() -> None:
                         "all fp32)")
     args = p.parse_args()
     stored_bf16 = chunk.TUNING["bwd_storage_bf16"] if args.bf16_storage is None else args.bf16_storage
+    # the backward's other bf16 switches, as `_bwd` allocates for bf16 inputs (the names are the kernels' arguments)
+    switched_bf16 = ((["daqk_out", "dakk_out", "daqk_in", "dakk_in"] if chunk.TUNING["bwd_da_bf16"] else [])
+                     + (["dqh_out", "dkh_out", "dqh_in", "dkh_in", "dqh", "dkh"] if chunk.TUNING["bwd_scratch_bf16"]
+                        else []))
 
     unknown = set(args.kernels) - set(TUNING_PREFIX)
     if unknown:
@@ -195,7 +199,8 @@ def main() -> None:
                 settings["num_stages"] = stages
             regs, stores, loads, shared, *sass = compile_report(
                 kernel_fn(name), **settings, sass=args.sass,
-                bf16_args=stored_bf16 if name in STORED_FOR_BACKWARD else (), **KERNEL_CONSTEXPRS.get(name, {}))
+                bf16_args=[*(stored_bf16 if name in STORED_FOR_BACKWARD else ()), *switched_bf16],
+                **KERNEL_CONSTEXPRS.get(name, {}))
             shown = {k: v for k, v in settings.items() if v is not None}
             print(f"{name:14s} {str(shown):52s} {regs:5d} {f'{stores} / {loads}':>14s} {shared / 1024:10.0f}"
                   + (f"  SASS {sass[0]['total']} (BAR {sass[0]['BAR']}, EX2 {sass[0]['EX2']}, loop bodies "

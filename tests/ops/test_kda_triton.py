@@ -1200,7 +1200,7 @@ def test_backward_key_slices(dev, monkeypatch, case):
     """Every gradient of `chunk_kda` with the backward split into several key slices against the fp64 recurrence
     at the file's tolerances (initial state and dht included), and against one slice per kernel (bwd_vk_cols =
     bwd_k_cols = K). The slices do the same per-column arithmetic; only the sums over K run in another order:
-    dT and dβ (`_bwd_vk`'s partials, added in `_bwd_vv`), dβ again (`_bwd_k_block`'s partials, in `_bwd_norms`) and
+    dβ (`_bwd_vk`'s partials, added in `_bwd_vv`), dβ again (`_bwd_k_block`'s partials, in `_bwd_norms`) and
     dA_log (over the slices' partial sums). Tolerance, relative RMSE, in the interpreter: 1e-5 for fp32 inputs
     (measured ≤ 1.2e-6, dA_log; the rest ≤ 4.9e-7) and 1e-4 for bf16 inputs, whose gradients are stored in bf16:
     an fp32 difference of ~1e-7 can flip a rounding by one bf16 ulp (measured: dq 2.3e-5 in dense_bf16, three

@@ -25,10 +25,10 @@ measured variant are in docs/kda-kernels.md. In short:
   chunk-start states and Ũ, at ~1.9 GiB per layer at the K3 shape (`chunk_kda`'s docstring); with the switch
   off only the raw inputs are saved and the prepare kernels and `_state` run again. Then `_state_bwd` walks the
   chunks backwards for the state gradient; `_bwd_vk` (per key slice) and `_bwd_vv` (per chunk: dAqk, dv and
-  dAkk = −Tᵀ·(dŨ·Ũᵀ), which needs no key side) gather everything that contracts over the value dim; `_bwd_k_block` (per 16-row block and key
-  slice) the score backward, in the prepare's blocks and anchors; `_bwd_gate` (per key slice and chunk) the
-  reverse cumsum and the gate chain; `_bwd_norms` (per row) the two sums over K that remain, the q/k norm
-  backward and dβ's σ'.
+  dAkk = −Tᵀ·(dŨ·Ũᵀ), which needs no key side) gather everything that contracts over the value dim;
+  `_bwd_k_block` (per 16-row block and key slice) the score backward, in the prepare's blocks and anchors;
+  `_bwd_gate` (per key slice and chunk) the reverse cumsum and the gate chain; `_bwd_norms` (per row) the two sums
+  over K that remain, the q/k norm backward and dβ's σ'.
 
 Intermediates are stored in bf16 for bf16 inputs except U and Aqk (fp32 unless all_bf16) and G and T (fp32); the
 chunk-start states, Ũ, dS_end and dŨ that the value-side backward reads are bf16 as TUNING["bwd_storage_bf16"]
@@ -535,7 +535,8 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
 def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dbk_in,
             dv, daqk_out, dakk_out, db_out,
             H, V: tl.constexpr, NS: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, INTERP: tl.constexpr):
-    """Value side, part 2: one (chunk, head), the value-dim gradients that sum over K.
+    """Value side, part 2: one (chunk, head), the gradients that contract over the value dim within the chunk:
+    dAqk, dAkk (through dŨ·Ũᵀ), dv and dβ (with `_bwd_vk`'s dβ partials).
 
     Looping over value blocks: dAqk = dO·Ũᵀ, dŨ·Ũᵀ and, through U = T·diag(β)·V, dv = β·Tᵀ·dŨ and
     dβ_v = Σ_v (Tᵀ·dŨ)⊙V, on top of `_bwd_vk`'s NS partials of dβ, summed first (in slice order: deterministic).
@@ -596,9 +597,10 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
     dq̂, dk̂ and dG come out of 16×16 by 16×SK matmuls; the gate gets +x⊙dx on the row factor's side and −x⊙dx on
     the column's (if a quantity depends on G only through x⊙exp(±G), dG = ±x⊙dx).
 
-    On top of the value side's dq̂, dk̂ and dG (scratch from `_bwd_vk`, fp32 unless `bwd_scratch_bf16`) it writes block R's finished dq̂ and dk̂,
-    its dG before the reverse cumsum (`_bwd_gate` does that and the gate chain) and this slice's dβ partial
-    (db_part: [TT, H, NS]); `_bwd_norms` finishes dq̂, dk̂ and dβ, which reduce over K. G is the prepare's
+    On top of the value side's dq̂, dk̂ and dG (scratch from `_bwd_vk`, fp32 unless `bwd_scratch_bf16`) it writes
+    block R's finished dq̂ and dk̂, its dG before the reverse cumsum (`_bwd_gate` does that and the gate chain) and
+    this slice's dβ partial (db_part: [TT, H, NS]); dAqk and dAkk arrive in bf16 for bf16 inputs (`bwd_da_bf16`).
+    `_bwd_norms` finishes dq̂, dk̂ and dβ, which reduce over K. G is the prepare's
     ([TT, H, K], `_g_block`), ‖q‖ and ‖k‖ too (`_load_norm`). A block wholly past the document end does nothing:
     its dG rows (G_C's gradient may sit on the chunk's last row) pass through unchanged. The products are tf32
     (bf16 operands: 3.51 → 3.40 ms at the K3 shape, but ddt_bias 4.0e-4 → 6.5e-3 from fp64 in the interpreter, near

@@ -92,7 +92,7 @@ TUNING = {
     # dAqk and dAkk, which `_bwd_vv` writes and `_bwd_k_block` reads (each 16×16 block by eight programs), in bf16
     # for bf16 inputs (fp32 otherwise); `_bwd_k_block` multiplies them in tf32 as before. Session 27 run 1 at the
     # K3 shape: fwd+bwd 10.343 → 10.065 ms (`_bwd_k_block` 2.77 → 2.55, `_bwd_vv` 0.74 → 0.68); at T = 8192 H = 4
-    # dq 3.6 → 3.7e-3, the rest within 0.1e-3 (docs/kda-kernels.md §7 item 58)
+    # dq 3.6 → 3.7e-3, dA_log 3.6 → 3.4e-3, the rest within 0.1e-3 (docs/kda-kernels.md §7 item 58)
     "bwd_da_bf16": True,
     # `_bwd_vv` since dAkk = −Tᵀ·(dŨ·Ũᵀ) (session 27, no dT partials to sum): on value blocks of 64 at 2 stages
     # 0.74 → 0.69 ms at the K3 shape (run 1; 4 warps 0.78)
