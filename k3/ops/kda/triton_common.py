@@ -98,13 +98,14 @@ TUNING = {
     # 0.74 → 0.69 ms at the K3 shape (run 1; 4 warps 0.78)
     "bwd_vv_bv": 64, "bwd_vv_warps": 8, "bwd_vv_stages": 2, "bwd_vv_maxnreg": 128,
     # `_bwd_k_block` (session 13) per (16-row block, key slice of 32): capped at 72 registers (92 B of spills) for seven
-    # programs per SM, 3.54 → 2.75 ms at the K3 shape (96: 3.26, 80: 2.96, 64: 2.77; runs 3-4)
-    "bwd_k_cols": 32, "bwd_k_warps": 4, "bwd_k_stages": None, "bwd_k_maxnreg": 72,
+    # programs per SM, 3.54 → 2.75 ms at the K3 shape (96: 3.26, 80: 2.96, 64: 2.77; runs 3-4). With bf16 dA
+    # (session 27) 64 registers (100 B of spills, eight programs per SM): 2.53 → 2.48-2.49 ms in runs 3-4, the small
+    # preset's layer 0.42 → 0.40; the default since run 5 (the GPU tests of the score backward passed under it)
+    "bwd_k_cols": 32, "bwd_k_warps": 4, "bwd_k_stages": None, "bwd_k_maxnreg": 64,
     # (session 25: two row blocks per program, each neighbour's tiles loaded once for both, 3.56 ms at 128 registers,
     # 3.59 at 96, 3.94 at 80: deleted, commit 60f62a9 has it; 64-column slices on 8 warps 3.18. Session 27 run 4: one
     # program per (key slice, chunk) walking the four blocks, 2.53 → 2.72 ms at 96 registers, 2.80 at 128, 2.90 at 88:
-    # deleted, commit 0386c48 has it. A cap of 64 took 2.53 → 2.48-2.49 ms in runs 3-4 (the small preset's layer
-    # 0.42 → 0.40); not the default until the GPU tests have run under it)
+    # deleted, commit 0386c48 has it)
     # `_bwd_gate` per (key slice of bwd_gate_cols, chunk, head): 0.38 ms at the K3 shape (128 columns: 0.51; run 1).
     # (Session 27 run 2 moved its cumsum and gate chain into `_bwd_vk`, run after `_bwd_k_block`: `_bwd_vk` 1.80 →
     # 3.13 ms, fwd+bwd 10.545 against ~10.0; reverted, §7 item 59)
