@@ -55,8 +55,8 @@ from k3.ops import interpreting
 from k3.ops.kda.triton_common import (CHUNK, SUB, TUNING, _bp, _cast, _check_device, _chunk_coords, _dot_stored,
                                       _exp, _gate_from, _gate_inputs, _gate_tile, _inv16, _inverse_precision,
                                       _launch_options, _load_beta, _load_block, _load_gamma, _mm, _mm32,
-                                      _sequence_coords, _state_mm, _store_block, backward_storage, inter_dtypes,
-                                      make_plan)
+                                      _sequence_coords, _state_mm, _store_block, backward_scratch, backward_storage,
+                                      inter_dtypes, make_plan)
 from k3.ops.kda.triton_prefill import prefill_applies, prefill_forward
 
 
@@ -872,12 +872,10 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     del W, Qg, Kd, Aqk  # (kept ones live on in the autograd context until the backward returns)
     dv = torch.empty_like(v)
     # the value side's dq̂, dk̂, finished by the score side (`bwd_scratch_bf16`)
-    dqh = torch.empty(TT, H, K, dtype=torch.bfloat16 if q.dtype == torch.bfloat16 and TUNING["bwd_scratch_bf16"]
-                      else torch.float32, device=dev)
+    dqh = torch.empty(TT, H, K, dtype=backward_scratch(q.dtype, "bwd_scratch_bf16"), device=dev)
     dkh = torch.empty_like(dqh)
     dG = torch.empty(NT, H, CHUNK, K, dtype=torch.float32, device=dev)
-    daqk = torch.empty(TT, H, CHUNK, dtype=torch.bfloat16 if q.dtype == torch.bfloat16 and TUNING["bwd_da_bf16"]
-                       else torch.float32, device=dev)
+    daqk = torch.empty(TT, H, CHUNK, dtype=backward_scratch(q.dtype, "bwd_da_bf16"), device=dev)
     dakk = torch.empty_like(daqk)
     dbeta = torch.empty(TT, H, dtype=torch.float32, device=dev)
     dq, dk, dz = torch.empty_like(q), torch.empty_like(k), torch.empty_like(z)

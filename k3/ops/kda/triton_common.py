@@ -541,6 +541,12 @@ def backward_storage(dtype: torch.dtype, name: str, otherwise: torch.dtype = tor
     return torch.bfloat16 if dtype == torch.bfloat16 and name in chosen else otherwise
 
 
+def backward_scratch(dtype: torch.dtype, switch: str) -> torch.dtype:
+    """The dtype of a backward scratch tensor behind an on/off TUNING switch ("bwd_scratch_bf16": dq̂, dk̂;
+    "bwd_da_bf16": dAqk, dAkk): bf16 for bf16 inputs where the switch is on, else fp32."""
+    return torch.bfloat16 if dtype == torch.bfloat16 and TUNING[switch] else torch.float32
+
+
 def inter_dtypes(dtype: torch.dtype, all_bf16: bool = False) -> tuple[torch.dtype, torch.dtype]:
     """Storage dtypes of the chunk operands: (W, Q⊙Γ, K⊙exp(G_C − G)) and (U, Aqk).
 
