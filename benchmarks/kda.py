@@ -520,6 +520,8 @@ def forward_steps(B, T, H, device):
 def compare_tunings(configs, device, quick, shape=(1, 8192, 96)):
     """Each TUNING override set (on top of the current TUNING) at shape (B, T, H): the fp64 gate, fwd and
     fwd+bwd times (`bench`) and fwd+bwd kernel times (profiler); prints one table, returns the rows."""
+    from triton.runtime.errors import OutOfResources
+
     from benchmarks.kernel_profile import kernel_times
 
     B, T, H = (1, 128, 2) if quick else shape
@@ -532,7 +534,9 @@ def compare_tunings(configs, device, quick, shape=(1, 8192, 96)):
             triton_chunk.TUNING.update(base, **cfg)
             try:
                 errs, ok = small_gate(device)
-            except ValueError as e:  # a setting the kernels refuse (e.g. `_state_bwd` products at 8 warps)
+            except (ValueError, OutOfResources) as e:
+                # a setting the kernels refuse (e.g. `_state_bwd` products at 8 warps) or the GPU cannot launch
+                # (e.g. more shared memory than an SM has): reported, and the next config runs
                 errs, ok = {"refused": str(e)}, False
             row = {"shape": {"B": B, "T": T, "H": H}, "tuning": cfg, "gate_ok": ok, "gate": errs}
             if ok:

@@ -59,7 +59,7 @@ TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_
                  "_prep_wu": "prep_wu", "_state": "state", "_state_ut": "state_ut", "_state_ut_o": "state_ut",
                  "_state_bwd": "state_bwd",
                  "_bwd_vk": "bwd_vk", "_bwd_vv": "bwd_vv", "_bwd_k_block": "bwd_k", "_bwd_gate": "bwd_gate",
-                 "_bwd_norms": "bwd_norms", "_bwd_finish": "bwd_finish", "_prefill_prepare": "prefill_prepare", "_prefill_state": "prefill_state",
+                 "_bwd_norms": "bwd_norms", "_prefill_prepare": "prefill_prepare", "_prefill_state": "prefill_state",
                  "_prefill_prepare_half1": "prefill_prepare",
                  "_prefill_prepare_half2": "prefill_join"}
 # the launches whose chunk-start states, Ũ, dS_end, dŨ follow TUNING["bwd_storage_bf16"] (the inference `_state`
@@ -76,7 +76,6 @@ KERNEL_CONSTEXPRS = {"_prep_intra": dict(INVERSE=chunk.TUNING["prep_inverse"]),
                      "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV), "_bwd_k_block": dict(SK=_SK),
                      "_bwd_gate": dict(SK=chunk.TUNING["bwd_gate_cols"]),
                      "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
-                     "_bwd_finish": dict(NS=128 // _SK, SKG=chunk.TUNING["bwd_gate_cols"]),
                      "_prefill_prepare": dict(HALF=0),
                      "_prefill_prepare_half1": dict(HALF=1), "_prefill_prepare_half2": dict(HALF=2),
                      # the K3 shape's (192 programs: 16-token chunks, `prefill_chunk_for`, in a pipeline's segments)

@@ -274,24 +274,6 @@ def test_saved_intermediates_match_recompute_bitwise(dev, monkeypatch, case):
         assert sum(name == "prepare" for name, _ in calls) == 1
 
 
-def test_backward_finish_in_one_launch(dev, monkeypatch):
-    """`_bwd_finish` (TUNING["bwd_finish"]: the reverse cumsum and gate chain of `_bwd_gate` and the norm and σ'
-    chains of `_bwd_norms` in one launch per chunk) gives the gradients of the two launches bit for bit, on packed
-    documents with a one-token and an empty one, for bf16 and fp32 inputs, and at gate slices of 16 and 32."""
-    from k3.ops.kda import triton_chunk as tc
-
-    cu = [0, 40, 41, 41, 100]
-    for dtype, cols in ((torch.bfloat16, 32), (torch.float32, 16)):
-        inputs = make_raw(1, cu[-1], 2, 32, 16, seed=5, N=len(cu) - 1, dtype=dtype)
-        monkeypatch.setitem(tc.TUNING, "bwd_gate_cols", cols)
-        grads = {}
-        for fused in (True, False):
-            monkeypatch.setitem(tc.TUNING, "bwd_finish", fused)
-            grads[fused], ref = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
-        check(grads[True], ref, dtype, ("bwd_finish", dtype))
-        assert all(torch.equal(a, b) for a, b in zip(grads[True][2], grads[False][2])), dtype
-
-
 def test_backward_bf16_storage(dev, monkeypatch):
     """TUNING["bwd_storage_bf16"]: the chunk-start states, Ũ, dS_end and dŨ stored in bf16 for bf16 inputs (the
     value side multiplies them as stored) pass the fp64 tolerances, leave the forward bit-identical and change the

@@ -728,44 +728,6 @@ def _bwd_norms(q, k, b, qn_in, kn_in, dqh, dkh, db_in, db_part, dq, dk, dbl, TT,
     tl.store(dbl + row_off, _cast(dbeta * beta * (1.0 - beta), dbl.dtype.element_ty, INTERP), mask=m)
 
 
-@triton.jit
-def _bwd_finish(q, k, z, b, A_log, dt_bias, qn_in, kn_in, cu, chunk_idx, dqh, dkh, dg_in, db_in, db_part,
-                dq, dk, dz, dbl, dA_part, dbias_part, scale,
-                H, K: tl.constexpr, SKG: tl.constexpr, NS: tl.constexpr, C: tl.constexpr, G_MIN: tl.constexpr,
-                INTERP: tl.constexpr):
-    """After `_bwd_k_block`, one (chunk, head): `_bwd_gate` over each key slice of SKG columns (dA_part: [NT, H,
-    K/SKG]), then `_bwd_norms` on the chunk's rows (NS: `_bwd_k_block`'s slices, its dβ partials). One launch with
-    larger programs instead of two with small ones (`TUNING["bwd_finish"]`); the same arithmetic, so the same bits."""
-    NSG: tl.constexpr = K // SKG
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
-    rows = tl.arange(0, C)
-    valid = row0 + rows < L
-    g_base = (i_c * H + i_h).to(tl.int64) * C * K
-    for s in tl.static_range(NSG):
-        c0 = s * SKG
-        z_raw, a_exp, bias = _gate_inputs(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K, C, SKG)
-        _, x = _gate_from(z_raw, a_exp, bias, valid, G_MIN)
-        dg = tl.cumsum(tl.load(dg_in + g_base + rows[:, None] * K + c0 + tl.arange(0, SKG)[None, :]), 0,
-                       reverse=True)
-        sg = tl.sigmoid(x)
-        dx = tl.where(valid[:, None], dg * G_MIN * sg * (1.0 - sg), 0.0)
-        dzv = dx * a_exp
-        tl.store(_bp(dz, bos, L, i_h, row0, c0, H, K, C, SKG), _cast(dzv, dz.dtype.element_ty, INTERP),
-                 boundary_check=(0,))
-        tl.store(dA_part + (i_c * H + i_h) * NSG + s, tl.sum(tl.sum(dx * x, 1), 0))
-        tl.store(dbias_part + (i_c * H + i_h).to(tl.int64) * K + c0 + tl.arange(0, SKG), tl.sum(dzv, 0))
-    row_off = (bos + row0 + rows).to(tl.int64) * H + i_h
-    off = row_off[:, None] * K + tl.arange(0, K)[None, :]
-    _norm_bwd_rows(q, dqh, dq, qn_in, row_off, off, valid, scale, INTERP)
-    _norm_bwd_rows(k, dkh, dk, kn_in, row_off, off, valid, 1.0, INTERP)
-    parts = tl.load(db_part + row_off[:, None] * NS + tl.arange(0, NS)[None, :], mask=valid[:, None], other=0.0)
-    dbeta = tl.load(db_in + row_off, mask=valid, other=0.0) + tl.sum(parts, 1)
-    beta = tl.sigmoid(tl.load(b + row_off, mask=valid, other=0.0).to(tl.float32))
-    tl.store(dbl + row_off, _cast(dbeta * beta * (1.0 - beta), dbl.dtype.element_ty, INTERP), mask=valid)
-
-
 # host side
 
 
@@ -953,18 +915,13 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
                                                          BC=SUB, INTERP=interp,
                                                          **_launch_options("bwd_k"))
         del G
-        if TUNING["bwd_finish"]:
-            _bwd_finish[(plan.NT, H)](q, k, z, b, A_log, dt_bias, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG,
-                                      dbeta, db_part, dq, dk, dz, db, dA_part, dbias_part, scale, H=H, K=K, SKG=SKG,
-                                      NS=NS, C=CHUNK, G_MIN=g_min, INTERP=interp, **_launch_options("bwd_finish"))
-        else:
-            _bwd_gate[(plan.NT * NSG, H)](z, A_log, dt_bias, plan.cu, plan.chunk_idx, dG, dz, dA_part, dbias_part,
-                                          H=H, K=K, SK=SKG, C=CHUNK, G_MIN=g_min, INTERP=interp,
-                                          **_launch_options("bwd_gate"))
-            BT = TUNING["bwd_norms_rows"]
-            _bwd_norms[(triton.cdiv(TT, BT), H)](q, k, b, qn, kn, dqh, dkh, dbeta, db_part, dq, dk, db, TT, scale,
-                                                 H=H, K=K, NS=NS, BT=BT, INTERP=interp,
-                                                 **_launch_options("bwd_norms"))
+        _bwd_gate[(plan.NT * NSG, H)](z, A_log, dt_bias, plan.cu, plan.chunk_idx, dG, dz, dA_part, dbias_part,
+                                      H=H, K=K, SK=SKG, C=CHUNK, G_MIN=g_min, INTERP=interp,
+                                      **_launch_options("bwd_gate"))
+        BT = TUNING["bwd_norms_rows"]
+        _bwd_norms[(triton.cdiv(TT, BT), H)](q, k, b, qn, kn, dqh, dkh, dbeta, db_part, dq, dk, db, TT, scale, H=H,
+                                             K=K, NS=NS, BT=BT, INTERP=interp,
+                                             **_launch_options("bwd_norms"))
     else:
         dv.zero_()
     dA_log = dA_part.sum((0, 2)).to(A_log.dtype)

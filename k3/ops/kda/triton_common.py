@@ -111,9 +111,6 @@ TUNING = {
     # 3.13 ms, fwd+bwd 10.545 against ~10.0; reverted, §7 item 59)
     "bwd_gate_cols": 32, "bwd_gate_warps": 4, "bwd_gate_stages": None, "bwd_gate_maxnreg": None,
     "bwd_norms_rows": 16, "bwd_norms_warps": 4, "bwd_norms_stages": None, "bwd_norms_maxnreg": None,
-    # `_bwd_gate` and `_bwd_norms` as one launch per (chunk, head), `_bwd_finish` (session 28; its gate slices are
-    # bwd_gate_cols wide)
-    "bwd_finish": True, "bwd_finish_warps": 8, "bwd_finish_stages": None, "bwd_finish_maxnreg": None,
     "decode_bv": 64, "decode_warps": 4,
     # the inference forward (no backward can follow) in 16-token chunks (`triton_prefill.py`, session 14); False:
     # the training forward's kernels without their stores for a backward
