@@ -57,14 +57,14 @@ CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF
 # stages against 128, and 288 KB at 4, which the H200 refused in session 25), both with the state_ut settings
 TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
                  "_prep_wu": "prep_wu", "_state": "state", "_state_ut": "state_ut", "_state_ut_o": "state_ut",
-                 "_state_bwd": "state_bwd",
+                 "_fwd_o": "fwd_o", "_state_bwd": "state_bwd",
                  "_bwd_vk": "bwd_vk", "_bwd_vv": "bwd_vv", "_bwd_k_block": "bwd_k", "_bwd_gate": "bwd_gate",
                  "_bwd_norms": "bwd_norms", "_prefill_prepare": "prefill_prepare", "_prefill_state": "prefill_state",
                  "_prefill_prepare_half1": "prefill_prepare",
                  "_prefill_prepare_half2": "prefill_join"}
 # the launches whose chunk-start states, Ũ, dS_end, dŨ follow TUNING["bwd_storage_bf16"] (the inference `_state`
 # stores fp32 states, the ones it returns)
-STORED_FOR_BACKWARD = {"_state_ut", "_state_ut_o", "_state_bwd", "_bwd_vk", "_bwd_vv"}
+STORED_FOR_BACKWARD = {"_state_ut", "_state_ut_o", "_fwd_o", "_state_bwd", "_bwd_vk", "_bwd_vv"}
 # per-kernel constexprs on top of CONSTEXPRS
 _SK = chunk.TUNING["bwd_k_cols"]
 _SKV = chunk.TUNING["bwd_vk_cols"]

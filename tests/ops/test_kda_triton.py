@@ -274,6 +274,31 @@ def test_saved_intermediates_match_recompute_bitwise(dev, monkeypatch, case):
         assert sum(name == "prepare" for name, _ in calls) == 1
 
 
+def test_training_output_apart_from_the_state_pass(dev, monkeypatch):
+    """TUNING["state_o_apart"]: the training forward's o from the stored bf16 chunk-start states and Ũ (`_fwd_o`)
+    instead of inside `_state` passes the fp64 tolerances on packed documents (a one-token and an empty one among
+    them), leaves the final state and every gradient bit-identical (the backward reads the same stored tensors), and
+    does nothing for fp32 inputs (their states are stored in fp32)."""
+    from k3.ops.kda import triton_chunk as tc
+
+    cu = [0, 70, 71, 71, 150]
+    inputs = make_raw(1, cu[-1], 2, 32, 64, seed=7, N=len(cu) - 1)
+    runs = {}
+    for apart in (False, True):
+        monkeypatch.setitem(tc.TUNING, "state_o_apart", apart)
+        runs[apart], ref = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
+    check(runs[True], ref, torch.bfloat16, "state_o_apart")
+    assert not torch.equal(runs[True][0], runs[False][0])  # the path ran
+    assert torch.equal(runs[True][1], runs[False][1])
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][2], runs[False][2]))
+    fp32 = [x.float() if i < 5 else x for i, x in enumerate(make_raw(1, 70, 2, 32, 16, seed=3))]
+    outs = {}
+    for apart in (False, True):
+        monkeypatch.setitem(tc.TUNING, "state_o_apart", apart)
+        outs[apart] = run_both([x.clone() for x in fp32], dev)[0]
+    assert torch.equal(outs[True][0], outs[False][0])
+
+
 def test_backward_bf16_storage(dev, monkeypatch):
     """TUNING["bwd_storage_bf16"]: the chunk-start states, Ũ, dS_end and dŨ stored in bf16 for bf16 inputs (the
     value side multiplies them as stored) pass the fp64 tolerances, leave the forward bit-identical and change the

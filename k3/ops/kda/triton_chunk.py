@@ -382,6 +382,29 @@ def _state(w, u, qg, kd, aqk, gc, h0, o, ht, hs, ut, cu, chunk_off,
         tl.store(ht + i_nh.to(tl.int64) * K * V + off_s, S)
 
 
+
+@triton.jit
+def _fwd_o(qg, aqk, hs, ut, o, cu, chunk_idx, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+           C: tl.constexpr, INTERP: tl.constexpr):
+    """One (value block, chunk, head) of the training forward's output, O = (Q⊙Γ)·S + Aqk·Ũ, from the chunk-start
+    state and Ũ that `_state` stored for the backward (`TUNING["state_o_apart"]`): `_state` then walks the chunks
+    without Q⊙Γ and Aqk, in less shared memory. Products on the operands as stored (`_dot_stored`)."""
+    NV: tl.constexpr = V // BV
+    pid = tl.program_id(0)
+    i_c = pid // NV
+    i_v = pid % NV
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
+    Qg = tl.load(_bp(qg, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    Aq = tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    S = tl.load(tl.make_block_ptr(hs + (i_c * H + i_h).to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV),
+                                  (K, BV), (1, 0)))
+    Ut = tl.load(_bp(ut, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
+    out = _dot_stored(Qg, S, INTERP) + _dot_stored(Aq, Ut, INTERP)
+    tl.store(_bp(o, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(out, o.dtype.element_ty, INTERP),
+             boundary_check=(0,))
+
+
 # backward kernels
 
 
@@ -814,9 +837,18 @@ def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs
                                                        store_t=keep, store_norms=keep)
     # the returned chunk-start states are fp32; kept only for the backward, in its storage dtype
     hs_dtype = backward_storage(q.dtype, "hs") if keep and not want_hs else torch.float32
-    o, ht, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, want_ht=want_ht, want_hs=want_hs or keep,
-                               state_bf16=state_bf16, want_ut=keep, training=training, hs_dtype=hs_dtype,
-                               ut_dtype=backward_storage(q.dtype, "ut", U.dtype))
+    ut_dtype = backward_storage(q.dtype, "ut", U.dtype)
+    # o from the stored states and Ũ in a launch of its own where both are bf16 (TUNING["state_o_apart"])
+    o_apart = keep and TUNING["state_o_apart"] and hs_dtype == ut_dtype == torch.bfloat16 and plan.NT > 0
+    o, ht, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, write_o=not o_apart, want_ht=want_ht,
+                               want_hs=want_hs or keep, state_bf16=state_bf16, want_ut=keep, training=training,
+                               hs_dtype=hs_dtype, ut_dtype=ut_dtype)
+    if o_apart:
+        o = torch.empty_like(v)
+        BV = min(v.shape[-1], TUNING["fwd_o_bv"])
+        _fwd_o[(plan.NT * (v.shape[-1] // BV), q.shape[1])](Qg, Aqk, hs, ut, o, plan.cu, plan.chunk_idx, H=q.shape[1],
+                                                            K=q.shape[-1], V=v.shape[-1], BV=BV, C=CHUNK,
+                                                            INTERP=interpreting(), **_launch_options("fwd_o"))
     # U is not needed by the backward
     kept = (W, Qg, Kd, Aqk, gc, Tm, hs, ut, G) + norms if keep else None
     return o, ht, (hs if want_hs else None), kept

@@ -41,6 +41,10 @@ TUNING = {
     # (2.12 ms at the K3 shape); split-bf16 products at 4 warps 1.88 ms (session 9 run 4), 1.29 ms at 3 stages
     # (session 12 run 3)
     "state_ut_bv": 32, "state_ut_warps": 4, "state_ut_stages": 3, "state_ut_maxnreg": None,
+    # the training forward's o apart from `_state` (`_fwd_o`, from the bf16 chunk-start states and Ũ it stores):
+    # `_state` then runs without Q⊙Γ and Aqk, in 88 KB of shared memory at 2 stages (216 KB at 3 with o), so two of
+    # its programs fit an SM; session 28, for timing
+    "state_o_apart": False, "fwd_o_bv": 64, "fwd_o_warps": 4, "fwd_o_stages": None, "fwd_o_maxnreg": None,
     # `_state_bwd` in split-bf16 products at 4 warps, 3 stages: 2.15 → 1.37 ms at the K3 shape, 0.67 → 0.46 at the
     # small preset's, and closer to fp64 than tf32 at 8 warps, 1 stage (2 stages: 1.58 and 0.52 ms; session 12
     # runs 1-2; `state_bwd_products`)
