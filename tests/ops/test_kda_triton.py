@@ -311,6 +311,9 @@ def test_backward_bf16_storage(dev, monkeypatch):
     cu = [0, 40, 41, 100]
     inputs = make_raw(1, cu[-1], 2, 32, 64, seed=43, N=len(cu) - 1)
     monkeypatch.setitem(tc.TUNING, "bwd_storage_bf16", [])
+    monkeypatch.setitem(tc.TUNING, "bwd_scratch_bf16", False)
+    # o inside `_state` whatever the storage (`state_o_apart` computes it from bf16 stored states: its own test)
+    monkeypatch.setitem(tc.TUNING, "state_o_apart", False)
     base, ref = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
     monkeypatch.setitem(tc.TUNING, "bwd_storage_bf16", ["hs", "ut", "dse", "du"])
     stored, ref = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)

@@ -42,9 +42,9 @@ TUNING = {
     # (session 12 run 3)
     "state_ut_bv": 32, "state_ut_warps": 4, "state_ut_stages": 3, "state_ut_maxnreg": None,
     # the training forward's o apart from `_state` (`_fwd_o`, from the bf16 chunk-start states and Ũ it stores):
-    # `_state` then runs without Q⊙Γ and Aqk, in 88 KB of shared memory at 2 stages (216 KB at 3 with o), so two of
-    # its programs fit an SM; session 28, for timing
-    "state_o_apart": False, "fwd_o_bv": 64, "fwd_o_warps": 4, "fwd_o_stages": None, "fwd_o_maxnreg": None,
+    # `_state` then runs without Q⊙Γ and Aqk (128 KB of shared memory at 3 stages against 216, 88 at 2). Session 28 run 2 at the K3 shape: `_state` 1.19 → 0.71 ms (0.74 at 2 stages) plus
+    # `_fwd_o` 0.39, fwd+bwd 9.951 → 9.849; o 3.1 → 3.8e-3 from fp64 at T = 8192 H = 4 (fla 5.4e-3, limit 5e-3)
+    "state_o_apart": True, "fwd_o_bv": 64, "fwd_o_warps": 4, "fwd_o_stages": None, "fwd_o_maxnreg": None,
     # `_state_bwd` in split-bf16 products at 4 warps, 3 stages: 2.15 → 1.37 ms at the K3 shape, 0.67 → 0.46 at the
     # small preset's, and closer to fp64 than tf32 at 8 warps, 1 stage (2 stages: 1.58 and 0.52 ms; session 12
     # runs 1-2; `state_bwd_products`)
@@ -91,8 +91,10 @@ TUNING = {
     # dk 2.9 → 3.7e-3, dA_log 2.5 → 3.5e-3 and 0.6 → 2.1e-3, all below fla's (docs/kda-kernels.md §7 item 53)
     "bwd_storage_bf16": ["hs", "ut", "dse", "du"],
     # the scratch dq̂, dk̂ that `_bwd_vk` writes, `_bwd_k_block` finishes and `_bwd_norms` reads in bf16 for bf16
-    # inputs (fp32 otherwise): half of their 3.2 GB of traffic at the K3 shape, two more roundings (session 26)
-    "bwd_scratch_bf16": False,
+    # inputs (fp32 otherwise): half of their 3.2 GB of traffic at the K3 shape, two more roundings (session 26).
+    # Session 28 run 2 at the K3 shape: fwd+bwd 9.951 → 9.694 ms (`_bwd_vk` 1.79 → 1.68, `_bwd_norms` 0.42 → 0.33,
+    # `_bwd_k_block` 2.48 → 2.44); dq 3.7 → 4.3e-3, dk 3.7 → 4.4e-3 from fp64 at T = 8192 H = 4 (fla 4.9, 5.1e-3)
+    "bwd_scratch_bf16": True,
     # dAqk and dAkk, which `_bwd_vv` writes and `_bwd_k_block` reads (each 16×16 block by eight programs), in bf16
     # for bf16 inputs (fp32 otherwise); `_bwd_k_block` multiplies them in tf32 as before. Session 27 run 1 at the
     # K3 shape: fwd+bwd 10.343 → 10.065 ms (`_bwd_k_block` 2.77 → 2.55, `_bwd_vv` 0.74 → 0.68); at T = 8192 H = 4
