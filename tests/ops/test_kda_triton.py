@@ -231,7 +231,9 @@ def _fwd_bwd(inputs, dev, seed=21, **kw):
 def test_saved_intermediates_match_recompute_bitwise(dev, monkeypatch, case):
     """The backward with the forward's kept operands, states and Ũ gives bit-identical gradients to the one
     that recomputes them, and really skips the recompute: one prepare and one `_state` launch per call. Ũ comes
-    from the forward's `_state` (the one that writes o) when kept, else from the backward's."""
+    from the forward's `_state` when kept, else from the backward's. o is bit-identical too, except where a kept
+    forward computes it from the stored bf16 states and Ũ (`state_o_apart`; then within o's fp64 tolerance of the
+    other)."""
     from k3.ops.kda import triton_chunk as tc
 
     calls = []
@@ -266,8 +268,14 @@ def test_saved_intermediates_match_recompute_bitwise(dev, monkeypatch, case):
         assert states[0].get("want_hs", False) == (save or kw.get("return_chunk_states", False))
         assert [k.get("want_ut", False) for k in states] == ([True] if save else [False, True]), (save, calls)
     assert len(runs[True]) == len(runs[False])
-    for a, b in zip(runs[True], runs[False]):
-        assert a is not None and torch.equal(a, b)
+    # a kept forward's o comes from the stored bf16 states and Ũ (`state_o_apart`), a recomputing one's from `_state`
+    apart = (tc.TUNING["state_o_apart"] and inputs[0].dtype == torch.bfloat16 and not kw.get("return_chunk_states")
+             and {"hs", "ut"} <= set(tc.TUNING["bwd_storage_bf16"]))
+    for i, (a, b) in enumerate(zip(runs[True], runs[False])):
+        if i == 0 and apart:
+            assert rel_err(a.cpu(), b.double().cpu()) < TOL["o"] and not torch.equal(a, b)
+        else:
+            assert a is not None and torch.equal(a, b), i
     if case == "bf16":  # the default (None) saves when a backward follows: a policy, checked once
         calls.clear()
         _fwd_bwd(inputs, dev, **kw)
