@@ -20,7 +20,9 @@ measured variant are in docs/kda-kernels.md. In short:
   16-row block) the Q⊙Γ rows, Aqk and T's storage (the diagonal inverses, Akk below them); `_prep_solve` turns
   that into T in place; `_prep_wu` (column slices) writes W, U and K⊙exp(G_C − G). All run over every chunk in
   parallel. `_state` then walks each sequence's chunks in order with the state in registers, split over value
-  blocks, and writes the output (and, on request, the state at every chunk start and Ũ = U − W·S).
+  blocks, and writes the output (and, on request, the state at every chunk start and Ũ = U − W·S). A training
+  forward that keeps them in bf16 writes o afterwards from them instead (`_fwd_o`, `TUNING["state_o_apart"]`):
+  `_state` is faster without o's tiles and products even though nothing in its chain waits for o.
 - Backward: by default (`save_intermediates`) the forward keeps W, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, G, T, the
   chunk-start states and Ũ, at ~1.9 GiB per layer at the K3 shape (`chunk_kda`'s docstring); with the switch
   off only the raw inputs are saved and the prepare kernels and `_state` run again. Then `_state_bwd` walks the
@@ -493,8 +495,8 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
 
     Looping over value blocks, on the slice's rows of S and dS_end: dQg = dO·Sᵀ, dW = −dŨ·Sᵀ, dKd = Ũ·dS_endᵀ and
     dΓ_C = Σ_v S ⊙ dS_end. Then, per key column, the finished value-side dq̂ = dQg⊙Γ, dk̂ = dKd⊙exp(G_C − G) +
-    β·(Tᵀ·dW)⊙Γ and dG (with G_C's gradient on the last row) into the scratch `_bwd_k_block` reads (fp32; dq̂ and
-    dk̂ in bf16 with `bwd_scratch_bf16`). The one term that sums over K leaves as this slice's partial, for
+    β·(Tᵀ·dW)⊙Γ and dG (with G_C's gradient on the last row) into the scratch `_bwd_k_block` reads (dG fp32; dq̂
+    and dk̂ bf16 for bf16 inputs, `bwd_scratch_bf16`). The one term that sums over K leaves as this slice's partial, for
     `_bwd_vv`: dβ_k = Σ_k (Tᵀ·dW)⊙K⊙Γ (dbk_out [NT, H, NS, C]); T's gradient needs no key side (`_bwd_vv`). G
     and G_C are the prepare's (g_in [TT, H, K], gc_in [NT, H, K]; G reads 0 past the document end, where every
     factor it enters multiplies a zero row). ‖q‖, ‖k‖ come from qn_in, kn_in ([TT, H], `_load_norm`). T, G, q̂ and
@@ -620,11 +622,11 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
     dq̂, dk̂ and dG come out of 16×16 by 16×SK matmuls; the gate gets +x⊙dx on the row factor's side and −x⊙dx on
     the column's (if a quantity depends on G only through x⊙exp(±G), dG = ±x⊙dx).
 
-    On top of the value side's dq̂, dk̂ and dG (scratch from `_bwd_vk`, fp32 unless `bwd_scratch_bf16`) it writes
-    block R's finished dq̂ and dk̂, its dG before the reverse cumsum (`_bwd_gate` does that and the gate chain) and
-    this slice's dβ partial (db_part: [TT, H, NS]); dAqk and dAkk arrive in bf16 for bf16 inputs (`bwd_da_bf16`).
-    `_bwd_norms` finishes dq̂, dk̂ and dβ, which reduce over K. G is the prepare's
-    ([TT, H, K], `_g_block`), ‖q‖ and ‖k‖ too (`_load_norm`). A block wholly past the document end does nothing:
+    On top of the value side's dq̂, dk̂ and dG (scratch from `_bwd_vk`; dq̂, dk̂ bf16 for bf16 inputs,
+    `bwd_scratch_bf16`) it writes block R's finished dq̂ and dk̂, its dG before the reverse cumsum (`_bwd_gate`
+    does that and the gate chain) and this slice's dβ partial (db_part: [TT, H, NS]); dAqk and dAkk arrive in
+    bf16 for bf16 inputs (`bwd_da_bf16`). `_bwd_norms` finishes dq̂, dk̂ and dβ, which reduce over K. G is the
+    prepare's ([TT, H, K], `_g_block`), ‖q‖ and ‖k‖ too (`_load_norm`). A block wholly past the document end does nothing:
     its dG rows (G_C's gradient may sit on the chunk's last row) pass through unchanged. The products are tf32
     (bf16 operands: 3.51 → 3.40 ms at the K3 shape, but ddt_bias 4.0e-4 → 6.5e-3 from fp64 in the interpreter, near
     its 8e-3 limit; session 13 run 2).
