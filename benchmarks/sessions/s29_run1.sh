@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Session 29, run 1 (one H200), prepared in session 28: `_state_bwd` in the Q′ form (without Aqk's tile and product,
+# docs/kda-kernels.md §8 "Status after session 28") against the library kernel, checked and timed at the K3 shape.
+#     OUT=/tmp/out K3_GIT_SHA=<sha> bash benchmarks/sessions/s29_run1.sh
+. benchmarks/sessions/prelude.sh
+{
+step 150 python3 benchmarks/sessions/s29_state_bwd_probe.py --out "$OUT/s29_state_bwd_probe.json"
+} 2>&1 | grep --line-buffered -v "Warning\|warn_once" > "$OUT/log.txt"
+grep -v "^\s*$" "$OUT/log.txt" | tail -c 11500
