@@ -540,11 +540,15 @@ def compare_tunings(configs, device, quick, shape=(1, 8192, 96)):
                 errs, ok = {"refused": str(e)}, False
             row = {"shape": {"B": B, "T": T, "H": H}, "tuning": cfg, "gate_ok": ok, "gate": errs}
             if ok:
-                times = bench({"fwd": fwd, "fwd+bwd": fwd_bwd}, quick)
-                row.update(fwd_ms=times["fwd"]["ms_median"], fwd_bwd_ms=times["fwd+bwd"]["ms_median"])
-                if device == "cuda":
-                    row["kernels_ms"] = {k: ms for k, (ms, _) in kernel_times(fwd_bwd).items()}
-                    row["fwd_kernels_ms"] = {k: ms for k, (ms, _) in kernel_times(fwd).items()}
+                try:
+                    times = bench({"fwd": fwd, "fwd+bwd": fwd_bwd}, quick)
+                    row.update(fwd_ms=times["fwd"]["ms_median"], fwd_bwd_ms=times["fwd+bwd"]["ms_median"])
+                    if device == "cuda":
+                        row["kernels_ms"] = {k: ms for k, (ms, _) in kernel_times(fwd_bwd).items()}
+                        row["fwd_kernels_ms"] = {k: ms for k, (ms, _) in kernel_times(fwd).items()}
+                except OutOfResources as e:  # a variant the timed shape compiles and the gate's did not
+                    ok = row["gate_ok"] = False
+                    errs = row["gate"] = {"refused": str(e)}
             rows.append(row)
             # per config as it finishes, kernels included: a run cut short by its time limit keeps them
             top = ", ".join(f"{k.split('(')[0][:14]} {ms:.2f}" for k, ms in list(row.get("kernels_ms", {}).items())[:8])

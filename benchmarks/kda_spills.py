@@ -53,8 +53,10 @@ CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF
                   INVERSE=chunk.TUNING["prefill_inverse"],  # the prefill's, for bf16 inputs (`_prep_intra`: below)
                   SEGMENT=False)
 # kernel -> its TUNING key prefix, in launch order; "_state_ut" is `_state` when it also stores Ũ (the backward's
-# recompute launch), "_state_ut_o" the training forward's, which also writes o (more shared memory: 216 KB at 3
-# stages against 128, and 288 KB at 4, which the H200 refused in session 25), both with the state_ut settings
+# recompute launch, and the training forward's since session 28, `state_o_apart`, which then writes o in `_fwd_o`),
+# "_state_ut_o" the training forward's that also writes o (more shared memory: 216 KB at 3 stages against 128, and
+# 288 KB at 4, which the H200 refused in session 25; fp32 inputs, or `state_o_apart` off), both with the state_ut
+# settings
 TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
                  "_prep_wu": "prep_wu", "_state": "state", "_state_ut": "state_ut", "_state_ut_o": "state_ut",
                  "_fwd_o": "fwd_o", "_state_bwd": "state_bwd",
@@ -73,6 +75,7 @@ KERNEL_CONSTEXPRS = {"_prep_intra": dict(INVERSE=chunk.TUNING["prep_inverse"]),
                      "_state_ut_o": dict(STORE_UT=True, WRITE_O=True, SPLIT=chunk.TUNING["state_split"]),
                      "_state_bwd": dict(SPLIT=chunk.TUNING["state_bwd_products"] == "split",
                                         BF16=chunk.TUNING["state_bwd_products"] == "bf16"),
+                     "_fwd_o": dict(SPLIT=chunk.TUNING["state_split"]),
                      "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV), "_bwd_k_block": dict(SK=_SK),
                      "_bwd_gate": dict(SK=chunk.TUNING["bwd_gate_cols"]),
                      "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),

@@ -34,7 +34,8 @@ from k3.ops.kda.triton_common import _bp, _cast, _load_gamma, _sequence_coords, 
 def _state_bwd_qp_step(dS, g_end, j, qp, kd, w, gc, do, du, dse, bos, L, c0, i_h, i_v, off_s,
                        H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                        BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
-    """Chunk j, walking backwards: dŨ's chain part Kd·dS_end (stored); dS_start = Q′ᵀ·dO + Diag(Γ_C)·dS_end − Wᵀ·that."""
+    """Chunk j, walking backwards: dŨ's chain part Kd·dS_end (stored); dS_start = Q′ᵀ·dO + Diag(Γ_C)·dS_end − Wᵀ
+    times that part."""
     row0 = j * C
     Kd = tl.load(_bp(kd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     Qp = tl.load(_bp(qp, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")

@@ -269,8 +269,8 @@ def test_saved_intermediates_match_recompute_bitwise(dev, monkeypatch, case):
         assert [k.get("want_ut", False) for k in states] == ([True] if save else [False, True]), (save, calls)
     assert len(runs[True]) == len(runs[False])
     # a kept forward's o comes from the stored bf16 states and Ũ (`state_o_apart`), a recomputing one's from `_state`
-    apart = (tc.TUNING["state_o_apart"] and inputs[0].dtype == torch.bfloat16 and not kw.get("return_chunk_states")
-             and {"hs", "ut"} <= set(tc.TUNING["bwd_storage_bf16"]))
+    u_dtype = tc.inter_dtypes(inputs[0].dtype, kw.get("all_bf16", False))[1]
+    apart = tc.output_apart(inputs[0].dtype, u_dtype, True, kw.get("return_chunk_states", False))
     for i, (a, b) in enumerate(zip(runs[True], runs[False])):
         if i == 0 and apart:
             assert rel_err(a.cpu(), b.double().cpu()) < TOL["o"] and not torch.equal(a, b)
@@ -283,14 +283,17 @@ def test_saved_intermediates_match_recompute_bitwise(dev, monkeypatch, case):
 
 
 def test_training_output_apart_from_the_state_pass(dev, monkeypatch):
-    """TUNING["state_o_apart"]: the training forward's o from the stored bf16 chunk-start states and Ũ (`_fwd_o`)
-    instead of inside `_state` passes the fp64 tolerances on packed documents (a one-token and an empty one among
-    them), leaves the final state and every gradient bit-identical (the backward reads the same stored tensors), and
-    does nothing for fp32 inputs (their states are stored in fp32)."""
+    """TUNING["state_o_apart"]: the training forward's o from the stored bf16 chunk-start states and Ũ (`_fwd_o`, on
+    two value blocks here) instead of inside `_state` passes the fp64 tolerances on packed documents (a one-token and
+    an empty one among them), leaves the final state and every gradient bit-identical (the backward reads the same
+    stored tensors), also without an initial state, and does nothing for fp32 inputs (their states are stored in
+    fp32)."""
+    from k3.ops.kda import chunk_kda
     from k3.ops.kda import triton_chunk as tc
 
     cu = [0, 70, 71, 71, 150]
     inputs = make_raw(1, cu[-1], 2, 32, 64, seed=7, N=len(cu) - 1)
+    monkeypatch.setitem(tc.TUNING, "fwd_o_bv", 32)
     runs = {}
     for apart in (False, True):
         monkeypatch.setitem(tc.TUNING, "state_o_apart", apart)
@@ -299,6 +302,16 @@ def test_training_output_apart_from_the_state_pass(dev, monkeypatch):
     assert not torch.equal(runs[True][0], runs[False][0])  # the path ran
     assert torch.equal(runs[True][1], runs[False][1])
     assert all(torch.equal(a, b) for a, b in zip(runs[True][2], runs[False][2]))
+    no_h0 = {}
+    for apart in (False, True):
+        monkeypatch.setitem(tc.TUNING, "state_o_apart", apart)
+        leaves = [x.to(dev).requires_grad_() for x in inputs[:7]]
+        o = chunk_kda(*leaves, cu_seqlens=torch.tensor(cu, device=dev))[0]
+        o.float().square().sum().backward()
+        no_h0[apart] = [o.detach()] + [x.grad for x in leaves]
+    assert rel_err(no_h0[True][0].cpu(), no_h0[False][0].double().cpu()) < TOL["o"]
+    assert not torch.equal(no_h0[True][0], no_h0[False][0])
+    assert all(torch.equal(a, b) for a, b in zip(no_h0[True][1:], no_h0[False][1:]))
     fp32 = [x.float() if i < 5 else x for i, x in enumerate(make_raw(1, 70, 2, 32, 16, seed=3))]
     outs = {}
     for apart in (False, True):
@@ -466,10 +479,11 @@ def test_state_bwd_products_refused(dev, monkeypatch, products, key, value, matc
 
 
 def test_inference_forward_state_products(dev, monkeypatch):
-    """The 64-token inference forward (no backward can follow; `prefill` off) multiplies in split bf16 like the training forward
-    (`state_split_inference`, the default since session 12), so their outputs are bit-identical, whether or not
-    the training forward keeps its operands; with it off the inference forward is tf32: both within fp64 tolerance,
-    within 5e-5 of each other in the interpreter."""
+    """The 64-token inference forward (no backward can follow; `prefill` off) multiplies in split bf16 like the
+    training forward (`state_split_inference`, the default since session 12), so on these fp32 inputs their outputs
+    are bit-identical, whether or not the training forward keeps its operands (for bf16 inputs a training forward
+    that keeps them computes o from the stored bf16 states, `state_o_apart`); with it off the inference forward is
+    tf32: both within fp64 tolerance, within 5e-5 of each other in the interpreter."""
     from k3.ops.kda import chunk_kda
     from k3.ops.kda import triton_chunk as tc
 

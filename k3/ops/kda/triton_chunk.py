@@ -358,7 +358,7 @@ def _state(w, u, qg, kd, aqk, gc, h0, o, ht, hs, ut, cu, chunk_off,
            STORE_UT: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """One (value block, sequence, head): the chunk-to-chunk state hand-off, in order, state in registers.
 
-    Per chunk: Ũ = U − W·S; O = (Q⊙Γ)·S + Aqk·Ũ; S ← Diag(exp(G_C))·S + (K⊙exp(G_C − G))ᵀ·Ũ.
+    Per chunk: Ũ = U − W·S; O = (Q⊙Γ)·S + Aqk·Ũ (with WRITE_O); S ← Diag(exp(G_C))·S + (K⊙exp(G_C − G))ᵀ·Ũ.
     hs (optional) receives S at every chunk start, ht the final state, ut (with STORE_UT) Ũ.
     """
     i_v = tl.program_id(0)
@@ -384,13 +384,13 @@ def _state(w, u, qg, kd, aqk, gc, h0, o, ht, hs, ut, cu, chunk_off,
         tl.store(ht + i_nh.to(tl.int64) * K * V + off_s, S)
 
 
-
 @triton.jit
 def _fwd_o(qg, aqk, hs, ut, o, cu, chunk_idx, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-           C: tl.constexpr, INTERP: tl.constexpr):
+           C: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """One (value block, chunk, head) of the training forward's output, O = (Q⊙Γ)·S + Aqk·Ũ, from the chunk-start
     state and Ũ that `_state` stored for the backward (`TUNING["state_o_apart"]`): `_state` then walks the chunks
-    without Q⊙Γ and Aqk, in less shared memory. Products on the operands as stored (`_dot_stored`)."""
+    without Q⊙Γ and Aqk, in less shared memory. The products are `_state`'s (`_state_mm`: split bf16 by default,
+    so the fp32 Aqk keeps ~16 bits where tf32 would keep 10; its bf16 tiles S, Ũ and Q⊙Γ are exact as stored)."""
     NV: tl.constexpr = V // BV
     pid = tl.program_id(0)
     i_c = pid // NV
@@ -402,7 +402,7 @@ def _fwd_o(qg, aqk, hs, ut, o, cu, chunk_idx, H, K: tl.constexpr, V: tl.constexp
     S = tl.load(tl.make_block_ptr(hs + (i_c * H + i_h).to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV),
                                   (K, BV), (1, 0)))
     Ut = tl.load(_bp(ut, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
-    out = _dot_stored(Qg, S, INTERP) + _dot_stored(Aq, Ut, INTERP)
+    out = _state_mm(Qg, S, BF16, SPLIT, INTERP) + _state_mm(Aq, Ut, BF16, SPLIT, INTERP)
     tl.store(_bp(o, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(out, o.dtype.element_ty, INTERP),
              boundary_check=(0,))
 
@@ -626,8 +626,8 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
     `bwd_scratch_bf16`) it writes block R's finished dq̂ and dk̂, its dG before the reverse cumsum (`_bwd_gate`
     does that and the gate chain) and this slice's dβ partial (db_part: [TT, H, NS]); dAqk and dAkk arrive in
     bf16 for bf16 inputs (`bwd_da_bf16`). `_bwd_norms` finishes dq̂, dk̂ and dβ, which reduce over K. G is the
-    prepare's ([TT, H, K], `_g_block`), ‖q‖ and ‖k‖ too (`_load_norm`). A block wholly past the document end does nothing:
-    its dG rows (G_C's gradient may sit on the chunk's last row) pass through unchanged. The products are tf32
+    prepare's ([TT, H, K], `_g_block`), ‖q‖ and ‖k‖ too (`_load_norm`). A block wholly past the document end does
+    nothing: its dG rows (G_C's gradient may sit on the chunk's last row) pass through unchanged. The products are tf32
     (bf16 operands: 3.51 → 3.40 ms at the K3 shape, but ddt_bias 4.0e-4 → 6.5e-3 from fp64 in the interpreter, near
     its 8e-3 limit; session 13 run 2).
     """
@@ -824,33 +824,43 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
     return o, ht, hs, ut
 
 
+def output_apart(dtype: torch.dtype, u_dtype: torch.dtype, keep: bool, want_hs: bool) -> bool:
+    """Whether a forward on inputs of `dtype` (U stored in `u_dtype`) computes o apart from `_state`, from the
+    chunk-start states and Ũ it keeps for the backward (`_fwd_o`, `TUNING["state_o_apart"]`): where it keeps them
+    and both are bf16 (not where it returns the states, in fp32, for prefix caching)."""
+    return (keep and not want_hs and TUNING["state_o_apart"]
+            and backward_storage(dtype, "hs") == backward_storage(dtype, "ut", u_dtype) == torch.bfloat16)
+
+
 def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes, state_bf16,
          keep=False, training=False):
     """The forward: (o, final state or None, chunk-start states if want_hs else None, kept). training: a backward
-    can follow (`_fwd_state`), so o is the same whether or not the forward keeps its operands.
+    can follow (`_fwd_state`'s products).
 
     keep: also return what the backward would recompute, (W, Qg, Kd, Aqk, gc, T, hs, Ũ, G, ‖q‖, ‖k‖), for
     `_bwd(inter=…)`; else kept is None. The states and Ũ = U − W·S (in `backward_storage`'s dtypes; the value-side
-    backward reads Ũ instead of recomputing W·S) come from the same `_state` launch as o, with the same
-    `state_bf16`: storing them does not change the arithmetic (and `_bwd` recomputes them with `state_bf16` as
-    well), so the gradients are bit-identical either way.
+    backward reads Ũ instead of recomputing W·S) come from the `_state` launch, with the same `state_bf16` as
+    `_bwd`'s recompute: storing them does not change the arithmetic, so the gradients are bit-identical either way.
+    o too, except where `output_apart` says the kept forward computes it from the stored bf16 states and Ũ
+    (`_fwd_o`); then it carries their rounding, and a forward that keeps nothing computes it inside `_state`.
     """
     W, U, Qg, Kd, Aqk, gc, Tm, norms, G = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
                                                        store_t=keep, store_norms=keep)
     # the returned chunk-start states are fp32; kept only for the backward, in its storage dtype
     hs_dtype = backward_storage(q.dtype, "hs") if keep and not want_hs else torch.float32
-    ut_dtype = backward_storage(q.dtype, "ut", U.dtype)
-    # o from the stored states and Ũ in a launch of its own where both are bf16 (TUNING["state_o_apart"])
-    o_apart = keep and TUNING["state_o_apart"] and hs_dtype == ut_dtype == torch.bfloat16 and plan.NT > 0
+    o_apart = output_apart(q.dtype, U.dtype, keep, want_hs) and plan.NT > 0
     o, ht, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, write_o=not o_apart, want_ht=want_ht,
                                want_hs=want_hs or keep, state_bf16=state_bf16, want_ut=keep, training=training,
-                               hs_dtype=hs_dtype, ut_dtype=ut_dtype)
+                               hs_dtype=hs_dtype, ut_dtype=backward_storage(q.dtype, "ut", U.dtype))
     if o_apart:
+        TT, H, K = q.shape
+        V = v.shape[-1]
         o = torch.empty_like(v)
-        BV = min(v.shape[-1], TUNING["fwd_o_bv"])
-        _fwd_o[(plan.NT * (v.shape[-1] // BV), q.shape[1])](Qg, Aqk, hs, ut, o, plan.cu, plan.chunk_idx, H=q.shape[1],
-                                                            K=q.shape[-1], V=v.shape[-1], BV=BV, C=CHUNK,
-                                                            INTERP=interpreting(), **_launch_options("fwd_o"))
+        BV = min(V, TUNING["fwd_o_bv"])
+        state_bf16 = state_bf16 or TUNING["state_bf16"]
+        _fwd_o[(plan.NT * (V // BV), H)](Qg, Aqk, hs, ut, o, plan.cu, plan.chunk_idx, H=H, K=K, V=V, BV=BV, C=CHUNK,
+                                         BF16=state_bf16, SPLIT=TUNING["state_split"] and not state_bf16,
+                                         INTERP=interpreting(), **_launch_options("fwd_o"))
     # U is not needed by the backward
     kept = (W, Qg, Kd, Aqk, gc, Tm, hs, ut, G) + norms if keep else None
     return o, ht, (hs if want_hs else None), kept

@@ -41,9 +41,11 @@ TUNING = {
     # (2.12 ms at the K3 shape); split-bf16 products at 4 warps 1.88 ms (session 9 run 4), 1.29 ms at 3 stages
     # (session 12 run 3)
     "state_ut_bv": 32, "state_ut_warps": 4, "state_ut_stages": 3, "state_ut_maxnreg": None,
-    # the training forward's o apart from `_state` (`_fwd_o`, from the bf16 chunk-start states and Ũ it stores):
-    # `_state` then runs without Q⊙Γ and Aqk (128 KB of shared memory at 3 stages against 216, 88 at 2). Session 28 run 2 at the K3 shape: `_state` 1.19 → 0.71 ms (0.74 at 2 stages) plus
-    # `_fwd_o` 0.39, fwd+bwd 9.951 → 9.849; o 3.1 → 3.8e-3 from fp64 at T = 8192 H = 4 (fla 5.4e-3, limit 5e-3)
+    # the training forward's o apart from `_state` (`_fwd_o`, from the bf16 chunk-start states and Ũ it stores;
+    # `output_apart`): `_state` then runs without Q⊙Γ and Aqk (128 KB of shared memory at 3 stages against 216, 88
+    # at 2). Session 28 run 2 at the K3 shape: `_state` 1.19 → 0.71 ms (0.74 at 2 stages) plus `_fwd_o` 0.39 (its
+    # Aqk·Ũ in tf32 then; split bf16 since, untimed), fwd+bwd 9.951 → 9.849; o 3.1 → 3.8e-3 from fp64 at T = 8192
+    # H = 4 (fla 5.4e-3, limit 5e-3)
     "state_o_apart": True, "fwd_o_bv": 64, "fwd_o_warps": 4, "fwd_o_stages": None, "fwd_o_maxnreg": None,
     # `_state_bwd` in split-bf16 products at 4 warps, 3 stages: 2.15 → 1.37 ms at the K3 shape, 0.67 → 0.46 at the
     # small preset's, and closer to fp64 than tf32 at 8 warps, 1 stage (2 stages: 1.58 and 0.52 ms; session 12
@@ -54,8 +56,9 @@ TUNING = {
     # 3.231 → 3.255 ms (session 9 runs 3-4). `_state_bwd` has its own switch, `state_bwd_products` (below)
     "state_split": True,
     # the inference forward (no backward can follow) in split bf16 too, so its o is bit-identical to a training
-    # forward's (which is the same whether or not it keeps Ũ). tf32 there: 3.134 → 3.102 ms at the K3 shape at 2
-    # stages (session 10 run 1), the default until session 12, whose 3-stage split launch took 2.884 ms
+    # forward's that computes o inside `_state` (all but bf16 inputs with `state_o_apart`). tf32 there: 3.134 →
+    # 3.102 ms at the K3 shape at 2 stages (session 10 run 1), the default until session 12, whose 3-stage split
+    # launch took 2.884 ms
     "state_split_inference": True,
     # every `_state` launch in plain bf16 products (as `chunk_kda(state_bf16=True)`; fla's choice), for timing:
     # with bf16 `_state_bwd` products, fwd+bwd 13.98 ms at the K3 shape, but dA_log 2.0e-2 from fp64 (session 12)
