@@ -1061,7 +1061,10 @@ def chunk_kda(
     initial_state is then not saved. The kept W, Q⊙Γ, K⊙exp(G_C − G), Aqk and Ũ are released when the
     backward returns (autograd frees saved tensors only then), not after the state pass as the recomputed ones
     are. With return_chunk_states the returned states are the saved ones: modifying them in place before the
-    backward makes autograd raise instead of computing wrong gradients.
+    backward makes autograd raise instead of computing wrong gradients. Keeping also changes how o is computed
+    for bf16 inputs (`TUNING["state_o_apart"]`): from the kept bf16 states and Ũ after `_state`, which is faster
+    and rounds o's inputs once more (3.1 → 3.8e-3 from fp64 at the K3 shape's heads); so o with and without
+    save_intermediates agrees to that tolerance, not to the bit, while the gradients stay bit-identical.
     """
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
