@@ -3,6 +3,7 @@
 # default) against the two launches, its launch knobs, and launch variants not timed since session 26 (bf16 scratch,
 # the state passes on value blocks of 64), gated against fp64 at small shapes first.
 #     OUT=/tmp/out K3_GIT_SHA=<sha> bash benchmarks/sessions/s28_run1.sh
+# (ran at 9a67b5a; `bwd_finish` and `_bwd_finish` were deleted in 7d2e4dd, so later code refuses its TUNING keys)
 . benchmarks/sessions/prelude.sh
 {
 step 60 python3 -m pytest -q --tb=short -p no:cacheprovider tests/ops/test_kda_triton.py -k "finish_in_one or bf16_storage"
