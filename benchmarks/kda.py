@@ -90,6 +90,17 @@ def raw_inputs(B, T, H, K=128, V=128, N=None, seed=0, device="cuda", h0=False):
     return [x.bfloat16() for x in (q, k, v, z, b)] + [A_log, dt_bias, state]
 
 
+def chunk_operands(B, T, H, seed=5, device="cuda"):
+    """What the training forward's prepare hands the state passes, for timing them alone: (plan, h0 [B, H, K, V],
+    (W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, T, norms, G)) on `raw_inputs` at (B, T, H), K = V = 128, bf16."""
+    q, k, v, z, b, A_log, dt_bias, h0 = raw_inputs(B, T, H, seed=seed, device=device, h0=True)
+    flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, z, b)]
+    plan = triton_chunk.make_plan(B, T, None, q.device)
+    ops = triton_chunk._fwd_prepare(*flat, A_log, dt_bias, -5.0, 128 ** -0.5, plan,
+                                    triton_chunk.inter_dtypes(torch.bfloat16), store_t=True, store_norms=True)
+    return plan, h0, ops
+
+
 def ours_fn(ins, cu, **kw):
     return chunk_kda(*ins[:7], initial_state=ins[7], output_final_state=True, cu_seqlens=cu, **kw)
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.kda import raw_inputs
+from benchmarks.kda import chunk_operands, rel
 from k3.ops import interpreting
 from k3.ops.kda import triton_chunk as tc
 from k3.ops.kda.triton_common import _bp, _cast, _load_gamma, _sequence_coords, _state_mm, backward_storage
@@ -85,10 +85,6 @@ def from_chunks(x):
     return x.transpose(1, 2).reshape(NT * C, H, D)
 
 
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
@@ -96,17 +92,12 @@ def main() -> None:
     args = ap.parse_args()
     B, T, H = (1, 128, 2) if args.quick else (1, 8192, 96)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    q, k, v, z, b, A_log, dt_bias, _ = raw_inputs(B, T, H, seed=5, h0=True, device=dev)
-    flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, z, b)]
-    plan = tc.make_plan(B, T, None, q.device)
-    W, U, Qg, Kd, Aqk, gc, Tm, norms, G = tc._fwd_prepare(*flat, A_log, dt_bias, -5.0, 128 ** -0.5, plan,
-                                                          tc.inter_dtypes(torch.bfloat16), store_t=True,
-                                                          store_norms=True)
+    plan, _, (W, U, Qg, Kd, Aqk, gc, *_) = chunk_operands(B, T, H, device=dev)
     C = tc.CHUNK
     # Q′ = Qg − Aqk·W per chunk (Aqk lower triangular, fp32), rounded once to bf16
     qp = (per_chunk(Qg, C).float() - per_chunk(Aqk, C).float() @ per_chunk(W, C).float()).to(torch.bfloat16)
     qp = from_chunks(qp).contiguous()
-    do = torch.randn(B * T, H, 128, device=dev).bfloat16()
+    do = torch.randn(B * T, H, 128, device=dev, generator=torch.Generator(dev).manual_seed(6)).bfloat16()
     du_dt, dse_dt = backward_storage(torch.bfloat16, "du"), backward_storage(torch.bfloat16, "dse")
     interp = interpreting()
 

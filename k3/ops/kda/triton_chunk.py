@@ -796,6 +796,14 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
             (G if store_t else None))
 
 
+def _state_products(state_bf16: bool, training: bool) -> tuple[bool, bool]:
+    """(BF16, SPLIT) for the products of `_state` and of `_fwd_o`, which computes the same o apart from it: plain
+    bf16 with `state_bf16` (the call's or TUNING's), else split bf16 as TUNING says for a forward that a backward
+    can follow (`state_split`) or not (`state_split_inference`), else tf32."""
+    state_bf16 = state_bf16 or TUNING["state_bf16"]
+    return state_bf16, TUNING["state_split" if training else "state_split_inference"] and not state_bf16
+
+
 def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht=False, want_hs=False,
                state_bf16=False, want_ut=False, training=False, hs_dtype=torch.float32, ut_dtype=None):
     """Launch `_state`; returns (o [TT, H, V] or None, final state [N, H, K, V] or None, chunk-start states or None,
@@ -811,8 +819,7 @@ def _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, out_dtype, write_o=True, want_ht
     ht = torch.empty(plan.N, H, K, V, dtype=torch.float32, device=dev) if want_ht else None
     hs = torch.empty(max(plan.NT, 1), H, K, V, dtype=hs_dtype, device=dev) if want_hs else None
     ut = torch.empty_like(U, dtype=ut_dtype) if want_ut else None
-    state_bf16 = state_bf16 or TUNING["state_bf16"]
-    split = TUNING["state_split" if training else "state_split_inference"] and not state_bf16
+    state_bf16, split = _state_products(state_bf16, training)
     dummy = gc
     _state[(V // BV, plan.N * H)](W, U, Qg, Kd, Aqk, gc, h0 if h0 is not None else dummy,
                                   o if o is not None else dummy, ht if ht is not None else dummy,
@@ -857,10 +864,9 @@ def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs
         V = v.shape[-1]
         o = torch.empty_like(v)
         BV = min(V, TUNING["fwd_o_bv"])
-        state_bf16 = state_bf16 or TUNING["state_bf16"]
+        bf16, split = _state_products(state_bf16, training=True)
         _fwd_o[(plan.NT * (V // BV), H)](Qg, Aqk, hs, ut, o, plan.cu, plan.chunk_idx, H=H, K=K, V=V, BV=BV, C=CHUNK,
-                                         BF16=state_bf16, SPLIT=TUNING["state_split"] and not state_bf16,
-                                         INTERP=interpreting(), **_launch_options("fwd_o"))
+                                         BF16=bf16, SPLIT=split, INTERP=interpreting(), **_launch_options("fwd_o"))
     # U is not needed by the backward
     kept = (W, Qg, Kd, Aqk, gc, Tm, hs, ut, G) + norms if keep else None
     return o, ht, (hs if want_hs else None), kept
