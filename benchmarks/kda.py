@@ -90,14 +90,16 @@ def raw_inputs(B, T, H, K=128, V=128, N=None, seed=0, device="cuda", h0=False):
     return [x.bfloat16() for x in (q, k, v, z, b)] + [A_log, dt_bias, state]
 
 
-def chunk_operands(B, T, H, seed=5, device="cuda"):
+def chunk_operands(B, T, H, seed=5, device="cuda", qprime=False):
     """What the training forward's prepare hands the state passes, for timing them alone: (plan, h0 [B, H, K, V],
-    (W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, T, norms, G)) on `raw_inputs` at (B, T, H), K = V = 128, bf16."""
+    (W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, T, norms, G, Q′ if qprime else None)) on `raw_inputs` at (B, T, H),
+    K = V = 128, bf16."""
     q, k, v, z, b, A_log, dt_bias, h0 = raw_inputs(B, T, H, seed=seed, device=device, h0=True)
     flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, z, b)]
     plan = triton_chunk.make_plan(B, T, None, q.device)
     ops = triton_chunk._fwd_prepare(*flat, A_log, dt_bias, -5.0, 128 ** -0.5, plan,
-                                    triton_chunk.inter_dtypes(torch.bfloat16), store_t=True, store_norms=True)
+                                    triton_chunk.inter_dtypes(torch.bfloat16), store_t=True, store_norms=True,
+                                    qprime="apart" if qprime else None)
     return plan, h0, ops
 
 

@@ -45,13 +45,13 @@ FP32_ARGS = {"A_log", "dt_bias", "t_in", "t_out", "hs", "dse", "du", "dqh_in", "
              "dakk_in", "db_in", "dqh_out", "dkh_out", "dg_out", "daqk_out", "dakk_out", "db_out", "dA_part",
              "dbias_part", "aqk_out", "u_out", "gc_out", "gc", "h0", "ht", "aqk", "u", "dht", "dh0", "kn_out", "kn_in",
              "dqh", "dkh", "db_part", "g_in", "g_out", "gc_in", "ut", "dbk_out", "dbk_in",
-             "qn_in", "qn_out", "u_out", "m_out", "m_in"}
+             "qn_in", "qn_out", "u_out", "m_out", "m_in", "aqk_in"}
 INT32_ARGS = {"cu", "chunk_idx", "chunk_off", "hs_off"}
 CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
                   USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64,
                   STORE_UT=False, SPLIT=chunk.TUNING["state_split_inference"], STORE_QN=False, HALF=0,
                   INVERSE=chunk.TUNING["prefill_inverse"],  # the prefill's, for bf16 inputs (`_prep_intra`: below)
-                  SEGMENT=False)
+                  SEGMENT=False, QPRIME=False, LOOP=False)
 # kernel -> its TUNING key prefix, in launch order; "_state_ut" is `_state` when it also stores Ũ (the backward's
 # recompute launch, and the training forward's since session 28, `state_o_apart`, which then writes o in `_fwd_o`),
 # "_state_ut_o" the training forward's that also writes o (more shared memory: 216 KB at 3 stages against 128, and
@@ -59,14 +59,16 @@ CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF
 # settings
 TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
                  "_prep_wu": "prep_wu", "_state": "state", "_state_ut": "state_ut", "_state_ut_o": "state_ut",
-                 "_fwd_o": "fwd_o", "_state_bwd": "state_bwd",
+                 "_fwd_o": "fwd_o", "_state_bwd": "state_bwd", "_prep_wu_qp": "prep_wu", "_state_bwd_qp": "state_bwd",
+                 "_bwd_vk_qp": "bwd_vk", "_bwd_vv_qp": "bwd_vv", "_fwd_o_loop": "fwd_o",
                  "_bwd_vk": "bwd_vk", "_bwd_vv": "bwd_vv", "_bwd_k_block": "bwd_k", "_bwd_gate": "bwd_gate",
                  "_bwd_norms": "bwd_norms", "_prefill_prepare": "prefill_prepare", "_prefill_state": "prefill_state",
                  "_prefill_prepare_half1": "prefill_prepare",
                  "_prefill_prepare_half2": "prefill_join"}
 # the launches whose chunk-start states, Ũ, dS_end, dŨ follow TUNING["bwd_storage_bf16"] (the inference `_state`
 # stores fp32 states, the ones it returns)
-STORED_FOR_BACKWARD = {"_state_ut", "_state_ut_o", "_fwd_o", "_state_bwd", "_bwd_vk", "_bwd_vv"}
+STORED_FOR_BACKWARD = {"_state_ut", "_state_ut_o", "_fwd_o", "_fwd_o_loop", "_state_bwd", "_bwd_vk", "_bwd_vv",
+                       "_state_bwd_qp", "_bwd_vk_qp", "_bwd_vv_qp"}
 # per-kernel constexprs on top of CONSTEXPRS
 _SK = chunk.TUNING["bwd_k_cols"]
 _SKV = chunk.TUNING["bwd_vk_cols"]
@@ -75,8 +77,14 @@ KERNEL_CONSTEXPRS = {"_prep_intra": dict(INVERSE=chunk.TUNING["prep_inverse"]),
                      "_state_ut_o": dict(STORE_UT=True, WRITE_O=True, SPLIT=chunk.TUNING["state_split"]),
                      "_state_bwd": dict(SPLIT=chunk.TUNING["state_bwd_products"] == "split",
                                         BF16=chunk.TUNING["state_bwd_products"] == "bf16"),
+                     "_state_bwd_qp": dict(SPLIT=chunk.TUNING["state_bwd_products"] == "split",
+                                           BF16=chunk.TUNING["state_bwd_products"] == "bf16", QPRIME=True),
                      "_fwd_o": dict(SPLIT=chunk.TUNING["state_split"]),
+                     "_fwd_o_loop": dict(SPLIT=chunk.TUNING["state_split"], LOOP=True),
                      "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV), "_bwd_k_block": dict(SK=_SK),
+                     # `TUNING["state_bwd_qprime"]`'s specialisations (docs/kda-kernels.md §7 item 65)
+                     "_prep_wu_qp": dict(QPRIME=True), "_bwd_vk_qp": dict(SK=_SKV, QPRIME=True),
+                     "_bwd_vv_qp": dict(NS=128 // _SKV, QPRIME=True),
                      "_bwd_gate": dict(SK=chunk.TUNING["bwd_gate_cols"]),
                      "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
                      "_prefill_prepare": dict(HALF=0),
@@ -88,7 +96,9 @@ KERNEL_CONSTEXPRS = {"_prep_intra": dict(INVERSE=chunk.TUNING["prep_inverse"]),
 
 
 def kernel_fn(name: str):
-    aliases = {"_state_ut": chunk._state, "_state_ut_o": chunk._state,
+    aliases = {"_state_ut": chunk._state, "_state_ut_o": chunk._state, "_prep_wu_qp": chunk._prep_wu,
+               "_state_bwd_qp": chunk._state_bwd, "_bwd_vk_qp": chunk._bwd_vk, "_bwd_vv_qp": chunk._bwd_vv,
+               "_fwd_o_loop": chunk._fwd_o,
                "_prefill_prepare_half1": prefill._prefill_prepare, "_prefill_prepare_half2": prefill._prefill_prepare}
     return aliases.get(name) or getattr(chunk, name, None) or getattr(prefill, name)
 

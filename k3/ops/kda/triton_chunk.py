@@ -283,11 +283,13 @@ def _prep_solve(t_out, cu, chunk_idx, H, C: tl.constexpr, BC: tl.constexpr, INTE
 
 
 @triton.jit
-def _prep_wu(k, v, b, g_in, gc_in, cu, chunk_idx, t_in, kn_in, w_out, u_out, kd_out,
+def _prep_wu(k, v, b, g_in, gc_in, cu, chunk_idx, t_in, kn_in, w_out, u_out, kd_out, qg_in, aqk_in, qp_out,
              H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
-             INTERP: tl.constexpr):
+             QPRIME: tl.constexpr, INTERP: tl.constexpr):
     """One (column slice s, chunk, head), on T and `_prep_gate`'s G, G_C and ‖k‖. Slices s < K/SK: columns
-    [s·SK, +SK) of W = T·diag(β)(K⊙Γ) and K⊙exp(G_C − G); the others: columns of U = T·diag(β)V."""
+    [s·SK, +SK) of W = T·diag(β)(K⊙Γ) and K⊙exp(G_C − G), and with QPRIME of Q′ = Q⊙Γ − Aqk·W (from `_prep_intra`'s
+    Q⊙Γ and Aqk and W before its rounding; qp_out may be qg_in: each slice is read before it is written) for
+    `_state_bwd` (`TUNING["state_bwd_qprime"]`); the others: columns of U = T·diag(β)V."""
     NS: tl.constexpr = K // SK + V // SV
     pid = tl.program_id(0)
     i_c = pid // NS
@@ -311,6 +313,13 @@ def _prep_wu(k, v, b, g_in, gc_in, cu, chunk_idx, t_in, kn_in, w_out, u_out, kd_
                  boundary_check=(0,))
         tl.store(_bp(kd_out, bos, L, i_h, row0, c0, H, K, C, SK),
                  _cast(kh * tl.exp(gc[None, :] - G), kd_out.dtype.element_ty, INTERP), boundary_check=(0,))
+        if QPRIME:
+            Aq = tl.load(_bp(aqk_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,),
+                         padding_option="zero").to(tl.float32)
+            p_q = _bp(qg_in, bos, L, i_h, row0, c0, H, K, C, SK)
+            Qp = tl.load(p_q, boundary_check=(0,), padding_option="zero").to(tl.float32) - tl.dot(Aq, W)
+            tl.store(_bp(qp_out, bos, L, i_h, row0, c0, H, K, C, SK), _cast(Qp, qp_out.dtype.element_ty, INTERP),
+                     boundary_check=(0,))
     else:
         c0 = (s - K // SK) * SV
         v_t = tl.load(_bp(v, bos, L, i_h, row0, c0, H, V, C, SV), boundary_check=(0,), padding_option="zero")
@@ -385,26 +394,37 @@ def _state(w, u, qg, kd, aqk, gc, h0, o, ht, hs, ut, cu, chunk_off,
 
 
 @triton.jit
-def _fwd_o(qg, aqk, hs, ut, o, cu, chunk_idx, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-           C: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
-    """One (value block, chunk, head) of the training forward's output, O = (Q⊙Γ)·S + Aqk·Ũ, from the chunk-start
-    state and Ũ that `_state` stored for the backward (`TUNING["state_o_apart"]`): `_state` then walks the chunks
-    without Q⊙Γ and Aqk, in less shared memory. The products are `_state`'s (`_state_mm`: split bf16 by default,
-    so the fp32 Aqk keeps ~16 bits where tf32 would keep 10; its bf16 tiles S, Ũ and Q⊙Γ are exact as stored)."""
-    NV: tl.constexpr = V // BV
-    pid = tl.program_id(0)
-    i_c = pid // NV
-    i_v = pid % NV
-    i_h = tl.program_id(1)
-    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
-    Qg = tl.load(_bp(qg, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
-    Aq = tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+def _fwd_o_block(Qg, Aq, hs, ut, o, bos, L, row0, i_c, i_h, i_v, H, K: tl.constexpr, V: tl.constexpr,
+                 BV: tl.constexpr, C: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+    """Value block i_v of `_fwd_o`'s chunk."""
     S = tl.load(tl.make_block_ptr(hs + (i_c * H + i_h).to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV),
                                   (K, BV), (1, 0)))
     Ut = tl.load(_bp(ut, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
     out = _state_mm(Qg, S, BF16, SPLIT, INTERP) + _state_mm(Aq, Ut, BF16, SPLIT, INTERP)
     tl.store(_bp(o, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(out, o.dtype.element_ty, INTERP),
              boundary_check=(0,))
+
+
+@triton.jit
+def _fwd_o(qg, aqk, hs, ut, o, cu, chunk_idx, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+           C: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, LOOP: tl.constexpr, INTERP: tl.constexpr):
+    """One (value block, chunk, head) of the training forward's output, O = (Q⊙Γ)·S + Aqk·Ũ, from the chunk-start
+    state and Ũ that `_state` stored for the backward (`TUNING["state_o_apart"]`): `_state` then walks the chunks
+    without Q⊙Γ and Aqk, in less shared memory. The products are `_state`'s (`_state_mm`: split bf16 by default,
+    so the fp32 Aqk keeps ~16 bits where tf32 would keep 10; its bf16 tiles S, Ũ and Q⊙Γ are exact as stored).
+    LOOP (`TUNING["fwd_o_loop"]`): one program per (chunk, head) walks the value blocks, Q⊙Γ and Aqk loaded once."""
+    NV: tl.constexpr = 1 if LOOP else V // BV
+    pid = tl.program_id(0)
+    i_c = pid // NV
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
+    Qg = tl.load(_bp(qg, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
+    Aq = tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    if LOOP:
+        for i_v in range(V // BV):
+            _fwd_o_block(Qg, Aq, hs, ut, o, bos, L, row0, i_c, i_h, i_v, H, K, V, BV, C, BF16, SPLIT, INTERP)
+    else:
+        _fwd_o_block(Qg, Aq, hs, ut, o, bos, L, row0, i_c, i_h, pid % NV, H, K, V, BV, C, BF16, SPLIT, INTERP)
 
 
 # backward kernels
@@ -437,18 +457,24 @@ def _unit_cols(q, k, qn_in, kn_in, bos, L, row0, c0, i_h, scale, H, K: tl.conste
 @triton.jit
 def _state_bwd_step(dS, g_end, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v, off_s,
                     H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                    BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+                    BF16: tl.constexpr, SPLIT: tl.constexpr, QPRIME: tl.constexpr, INTERP: tl.constexpr):
     """Chunk j, walking backwards: dŨ = Aqkᵀ·dO + Kd·dS_end; dS_start = Qgᵀ·dO + Diag(Γ_C)·dS_end − Wᵀ·dŨ.
-    g_end is G_C of chunk j; returns chunk j − 1's too (`_load_gamma`)."""
+    With QPRIME, qg holds Q′ = Qg − Aqk·W, and only dŨ's chain part Kd·dS_end is taken and stored: Wᵀ·dŨ =
+    (Aqk·W)ᵀ·dO + Wᵀ·(Kd·dS_end), so dS_start = Q′ᵀ·dO + Diag(Γ_C)·dS_end − Wᵀ·(Kd·dS_end); `_bwd_vk` and `_bwd_vv`
+    add Aqkᵀ·dO's share. g_end is G_C of chunk j; returns chunk j − 1's too (`_load_gamma`)."""
     row0 = j * C
-    Aq = tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+    if not QPRIME:
+        Aq = tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
     Kd = tl.load(_bp(kd, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     Qg = tl.load(_bp(qg, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     W = tl.load(_bp(w, bos, L, i_h, row0, 0, H, K, C, K), boundary_check=(0,), padding_option="zero")
     dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
     g_next = _load_gamma(gc, c0, tl.maximum(j - 1, 0), i_h, H, K, True)
     tl.store(dse + ((c0 + j) * H + i_h) * K * V + off_s, _cast(dS, dse.dtype.element_ty, INTERP))
-    dUt = _state_mm(tl.trans(Aq), dO, BF16, SPLIT, INTERP) + _state_mm(Kd, dS, BF16, SPLIT, INTERP)
+    if QPRIME:
+        dUt = _state_mm(Kd, dS, BF16, SPLIT, INTERP)
+    else:
+        dUt = _state_mm(tl.trans(Aq), dO, BF16, SPLIT, INTERP) + _state_mm(Kd, dS, BF16, SPLIT, INTERP)
     tl.store(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), _cast(dUt, du.dtype.element_ty, INTERP),
              boundary_check=(0,))
     return (_state_mm(tl.trans(Qg), dO, BF16, SPLIT, INTERP) + tl.exp(g_end)[:, None] * dS
@@ -458,10 +484,12 @@ def _state_bwd_step(dS, g_end, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i
 @triton.jit
 def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
                H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-               USE_DHT: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+               USE_DHT: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr, QPRIME: tl.constexpr,
+               INTERP: tl.constexpr):
     """One (value block, sequence, head): the state gradient, last chunk first.
 
-    Writes dŨ [TT, H, V], the state gradient at every chunk end (dse) and at the start (dh0).
+    Writes dŨ [TT, H, V] (with QPRIME its part Kd·dS_end, qg holding Q′: `_state_bwd_step`), the state gradient at
+    every chunk end (dse) and at the start (dh0).
     """
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -476,20 +504,20 @@ def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
         j = n_chunks - 1
         while j >= 0:
             dS, g_end = _state_bwd_step(dS, g_end, j, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0, i_h, i_v, off_s,
-                                        H, K, V, BV, C, BF16, SPLIT, INTERP)
+                                        H, K, V, BV, C, BF16, SPLIT, QPRIME, INTERP)
             j -= 1
     else:
         for jj in range(n_chunks):
             dS, g_end = _state_bwd_step(dS, g_end, n_chunks - 1 - jj, qg, kd, aqk, w, gc, do, du, dse, bos, L, c0,
-                                        i_h, i_v, off_s, H, K, V, BV, C, BF16, SPLIT, INTERP)
+                                        i_h, i_v, off_s, H, K, V, BV, C, BF16, SPLIT, QPRIME, INTERP)
     tl.store(dh0 + i_nh.to(tl.int64) * K * V + off_s, dS)
 
 
 @triton.jit
-def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do, du, ut,
+def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do, du, ut, aqk,
             dqh_out, dkh_out, dg_out, dbk_out,
             scale, H, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-            INTERP: tl.constexpr):
+            QPRIME: tl.constexpr, INTERP: tl.constexpr):
     """Value side, part 1: one (key slice of SK columns, chunk, head), the value-dim gradients that are
     elementwise in the key column, from the forward's Ũ = U − W·S (no W, no W·S).
 
@@ -504,7 +532,9 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
     neighbour to hide their latency, the loop's products do (no spills offline; 2.63 → 2.32 ms at the K3 shape,
     session 24 run 2; T and G alone 2.57). S, dS_end, dŨ and Ũ arrive as `TUNING["bwd_storage_bf16"]` stored them
     and multiply as stored (`_dot_stored`): all bf16 by default, plain bf16 products on value blocks of 64 (2.27 →
-    2.07 ms, session 26; with split-bf16 products on bf16 storage, session 13: slower, 2.91 → 2.99).
+    2.07 ms, session 26; with split-bf16 products on bf16 storage, session 13: slower, 2.91 → 2.99). With QPRIME,
+    du holds only dŨ's part Kd·dS_end (`_state_bwd_step`); the rest, Aqkᵀ·dO, enters dW after the loop as
+    −Aqkᵀ·(dO·Sᵀ) = −Aqkᵀ·dQg, one product on the accumulator the loop builds anyway.
     """
     NS: tl.constexpr = K // SK
     pid = tl.program_id(0)
@@ -537,6 +567,9 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
         dW -= _dot_stored(dU, tl.trans(S), INTERP)
         dKd += _dot_stored(Ut, tl.trans(dSe), INTERP)
         dgc += tl.sum(S.to(tl.float32) * dSe.to(tl.float32), 1)
+    if QPRIME:
+        Aq = tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
+        dW -= tl.dot(tl.trans(Aq.to(tl.float32)), dQg)
     dXk = tl.dot(tl.trans(Tm), dW)
     gam = tl.exp(G)
     Kg = kh * gam
@@ -557,9 +590,10 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
 
 
 @triton.jit
-def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dbk_in,
+def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, aqk, dbk_in,
             dv, daqk_out, dakk_out, db_out,
-            H, V: tl.constexpr, NS: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, INTERP: tl.constexpr):
+            H, V: tl.constexpr, NS: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, QPRIME: tl.constexpr,
+            INTERP: tl.constexpr):
     """Value side, part 2: one (chunk, head), the gradients that contract over the value dim within the chunk:
     dAqk, dAkk (through dŨ·Ũᵀ), dv and dβ (with `_bwd_vk`'s dβ partials).
 
@@ -569,7 +603,8 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dbk_in,
     −Tᵀ·dŨ·Ũᵀ (below the diagonal). It equals the chain through W and U, −Tᵀ·dT·Tᵀ with dT = dŨ·Xᵀ, without X's
     two cancelling halves, one of which (dW·(β·K⊙Γ)ᵀ) sums over K in `_bwd_vk`'s slices (session 27; docs
     §7 item 57). Writes dv, and dAqk, dAkk (masked to their lower triangles) and dβ for `_bwd_k_block` /
-    `_bwd_norms`.
+    `_bwd_norms`. With QPRIME, du holds only dŨ's part Kd·dS_end (`_state_bwd_step`): each value block adds
+    Aqkᵀ·dO before T's product, and dŨ·Ũᵀ takes the rest after the loop as Aqkᵀ·(dO·Ũᵀ), on the unmasked dAqk.
     """
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -584,6 +619,9 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dbk_in,
     p_part = ((i_c * H + i_h) * NS).to(tl.int64)
     for s in tl.static_range(NS):
         dbeta += tl.load(dbk_in + (p_part + s) * C + rows)
+    if QPRIME:
+        AqT = tl.trans(tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,),
+                               padding_option="zero").to(tl.float32))
     for i_v in range(0, V // BV):
         dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
         dU = tl.load(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
@@ -592,10 +630,15 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, dbk_in,
         vb = vb.to(tl.float32)
         dAqk += _dot_stored(dO, tl.trans(Ut), INTERP)
         dUU += _dot_stored(dU, tl.trans(Ut), INTERP)
-        dXv = tl.dot(TmT, dU.to(tl.float32))
+        if QPRIME:
+            dXv = tl.dot(TmT, dU.to(tl.float32) + tl.dot(AqT, dO.to(tl.float32)))
+        else:
+            dXv = tl.dot(TmT, dU.to(tl.float32))
         tl.store(_bp(dv, bos, L, i_h, row0, i_v * BV, H, V, C, BV),
                  _cast(beta[:, None] * dXv, dv.dtype.element_ty, INTERP), boundary_check=(0,))
         dbeta += tl.sum(dXv * vb, 1)
+    if QPRIME:
+        dUU += tl.dot(AqT, dAqk)
     dAkk = -tl.dot(TmT, dUU)
     tl.store(_bp(daqk_out, bos, L, i_h, row0, 0, H, C, C, C),
              _cast(tl.where(rows[:, None] >= rows[None, :], dAqk, 0.0), daqk_out.dtype.element_ty, INTERP),
@@ -756,11 +799,14 @@ def _bwd_norms(q, k, b, qn_in, kn_in, dqh, dkh, db_in, db_part, dq, dk, dbl, TT,
 # host side
 
 
-def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, store_t=False, store_norms=False):
+def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, store_t=False, store_norms=False,
+                 qprime=None):
     """Launch `_prep_gate`, `_prep_intra`, `_prep_solve` and `_prep_wu` on flattened [TT, H, ·] inputs; returns the
     chunk-local operands (W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, T if store_t else None, (‖q‖, ‖k‖) [TT, H] fp32
-    if store_norms else None, and G [TT, H, K] fp32 if store_t else None: the backward reads T, the norms and G, an
-    inference forward does not store ‖q‖ and frees G before `_state`)."""
+    if store_norms else None, G [TT, H, K] fp32 if store_t else None, Q′): the backward reads T, the norms and G, an
+    inference forward does not store ‖q‖ and frees G before `_state`. Q′ = Q⊙Γ − Aqk·W (`_state_bwd` with
+    `TUNING["state_bwd_qprime"]`) is None unless qprime is "apart" (a tensor of its own) or "over" (written over
+    Q⊙Γ, which is then returned as Q′ in both places)."""
     TT, H, K = q.shape
     V = v.shape[-1]
     lo, hi = dtypes
@@ -772,6 +818,9 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
     Tm = torch.empty(TT, H, CHUNK, dtype=torch.float32, device=q.device)
     kn = torch.empty(TT, H, dtype=torch.float32, device=q.device)  # ‖k‖ per row
     qn = torch.empty_like(kn) if store_norms else None
+    if qprime not in (None, "apart", "over"):
+        raise ValueError(f"qprime is None, 'apart' or 'over', not {qprime!r}")
+    Qp = {None: None, "apart": torch.empty_like(Qg) if qprime == "apart" else None, "over": Qg}[qprime]
     G = None
     if plan.NT > 0:
         interp = interpreting()
@@ -790,10 +839,11 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
                                   **_launch_options("prep_solve"))
         SK, SV = min(K, 64), min(V, 64)
         _prep_wu[(plan.NT * (K // SK + V // SV), H)](k, v, b, G, gc, plan.cu, plan.chunk_idx, Tm, kn, W, U, Kd,
-                                                       H=H, K=K, V=V, C=CHUNK, SK=SK, SV=SV, INTERP=interp,
-                                                       **_launch_options("prep_wu"))
+                                                       Qg, Aqk, Qg if Qp is None else Qp,
+                                                       H=H, K=K, V=V, C=CHUNK, SK=SK, SV=SV, QPRIME=Qp is not None,
+                                                       INTERP=interp, **_launch_options("prep_wu"))
     return (W, U, Qg, Kd, Aqk, gc, (Tm if store_t else None), ((qn, kn) if store_norms else None),
-            (G if store_t else None))
+            (G if store_t else None), Qp)
 
 
 def _state_products(state_bf16: bool, training: bool) -> tuple[bool, bool]:
@@ -840,19 +890,21 @@ def output_apart(dtype: torch.dtype, u_dtype: torch.dtype, keep: bool, want_hs: 
 
 
 def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes, state_bf16,
-         keep=False, training=False):
+         keep=False, training=False, qprime=False):
     """The forward: (o, final state or None, chunk-start states if want_hs else None, kept). training: a backward
     can follow (`_fwd_state`'s products).
 
     keep: also return what the backward would recompute, (W, Qg, Kd, Aqk, gc, T, hs, Ũ, G, ‖q‖, ‖k‖), for
-    `_bwd(inter=…)`; else kept is None. The states and Ũ = U − W·S (in `backward_storage`'s dtypes; the value-side
+    `_bwd(inter=…)`, with Q′ = Qg − Aqk·W in Qg's place if qprime (`_prep_wu`; the forward still reads Qg for o);
+    else kept is None. The states and Ũ = U − W·S (in `backward_storage`'s dtypes; the value-side
     backward reads Ũ instead of recomputing W·S) come from the `_state` launch, with the same `state_bf16` as
     `_bwd`'s recompute: storing them does not change the arithmetic, so the gradients are bit-identical either way.
     o too, except where `output_apart` says the kept forward computes it from the stored bf16 states and Ũ
     (`_fwd_o`); then it carries their rounding, and a forward that keeps nothing computes it inside `_state`.
     """
-    W, U, Qg, Kd, Aqk, gc, Tm, norms, G = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes,
-                                                       store_t=keep, store_norms=keep)
+    W, U, Qg, Kd, Aqk, gc, Tm, norms, G, Qp = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan,
+                                                           dtypes, store_t=keep, store_norms=keep,
+                                                           qprime="apart" if keep and qprime else None)
     # the returned chunk-start states are fp32; kept only for the backward, in its storage dtype
     hs_dtype = backward_storage(q.dtype, "hs") if keep and not want_hs else torch.float32
     o_apart = output_apart(q.dtype, U.dtype, keep, want_hs) and plan.NT > 0
@@ -865,14 +917,17 @@ def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs
         o = torch.empty_like(v)
         BV = min(V, TUNING["fwd_o_bv"])
         bf16, split = _state_products(state_bf16, training=True)
-        _fwd_o[(plan.NT * (V // BV), H)](Qg, Aqk, hs, ut, o, plan.cu, plan.chunk_idx, H=H, K=K, V=V, BV=BV, C=CHUNK,
-                                         BF16=bf16, SPLIT=split, INTERP=interpreting(), **_launch_options("fwd_o"))
+        loop = bool(TUNING["fwd_o_loop"])
+        _fwd_o[(plan.NT * (1 if loop else V // BV), H)](Qg, Aqk, hs, ut, o, plan.cu, plan.chunk_idx, H=H, K=K, V=V,
+                                                        BV=BV, C=CHUNK, BF16=bf16, SPLIT=split, LOOP=loop,
+                                                        INTERP=interpreting(), **_launch_options("fwd_o"))
     # U is not needed by the backward
-    kept = (W, Qg, Kd, Aqk, gc, Tm, hs, ut, G) + norms if keep else None
+    kept = (W, Qg if Qp is None else Qp, Kd, Aqk, gc, Tm, hs, ut, G) + norms if keep else None
     return o, ht, (hs if want_hs else None), kept
 
 
-def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes, state_bf16, inter=None):
+def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes, state_bf16, inter=None,
+         qprime=False):
     """All gradients from the raw inputs and dO (and dht): recompute if needed, the state pass, the chunk passes.
 
     inter: the forward's (W, Qg, Kd, Aqk, gc, T, hs, Ũ, G, ‖q‖, ‖k‖) (`_fwd(keep=True)`); then nothing is recomputed
@@ -881,7 +936,9 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     score backward per 16-row block and key slice (`_bwd_k_block`), the cumsum and gate chains per key slice and
     chunk (`_bwd_gate`) and the row-wise norm and σ' chains (`_bwd_norms`).
     The backward state pass multiplies as TUNING["state_bwd_products"] says (split bf16), whatever
-    state_bf16 is: state_bf16 only changes the forward and the recomputed states.
+    state_bf16 is: state_bf16 only changes the forward and the recomputed states. qprime: `_state_bwd` on Q′ =
+    Qg − Aqk·W (inter's Qg is Q′ then, `_fwd(qprime=True)`), without Aqk's tile and product in its chain; the value
+    side adds dŨ's Aqkᵀ·dO (`_state_bwd_step`).
     """
     TT, H, K = q.shape
     V = v.shape[-1]
@@ -896,8 +953,10 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
                          f"2-3 stages only, not {launch} (TUNING): with 1 stage the build computed wrong gradients "
                          "or faulted (docs/kda-kernels.md §7 item 20)")
     if inter is None:
-        W, U, Qg, Kd, Aqk, gc, Tm, norms, G = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan,
-                                                           dtypes, store_t=True, store_norms=True)
+        # with qprime, Q′ over Qg: `_state` reads neither without o
+        W, U, Qg, Kd, Aqk, gc, Tm, norms, G, _ = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan,
+                                                              dtypes, store_t=True, store_norms=True,
+                                                              qprime="over" if qprime else None)
         _, _, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, write_o=False, want_hs=True,
                                   state_bf16=state_bf16, want_ut=True, training=True,
                                   hs_dtype=backward_storage(q.dtype, "hs"),
@@ -918,7 +977,8 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     _state_bwd[(V // BV, plan.N * H)](Qg, Kd, Aqk, W, gc, do, dht if dht is not None else dh0, du, dse, dh0,
                                       plan.cu, plan.chunk_off, H=H, K=K, V=V, BV=BV, C=CHUNK,
                                       USE_DHT=dht is not None, BF16=products == "bf16", SPLIT=products == "split",
-                                      INTERP=interp, **launch)
+                                      QPRIME=qprime, INTERP=interp, **launch)
+    aqk = Aqk if qprime else gc  # the value side reads Aqk only with qprime
     del W, Qg, Kd, Aqk  # (kept ones live on in the autograd context until the backward returns)
     dv = torch.empty_like(v)
     # the value side's dq̂, dk̂, finished by the score side (`bwd_scratch_bf16`)
@@ -950,13 +1010,13 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         # K = 16 with BV = 32 faulted (illegal address, in the value-side kernel of the time) on the H200; BV = 16
         # runs (docs/kda-kernels.md, runs 8-9)
         BVK = min(V, TUNING["bwd_vk_fp32_bv" if fp32_tiles else "bwd_vk_bv"]) if K > 16 else 16
-        _bwd_vk[(plan.NT * NSV, H)](q, k, b, G, gc, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du, ut, dqh,
-                                    dkh, dG, dbk, scale, H=H, K=K, V=V, SK=SKV, BV=BVK, C=CHUNK, INTERP=interp,
-                                    **vk_launch)
-        _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, dbk, dv, daqk, dakk, dbeta,
-                              H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, INTERP=interp,
-                              **_launch_options("bwd_vv"))
-        del dbk, ut
+        _bwd_vk[(plan.NT * NSV, H)](q, k, b, G, gc, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du, ut, aqk,
+                                    dqh, dkh, dG, dbk, scale, H=H, K=K, V=V, SK=SKV, BV=BVK, C=CHUNK,
+                                    QPRIME=qprime, INTERP=interp, **vk_launch)
+        _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, aqk, dbk, dv, daqk, dakk, dbeta,
+                              H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, QPRIME=qprime,
+                              INTERP=interp, **_launch_options("bwd_vv"))
+        del dbk, ut, aqk
         # per (16-row block, key slice): the score side (docs/kda-kernels.md §7 item 22); then per (key slice,
         # chunk) the reverse cumsum and the gate chain, and per row the norm and σ' chains
         db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
@@ -988,19 +1048,21 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, z, b, A_log, dt_bias, h0, g_min, scale, plan, want_ht, want_hs, dtypes, state_bf16,
                 keep, training):
+        # decided once for both passes: the kept operands are Q′ or Q⊙Γ by it
+        qprime = bool(TUNING["state_bwd_qprime"])
         o, ht, hs, kept = _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes,
-                               state_bf16, keep=keep, training=training)
+                               state_bf16, keep=keep, training=training, qprime=qprime)
         if kept is None:
             ctx.save_for_backward(q, k, v, z, b, A_log, dt_bias, h0)
         else:
             ctx.save_for_backward(q, k, v, z, b, A_log, dt_bias, *kept)
-        ctx.cfg = (g_min, scale, plan, dtypes, state_bf16, kept is not None, h0 is not None)
+        ctx.cfg = (g_min, scale, plan, dtypes, state_bf16, kept is not None, h0 is not None, qprime)
         ctx.mark_non_differentiable(*(x for x in (hs,) if x is not None))
         return o, ht, hs
 
     @staticmethod
     def backward(ctx, do, dht, dhs):
-        g_min, scale, plan, dtypes, state_bf16, kept, has_h0 = ctx.cfg
+        g_min, scale, plan, dtypes, state_bf16, kept, has_h0, qprime = ctx.cfg
         saved = ctx.saved_tensors
         q, k, v, z, b, A_log, dt_bias = saved[:7]
         h0, inter = (None, saved[7:]) if kept else (saved[7], None)
@@ -1008,7 +1070,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         dq, dk, dv, dz, db, dA_log, ddt_bias, dh0 = _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan,
                                                           do.contiguous(),
                                                           None if dht is None else dht.contiguous(),
-                                                          dtypes, state_bf16, inter=inter)
+                                                          dtypes, state_bf16, inter=inter, qprime=qprime)
         return (dq, dk, dv, dz, db, dA_log, ddt_bias, dh0 if has_h0 else None) + (None,) * 9
 
 

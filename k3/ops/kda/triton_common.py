@@ -47,6 +47,9 @@ TUNING = {
     # Aqk·Ũ in tf32 then; split bf16 since, untimed), fwd+bwd 9.951 → 9.849; o 3.1 → 3.8e-3 from fp64 at T = 8192
     # H = 4 (fla 5.4e-3, limit 5e-3)
     "state_o_apart": True, "fwd_o_bv": 64, "fwd_o_warps": 4, "fwd_o_stages": None, "fwd_o_maxnreg": None,
+    # `_fwd_o` as one program per (chunk, head) walking the value blocks, Q⊙Γ and Aqk loaded once (docs §7 item 66;
+    # untimed: off)
+    "fwd_o_loop": False,
     # `_state_bwd` in split-bf16 products at 4 warps, 3 stages: 2.15 → 1.37 ms at the K3 shape, 0.67 → 0.46 at the
     # small preset's, and closer to fp64 than tf32 at 8 warps, 1 stage (2 stages: 1.58 and 0.52 ms; session 12
     # runs 1-2; `state_bwd_products`)
@@ -69,6 +72,11 @@ TUNING = {
     # miscompile of the unpipelined loads, as in sessions 4 and 9 (session 12 runs 1-2); 8 warps at 2-3 stages is
     # untimed. Launches outside the measured region are refused.
     "state_bwd_products": "split",
+    # `_state_bwd` on Q′ = Q⊙Γ − Aqk·W (`_prep_wu` writes it, bf16 for bf16 inputs), without Aqk's tile and product in
+    # its chain: dS_start = Q′ᵀ·dO + Diag(Γ_C)·dS_end − Wᵀ·(Kd·dS_end), and dŨ's Aqkᵀ·dO taken in `_bwd_vk` (as
+    # −Aqkᵀ·dQg on dW) and `_bwd_vv` (per value block, and Aqkᵀ·dAqk on dŨ·Ũᵀ) instead (docs/kda-kernels.md §7 item
+    # 65). Offline the pass drops to 218 registers, no spills, 172 KB at 3 stages (255, 12 B, 204 KB). Untimed: off
+    "state_bwd_qprime": False,
     # the value-side backward over key slices from the forward's Ũ (docs/kda-kernels.md §7 item 13): `_bwd_vk` per
     # (key slice of bwd_vk_cols, chunk, head), then `_bwd_vv` per (chunk, head); fwd+bwd 19.95 → 18.53 ms at the K3
     # shape with bwd_vk_maxnreg 168 (session 8, run 1). 8 warps, 3 stages, 128 registers: every loop tile an async
