@@ -528,9 +528,9 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
     `_bwd_vv`: dβ_k = Σ_k (Tᵀ·dW)⊙K⊙Γ (dbk_out [NT, H, NS, C]); T's gradient needs no key side (`_bwd_vv`). G
     and G_C are the prepare's (g_in [TT, H, K], gc_in [NT, H, K]; G reads 0 past the document end, where every
     factor it enters multiplies a zero row). ‖q‖, ‖k‖ come from qn_in, kn_in ([TT, H], `_load_norm`). T, G, q̂ and
-    k̂, which only the part after the loop reads, are loaded before it: one program of 255 registers per SM has no
-    neighbour to hide their latency, the loop's products do (no spills offline; 2.63 → 2.32 ms at the K3 shape,
-    session 24 run 2; T and G alone 2.57). S, dS_end, dŨ and Ũ arrive as `TUNING["bwd_storage_bf16"]` stored them
+    k̂ (and Aqk with QPRIME), which only the part after the loop reads, are loaded before it: one program of 255
+    registers per SM has no neighbour to hide their latency, the loop's products do (no spills offline; 2.63 →
+    2.32 ms at the K3 shape, session 24 run 2; T and G alone 2.57). S, dS_end, dŨ and Ũ arrive as `TUNING["bwd_storage_bf16"]` stored them
     and multiply as stored (`_dot_stored`): all bf16 by default, plain bf16 products on value blocks of 64 (2.27 →
     2.07 ms, session 26; with split-bf16 products on bf16 storage, session 13: slower, 2.91 → 2.99). With QPRIME,
     du holds only dŨ's part Kd·dS_end (`_state_bwd_step`); the rest, Aqkᵀ·dO, enters dW after the loop as
@@ -556,6 +556,8 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
     Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
     G = tl.load(_bp(g_in, bos, L, i_h, row0, c0, H, K, C, SK), boundary_check=(0,), padding_option="zero")
     qh, kh = _unit_cols(q, k, qn_in, kn_in, bos, L, row0, c0, i_h, scale, H, K, SK, C)
+    if QPRIME:
+        Aq = tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
     for i_v in range(0, V // BV):
         off_s = (c0 + cs)[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
         S = tl.load(hs + s_base + off_s)
@@ -568,7 +570,6 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
         dKd += _dot_stored(Ut, tl.trans(dSe), INTERP)
         dgc += tl.sum(S.to(tl.float32) * dSe.to(tl.float32), 1)
     if QPRIME:
-        Aq = tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
         dW -= tl.dot(tl.trans(Aq.to(tl.float32)), dQg)
     dXk = tl.dot(tl.trans(Tm), dW)
     gam = tl.exp(G)
