@@ -84,15 +84,16 @@ def reference(q, k, v, z, b, A_log, dt_bias, h0, g_min=-5.0, cu_seqlens=None, sc
                                cu_seqlens=cu_seqlens)
 
 
-def run_both(inputs, dev, g_min=-5.0, cu_seqlens=None, seed=1):
-    """chunk_kda and the fp64 reference on the same inputs and random cotangents; returns outputs and grads."""
+def run_both(inputs, dev, g_min=-5.0, cu_seqlens=None, seed=1, **kw):
+    """chunk_kda (with kw) and the fp64 reference on the same inputs and random cotangents; returns outputs and
+    grads."""
     from k3.ops.kda import chunk_kda
 
     tri_in = [x.to(dev).requires_grad_() for x in inputs]
     ref_in = [x.detach().double().requires_grad_() for x in inputs]
     cu = None if cu_seqlens is None else torch.tensor(cu_seqlens)
     o, S = chunk_kda(*tri_in[:7], gate_lower_bound=g_min, initial_state=tri_in[7], output_final_state=True,
-                     cu_seqlens=None if cu is None else cu.to(dev))
+                     cu_seqlens=None if cu is None else cu.to(dev), **kw)
     ro, rS = reference(*ref_in, g_min=g_min, cu_seqlens=cu)
     gen = torch.Generator().manual_seed(seed)
     do, dS = torch.randn(ro.shape, generator=gen, dtype=F64), torch.randn(rS.shape, generator=gen, dtype=F64)
@@ -325,28 +326,30 @@ def test_training_output_apart_from_the_state_pass(dev, monkeypatch):
     assert torch.equal(outs[True][0], outs[False][0])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_state_bwd_on_qprime(dev, monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,all_bf16", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)])
+def test_state_bwd_on_qprime(dev, monkeypatch, dtype, all_bf16):
     """TUNING["state_bwd_qprime"]: `_state_bwd` on Q′ = Q⊙Γ − Aqk·W, with dŨ's Aqkᵀ·dO taken in `_bwd_vk` and
     `_bwd_vv`, passes the fp64 tolerances on packed documents (a one-token and an empty one among them), leaves o
     and the final state bit-identical (the forward still computes o from Q⊙Γ) and dq too (it never reads dŨ), moves
     every other gradient (the path ran) and keeps each within 1.3× the default path's error from fp64 (measured in
     the interpreter: at most 1.14×, dA_log in bf16; dv, dt_bias and most fp32 ones closer), and keeps the kept
-    and recomputing backwards bit-identical (`_prep_wu` writes Q′ beside Q⊙Γ in one, over it in the other). The
-    switch is read at the forward: flipping it before the backward changes nothing."""
+    and recomputing backwards bit-identical (`_prep_wu` writes Q′ beside Q⊙Γ in one, over it in the other). With
+    all_bf16 (Aqk stored in bf16) the same, but the fp64 tolerances, which that variant is not held to. The switch
+    is read at the forward: flipping it before the backward changes nothing."""
     from k3.ops.kda import triton_chunk as tc
 
     cu = [0, 70, 71, 71, 150]
     inputs = make_raw(1, cu[-1], 2, 32, 64, seed=65, N=len(cu) - 1, dtype=dtype)
-    base, ref = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
+    base, ref = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu, all_bf16=all_bf16)
     monkeypatch.setitem(tc.TUNING, "state_bwd_qprime", True)
-    qp, ref = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu)
-    check(qp, ref, dtype, "state_bwd_qprime")
+    qp, ref = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu, all_bf16=all_bf16)
+    if not all_bf16:  # (U and Aqk in bf16 too: a measured variant, outside the issue's tolerances)
+        check(qp, ref, dtype, "state_bwd_qprime")
     assert torch.equal(qp[0], base[0]) and torch.equal(qp[1], base[1]) and torch.equal(qp[2][0], base[2][0])
     assert all(not torch.equal(a, b) for a, b in zip(qp[2][1:], base[2][1:]))
     for name, a, b, r in zip(NAMES, qp[2], base[2], ref[2]):
         assert rel_err(a.cpu(), r) <= 1.3 * rel_err(b.cpu(), r), name
-    kw = dict(cu_seqlens=torch.tensor(cu, device=dev))
+    kw = dict(cu_seqlens=torch.tensor(cu, device=dev), all_bf16=all_bf16)
     kept = _fwd_bwd(inputs, dev, save_intermediates=True, **kw)
     again = _fwd_bwd(inputs, dev, save_intermediates=False, **kw)
     assert all(torch.equal(a, b) for a, b in zip(kept[2:], again[2:]))
