@@ -201,7 +201,7 @@ def main() -> None:
     print(f"{'kernel':14s} {'settings':40s} {'regs':>5s} {'spill st/ld B':>14s} {'shared KB':>10s}")
     for name in args.kernels or list(TUNING_PREFIX):
         base = tuned_settings(name, args.bv)
-        if name == "_bwd_vk" and len(set(stored_bf16)) < 4:  # as `_bwd` launches it
+        if name in ("_bwd_vk", "_bwd_vk_qp") and len(set(stored_bf16)) < 4:  # as `_bwd` launches it
             base["num_stages"] = chunk.TUNING["bwd_vk_fp32_stages"]
             base["BV"] = args.bv or chunk.TUNING["bwd_vk_fp32_bv"]
         for warps, stages, cap in itertools.product(args.warps or [base["num_warps"]],

@@ -69,7 +69,8 @@ def main() -> None:
         BV = tc.TUNING["state_bwd_bv"]
         tc._state_bwd[(128 // BV, plan.N * H)](Qg, Kd, Aqk, W, gc, do, dh0, du, dse, dh0, plan.cu, plan.chunk_off,
                                                H=H, K=128, V=128, BV=BV, C=tc.CHUNK, USE_DHT=False, BF16=False,
-                                               SPLIT=True, INTERP=dev == "cpu", **tc._launch_options("state_bwd"))
+                                               SPLIT=True, QPRIME=False, INTERP=dev == "cpu",
+                                               **tc._launch_options("state_bwd"))
 
     for cfg in ({}, {"state_bwd_stages": 2}, {"state_bwd_bv": 64, "state_bwd_stages": 2}):
         timed("_state_bwd", cfg, state_bwd)

@@ -332,7 +332,8 @@ def test_state_bwd_on_qprime(dev, monkeypatch, dtype, all_bf16):
     `_bwd_vv`, passes the fp64 tolerances on packed documents (a one-token and an empty one among them), leaves o
     and the final state bit-identical (the forward still computes o from Q⊙Γ) and dq too (it never reads dŨ), moves
     every other gradient (the path ran) and keeps each within 1.3× the default path's error from fp64 (measured in
-    the interpreter: at most 1.14×, dA_log in bf16; dv, dt_bias and most fp32 ones closer), and keeps the kept
+    the interpreter: at most 1.14×, dA_log in bf16; dv, dt_bias and most fp32 ones closer; a tenth of the tolerance
+    more on a GPU, whose tf32 dots move the small sums), and keeps the kept
     and recomputing backwards bit-identical (`_prep_wu` writes Q′ beside Q⊙Γ in one, over it in the other). With
     all_bf16 (Aqk stored in bf16) the same, but the fp64 tolerances, which that variant is not held to. The switch
     is read at the forward: flipping it before the backward changes nothing."""
@@ -347,8 +348,11 @@ def test_state_bwd_on_qprime(dev, monkeypatch, dtype, all_bf16):
         check(qp, ref, dtype, "state_bwd_qprime")
     assert torch.equal(qp[0], base[0]) and torch.equal(qp[1], base[1]) and torch.equal(qp[2][0], base[2][0])
     assert all(not torch.equal(a, b) for a, b in zip(qp[2][1:], base[2][1:]))
+    # on a GPU the tf32 dots (exact in the interpreter) move the small sums, dA_log's two entries most (1.7-2.0× when
+    # imitated in the interpreter): a floor of a tenth of the tolerance there
     for name, a, b, r in zip(NAMES, qp[2], base[2], ref[2]):
-        assert rel_err(a.cpu(), r) <= 1.3 * rel_err(b.cpu(), r), name
+        slack = 0.1 * TOL[name] if ON_GPU else 0.0
+        assert rel_err(a.cpu(), r) <= 1.3 * rel_err(b.cpu(), r) + slack, name
     kw = dict(cu_seqlens=torch.tensor(cu, device=dev), all_bf16=all_bf16)
     kept = _fwd_bwd(inputs, dev, save_intermediates=True, **kw)
     again = _fwd_bwd(inputs, dev, save_intermediates=False, **kw)
