@@ -61,6 +61,7 @@ TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_
                  "_prep_wu": "prep_wu", "_state": "state", "_state_ut": "state_ut", "_state_ut_o": "state_ut",
                  "_fwd_o": "fwd_o", "_state_bwd": "state_bwd", "_prep_wu_qp": "prep_wu", "_state_bwd_qp": "state_bwd",
                  "_bwd_vk_qp": "bwd_vk", "_bwd_vv_qp": "bwd_vv", "_fwd_o_loop": "fwd_o",
+                 "_bwd_k_block32": "bwd_k",
                  "_bwd_vk": "bwd_vk", "_bwd_vv": "bwd_vv", "_bwd_k_block": "bwd_k", "_bwd_gate": "bwd_gate",
                  "_bwd_norms": "bwd_norms", "_prefill_prepare": "prefill_prepare", "_prefill_state": "prefill_state",
                  "_prefill_prepare_half1": "prefill_prepare",
@@ -83,6 +84,7 @@ KERNEL_CONSTEXPRS = {"_prep_intra": dict(INVERSE=chunk.TUNING["prep_inverse"]),
                      "_fwd_o_loop": dict(SPLIT=chunk.TUNING["state_split"], LOOP=True),
                      "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV), "_bwd_k_block": dict(SK=_SK),
                      # `TUNING["state_bwd_qprime"]`'s specialisations (docs/kda-kernels.md §7 item 65)
+                     "_bwd_k_block32": dict(SK=_SK, BC=32),
                      "_prep_wu_qp": dict(QPRIME=True), "_bwd_vk_qp": dict(SK=_SKV, QPRIME=True),
                      "_bwd_vv_qp": dict(NS=128 // _SKV, QPRIME=True),
                      "_bwd_gate": dict(SK=chunk.TUNING["bwd_gate_cols"]),
@@ -98,7 +100,7 @@ KERNEL_CONSTEXPRS = {"_prep_intra": dict(INVERSE=chunk.TUNING["prep_inverse"]),
 def kernel_fn(name: str):
     aliases = {"_state_ut": chunk._state, "_state_ut_o": chunk._state, "_prep_wu_qp": chunk._prep_wu,
                "_state_bwd_qp": chunk._state_bwd, "_bwd_vk_qp": chunk._bwd_vk, "_bwd_vv_qp": chunk._bwd_vv,
-               "_fwd_o_loop": chunk._fwd_o,
+               "_fwd_o_loop": chunk._fwd_o, "_bwd_k_block32": chunk._bwd_k_block,
                "_prefill_prepare_half1": prefill._prefill_prepare, "_prefill_prepare_half2": prefill._prefill_prepare}
     return aliases.get(name) or getattr(chunk, name, None) or getattr(prefill, name)
 

@@ -157,13 +157,15 @@ def _intra_row_block(qh, kh, beta, G, a, bos, L, i_h, r0, R, qg_out, aqk_out, t_
 
 
 @triton.jit
-def _g_block(g_in, bos, L, i_h, r0, c0, H, K: tl.constexpr, SK: tl.constexpr, BC: tl.constexpr):
+def _g_block(g_in, bos, L, i_h, r0, c0, H, K: tl.constexpr, SK: tl.constexpr, BC: tl.constexpr,
+             AO: tl.constexpr = 0):
     """The prepare's G ([TT, H, K] fp32) on the BC rows at r0 of one document, columns [c0, c0 + SK), with its
-    anchor a (G at the first row) and end e (G at the last row before the document end): loaded, not reduced. Rows
-    past the end take G = a, so every factor exp(±(G − a)) there is 1 (q̂ = k̂ = 0 on them)."""
+    anchor a (G at row AO of the block, or at its last row before the document end if that comes first; the first
+    row by default) and end e (G at the last row before the document end): loaded, not reduced. Rows past the end
+    take G = a, so every factor exp(±(G − a)) there is 1 (q̂ = k̂ = 0 on them)."""
     ck = c0 + tl.arange(0, SK)
     G = tl.load(_bp(g_in, bos, L, i_h, r0, c0, H, K, BC, SK), boundary_check=(0,), padding_option="zero")
-    a = tl.load(g_in + ((bos + r0) * H + i_h).to(tl.int64) * K + ck)
+    a = tl.load(g_in + ((bos + tl.minimum(r0 + AO, L - 1)) * H + i_h).to(tl.int64) * K + ck)
     e = tl.load(g_in + ((bos + tl.minimum(r0 + BC, L) - 1) * H + i_h).to(tl.int64) * K + ck)
     return tl.where((r0 + tl.arange(0, BC) < L)[:, None], G, a[None, :]), a, e
 
@@ -653,8 +655,9 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, aqk, dbk_in,
 @triton.jit
 def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_in, daqk_in, dakk_in, db_part,
                  scale, H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, INTERP: tl.constexpr):
-    """The score backward of one (16-row block R, key slice of SK columns, chunk, head): everything that lands on
-    block R's rows, so no program waits for another and nothing is carried across blocks.
+    """The score backward of one (BC-row block R, key slice of SK columns, chunk, head): everything that lands on
+    block R's rows, so no program waits for another and nothing is carried across blocks. BC is 16, or 32
+    (`TUNING["bwd_k_rows"]`, below).
 
     Block (R, J) of Aqk = Σ_k q̂[r]k̂[i]·exp(G[r] − G[i]) (and of Ã, Akk = diag(β)·Ã) is a product of 16-row tiles
     around anchors, every factor within fp32's range because g ≥ −5 (docs/kda.md §4):
@@ -674,9 +677,20 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
     nothing: its dG rows (G_C's gradient may sit on the chunk's last row) pass through unchanged. The products are tf32
     (bf16 operands: 3.51 → 3.40 ms at the K3 shape, but ddt_bias 4.0e-4 → 6.5e-3 from fp64 in the interpreter, near
     its 8e-3 limit; session 13 run 2).
+
+    32-row blocks (MID; docs/kda-kernels.md §7 item 67) halve the neighbours' loads (one block pair per chunk
+    instead of six, each loaded by both its programs). From the first row a 32-row block's factors would reach
+    e^160, so the diagonal block anchors at its middle row (a_R = G at row 16: e^±80), and the row side is finished
+    per block: the diagonal's rows times the row factor (> 1 above the anchor) at once, the block (R, J)'s times
+    exp(G_r − e_J) ≤ 1, and the column side's factor is exp(G_r − e_R) ≤ 1 in one exp. Every factor that can
+    underflow then multiplies only factors ≤ 1, so a flushed product is one below fp32's range anyway.
     """
     NS: tl.constexpr = K // SK
     NB: tl.constexpr = C // BC
+    # 32-row blocks anchor at their middle row (factors within e^±80, as 16-row blocks' at their first); their
+    # row side is finished per block (`MID` below)
+    MID: tl.constexpr = BC > 16
+    AO: tl.constexpr = BC // 2 if MID else 0
     pid = tl.program_id(0)
     R = pid % NB
     s = (pid // NB) % NS
@@ -688,7 +702,7 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
     if r0 < L:
         qh, kh = _unit_cols(q, k, qn_in, kn_in, bos, L, r0, c0, i_h, scale, H, K, SK, BC)
         beta = _load_beta(b, bos, L, r0, i_h, H, BC)
-        G, a, e = _g_block(g_in, bos, L, i_h, r0, c0, H, K, SK, BC)
+        G, a, e = _g_block(g_in, bos, L, i_h, r0, c0, H, K, SK, BC, AO)
         rf = _exp(G - a[None, :], INTERP)
         ec = _exp(a[None, :] - G, INTERP)
         qs = qh * rf
@@ -699,6 +713,11 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
         dak = _load_block(dakk_in, bos, L, i_h, r0, R * BC, H, C, BC).to(tl.float32)
         rowq = tl.dot(daq, kc)
         rowk = tl.dot(dak, kc)
+        if MID:
+            # finished here: rf reaches e^80 above the anchor, where a block before R's factor exp(a − e_J) may
+            # have underflowed; each block (R, J) takes exp(G − e_J) ≤ 1 instead
+            rowq = rf * rowq
+            rowk = rf * rowk
         cs = tl.dot(tl.trans(daq), qs) + tl.dot(tl.trans(beta[:, None] * dak), ks)
         co = tl.zeros([BC, SK], dtype=tl.float32)
         for J in tl.static_range(NB):
@@ -706,17 +725,23 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
             if J < R:
                 # block (R, J): R's row side (J lies wholly before R, so inside the document)
                 _, kJ = _unit_cols(q, k, qn_in, kn_in, bos, L, rJ, c0, i_h, scale, H, K, SK, BC)
-                GJ, _, eJ = _g_block(g_in, bos, L, i_h, rJ, c0, H, K, SK, BC)
+                GJ, _, eJ = _g_block(g_in, bos, L, i_h, rJ, c0, H, K, SK, BC, AO)
                 kend = kJ * _exp(eJ[None, :] - GJ, INTERP)
-                d = _exp(a - eJ, INTERP)[None, :]
+                if MID:
+                    d = _exp(G - eJ[None, :], INTERP)
+                else:
+                    d = _exp(a - eJ, INTERP)[None, :]
                 rowq += d * tl.dot(_load_block(daqk_in, bos, L, i_h, r0, J * BC, H, C, BC).to(tl.float32), kend)
                 rowk += d * tl.dot(_load_block(dakk_in, bos, L, i_h, r0, J * BC, H, C, BC).to(tl.float32), kend)
             if J > R and rJ < L:
                 # block (J, R): R's column side
                 qJ, kJ = _unit_cols(q, k, qn_in, kn_in, bos, L, rJ, c0, i_h, scale, H, K, SK, BC)
                 bJ = _load_beta(b, bos, L, rJ, i_h, H, BC)
-                GJ, aJ, _ = _g_block(g_in, bos, L, i_h, rJ, c0, H, K, SK, BC)
-                fJ = _exp(GJ - aJ[None, :], INTERP) * _exp(aJ - e, INTERP)[None, :]
+                GJ, aJ, _ = _g_block(g_in, bos, L, i_h, rJ, c0, H, K, SK, BC, AO)
+                if MID:
+                    fJ = _exp(GJ - e[None, :], INTERP)
+                else:
+                    fJ = _exp(GJ - aJ[None, :], INTERP) * _exp(aJ - e, INTERP)[None, :]
                 daqJ = _load_block(daqk_in, bos, L, i_h, rJ, R * BC, H, C, BC).to(tl.float32)
                 dakJ = _load_block(dakk_in, bos, L, i_h, rJ, R * BC, H, C, BC).to(tl.float32)
                 co += tl.dot(tl.trans(daqJ), qJ * fJ) + tl.dot(tl.trans(bJ[:, None] * dakJ), kJ * fJ)
@@ -724,14 +749,22 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
         p_dkh = _bp(dkh_in, bos, L, i_h, r0, c0, H, K, BC, SK)
         p_dg = dg_in + (i_c * H + i_h).to(tl.int64) * C * K + (R * BC + tl.arange(0, BC))[:, None] * K + c0 + \
             tl.arange(0, SK)[None, :]
-        # rowk was taken with dAkk; Akk = diag(β)·Ã, so Σ_i dAkk·Ã = Σ_k ks⊙rowk, and Ã's own gradient is β·rowk
-        dbeta = tl.sum(ks * rowk, 1)
-        rowk = beta[:, None] * rowk
         ce = _exp(e[None, :] - G, INTERP) * co
-        dqh = tl.load(p_dqh, boundary_check=(0,), padding_option="zero").to(tl.float32) + rf * rowq
-        dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero").to(tl.float32) + rf * rowk + ec * cs + ce
-        # padding rows keep their dG: the last row carries G_C's gradient into the chunk (`_bwd_vk`)
-        dG = tl.load(p_dg) + qs * rowq + ks * rowk - kc * cs - kh * ce
+        if MID:
+            # rowq, rowk are finished (they carry rf): the same sums with q̂, k̂ in place of qs, ks
+            dbeta = tl.sum(kh * rowk, 1)
+            rowk = beta[:, None] * rowk
+            dqh = tl.load(p_dqh, boundary_check=(0,), padding_option="zero").to(tl.float32) + rowq
+            dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero").to(tl.float32) + rowk + ec * cs + ce
+            dG = tl.load(p_dg) + qh * rowq + kh * rowk - kc * cs - kh * ce
+        else:
+            # rowk was taken with dAkk; Akk = diag(β)·Ã, so Σ_i dAkk·Ã = Σ_k ks⊙rowk, and Ã's own gradient is β·rowk
+            dbeta = tl.sum(ks * rowk, 1)
+            rowk = beta[:, None] * rowk
+            dqh = tl.load(p_dqh, boundary_check=(0,), padding_option="zero").to(tl.float32) + rf * rowq
+            dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero").to(tl.float32) + rf * rowk + ec * cs + ce
+            # padding rows keep their dG: the last row carries G_C's gradient into the chunk (`_bwd_vk`)
+            dG = tl.load(p_dg) + qs * rowq + ks * rowk - kc * cs - kh * ce
         tl.store(p_dqh, _cast(dqh, dqh_in.dtype.element_ty, INTERP), boundary_check=(0,))
         tl.store(p_dkh, _cast(dkh, dkh_in.dtype.element_ty, INTERP), boundary_check=(0,))
         tl.store(p_dg, dG)
@@ -1021,9 +1054,12 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         # per (16-row block, key slice): the score side (docs/kda-kernels.md §7 item 22); then per (key slice,
         # chunk) the reverse cumsum and the gate chain, and per row the norm and σ' chains
         db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
-        _bwd_k_block[(plan.NT * NS * (CHUNK // SUB), H)](q, k, b, G, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG,
+        BCK = TUNING["bwd_k_rows"]
+        if BCK not in (16, 32):
+            raise ValueError(f"TUNING['bwd_k_rows'] is 16 or 32, not {BCK!r}")
+        _bwd_k_block[(plan.NT * NS * (CHUNK // BCK), H)](q, k, b, G, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG,
                                                          daqk, dakk, db_part, scale, H=H, K=K, SK=SK, C=CHUNK,
-                                                         BC=SUB, INTERP=interp,
+                                                         BC=BCK, INTERP=interp,
                                                          **_launch_options("bwd_k"))
         del G
         _bwd_gate[(plan.NT * NSG, H)](z, A_log, dt_bias, plan.cu, plan.chunk_idx, dG, dz, dA_part, dbias_part,

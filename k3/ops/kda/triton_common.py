@@ -119,6 +119,9 @@ TUNING = {
     # (session 27) 64 registers (100 B of spills, eight programs per SM): 2.53 → 2.48-2.49 ms in runs 3-4, the small
     # preset's layer 0.42 → 0.40; the default since run 5 (the GPU tests of the score backward passed under it)
     "bwd_k_cols": 32, "bwd_k_warps": 4, "bwd_k_stages": None, "bwd_k_maxnreg": 64,
+    # `_bwd_k_block` on 32-row blocks anchored at their middle row (16: the prepare's blocks): half the neighbours'
+    # loads (docs/kda-kernels.md §7 item 67; untimed: 16)
+    "bwd_k_rows": 16,
     # (session 25: two row blocks per program, each neighbour's tiles loaded once for both, 3.56 ms at 128 registers,
     # 3.59 at 96, 3.94 at 80: deleted, commit 60f62a9 has it; 64-column slices on 8 warps 3.18. Session 27 run 4: one
     # program per (key slice, chunk) walking the four blocks, 2.53 → 2.72 ms at 96 registers, 2.80 at 128, 2.90 at 88:
