@@ -3,8 +3,11 @@
 # `_fwd_o` (its split products, and `fwd_o_loop`, item 66) and the 32-row score backward (`bwd_k_rows`, item 67);
 # then, at the K3 shape beside the defaults, `_fwd_o` as one program per (chunk, head) walking the value blocks at
 # three launches and `_bwd_k_block` on 32-row blocks at three (offline: 16-column slices 150 registers uncapped, 32 B
-# of spills at 128, 160 B at 96; 32-column slices 246 uncapped, 244 B at 168). No accuracy table: o is bit-identical
-# under `fwd_o_loop`, and the 32-row gradients match the 16-row ones to 1e-4 (tested).
+# of spills at 128, 160 B at 96; 32-column slices 246 uncapped, 244 B at 168), and the training `_state` (o apart
+# since session 28) on value blocks of 64 at 8 warps (offline 234-240 registers, no spills, 112 KB at 2 stages, 160 at
+# 3: half the programs, 192 on 132 SMs). No accuracy table: o is bit-identical under `fwd_o_loop`, and the 32-row
+# gradients match the 16-row ones to 1e-4 (tested); a `_state` launch at 8 warps is untested on the H200 (split
+# products at 8 warps were miscompiled at 1 stage in `_state_bwd`, §7 item 20): run the GPU tests before adopting it.
 #     OUT=/tmp/out K3_GIT_SHA=<sha> bash benchmarks/sessions/s30_run2.sh
 . benchmarks/sessions/prelude.sh
 {
@@ -14,7 +17,9 @@ step 300 python3 -m benchmarks.kda --fla-cases none --cases none --out "$OUT/s30
     --compare '[{}, {"fwd_o_loop": true}, {"fwd_o_loop": true, "fwd_o_stages": 2}, {"fwd_o_loop": true, "fwd_o_bv": 32},
                 {"bwd_k_rows": 32, "bwd_k_cols": 16, "bwd_k_maxnreg": 128},
                 {"bwd_k_rows": 32, "bwd_k_cols": 16, "bwd_k_maxnreg": 96},
-                {"bwd_k_rows": 32, "bwd_k_cols": 32, "bwd_k_maxnreg": 168}, {}]' \
+                {"bwd_k_rows": 32, "bwd_k_cols": 32, "bwd_k_maxnreg": 168},
+                {"state_ut_bv": 64, "state_ut_warps": 8, "state_ut_stages": 2},
+                {"state_ut_bv": 64, "state_ut_warps": 8, "state_ut_stages": 3}, {}]' \
     --compare-shapes '1,8192,96'
 } 2>&1 | grep --line-buffered -v "Warning\|warn_once" > "$OUT/log.txt"
 grep -v "^\s*$" "$OUT/log.txt" | grep -v "^┃\|^┏\|^┡\|^└" | tail -c 11500
