@@ -103,6 +103,17 @@ def chunk_operands(B, T, H, seed=5, device="cuda", qprime=False):
     return plan, h0, ops
 
 
+def probe_setup(quick_help: str):
+    """The session probes' command line and shape: (args with --out and --quick, (B, T, H), device). --quick is
+    T=128 H=2 (the interpreter on CPU, `quick_help` says what else it skips), otherwise the K3 shape."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="", help="write the rows as JSON here")
+    ap.add_argument("--quick", action="store_true", help=f"T=128 H=2, {quick_help} (the interpreter on CPU)")
+    args = ap.parse_args()
+    shape = (1, 128, 2) if args.quick else (1, 8192, 96)
+    return args, shape, "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def ours_fn(ins, cu, **kw):
     return chunk_kda(*ins[:7], initial_state=ins[7], output_final_state=True, cu_seqlens=cu, **kw)
 

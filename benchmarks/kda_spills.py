@@ -83,8 +83,9 @@ KERNEL_CONSTEXPRS = {"_prep_intra": dict(INVERSE=chunk.TUNING["prep_inverse"]),
                      "_fwd_o": dict(SPLIT=chunk.TUNING["state_split"]),
                      "_fwd_o_loop": dict(SPLIT=chunk.TUNING["state_split"], LOOP=True),
                      "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV), "_bwd_k_block": dict(SK=_SK),
-                     # `TUNING["state_bwd_qprime"]`'s specialisations (docs/kda-kernels.md §7 item 65)
+                     # the 32-row score backward (`bwd_k_rows`, docs/kda-kernels.md §7 item 67)
                      "_bwd_k_block32": dict(SK=64, BC=32),
+                     # `TUNING["state_bwd_qprime"]`'s specialisations (§7 item 65)
                      "_prep_wu_qp": dict(QPRIME=True), "_bwd_vk_qp": dict(SK=_SKV, QPRIME=True),
                      "_bwd_vv_qp": dict(NS=128 // _SKV, QPRIME=True),
                      "_bwd_gate": dict(SK=chunk.TUNING["bwd_gate_cols"]),

@@ -10,24 +10,18 @@ value blocks of 64 (192 programs). Medians of `triton.testing.do_bench`.
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 import triton
 
-from benchmarks.kda import chunk_operands
+from benchmarks.kda import chunk_operands, probe_setup
 from k3.ops.kda import triton_chunk as tc
 from k3.ops.kda.triton_common import backward_storage
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="")
-    ap.add_argument("--quick", action="store_true", help="T=128 H=2, each launch run once (the interpreter on CPU)")
-    args = ap.parse_args()
-    B, T, H = (1, 128, 2) if args.quick else (1, 8192, 96)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    args, (B, T, H), dev = probe_setup("each launch run once")
     plan, h0, (W, U, Qg, Kd, Aqk, gc, *_) = chunk_operands(B, T, H, device=dev)
     hs_dt, ut_dt = backward_storage(torch.bfloat16, "hs"), backward_storage(torch.bfloat16, "ut", U.dtype)
     base = dict(tc.TUNING)

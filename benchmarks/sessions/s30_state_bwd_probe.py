@@ -16,13 +16,12 @@ tolerance. At T=128 H=2 in the interpreter with --quick (no timing), at B=1 T=81
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 import triton
 
-from benchmarks.kda import chunk_operands, rel
+from benchmarks.kda import chunk_operands, probe_setup, rel
 from k3.ops import interpreting
 from k3.ops.kda import triton_chunk as tc
 from k3.ops.kda.triton_common import backward_storage
@@ -40,12 +39,7 @@ def from_chunks(x):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="")
-    ap.add_argument("--quick", action="store_true", help="T=128 H=2, no timing (the interpreter on CPU)")
-    args = ap.parse_args()
-    B, T, H = (1, 128, 2) if args.quick else (1, 8192, 96)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    args, (B, T, H), dev = probe_setup("no timing")
     plan, _, (W, U, Qg, Kd, Aqk, gc, *_, qp) = chunk_operands(B, T, H, device=dev, qprime=True)
     C = tc.CHUNK
     do = torch.randn(B * T, H, 128, device=dev, generator=torch.Generator(dev).manual_seed(6)).bfloat16()

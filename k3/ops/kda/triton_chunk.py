@@ -532,11 +532,12 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
     factor it enters multiplies a zero row). ‖q‖, ‖k‖ come from qn_in, kn_in ([TT, H], `_load_norm`). T, G, q̂ and
     k̂ (and Aqk with QPRIME), which only the part after the loop reads, are loaded before it: one program of 255
     registers per SM has no neighbour to hide their latency, the loop's products do (no spills offline; 2.63 →
-    2.32 ms at the K3 shape, session 24 run 2; T and G alone 2.57). S, dS_end, dŨ and Ũ arrive as `TUNING["bwd_storage_bf16"]` stored them
-    and multiply as stored (`_dot_stored`): all bf16 by default, plain bf16 products on value blocks of 64 (2.27 →
-    2.07 ms, session 26; with split-bf16 products on bf16 storage, session 13: slower, 2.91 → 2.99). With QPRIME,
-    du holds only dŨ's part Kd·dS_end (`_state_bwd_step`); the rest, Aqkᵀ·dO, enters dW after the loop as
-    −Aqkᵀ·(dO·Sᵀ) = −Aqkᵀ·dQg, one product on the accumulator the loop builds anyway.
+    2.32 ms at the K3 shape, session 24 run 2; T and G alone 2.57). S, dS_end, dŨ and Ũ arrive as
+    `TUNING["bwd_storage_bf16"]` stored them and multiply as stored (`_dot_stored`): all bf16 by default, plain bf16
+    products on value blocks of 64 (2.27 → 2.07 ms, session 26; with split-bf16 products on bf16 storage, session
+    13: slower, 2.91 → 2.99). With QPRIME, du holds only dŨ's part Kd·dS_end (`_state_bwd_step`); the rest,
+    Aqkᵀ·dO, enters dW after the loop as −Aqkᵀ·(dO·Sᵀ) = −Aqkᵀ·dQg, one product on the accumulator the loop builds
+    anyway.
     """
     NS: tl.constexpr = K // SK
     pid = tl.program_id(0)
@@ -750,21 +751,22 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
         p_dg = dg_in + (i_c * H + i_h).to(tl.int64) * C * K + (R * BC + tl.arange(0, BC))[:, None] * K + c0 + \
             tl.arange(0, SK)[None, :]
         ce = _exp(e[None, :] - G, INTERP) * co
+        # the row side: MID's rowq, rowk carry the row factor already (above), the 16-row form's take it last
         if MID:
-            # rowq, rowk are finished (they carry rf): the same sums with q̂, k̂ in place of qs, ks
-            dbeta = tl.sum(kh * rowk, 1)
-            rowk = beta[:, None] * rowk
-            dqh = tl.load(p_dqh, boundary_check=(0,), padding_option="zero").to(tl.float32) + rowq
-            dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero").to(tl.float32) + rowk + ec * cs + ce
-            dG = tl.load(p_dg) + qh * rowq + kh * rowk - kc * cs - kh * ce
+            qr, kr = qh, kh
         else:
-            # rowk was taken with dAkk; Akk = diag(β)·Ã, so Σ_i dAkk·Ã = Σ_k ks⊙rowk, and Ã's own gradient is β·rowk
-            dbeta = tl.sum(ks * rowk, 1)
-            rowk = beta[:, None] * rowk
-            dqh = tl.load(p_dqh, boundary_check=(0,), padding_option="zero").to(tl.float32) + rf * rowq
-            dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero").to(tl.float32) + rf * rowk + ec * cs + ce
-            # padding rows keep their dG: the last row carries G_C's gradient into the chunk (`_bwd_vk`)
-            dG = tl.load(p_dg) + qs * rowq + ks * rowk - kc * cs - kh * ce
+            qr, kr = qs, ks
+        # rowk was taken with dAkk; Akk = diag(β)·Ã, so Σ_i dAkk·Ã = Σ_k ks⊙rowk, and Ã's own gradient is β·rowk
+        dbeta = tl.sum(kr * rowk, 1)
+        rowk = beta[:, None] * rowk
+        if MID:
+            fq, fk = rowq, rowk
+        else:
+            fq, fk = rf * rowq, rf * rowk
+        dqh = tl.load(p_dqh, boundary_check=(0,), padding_option="zero").to(tl.float32) + fq
+        dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero").to(tl.float32) + fk + ec * cs + ce
+        # padding rows keep their dG: the last row carries G_C's gradient into the chunk (`_bwd_vk`)
+        dG = tl.load(p_dg) + qr * rowq + kr * rowk - kc * cs - kh * ce
         tl.store(p_dqh, _cast(dqh, dqh_in.dtype.element_ty, INTERP), boundary_check=(0,))
         tl.store(p_dkh, _cast(dkh, dkh_in.dtype.element_ty, INTERP), boundary_check=(0,))
         tl.store(p_dg, dG)
@@ -854,7 +856,7 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
     qn = torch.empty_like(kn) if store_norms else None
     if qprime not in (None, "apart", "over"):
         raise ValueError(f"qprime is None, 'apart' or 'over', not {qprime!r}")
-    Qp = {None: None, "apart": torch.empty_like(Qg) if qprime == "apart" else None, "over": Qg}[qprime]
+    Qp = torch.empty_like(Qg) if qprime == "apart" else (Qg if qprime == "over" else None)
     G = None
     if plan.NT > 0:
         interp = interpreting()
@@ -977,7 +979,7 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     TT, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
-    # checked first: a refused `_state_bwd` setting should not cost a recompute
+    # checked first: a refused setting should not cost a recompute or the passes before it
     products = TUNING["state_bwd_products"]
     if products not in ("tf32", "split", "bf16"):
         raise ValueError(f"TUNING['state_bwd_products'] is tf32, split or bf16, not {products!r}")
@@ -986,6 +988,9 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         raise ValueError(f"`_state_bwd` with {products} products was measured correct on the H200 at 4 warps and "
                          f"2-3 stages only, not {launch} (TUNING): with 1 stage the build computed wrong gradients "
                          "or faulted (docs/kda-kernels.md §7 item 20)")
+    BCK = TUNING["bwd_k_rows"]
+    if BCK not in (16, 32):
+        raise ValueError(f"TUNING['bwd_k_rows'] is 16 or 32, not {BCK!r}")
     if inter is None:
         # with qprime, Q′ over Qg: `_state` reads neither without o
         W, U, Qg, Kd, Aqk, gc, Tm, norms, G, _ = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan,
@@ -1054,9 +1059,6 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         # per (16-row block, key slice): the score side (docs/kda-kernels.md §7 item 22); then per (key slice,
         # chunk) the reverse cumsum and the gate chain, and per row the norm and σ' chains
         db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
-        BCK = TUNING["bwd_k_rows"]
-        if BCK not in (16, 32):
-            raise ValueError(f"TUNING['bwd_k_rows'] is 16 or 32, not {BCK!r}")
         _bwd_k_block[(plan.NT * NS * (CHUNK // BCK), H)](q, k, b, G, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG,
                                                          daqk, dakk, db_part, scale, H=H, K=K, SK=SK, C=CHUNK,
                                                          BC=BCK, INTERP=interp,
