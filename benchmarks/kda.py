@@ -92,8 +92,7 @@ def raw_inputs(B, T, H, K=128, V=128, N=None, seed=0, device="cuda", h0=False):
 
 def chunk_operands(B, T, H, seed=5, device="cuda", qprime=False):
     """What the training forward's prepare hands the state passes, for timing them alone: (plan, h0 [B, H, K, V],
-    (W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, T, norms, G, Q′ if qprime else None)) on `raw_inputs` at (B, T, H),
-    K = V = 128, bf16."""
+    `triton_chunk.Prepared` with T, the norms, G and Q′ if qprime) on `raw_inputs` at (B, T, H), K = V = 128, bf16."""
     q, k, v, z, b, A_log, dt_bias, h0 = raw_inputs(B, T, H, seed=seed, device=device, h0=True)
     flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, z, b)]
     plan = triton_chunk.make_plan(B, T, None, q.device)
@@ -638,7 +637,10 @@ def tuning_sweep():
     for cfg in ({}, {"bwd_vk_warps": 8}, {"bwd_vv_bv": 64}, {"bwd_k_warps": 8}, {"bwd_k_cols": 64},
                 {"state_bwd_bv": 64}, {"state_bwd_stages": 2}, {"state_bwd_products": "tf32"}):
         tc.TUNING.update(base, **cfg)
-        report("backward", cfg, t(lambda: tc._bwd(*args, h0, plan, do, None, dtypes, False)))
+        # the switches the autograd function reads at its forward, read here as it would
+        switches = dict(qprime=bool(tc.TUNING["state_bwd_qprime"]),
+                        norms_from_scores=bool(tc.TUNING["norms_from_scores"]))
+        report("backward", cfg, t(lambda: tc._bwd(*args, h0, plan, do, None, dtypes, False, **switches)))
     dq, dk, dv, dz, db = raw_inputs(64, 1, 96, seed=6)[:5]
     pool = torch.randn(64, 96, 128, 128, device="cuda")
     for cfg in ({}, {"decode_bv": 32}, {"decode_bv": 128, "decode_warps": 8}, {"decode_bv": 32, "decode_warps": 2}):

@@ -45,13 +45,14 @@ FP32_ARGS = {"A_log", "dt_bias", "t_in", "t_out", "hs", "dse", "du", "dqh_in", "
              "dakk_in", "db_in", "dqh_out", "dkh_out", "dg_out", "daqk_out", "dakk_out", "db_out", "dA_part",
              "dbias_part", "aqk_out", "u_out", "gc_out", "gc", "h0", "ht", "aqk", "u", "dht", "dh0", "kn_out", "kn_in",
              "dqh", "dkh", "db_part", "g_in", "g_out", "gc_in", "ut", "dbk_out", "dbk_in",
-             "qn_in", "qn_out", "u_out", "m_out", "m_in", "aqk_in"}
+             "qn_in", "qn_out", "u_out", "m_out", "m_in", "aqk_in", "at_out", "at_in", "nd_out", "nd_in", "nrm_out",
+             "nrm_in"}
 INT32_ARGS = {"cu", "chunk_idx", "chunk_off", "hs_off"}
 CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
                   USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64,
                   STORE_UT=False, SPLIT=chunk.TUNING["state_split_inference"], STORE_QN=False, HALF=0,
                   INVERSE=chunk.TUNING["prefill_inverse"],  # the prefill's, for bf16 inputs (`_prep_intra`: below)
-                  SEGMENT=False, QPRIME=False, LOOP=False)
+                  SEGMENT=False, QPRIME=False, LOOP=False, STORE_AT=False, ROW_DOTS=False, NORMS=False)
 # kernel -> its TUNING key prefix, in launch order; "_state_ut" is `_state` when it also stores Ũ (the backward's
 # recompute launch, and the training forward's since session 28, `state_o_apart`, which then writes o in `_fwd_o`),
 # "_state_ut_o" the training forward's that also writes o (more shared memory: 216 KB at 3 stages against 128, and
@@ -61,7 +62,8 @@ TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_
                  "_prep_wu": "prep_wu", "_state": "state", "_state_ut": "state_ut", "_state_ut_o": "state_ut",
                  "_fwd_o": "fwd_o", "_state_bwd": "state_bwd", "_prep_wu_qp": "prep_wu", "_state_bwd_qp": "state_bwd",
                  "_bwd_vk_qp": "bwd_vk", "_bwd_vv_qp": "bwd_vv", "_fwd_o_loop": "fwd_o",
-                 "_bwd_k_block32": "bwd_k",
+                 "_bwd_k_block32": "bwd_k", "_prep_intra_at": "prep_intra", "_bwd_vk_nd": "bwd_vk",
+                 "_bwd_vv_nd": "bwd_vv", "_bwd_k_block_nd": "bwd_k",
                  "_bwd_vk": "bwd_vk", "_bwd_vv": "bwd_vv", "_bwd_k_block": "bwd_k", "_bwd_gate": "bwd_gate",
                  "_bwd_norms": "bwd_norms", "_prefill_prepare": "prefill_prepare", "_prefill_state": "prefill_state",
                  "_prefill_prepare_half1": "prefill_prepare",
@@ -69,7 +71,9 @@ TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_
 # the launches whose chunk-start states, Ũ, dS_end, dŨ follow TUNING["bwd_storage_bf16"] (the inference `_state`
 # stores fp32 states, the ones it returns)
 STORED_FOR_BACKWARD = {"_state_ut", "_state_ut_o", "_fwd_o", "_fwd_o_loop", "_state_bwd", "_bwd_vk", "_bwd_vv",
-                       "_state_bwd_qp", "_bwd_vk_qp", "_bwd_vv_qp"}
+                       "_state_bwd_qp", "_bwd_vk_qp", "_bwd_vv_qp", "_bwd_vk_nd", "_bwd_vv_nd"}
+# pointers that are bf16 in one specialisation only (`_bwd_vv` writes the β logit's gradient, b's dtype, with NORMS)
+KERNEL_BF16_ARGS = {"_bwd_vv_nd": ("db_out",)}
 # per-kernel constexprs on top of CONSTEXPRS
 _SK = chunk.TUNING["bwd_k_cols"]
 _SKV = chunk.TUNING["bwd_vk_cols"]
@@ -88,6 +92,10 @@ KERNEL_CONSTEXPRS = {"_prep_intra": dict(INVERSE=chunk.TUNING["prep_inverse"]),
                      # `TUNING["state_bwd_qprime"]`'s specialisations (§7 item 65)
                      "_prep_wu_qp": dict(QPRIME=True), "_bwd_vk_qp": dict(SK=_SKV, QPRIME=True),
                      "_bwd_vv_qp": dict(NS=128 // _SKV, QPRIME=True),
+                     # `TUNING["norms_from_scores"]`'s (§7 item 69)
+                     "_prep_intra_at": dict(INVERSE=chunk.TUNING["prep_inverse"], STORE_AT=True, STORE_QN=True),
+                     "_bwd_vk_nd": dict(SK=_SKV, ROW_DOTS=True), "_bwd_vv_nd": dict(NS=128 // _SKV, NORMS=True),
+                     "_bwd_k_block_nd": dict(SK=_SK, NORMS=True),
                      "_bwd_gate": dict(SK=chunk.TUNING["bwd_gate_cols"]),
                      "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
                      "_prefill_prepare": dict(HALF=0),
@@ -107,7 +115,8 @@ VARIANT_SETTINGS = {"_bwd_k_block32": dict(num_warps=8, maxnreg=128)}
 def kernel_fn(name: str):
     aliases = {"_state_ut": chunk._state, "_state_ut_o": chunk._state, "_prep_wu_qp": chunk._prep_wu,
                "_state_bwd_qp": chunk._state_bwd, "_bwd_vk_qp": chunk._bwd_vk, "_bwd_vv_qp": chunk._bwd_vv,
-               "_fwd_o_loop": chunk._fwd_o, "_bwd_k_block32": chunk._bwd_k_block,
+               "_fwd_o_loop": chunk._fwd_o, "_bwd_k_block32": chunk._bwd_k_block, "_prep_intra_at": chunk._prep_intra,
+               "_bwd_vk_nd": chunk._bwd_vk, "_bwd_vv_nd": chunk._bwd_vv, "_bwd_k_block_nd": chunk._bwd_k_block,
                "_prefill_prepare_half1": prefill._prefill_prepare, "_prefill_prepare_half2": prefill._prefill_prepare}
     return aliases.get(name) or getattr(chunk, name, None) or getattr(prefill, name)
 
@@ -210,7 +219,7 @@ def main() -> None:
     print(f"{'kernel':14s} {'settings':40s} {'regs':>5s} {'spill st/ld B':>14s} {'shared KB':>10s}")
     for name in args.kernels or list(TUNING_PREFIX):
         base = {**tuned_settings(name, args.bv), **VARIANT_SETTINGS.get(name, {})}
-        if name in ("_bwd_vk", "_bwd_vk_qp") and len(set(stored_bf16)) < 4:  # as `_bwd` launches it
+        if name in ("_bwd_vk", "_bwd_vk_qp", "_bwd_vk_nd") and len(set(stored_bf16)) < 4:  # as `_bwd` launches it
             base["num_stages"] = chunk.TUNING["bwd_vk_fp32_stages"]
             base["BV"] = args.bv or chunk.TUNING["bwd_vk_fp32_bv"]
         for warps, stages, cap in itertools.product(args.warps or [base["num_warps"]],
@@ -221,7 +230,8 @@ def main() -> None:
                 settings["num_stages"] = stages
             regs, stores, loads, shared, *sass = compile_report(
                 kernel_fn(name), **settings, sass=args.sass,
-                bf16_args=[*(stored_bf16 if name in STORED_FOR_BACKWARD else ()), *switched_bf16],
+                bf16_args=[*(stored_bf16 if name in STORED_FOR_BACKWARD else ()), *switched_bf16,
+                           *KERNEL_BF16_ARGS.get(name, ())],
                 **KERNEL_CONSTEXPRS.get(name, {}))
             shown = {k: v for k, v in settings.items() if v is not None}
             print(f"{name:14s} {str(shown):52s} {regs:5d} {f'{stores} / {loads}':>14s} {shared / 1024:10.0f}"

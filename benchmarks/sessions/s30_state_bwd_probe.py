@@ -40,7 +40,8 @@ def from_chunks(x):
 
 def main() -> None:
     args, (B, T, H), dev = probe_setup("no timing")
-    plan, _, (W, U, Qg, Kd, Aqk, gc, *_, qp) = chunk_operands(B, T, H, device=dev, qprime=True)
+    plan, _, ops = chunk_operands(B, T, H, device=dev, qprime=True)
+    W, U, Qg, Kd, Aqk, gc, qp = ops.W, ops.U, ops.Qg, ops.Kd, ops.Aqk, ops.gc, ops.Qp
     C = tc.CHUNK
     do = torch.randn(B * T, H, 128, device=dev, generator=torch.Generator(dev).manual_seed(6)).bfloat16()
     du_dt, dse_dt = backward_storage(torch.bfloat16, "du"), backward_storage(torch.bfloat16, "dse")

@@ -399,6 +399,55 @@ def test_state_bwd_on_qprime(dev, monkeypatch, dtype, all_bf16):
     assert all(torch.equal(x.grad, g) for x, g in zip(leaves, kept[2:]))
 
 
+@pytest.mark.parametrize("dtype,all_bf16,others", [(torch.bfloat16, False, {"bwd_vk_cols": 16, "bwd_k_cols": 16}),
+                                                     (torch.float32, False, {}),
+                                                     (torch.bfloat16, True, {"state_bwd_qprime": True,
+                                                                             "bwd_k_rows": 32})])
+def test_norm_sums_from_scores(dev, monkeypatch, dtype, all_bf16, others):
+    """TUNING["norms_from_scores"]: the norm backward's and dβ's sums over K taken from the scores (Euler's identity,
+    in `_bwd_vv`, on the Ã the prepare keeps), `_bwd_k_block` finishing dq and dk and no `_bwd_norms`, passes the
+    fp64 tolerances on packed documents (a one-token and an empty one among them), leaves o, the final state and
+    every gradient but dq, dk and dβ's bit-identical, moves those three (the path ran) and keeps each within 1.3× the
+    default path's error from fp64 (a tenth of the tolerance more on a GPU, whose tf32 dots move the small sums), and
+    keeps the kept and recomputing backwards bit-identical. With all_bf16 (Aqk and Ã stored in bf16), Q′
+    (`state_bwd_qprime`, which loads Aqk in `_bwd_vv` as well) and 32-row score blocks (`bwd_k_rows`) on both sides the
+    same, but the fp64 tolerances, which all_bf16 is not held to; the bf16 case runs two key slices in `_bwd_vk` and
+    `_bwd_k_block` (the sums over their partials). Measured in the interpreter: dq, dk and dβ 0.93-1.0× the default
+    path's error (one rounding of dq̂, dk̂ fewer, against the sums taken on the stored scores, whose bf16 operands
+    differ from the backward's fp32 ones). The switch is read at the forward: flipping it before the backward
+    changes nothing."""
+    from k3.ops.kda import triton_chunk as tc
+
+    cu = [0, 70, 71, 71, 150]
+    inputs = make_raw(1, cu[-1], 2, 32, 64, seed=66, N=len(cu) - 1, dtype=dtype)
+    for key, value in {**others, "norms_from_scores": False}.items():
+        monkeypatch.setitem(tc.TUNING, key, value)
+    base, ref = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu, all_bf16=all_bf16)
+    monkeypatch.setitem(tc.TUNING, "norms_from_scores", True)
+    new, ref = run_both([x.clone() for x in inputs], dev, cu_seqlens=cu, all_bf16=all_bf16)
+    if not all_bf16:
+        check(new, ref, dtype, "norms_from_scores")
+    assert torch.equal(new[0], base[0]) and torch.equal(new[1], base[1])
+    assert [torch.equal(a, b) for a, b in zip(new[2], base[2])] == [False, False, True, True, False, True, True, True]
+    for name, a, b, r in zip(NAMES, new[2], base[2], ref[2]):
+        slack = 0.1 * TOL[name] if ON_GPU else 0.0
+        assert rel_err(a.cpu(), r) <= 1.3 * rel_err(b.cpu(), r) + slack, name
+    kw = dict(cu_seqlens=torch.tensor(cu, device=dev), all_bf16=all_bf16)
+    kept = _fwd_bwd(inputs, dev, save_intermediates=True, **kw)
+    again = _fwd_bwd(inputs, dev, save_intermediates=False, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(kept[2:], again[2:]))
+    # read once, at the forward
+    from k3.ops.kda import chunk_kda
+
+    leaves = [x.detach().to(dev, copy=True).requires_grad_() for x in inputs]
+    o, S = chunk_kda(*leaves[:7], initial_state=leaves[7], output_final_state=True, **kw)
+    monkeypatch.setitem(tc.TUNING, "norms_from_scores", False)
+    gen = torch.Generator().manual_seed(21)
+    do, dS = torch.randn(o.shape, generator=gen).to(o), torch.randn(S.shape, generator=gen).to(S)
+    torch.autograd.backward((o, S), (do, dS))
+    assert all(torch.equal(x.grad, g) for x, g in zip(leaves, kept[2:]))
+
+
 def test_backward_bf16_storage(dev, monkeypatch):
     """TUNING["bwd_storage_bf16"]: the chunk-start states, Ũ, dS_end and dŨ stored in bf16 for bf16 inputs (the
     value side multiplies them as stored) pass the fp64 tolerances, leave the forward bit-identical and change the

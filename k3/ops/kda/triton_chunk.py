@@ -30,7 +30,8 @@ measured variant are in docs/kda-kernels.md. In short:
   dAkk = −Tᵀ·(dŨ·Ũᵀ), which needs no key side) gather everything that contracts over the value dim;
   `_bwd_k_block` (per 16-row block and key slice) the score backward, in the prepare's blocks and anchors;
   `_bwd_gate` (per key slice and chunk) the reverse cumsum and the gate chain; `_bwd_norms` (per row) the two sums
-  over K that remain, the q/k norm backward and dβ's σ'.
+  over K that remain, the q/k norm backward and dβ's σ'. (`TUNING["norms_from_scores"]` takes those sums from the
+  scores in `_bwd_vv` instead, so `_bwd_k_block` finishes dq and dk and `_bwd_norms` does not run.)
 
 Intermediates are stored in bf16 for bf16 inputs except U and Aqk (fp32 unless all_bf16) and G and T (fp32); the
 chunk-start states, Ũ, dS_end and dŨ that the value-side backward reads are bf16 as TUNING["bwd_storage_bf16"]
@@ -48,6 +49,7 @@ BC sub-block (16 rows), NB = C/BC sub-blocks, BV value block.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -87,17 +89,17 @@ def _row_norm(x, bos, L, row0, i_h, H, K: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _diag_scores(qs, ks, kc, beta, BC: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr):
-    """Diagonal 16×16 blocks of Akk (β-scaled, strictly lower) and Aqk (lower incl. the diagonal).
+def _diag_scores(qs, ks, kc, BC: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr):
+    """Diagonal 16×16 blocks of Ã (Akk before its β scaling, strictly lower) and Aqk (lower incl. the diagonal).
 
     With bf16 inputs the operands are bf16: a 16-row operand is replicated in every warp of the dot and
     in tf32 the kernel spilled registers (docs/kda-kernels.md); bf16 keeps e^±75 (fp32's exponent range).
     """
     r = tl.arange(0, BC)
     kcT = tl.trans(kc)
-    Akk = tl.where(r[:, None] > r[None, :], beta[:, None] * _mm(ks, kcT, BF16, INTERP), 0.0)
+    At = tl.where(r[:, None] > r[None, :], _mm(ks, kcT, BF16, INTERP), 0.0)
     Aqk = tl.where(r[:, None] >= r[None, :], _mm(qs, kcT, BF16, INTERP), 0.0)
-    return Akk, Aqk
+    return At, Aqk
 
 
 # the prepare: `_prep_gate` (G, G_C, ‖k‖), `_prep_intra` (Q⊙Γ, Aqk, T's diagonal blocks and Akk below them),
@@ -131,20 +133,22 @@ def _prep_gate(k, z, A_log, dt_bias, cu, chunk_idx, g_out, gc_out, kn_out,
 
 
 @triton.jit
-def _intra_row_block(qh, kh, beta, G, a, bos, L, i_h, r0, R, qg_out, aqk_out, t_out,
+def _intra_row_block(qh, kh, beta, G, a, bos, L, i_h, r0, R, qg_out, aqk_out, t_out, at_out,
                      H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCORES_BF16: tl.constexpr,
-                     INVERSE: tl.constexpr, INTERP: tl.constexpr):
+                     INVERSE: tl.constexpr, STORE_AT: tl.constexpr, INTERP: tl.constexpr):
     """Row block R's own part of `_prep_intra`: its rows of Q⊙Γ, its diagonal blocks of Aqk and of T's storage
-    ((I + Akk_RR)⁻¹), zeros right of them; returns the anchored qs = q̂⊙exp(G − a), ks = k̂⊙exp(G − a) for the
-    off-diagonal blocks."""
+    ((I + Akk_RR)⁻¹), zeros right of them, and with STORE_AT Ã_RR; returns the anchored qs = q̂⊙exp(G − a),
+    ks = k̂⊙exp(G − a) for the off-diagonal blocks."""
     tl.store(_bp(qg_out, bos, L, i_h, r0, 0, H, K, BC, K),
              _cast(qh * _exp(G, INTERP), qg_out.dtype.element_ty, INTERP), boundary_check=(0,))
     rf = _exp(G - a[None, :], INTERP)
     qs = qh * rf
     ks = kh * rf
-    Add, Qdd = _diag_scores(qs, ks, kh * _exp(a[None, :] - G, INTERP), beta, BC, SCORES_BF16, INTERP)
+    Atd, Qdd = _diag_scores(qs, ks, kh * _exp(a[None, :] - G, INTERP), BC, SCORES_BF16, INTERP)
     _store_block(Qdd, aqk_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
-    _store_block(_inv16(Add, BC, INVERSE), t_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
+    _store_block(_inv16(beta[:, None] * Atd, BC, INVERSE), t_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
+    if STORE_AT:
+        _store_block(Atd, at_out, bos, L, i_h, r0, R * BC, H, C, BC, INTERP)
     # zeros right of the diagonal block (Aqk and T are read back as 64×64 tiles), one masked store each
     rows = r0 + tl.arange(0, BC)
     cols = tl.arange(0, C)
@@ -185,35 +189,41 @@ def _gate_rows(g_in, kn_in, bos, L, row0, i_h, H, K: tl.constexpr, BC: tl.conste
 
 
 @triton.jit
-def _intra_off_step(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, aqk_out, t_out,
+def _intra_off_step(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, aqk_out, t_out, at_out,
                     H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCORES_BF16: tl.constexpr,
-                    INTERP: tl.constexpr):
-    """Blocks (R, J < R) of Aqk and of Akk (β-scaled, into T's storage) from block J's G and ‖k‖ as `_prep_gate`
-    stored them, around one anchor, the row block's first row: exp(G[r] − G[i]) = exp(G[r] − a_R)·exp(a_R − G[i]),
-    both ≤ 1 (G does not increase and i < r0), so the row operands qs, ks are the same for every J (with bf16 scores
-    `_prep_intra` rounds them once); a factor that underflows to 0 (a_R − G[i] down to −5·48) bounds a true product
-    that is below fp32's range anyway. (Two anchors, exp(a_R − e_J)·exp(e_J − G[i]) around block J's last row as
-    `_bwd_k_block` does: 0.98 ms against 0.88, session 9 run 4.)"""
+                    STORE_AT: tl.constexpr, INTERP: tl.constexpr):
+    """Blocks (R, J < R) of Aqk and of Akk (β-scaled, into T's storage; with STORE_AT Ã before the scaling into
+    at_out) from block J's G and ‖k‖ as `_prep_gate` stored them, around one anchor, the row block's first row:
+    exp(G[r] − G[i]) = exp(G[r] − a_R)·exp(a_R − G[i]), both ≤ 1 (G does not increase and i < r0), so the row
+    operands qs, ks are the same for every J (with bf16 scores `_prep_intra` rounds them once); a factor that
+    underflows to 0 (a_R − G[i] down to −5·48) bounds a true product that is below fp32's range anyway. (Two
+    anchors, exp(a_R − e_J)·exp(e_J − G[i]) around block J's last row as `_bwd_k_block` does: 0.98 ms against 0.88,
+    session 9 run 4.)"""
     rJ = row0 + J * BC
     GJ, _, knJ = _gate_rows(g_in, kn_in, bos, L, rJ, i_h, H, K, BC)
     k_raw = tl.load(_bp(k, bos, L, i_h, rJ, 0, H, K, BC, K), boundary_check=(0,), padding_option="zero")
     kJ = k_raw.to(tl.float32) / knJ[:, None]
     kT = tl.trans(kJ * _exp(a[None, :] - GJ, INTERP))
-    Akk = beta[:, None] * _mm(ks, kT, SCORES_BF16, INTERP)
+    At = _mm(ks, kT, SCORES_BF16, INTERP)
     Aqk = _mm(qs, kT, SCORES_BF16, INTERP)
     _store_block(Aqk, aqk_out, bos, L, i_h, r0, J * BC, H, C, BC, INTERP)
-    _store_block(Akk, t_out, bos, L, i_h, r0, J * BC, H, C, BC, INTERP)
+    _store_block(beta[:, None] * At, t_out, bos, L, i_h, r0, J * BC, H, C, BC, INTERP)
+    if STORE_AT:
+        _store_block(At, at_out, bos, L, i_h, r0, J * BC, H, C, BC, INTERP)
 
 
 @triton.jit
-def _prep_intra(q, k, b, g_in, kn_in, cu, chunk_idx, qg_out, aqk_out, t_out, qn_out,
+def _prep_intra(q, k, b, g_in, kn_in, cu, chunk_idx, qg_out, aqk_out, t_out, qn_out, at_out,
                 scale, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                SCORES_BF16: tl.constexpr, STORE_QN: tl.constexpr, INVERSE: tl.constexpr, INTERP: tl.constexpr):
+                SCORES_BF16: tl.constexpr, STORE_QN: tl.constexpr, INVERSE: tl.constexpr, STORE_AT: tl.constexpr,
+                INTERP: tl.constexpr):
     """One (16-row block R, chunk, head), on `_prep_gate`'s G and ‖k‖: block R's rows of Q⊙Γ, of Aqk (zeros
     right of the diagonal block) and of T's storage: Akk_RJ (β-scaled) left of the diagonal, (I + Akk_RR)⁻¹ on
     it, zeros right of it. The off-diagonal blocks take one walk over the blocks J < R (G_J, k̂_J; re-reads that
     hit L1/L2; `_intra_off_step`). `_prep_solve` then turns T's storage into T. STORE_QN: also ‖q‖ into qn_out
-    [TT, H] for the backward (`_load_norm`)."""
+    [TT, H] for the backward (`_load_norm`). STORE_AT: also Ã (Akk before its β scaling) into at_out [TT, H, C],
+    its diagonal blocks with zeros on and above their diagonal and nothing right of them, for the backward's sums
+    from the scores (`TUNING["norms_from_scores"]`, `_bwd_vv`)."""
     NB: tl.constexpr = C // BC
     pid = tl.program_id(0)
     i_c = pid // NB
@@ -238,8 +248,8 @@ def _prep_intra(q, k, b, g_in, kn_in, cu, chunk_idx, qg_out, aqk_out, t_out, qn_
     qh = q_raw / q_n[:, None] * scale
     kh = k_raw.to(tl.float32) / k_n[:, None]
     beta = _load_beta(b, bos, L, r0, i_h, H, BC)
-    qs, ks = _intra_row_block(qh, kh, beta, G, a, bos, L, i_h, r0, R, qg_out, aqk_out, t_out, H, K, C, BC,
-                              SCORES_BF16, INVERSE, INTERP)
+    qs, ks = _intra_row_block(qh, kh, beta, G, a, bos, L, i_h, r0, R, qg_out, aqk_out, t_out, at_out, H, K, C, BC,
+                              SCORES_BF16, INVERSE, STORE_AT, INTERP)
     if SCORES_BF16:
         # the row operands of every off-diagonal block, rounded once (`_mm` leaves bf16 operands as they are)
         qs = _cast(qs, tl.bfloat16, INTERP)
@@ -247,13 +257,13 @@ def _prep_intra(q, k, b, g_in, kn_in, cu, chunk_idx, qg_out, aqk_out, t_out, qn_
     if INTERP:
         J = 0
         while J < R:
-            _intra_off_step(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, aqk_out, t_out,
-                            H, K, C, BC, SCORES_BF16, INTERP)
+            _intra_off_step(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, aqk_out, t_out, at_out,
+                            H, K, C, BC, SCORES_BF16, STORE_AT, INTERP)
             J += 1
     else:
         for J in range(0, R):
-            _intra_off_step(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, aqk_out, t_out,
-                            H, K, C, BC, SCORES_BF16, INTERP)
+            _intra_off_step(k, g_in, kn_in, bos, L, row0, J, i_h, qs, ks, beta, a, r0, aqk_out, t_out, at_out,
+                            H, K, C, BC, SCORES_BF16, STORE_AT, INTERP)
 
 
 @triton.jit
@@ -517,9 +527,9 @@ def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
 
 @triton.jit
 def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do, du, ut, aqk,
-            dqh_out, dkh_out, dg_out, dbk_out,
+            dqh_out, dkh_out, dg_out, dbk_out, nd_out,
             scale, H, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-            QPRIME: tl.constexpr, INTERP: tl.constexpr):
+            QPRIME: tl.constexpr, ROW_DOTS: tl.constexpr, INTERP: tl.constexpr):
     """Value side, part 1: one (key slice of SK columns, chunk, head), the value-dim gradients that are
     elementwise in the key column, from the forward's Ũ = U − W·S (no W, no W·S).
 
@@ -537,7 +547,8 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
     products on value blocks of 64 (2.27 → 2.07 ms, session 26; with split-bf16 products on bf16 storage, session
     13: slower, 2.91 → 2.99). With QPRIME, du holds only dŨ's part Kd·dS_end (`_state_bwd_step`); the rest,
     Aqkᵀ·dO, enters dW after the loop as −Aqkᵀ·(dO·Sᵀ) = −Aqkᵀ·dQg, one product on the accumulator the loop builds
-    anyway.
+    anyway. ROW_DOTS (`TUNING["norms_from_scores"]`): also this slice's part of ⟨q̂, dq̂⟩ and ⟨k̂, dk̂⟩ per row, from
+    dq̂, dk̂ as stored (nd_out [NT, H, NS, 2, C]), which `_bwd_vv` completes for the norm backward.
     """
     NS: tl.constexpr = K // SK
     pid = tl.program_id(0)
@@ -586,18 +597,21 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
     # G_C feeds Γ_C and every exp(G_C − G_i): its gradient lands on the last row, spread back by the cumsum.
     dG_end = tl.exp(gc) * dgc + tl.sum(kh * dKd, 0)
     dG = tl.where(rows[:, None] == C - 1, dG + dG_end[None, :], dG) + qh * dqh + kh * dKg
-    tl.store(_bp(dqh_out, bos, L, i_h, row0, c0, H, K, C, SK), _cast(dqh, dqh_out.dtype.element_ty, INTERP),
-             boundary_check=(0,))
-    tl.store(_bp(dkh_out, bos, L, i_h, row0, c0, H, K, C, SK), _cast(dKd + dKg, dkh_out.dtype.element_ty, INTERP),
-             boundary_check=(0,))
+    dqh = _cast(dqh, dqh_out.dtype.element_ty, INTERP)
+    dkh = _cast(dKd + dKg, dkh_out.dtype.element_ty, INTERP)
+    tl.store(_bp(dqh_out, bos, L, i_h, row0, c0, H, K, C, SK), dqh, boundary_check=(0,))
+    tl.store(_bp(dkh_out, bos, L, i_h, row0, c0, H, K, C, SK), dkh, boundary_check=(0,))
+    if ROW_DOTS:
+        tl.store(nd_out + p_part * 2 * C + rows, tl.sum(qh * dqh.to(tl.float32), 1))
+        tl.store(nd_out + (p_part * 2 + 1) * C + rows, tl.sum(kh * dkh.to(tl.float32), 1))
     tl.store(dg_out + (i_c * H + i_h).to(tl.int64) * C * K + rows[:, None] * K + (c0 + cs)[None, :], dG)
 
 
 @triton.jit
-def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, aqk, dbk_in,
-            dv, daqk_out, dakk_out, db_out,
+def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, aqk, dbk_in, at_in, nd_in,
+            dv, daqk_out, dakk_out, db_out, nrm_out,
             H, V: tl.constexpr, NS: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, QPRIME: tl.constexpr,
-            INTERP: tl.constexpr):
+            NORMS: tl.constexpr, INTERP: tl.constexpr):
     """Value side, part 2: one (chunk, head), the gradients that contract over the value dim within the chunk:
     dAqk, dAkk (through dŨ·Ũᵀ), dv and dβ (with `_bwd_vk`'s dβ partials).
 
@@ -609,6 +623,15 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, aqk, dbk_in,
     §7 item 57). Writes dv, and dAqk, dAkk (masked to their lower triangles) and dβ for `_bwd_k_block` /
     `_bwd_norms`. With QPRIME, du holds only dŨ's part Kd·dS_end (`_state_bwd_step`): each value block adds
     Aqkᵀ·dO before T's product, and dŨ·Ũᵀ takes the rest after the loop as Aqkᵀ·(dO·Ũᵀ), on the unmasked dAqk.
+
+    NORMS (`TUNING["norms_from_scores"]`): the sums over K that the norm backward and dβ need, from the scores by
+    Euler's identity instead of from the finished dq̂, dk̂ (so `_bwd_k_block` can finish dq, dk and no `_bwd_norms`
+    runs). Aqk is linear in q̂_r through its row r and in k̂_i through its column i, Ã (Akk = diag(β)·Ã) in k̂ through
+    its row and its column, so the score side's ⟨q̂_r, dq̂_r⟩ = Σ_i dAqk[r, i]·Aqk[r, i] and ⟨k̂_r, dk̂_r⟩ = the
+    column sum of dAqk⊙Aqk plus the row and column sums of dAkk⊙Akk, on the dAqk, dAkk as stored (those
+    `_bwd_k_block` multiplies); dβ's score part is the row sum of dAkk⊙Ã. With `_bwd_vk`'s value-side partials
+    (nd_in) the two sums go to nrm_out ([TT, H, 2] fp32) and dβ, times σ', to db_out as the logit's gradient (b's
+    dtype). Ã comes from the prepare (at_in, `store_at`).
     """
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -624,8 +647,9 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, aqk, dbk_in,
     for s in tl.static_range(NS):
         dbeta += tl.load(dbk_in + (p_part + s) * C + rows)
     if QPRIME:
-        AqT = tl.trans(tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,),
-                               padding_option="zero").to(tl.float32))
+        Aq = tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,),
+                     padding_option="zero").to(tl.float32)
+        AqT = tl.trans(Aq)
     for i_v in range(0, V // BV):
         dO = tl.load(_bp(do, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
         dU = tl.load(_bp(du, bos, L, i_h, row0, i_v * BV, H, V, C, BV), boundary_check=(0,), padding_option="zero")
@@ -644,18 +668,43 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, aqk, dbk_in,
     if QPRIME:
         dUU += tl.dot(AqT, dAqk)
     dAkk = -tl.dot(TmT, dUU)
-    tl.store(_bp(daqk_out, bos, L, i_h, row0, 0, H, C, C, C),
-             _cast(tl.where(rows[:, None] >= rows[None, :], dAqk, 0.0), daqk_out.dtype.element_ty, INTERP),
-             boundary_check=(0,))
-    tl.store(_bp(dakk_out, bos, L, i_h, row0, 0, H, C, C, C),
-             _cast(tl.where(rows[:, None] > rows[None, :], dAkk, 0.0), dakk_out.dtype.element_ty, INTERP),
-             boundary_check=(0,))
-    tl.store(tl.make_block_ptr(db_out + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,)), dbeta, boundary_check=(0,))
+    below = rows[:, None] > rows[None, :]
+    dAqk = _cast(tl.where(rows[:, None] >= rows[None, :], dAqk, 0.0), daqk_out.dtype.element_ty, INTERP)
+    dAkk = _cast(tl.where(below, dAkk, 0.0), dakk_out.dtype.element_ty, INTERP)
+    tl.store(_bp(daqk_out, bos, L, i_h, row0, 0, H, C, C, C), dAqk, boundary_check=(0,))
+    tl.store(_bp(dakk_out, bos, L, i_h, row0, 0, H, C, C, C), dAkk, boundary_check=(0,))
+    p_db = tl.make_block_ptr(db_out + bos * H + i_h, (L,), (H,), (row0,), (C,), (0,))
+    if NORMS:
+        if not QPRIME:
+            Aq = tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,),
+                         padding_option="zero").to(tl.float32)
+        # Ã's diagonal blocks hold zeros on and above their diagonal, right of them nothing was written
+        At = tl.where(below, tl.load(_bp(at_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,),
+                                     padding_option="zero").to(tl.float32), 0.0)
+        Pq = dAqk.to(tl.float32) * Aq
+        dAt = dAkk.to(tl.float32) * At
+        dAt_rows = tl.sum(dAt, 1)
+        nq = tl.sum(Pq, 1)
+        # dAkk⊙Akk = diag(β)·(dAkk⊙Ã): its row sums are β times dAt's
+        nk = tl.sum(Pq + beta[:, None] * dAt, 0) + beta * dAt_rows
+        for s in tl.static_range(NS):
+            nq += tl.load(nd_in + ((p_part + s) * 2) * C + rows)
+            nk += tl.load(nd_in + ((p_part + s) * 2 + 1) * C + rows)
+        p_n = nrm_out + ((bos + row0 + rows) * H + i_h).to(tl.int64) * 2
+        valid = row0 + rows < L
+        tl.store(p_n, nq, mask=valid)
+        tl.store(p_n + 1, nk, mask=valid)
+        dbeta += dAt_rows
+        tl.store(p_db, _cast(dbeta * beta * (1.0 - beta), db_out.dtype.element_ty, INTERP), boundary_check=(0,))
+    else:
+        tl.store(p_db, dbeta, boundary_check=(0,))
 
 
 @triton.jit
 def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_in, daqk_in, dakk_in, db_part,
-                 scale, H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, INTERP: tl.constexpr):
+                 nrm_in, dq_out, dk_out,
+                 scale, H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, NORMS: tl.constexpr,
+                 INTERP: tl.constexpr):
     """The score backward of one (BC-row block R, key slice of SK columns, chunk, head): everything that lands on
     block R's rows, so no program waits for another and nothing is carried across blocks. BC is 16, or 32
     (`TUNING["bwd_k_rows"]`, below).
@@ -674,7 +723,9 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
     `bwd_scratch_bf16`) it writes block R's finished dq̂ and dk̂, its dG before the reverse cumsum (`_bwd_gate`
     does that and the gate chain) and this slice's dβ partial (db_part: [TT, H, NS]); dAqk and dAkk arrive in
     bf16 for bf16 inputs (`bwd_da_bf16`). `_bwd_norms` finishes dq̂, dk̂ and dβ, which reduce over K. G is the
-    prepare's ([TT, H, K], `_g_block`), ‖q‖ and ‖k‖ too (`_load_norm`). A block wholly past the document end does
+    prepare's ([TT, H, K], `_g_block`), ‖q‖ and ‖k‖ too (`_load_norm`). NORMS (`TUNING["norms_from_scores"]`):
+    with ⟨q̂, dq̂⟩ and ⟨k̂, dk̂⟩ per row from `_bwd_vv` (nrm_in [TT, H, 2]) it finishes the norm backward itself and
+    writes dq and dk (dq_out, dk_out), no dq̂, dk̂ and no dβ partial. A block wholly past the document end does
     nothing: its dG rows (G_C's gradient may sit on the chunk's last row) pass through unchanged. The products are tf32
     (bf16 operands: 3.51 → 3.40 ms at the K3 shape, but ddt_bias 4.0e-4 → 6.5e-3 from fp64 in the interpreter, near
     its 8e-3 limit; session 13 run 2).
@@ -757,21 +808,39 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
         else:
             qr, kr = qs, ks
         # rowk was taken with dAkk; Akk = diag(β)·Ã, so Σ_i dAkk·Ã = Σ_k ks⊙rowk, and Ã's own gradient is β·rowk
-        dbeta = tl.sum(kr * rowk, 1)
+        if not NORMS:
+            dbeta = tl.sum(kr * rowk, 1)
         rowk = beta[:, None] * rowk
         if MID:
             fq, fk = rowq, rowk
         else:
             fq, fk = rf * rowq, rf * rowk
         dqh = tl.load(p_dqh, boundary_check=(0,), padding_option="zero").to(tl.float32) + fq
+        if NORMS:
+            # y = q/‖q‖ = q̂/scale and dy = scale·dq̂ (k: y = k̂, dy = dk̂): dx = (dy − y·⟨y, dy⟩)/‖x‖, where
+            # ⟨y, dy⟩ = ⟨q̂, dq̂⟩ (⟨k̂, dk̂⟩) over all of K, as `_bwd_vv` summed it
+            p_n = nrm_in + ((bos + r0 + tl.arange(0, BC)) * H + i_h).to(tl.int64) * 2
+            valid = r0 + tl.arange(0, BC) < L
+            nq = tl.load(p_n, mask=valid, other=0.0)
+            q_n = _load_norm(qn_in, bos, L, r0, i_h, H, BC)
+            dq = (scale * dqh - qh * (nq / scale)[:, None]) / q_n[:, None]
+            tl.store(_bp(dq_out, bos, L, i_h, r0, c0, H, K, BC, SK), _cast(dq, dq_out.dtype.element_ty, INTERP),
+                     boundary_check=(0,))
         dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero").to(tl.float32) + fk + ec * cs + ce
+        if NORMS:
+            nk = tl.load(p_n + 1, mask=valid, other=0.0)
+            k_n = _load_norm(kn_in, bos, L, r0, i_h, H, BC)
+            dk = (dkh - kh * nk[:, None]) / k_n[:, None]
+            tl.store(_bp(dk_out, bos, L, i_h, r0, c0, H, K, BC, SK), _cast(dk, dk_out.dtype.element_ty, INTERP),
+                     boundary_check=(0,))
         # padding rows keep their dG: the last row carries G_C's gradient into the chunk (`_bwd_vk`)
         dG = tl.load(p_dg) + qr * rowq + kr * rowk - kc * cs - kh * ce
-        tl.store(p_dqh, _cast(dqh, dqh_in.dtype.element_ty, INTERP), boundary_check=(0,))
-        tl.store(p_dkh, _cast(dkh, dkh_in.dtype.element_ty, INTERP), boundary_check=(0,))
+        if not NORMS:
+            tl.store(p_dqh, _cast(dqh, dqh_in.dtype.element_ty, INTERP), boundary_check=(0,))
+            tl.store(p_dkh, _cast(dkh, dkh_in.dtype.element_ty, INTERP), boundary_check=(0,))
+            tl.store(tl.make_block_ptr(db_part + (bos * H + i_h) * NS + s, (L,), (H * NS,), (r0,), (BC,), (0,)),
+                     dbeta, boundary_check=(0,))
         tl.store(p_dg, dG)
-        tl.store(tl.make_block_ptr(db_part + (bos * H + i_h) * NS + s, (L,), (H * NS,), (r0,), (BC,), (0,)), dbeta,
-                 boundary_check=(0,))
 
 
 @triton.jit
@@ -835,14 +904,30 @@ def _bwd_norms(q, k, b, qn_in, kn_in, dqh, dkh, db_in, db_part, dq, dk, dbl, TT,
 # host side
 
 
+class Prepared(NamedTuple):
+    """The chunk-local operands `_fwd_prepare` returns (None where not asked for)."""
+
+    W: torch.Tensor  # T·diag(β)(K⊙Γ) [TT, H, K]
+    U: torch.Tensor  # T·diag(β)V [TT, H, V]
+    Qg: torch.Tensor  # Q⊙Γ (Q′ with qprime "over") [TT, H, K]
+    Kd: torch.Tensor  # K⊙exp(G_C − G) [TT, H, K]
+    Aqk: torch.Tensor  # [TT, H, C], zeros above the diagonal
+    gc: torch.Tensor  # G_C [NT, H, K] fp32
+    T: torch.Tensor | None  # (I + Akk)⁻¹ [TT, H, C] fp32, zeros above the diagonal (store_t)
+    norms: tuple[torch.Tensor, torch.Tensor] | None  # (‖q‖, ‖k‖) [TT, H] fp32 (store_norms)
+    G: torch.Tensor | None  # the in-chunk cumulative gate [TT, H, K] fp32 (store_t)
+    Qp: torch.Tensor | None  # Q′ = Q⊙Γ − Aqk·W (qprime)
+    At: torch.Tensor | None  # Ã = Akk before its β scaling [TT, H, C], Aqk's dtype; only below the diagonal (store_at)
+
+
 def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, store_t=False, store_norms=False,
-                 qprime=None):
+                 qprime=None, store_at=False) -> Prepared:
     """Launch `_prep_gate`, `_prep_intra`, `_prep_solve` and `_prep_wu` on flattened [TT, H, ·] inputs; returns the
-    chunk-local operands (W, U, Q⊙Γ, K⊙exp(G_C − G), Aqk, G_C, T if store_t else None, (‖q‖, ‖k‖) [TT, H] fp32
-    if store_norms else None, G [TT, H, K] fp32 if store_t else None, Q′): the backward reads T, the norms and G, an
-    inference forward does not store ‖q‖ and frees G before `_state`. Q′ = Q⊙Γ − Aqk·W (`_state_bwd` with
-    `TUNING["state_bwd_qprime"]`) is None unless qprime is "apart" (a tensor of its own) or "over" (written over
-    Q⊙Γ, which is then returned as Q′ in both places)."""
+    chunk-local operands (`Prepared`): the backward reads T, the norms and G, an inference forward does not store
+    ‖q‖ and frees G before `_state`. Q′ = Q⊙Γ − Aqk·W (`_state_bwd` with `TUNING["state_bwd_qprime"]`) is None
+    unless qprime is "apart" (a tensor of its own) or "over" (written over Q⊙Γ, which is then returned as Q′ in both
+    places). Ã (store_at) is for the backward's sums from the scores (`TUNING["norms_from_scores"]`); only its
+    strictly lower triangle is meaningful (`_bwd_vv` masks it)."""
     TT, H, K = q.shape
     V = v.shape[-1]
     lo, hi = dtypes
@@ -857,6 +942,7 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
     if qprime not in (None, "apart", "over"):
         raise ValueError(f"qprime is None, 'apart' or 'over', not {qprime!r}")
     Qp = torch.empty_like(Qg) if qprime == "apart" else (Qg if qprime == "over" else None)
+    At = torch.empty_like(Aqk) if store_at else None
     G = None
     if plan.NT > 0:
         interp = interpreting()
@@ -866,10 +952,11 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
         _prep_gate[(plan.NT, H)](k, z, A_log, dt_bias, plan.cu, plan.chunk_idx, G, gc, kn, H=H, K=K, C=CHUNK, BC=SUB,
                                  G_MIN=g_min, **_launch_options("prep_gate"))
         _prep_intra[(plan.NT * (CHUNK // SUB), H)](q, k, b, G, kn, plan.cu, plan.chunk_idx, Qg, Aqk, Tm,
-                                                     qn if store_norms else kn, scale,
+                                                     qn if store_norms else kn, Aqk if At is None else At, scale,
                                                      H=H, K=K, C=CHUNK, BC=SUB, SCORES_BF16=lo == torch.bfloat16,
                                                      STORE_QN=store_norms,
-                                                     INVERSE=_inverse_precision("prep", q.dtype), INTERP=interp,
+                                                     INVERSE=_inverse_precision("prep", q.dtype),
+                                                     STORE_AT=At is not None, INTERP=interp,
                                                      **_launch_options("prep_intra"))
         _prep_solve[(plan.NT, H)](Tm, plan.cu, plan.chunk_idx, H=H, C=CHUNK, BC=SUB, INTERP=interp,
                                   **_launch_options("prep_solve"))
@@ -878,8 +965,8 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
                                                        Qg, Aqk, Qg if Qp is None else Qp,
                                                        H=H, K=K, V=V, C=CHUNK, SK=SK, SV=SV, QPRIME=Qp is not None,
                                                        INTERP=interp, **_launch_options("prep_wu"))
-    return (W, U, Qg, Kd, Aqk, gc, (Tm if store_t else None), ((qn, kn) if store_norms else None),
-            (G if store_t else None), Qp)
+    return Prepared(W, U, Qg, Kd, Aqk, gc, Tm if store_t else None, (qn, kn) if store_norms else None,
+                    G if store_t else None, Qp, At)
 
 
 def _state_products(state_bf16: bool, training: bool) -> tuple[bool, bool]:
@@ -926,21 +1013,23 @@ def output_apart(dtype: torch.dtype, u_dtype: torch.dtype, keep: bool, want_hs: 
 
 
 def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes, state_bf16,
-         keep=False, training=False, qprime=False):
+         keep=False, training=False, qprime=False, norms_from_scores=False):
     """The forward: (o, final state or None, chunk-start states if want_hs else None, kept). training: a backward
     can follow (`_fwd_state`'s products).
 
-    keep: also return what the backward would recompute, (W, Qg, Kd, Aqk, gc, T, hs, Ũ, G, ‖q‖, ‖k‖), for
-    `_bwd(inter=…)`, with Q′ = Qg − Aqk·W in Qg's place if qprime (`_prep_wu`; the forward still reads Qg for o);
-    else kept is None. The states and Ũ = U − W·S (in `backward_storage`'s dtypes; the value-side
-    backward reads Ũ instead of recomputing W·S) come from the `_state` launch, with the same `state_bf16` as
-    `_bwd`'s recompute: storing them does not change the arithmetic, so the gradients are bit-identical either way.
+    keep: also return what the backward would recompute, (W, Qg, Kd, Aqk, gc, T, hs, Ũ, G, Ã, ‖q‖, ‖k‖), for
+    `_bwd(inter=…)`, with Q′ = Qg − Aqk·W in Qg's place if qprime (`_prep_wu`; the forward still reads Qg for o)
+    and Ã only with norms_from_scores (else None); else kept is None. The states and Ũ = U − W·S (in
+    `backward_storage`'s dtypes; the value-side backward reads Ũ instead of recomputing W·S) come from the `_state`
+    launch, with the same `state_bf16` as `_bwd`'s recompute: storing them does not change the arithmetic, so the
+    gradients are bit-identical either way.
     o too, except where `output_apart` says the kept forward computes it from the stored bf16 states and Ũ
     (`_fwd_o`); then it carries their rounding, and a forward that keeps nothing computes it inside `_state`.
     """
-    W, U, Qg, Kd, Aqk, gc, Tm, norms, G, Qp = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan,
-                                                           dtypes, store_t=keep, store_norms=keep,
-                                                           qprime="apart" if keep and qprime else None)
+    W, U, Qg, Kd, Aqk, gc, Tm, norms, G, Qp, At = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan,
+                                                               dtypes, store_t=keep, store_norms=keep,
+                                                               qprime="apart" if keep and qprime else None,
+                                                               store_at=keep and norms_from_scores)
     # the returned chunk-start states are fp32; kept only for the backward, in its storage dtype
     hs_dtype = backward_storage(q.dtype, "hs") if keep and not want_hs else torch.float32
     o_apart = output_apart(q.dtype, U.dtype, keep, want_hs) and plan.NT > 0
@@ -958,15 +1047,15 @@ def _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs
                                                         BV=BV, C=CHUNK, BF16=bf16, SPLIT=split, LOOP=loop,
                                                         INTERP=interpreting(), **_launch_options("fwd_o"))
     # U is not needed by the backward
-    kept = (W, Qg if Qp is None else Qp, Kd, Aqk, gc, Tm, hs, ut, G) + norms if keep else None
+    kept = (W, Qg if Qp is None else Qp, Kd, Aqk, gc, Tm, hs, ut, G, At) + norms if keep else None
     return o, ht, (hs if want_hs else None), kept
 
 
 def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes, state_bf16, inter=None,
-         qprime=False):
+         qprime=False, norms_from_scores=False):
     """All gradients from the raw inputs and dO (and dht): recompute if needed, the state pass, the chunk passes.
 
-    inter: the forward's (W, Qg, Kd, Aqk, gc, T, hs, Ũ, G, ‖q‖, ‖k‖) (`_fwd(keep=True)`); then nothing is recomputed
+    inter: the forward's (W, Qg, Kd, Aqk, gc, T, hs, Ũ, G, Ã, ‖q‖, ‖k‖) (`_fwd(keep=True)`); then nothing is recomputed
     and h0 is not used. Without it the prepare kernels and `_state` (storing G, the chunk-start states, Ũ and the
     norms) run again here. Then `_state_bwd`, the value side over key slices (`_bwd_vk`, `_bwd_vv`), the
     score backward per 16-row block and key slice (`_bwd_k_block`), the cumsum and gate chains per key slice and
@@ -974,7 +1063,9 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     The backward state pass multiplies as TUNING["state_bwd_products"] says (split bf16), whatever
     state_bf16 is: state_bf16 only changes the forward and the recomputed states. qprime: `_state_bwd` on Q′ =
     Qg − Aqk·W (inter's Qg is Q′ then, `_fwd(qprime=True)`), without Aqk's tile and product in its chain; the value
-    side adds dŨ's Aqkᵀ·dO (`_state_bwd_step`).
+    side adds dŨ's Aqkᵀ·dO (`_state_bwd_step`). norms_from_scores: the norm backward's and dβ's sums over K from
+    the scores in `_bwd_vv` (Euler's identity, on the prepare's Ã), so `_bwd_k_block` writes dq and dk and
+    `_bwd_norms` does not run (`TUNING["norms_from_scores"]`).
     """
     TT, H, K = q.shape
     V = v.shape[-1]
@@ -993,17 +1084,20 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         raise ValueError(f"TUNING['bwd_k_rows'] is 16 or 32, not {BCK!r}")
     if inter is None:
         # with qprime, Q′ over Qg: `_state` reads neither without o
-        W, U, Qg, Kd, Aqk, gc, Tm, norms, G, _ = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan,
-                                                              dtypes, store_t=True, store_norms=True,
-                                                              qprime="over" if qprime else None)
+        W, U, Qg, Kd, Aqk, gc, Tm, norms, G, _, At = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale,
+                                                                  plan, dtypes, store_t=True, store_norms=True,
+                                                                  qprime="over" if qprime else None,
+                                                                  store_at=norms_from_scores)
         _, _, hs, ut = _fwd_state(W, U, Qg, Kd, Aqk, gc, h0, plan, v.dtype, write_o=False, want_hs=True,
                                   state_bf16=state_bf16, want_ut=True, training=True,
                                   hs_dtype=backward_storage(q.dtype, "hs"),
                                   ut_dtype=backward_storage(q.dtype, "ut", U.dtype))
         del U
     else:
-        W, Qg, Kd, Aqk, gc, Tm, hs, ut, G, *norms = inter
+        W, Qg, Kd, Aqk, gc, Tm, hs, ut, G, At, *norms = inter
         del inter
+        if norms_from_scores and At is None:
+            raise ValueError("norms_from_scores needs the forward's Ã: `_fwd(keep=True, norms_from_scores=True)`")
         # chunk-start states the forward returned (fp32), rounded as the recompute would have stored them
         hs = hs.to(backward_storage(q.dtype, "hs"))
     BV = min(V, TUNING["state_bwd_bv"])
@@ -1017,7 +1111,7 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
                                       plan.cu, plan.chunk_off, H=H, K=K, V=V, BV=BV, C=CHUNK,
                                       USE_DHT=dht is not None, BF16=products == "bf16", SPLIT=products == "split",
                                       QPRIME=qprime, INTERP=interp, **launch)
-    aqk = Aqk if qprime else gc  # the value side reads Aqk only with qprime
+    aqk = Aqk if qprime or norms_from_scores else gc  # the value side reads Aqk only with these
     del W, Qg, Kd, Aqk  # (kept ones live on in the autograd context until the backward returns)
     dv = torch.empty_like(v)
     # the value side's dq̂, dk̂, finished by the score side (`bwd_scratch_bf16`)
@@ -1026,7 +1120,6 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     dG = torch.empty(NT, H, CHUNK, K, dtype=torch.float32, device=dev)
     daqk = torch.empty(TT, H, CHUNK, dtype=backward_scratch(q.dtype, "bwd_da_bf16"), device=dev)
     dakk = torch.empty_like(daqk)
-    dbeta = torch.empty(TT, H, dtype=torch.float32, device=dev)
     dq, dk, dz = torch.empty_like(q), torch.empty_like(k), torch.empty_like(z)
     db = torch.empty_like(b)
     SK = min(K, TUNING["bwd_k_cols"])
@@ -1041,6 +1134,11 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         SKV = min(K, TUNING["bwd_vk_cols"])
         NSV = K // SKV
         dbk = torch.empty(plan.NT, H, NSV, CHUNK, dtype=torch.float32, device=dev)
+        # with norms_from_scores: the value side's parts of ⟨q̂, dq̂⟩ and ⟨k̂, dk̂⟩ per slice, then `_bwd_vv`'s sums
+        # and the β logit's gradient; else dβ before σ' for `_bwd_norms`
+        nd = torch.empty(plan.NT, H, NSV, 2, CHUNK, dtype=torch.float32, device=dev) if norms_from_scores else dbk
+        nrm = torch.empty(TT, H, 2, dtype=torch.float32, device=dev) if norms_from_scores else dbk
+        dbeta = db if norms_from_scores else torch.empty(TT, H, dtype=torch.float32, device=dev)
         # fp32 loop tiles take twice the shared memory per stage: their own launch (TUNING)
         fp32_tiles = torch.float32 in (hs.dtype, dse.dtype, du.dtype, ut.dtype)
         vk_launch = _launch_options("bwd_vk")
@@ -1050,27 +1148,30 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         # runs (docs/kda-kernels.md, runs 8-9)
         BVK = min(V, TUNING["bwd_vk_fp32_bv" if fp32_tiles else "bwd_vk_bv"]) if K > 16 else 16
         _bwd_vk[(plan.NT * NSV, H)](q, k, b, G, gc, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du, ut, aqk,
-                                    dqh, dkh, dG, dbk, scale, H=H, K=K, V=V, SK=SKV, BV=BVK, C=CHUNK,
-                                    QPRIME=qprime, INTERP=interp, **vk_launch)
-        _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, aqk, dbk, dv, daqk, dakk, dbeta,
+                                    dqh, dkh, dG, dbk, nd, scale, H=H, K=K, V=V, SK=SKV, BV=BVK, C=CHUNK,
+                                    QPRIME=qprime, ROW_DOTS=norms_from_scores, INTERP=interp, **vk_launch)
+        _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, aqk, dbk,
+                              aqk if At is None else At, nd, dv, daqk, dakk, dbeta, nrm,
                               H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, QPRIME=qprime,
-                              INTERP=interp, **_launch_options("bwd_vv"))
-        del dbk, ut, aqk
+                              NORMS=norms_from_scores, INTERP=interp, **_launch_options("bwd_vv"))
+        del dbk, nd, ut, aqk, At
         # per (16-row block, key slice): the score side (docs/kda-kernels.md §7 item 22); then per (key slice,
-        # chunk) the reverse cumsum and the gate chain, and per row the norm and σ' chains
-        db_part = torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
+        # chunk) the reverse cumsum and the gate chain, and per row the norm and σ' chains (in `_bwd_k_block` and
+        # `_bwd_vv` with norms_from_scores)
+        db_part = nrm if norms_from_scores else torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
         _bwd_k_block[(plan.NT * NS * (CHUNK // BCK), H)](q, k, b, G, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG,
-                                                         daqk, dakk, db_part, scale, H=H, K=K, SK=SK, C=CHUNK,
-                                                         BC=BCK, INTERP=interp,
+                                                         daqk, dakk, db_part, nrm, dq, dk, scale, H=H, K=K, SK=SK,
+                                                         C=CHUNK, BC=BCK, NORMS=norms_from_scores, INTERP=interp,
                                                          **_launch_options("bwd_k"))
         del G
         _bwd_gate[(plan.NT * NSG, H)](z, A_log, dt_bias, plan.cu, plan.chunk_idx, dG, dz, dA_part, dbias_part,
                                       H=H, K=K, SK=SKG, C=CHUNK, G_MIN=g_min, INTERP=interp,
                                       **_launch_options("bwd_gate"))
-        BT = TUNING["bwd_norms_rows"]
-        _bwd_norms[(triton.cdiv(TT, BT), H)](q, k, b, qn, kn, dqh, dkh, dbeta, db_part, dq, dk, db, TT, scale, H=H,
-                                             K=K, NS=NS, BT=BT, INTERP=interp,
-                                             **_launch_options("bwd_norms"))
+        if not norms_from_scores:
+            BT = TUNING["bwd_norms_rows"]
+            _bwd_norms[(triton.cdiv(TT, BT), H)](q, k, b, qn, kn, dqh, dkh, dbeta, db_part, dq, dk, db, TT, scale,
+                                                 H=H, K=K, NS=NS, BT=BT, INTERP=interp,
+                                                 **_launch_options("bwd_norms"))
     else:
         dv.zero_()
     dA_log = dA_part.sum((0, 2)).to(A_log.dtype)
@@ -1087,21 +1188,24 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, z, b, A_log, dt_bias, h0, g_min, scale, plan, want_ht, want_hs, dtypes, state_bf16,
                 keep, training):
-        # decided once for both passes: the kept operands are Q′ or Q⊙Γ by it
+        # decided once for both passes: the kept operands are Q′ or Q⊙Γ, with Ã or without, by them
         qprime = bool(TUNING["state_bwd_qprime"])
+        norms_from_scores = bool(TUNING["norms_from_scores"])
         o, ht, hs, kept = _fwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes,
-                               state_bf16, keep=keep, training=training, qprime=qprime)
+                               state_bf16, keep=keep, training=training, qprime=qprime,
+                               norms_from_scores=norms_from_scores)
         if kept is None:
             ctx.save_for_backward(q, k, v, z, b, A_log, dt_bias, h0)
         else:
             ctx.save_for_backward(q, k, v, z, b, A_log, dt_bias, *kept)
-        ctx.cfg = (g_min, scale, plan, dtypes, state_bf16, kept is not None, h0 is not None, qprime)
+        ctx.cfg = (g_min, scale, plan, dtypes, state_bf16, kept is not None, h0 is not None, qprime,
+                   norms_from_scores)
         ctx.mark_non_differentiable(*(x for x in (hs,) if x is not None))
         return o, ht, hs
 
     @staticmethod
     def backward(ctx, do, dht, dhs):
-        g_min, scale, plan, dtypes, state_bf16, kept, has_h0, qprime = ctx.cfg
+        g_min, scale, plan, dtypes, state_bf16, kept, has_h0, qprime, norms_from_scores = ctx.cfg
         saved = ctx.saved_tensors
         q, k, v, z, b, A_log, dt_bias = saved[:7]
         h0, inter = (None, saved[7:]) if kept else (saved[7], None)
@@ -1109,7 +1213,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         dq, dk, dv, dz, db, dA_log, ddt_bias, dh0 = _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan,
                                                           do.contiguous(),
                                                           None if dht is None else dht.contiguous(),
-                                                          dtypes, state_bf16, inter=inter, qprime=qprime)
+                                                          dtypes, state_bf16, inter=inter, qprime=qprime,
+                                                          norms_from_scores=norms_from_scores)
         return (dq, dk, dv, dz, db, dA_log, ddt_bias, dh0 if has_h0 else None) + (None,) * 9
 
 
@@ -1161,6 +1266,7 @@ def chunk_kda(
                                                  the returned fp32 ones if return_chunk_states)
       Ũ = U − W·S              [TT, H, V]        bf16 (the same switch; else U's dtype)
       ‖q‖, ‖k‖                 2 × [TT, H]       fp32
+      Ã (Akk before β)         [TT, H, 64]       Aqk's; only with TUNING["norms_from_scores"] (+192 MiB below)
     At the K3 shape (T = 8192, H = 96, K = V = 128, bf16, no all_bf16) that is 576 + 192 + 192 + 6 + 384 + 384 +
     192 MiB ≈ 1.88 GiB per layer (the states are the largest part: 2·K·V/64 = 512 B per token and head), in
     exchange for the recompute: ~6.5 ms of the then ~32 ms forward + backward (docs/kda-kernels.md §7 item 9).

@@ -77,6 +77,12 @@ TUNING = {
     # −Aqkᵀ·dQg on dW) and `_bwd_vv` (per value block, and Aqkᵀ·dAqk on dŨ·Ũᵀ) instead (docs/kda-kernels.md §7 item
     # 65). Offline the pass drops to 218 registers, no spills, 172 KB at 3 stages (255, 12 B, 204 KB). Untimed: off
     "state_bwd_qprime": False,
+    # the q/k norm backward's and dβ's sums over K from the scores (Euler's identity: ⟨q̂_r, dq̂_r⟩'s score part is
+    # Σ_i dAqk[r, i]·Aqk[r, i], and so on) in `_bwd_vv`, with the value side's parts from `_bwd_vk`'s slices, on Ã
+    # (Akk before β) that the prepare keeps ([TT, H, 64] in Aqk's dtype: 192 MiB per layer at the K3 shape):
+    # `_bwd_k_block` then writes dq and dk, and `_bwd_norms` (0.33 ms there, its 1.2 GB of traffic) does not run
+    # (docs/kda-kernels.md §7 item 69). Untimed: off
+    "norms_from_scores": False,
     # the value-side backward over key slices from the forward's Ũ (docs/kda-kernels.md §7 item 13): `_bwd_vk` per
     # (key slice of bwd_vk_cols, chunk, head), then `_bwd_vv` per (chunk, head); fwd+bwd 19.95 → 18.53 ms at the K3
     # shape with bwd_vk_maxnreg 168 (session 8, run 1). 8 warps, 3 stages, 128 registers: every loop tile an async
