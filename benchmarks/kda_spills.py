@@ -45,8 +45,7 @@ FP32_ARGS = {"A_log", "dt_bias", "t_in", "t_out", "hs", "dse", "du", "dqh_in", "
              "dakk_in", "db_in", "dqh_out", "dkh_out", "dg_out", "daqk_out", "dakk_out", "db_out", "dA_part",
              "dbias_part", "aqk_out", "u_out", "gc_out", "gc", "h0", "ht", "aqk", "u", "dht", "dh0", "kn_out", "kn_in",
              "dqh", "dkh", "db_part", "g_in", "g_out", "gc_in", "ut", "dbk_out", "dbk_in",
-             "qn_in", "qn_out", "u_out", "m_out", "m_in", "aqk_in", "at_out", "at_in", "nd_out", "nd_in", "nrm_out",
-             "nrm_in"}
+             "qn_in", "qn_out", "u_out", "m_out", "m_in", "aqk_in", "nd_out", "nd_in", "nrm_out", "nrm_in"}
 INT32_ARGS = {"cu", "chunk_idx", "chunk_off", "hs_off"}
 CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
                   USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64,

@@ -4,10 +4,10 @@
 # prepare's Ã, `_bwd_k_block` writing dq and dk, no `_bwd_norms`): its GPU test first (`_bwd_k_block`'s tf32 score
 # products against the Euler sums on the stored scores are what the interpreter, exact in fp32, does not show), then
 # timed and measured against fp64 beside the defaults, alone and with Q′ (`state_bwd_qprime`, which loads Aqk in
-# `_bwd_vv` already), at the K3 shape and the small preset's. Prediction: −0.33 ms (`_bwd_norms`) + ~0.05 (the
-# prepare's Ã store, 192 MiB) + ~0.1 (`_bwd_vv` reading Ã and Aqk, 12 B of spills at its 128-register cap offline):
-# −0.15 to −0.2 ms at the K3 shape. `_bwd_k_block`'s spills grow 112 → 148/160 B at its 64-register cap offline
-# (104 at 80, six programs per SM instead of eight) and `_bwd_vv`'s 0 → 12 B at 128 (none at 168): a row each.
+# `_bwd_vv` already), at the K3 shape and the small preset's. Prediction: −0.33 ms (`_bwd_norms`) + ~0.03 (the
+# prepare's bf16 Ã store, 100 MB) + ~0.08 (`_bwd_vv` reading Ã and Aqk, 300 MB, 8 B of spills at its 128-register
+# cap offline): −0.2 ms at the K3 shape. `_bwd_k_block`'s spills grow 112 → 148/160 B at its 64-register cap offline
+# (104 at 80, six programs per SM instead of eight) and `_bwd_vv`'s 0 → 8 B at 128 (none at 168): a row each.
 #     OUT=/tmp/out K3_GIT_SHA=<sha> bash benchmarks/sessions/s30_run3.sh
 . benchmarks/sessions/prelude.sh
 {

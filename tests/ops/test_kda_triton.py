@@ -409,7 +409,7 @@ def test_norm_sums_from_scores(dev, monkeypatch, dtype, all_bf16, others):
     fp64 tolerances on packed documents (a one-token and an empty one among them), leaves o, the final state and
     every gradient but dq, dk and dβ's bit-identical, moves those three (the path ran) and keeps each within 1.3× the
     default path's error from fp64 (a tenth of the tolerance more on a GPU, whose tf32 dots move the small sums), and
-    keeps the kept and recomputing backwards bit-identical. With all_bf16 (Aqk and Ã stored in bf16), Q′
+    keeps the kept and recomputing backwards bit-identical. With all_bf16 (Aqk stored in bf16 too), Q′
     (`state_bwd_qprime`, which loads Aqk in `_bwd_vv` as well) and 32-row score blocks (`bwd_k_rows`) on both sides the
     same, but the fp64 tolerances, which all_bf16 is not held to; the bf16 case runs two key slices in `_bwd_vk` and
     `_bwd_k_block` (the sums over their partials). Measured in the interpreter: dq, dk and dβ 0.93-1.0× the default

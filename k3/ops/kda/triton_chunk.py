@@ -917,7 +917,7 @@ class Prepared(NamedTuple):
     norms: tuple[torch.Tensor, torch.Tensor] | None  # (‖q‖, ‖k‖) [TT, H] fp32 (store_norms)
     G: torch.Tensor | None  # the in-chunk cumulative gate [TT, H, K] fp32 (store_t)
     Qp: torch.Tensor | None  # Q′ = Q⊙Γ − Aqk·W (qprime)
-    At: torch.Tensor | None  # Ã = Akk before its β scaling [TT, H, C], Aqk's dtype; only below the diagonal (store_at)
+    At: torch.Tensor | None  # Ã = Akk before its β scaling [TT, H, C], W's dtype; only below the diagonal (store_at)
 
 
 def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, store_t=False, store_norms=False,
@@ -926,7 +926,7 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
     chunk-local operands (`Prepared`): the backward reads T, the norms and G, an inference forward does not store
     ‖q‖ and frees G before `_state`. Q′ = Q⊙Γ − Aqk·W (`_state_bwd` with `TUNING["state_bwd_qprime"]`) is None
     unless qprime is "apart" (a tensor of its own) or "over" (written over Q⊙Γ, which is then returned as Q′ in both
-    places). Ã (store_at) is for the backward's sums from the scores (`TUNING["norms_from_scores"]`); only its
+    places). Ã (store_at, bf16 for bf16 inputs) is for the backward's sums from the scores (`TUNING["norms_from_scores"]`); only its
     strictly lower triangle is meaningful (`_bwd_vv` masks it)."""
     TT, H, K = q.shape
     V = v.shape[-1]
@@ -942,7 +942,7 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
     if qprime not in (None, "apart", "over"):
         raise ValueError(f"qprime is None, 'apart' or 'over', not {qprime!r}")
     Qp = torch.empty_like(Qg) if qprime == "apart" else (Qg if qprime == "over" else None)
-    At = torch.empty_like(Aqk) if store_at else None
+    At = torch.empty_like(Aqk, dtype=lo) if store_at else None
     G = None
     if plan.NT > 0:
         interp = interpreting()
@@ -1266,7 +1266,8 @@ def chunk_kda(
                                                  the returned fp32 ones if return_chunk_states)
       Ũ = U − W·S              [TT, H, V]        bf16 (the same switch; else U's dtype)
       ‖q‖, ‖k‖                 2 × [TT, H]       fp32
-      Ã (Akk before β)         [TT, H, 64]       Aqk's; only with TUNING["norms_from_scores"] (+192 MiB below)
+      Ã (Akk before β)         [TT, H, 64]       bf16 (fp32 for fp32 inputs); only with
+                                                 TUNING["norms_from_scores"] (+96 MiB below)
     At the K3 shape (T = 8192, H = 96, K = V = 128, bf16, no all_bf16) that is 576 + 192 + 192 + 6 + 384 + 384 +
     192 MiB ≈ 1.88 GiB per layer (the states are the largest part: 2·K·V/64 = 512 B per token and head), in
     exchange for the recompute: ~6.5 ms of the then ~32 ms forward + backward (docs/kda-kernels.md §7 item 9).

@@ -79,7 +79,7 @@ TUNING = {
     "state_bwd_qprime": False,
     # the q/k norm backward's and dβ's sums over K from the scores (Euler's identity: ⟨q̂_r, dq̂_r⟩'s score part is
     # Σ_i dAqk[r, i]·Aqk[r, i], and so on) in `_bwd_vv`, with the value side's parts from `_bwd_vk`'s slices, on Ã
-    # (Akk before β) that the prepare keeps ([TT, H, 64] in Aqk's dtype: 192 MiB per layer at the K3 shape):
+    # (Akk before β) that the prepare keeps ([TT, H, 64], bf16 for bf16 inputs: 96 MiB per layer at the K3 shape):
     # `_bwd_k_block` then writes dq and dk, and `_bwd_norms` (0.33 ms there, its 1.2 GB of traffic) does not run
     # (docs/kda-kernels.md §7 item 69). Untimed: off
     "norms_from_scores": False,
