@@ -46,12 +46,12 @@ FP32_ARGS = {"A_log", "dt_bias", "t_in", "t_out", "hs", "dse", "du", "dqh_in", "
              "dbias_part", "aqk_out", "u_out", "gc_out", "gc", "h0", "ht", "aqk", "u", "dht", "dh0", "kn_out", "kn_in",
              "dqh", "dkh", "db_part", "g_in", "g_out", "gc_in", "ut", "dbk_out", "dbk_in",
              "qn_in", "qn_out", "u_out", "m_out", "m_in", "aqk_in", "nd_out", "nd_in", "nrm_out", "nrm_in"}
-INT32_ARGS = {"cu", "chunk_idx", "chunk_off", "hs_off"}
+INT32_ARGS = {"cu", "chunk_idx", "chunk_off", "hs_off", "done"}
 CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
                   USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64,
                   STORE_UT=False, SPLIT=chunk.TUNING["state_split_inference"], STORE_QN=False, HALF=0,
                   INVERSE=chunk.TUNING["prefill_inverse"],  # the prefill's, for bf16 inputs (`_prep_intra`: below)
-                  SEGMENT=False, QPRIME=False, LOOP=False, STORE_AT=False, ROW_DOTS=False, NORMS=False)
+                  SEGMENT=False, QPRIME=False, LOOP=False, STORE_AT=False, ROW_DOTS=False, NORMS=False, GATE=False)
 # kernel -> its TUNING key prefix, in launch order; "_state_ut" is `_state` when it also stores Ũ (the backward's
 # recompute launch, and the training forward's since session 28, `state_o_apart`, which then writes o in `_fwd_o`),
 # "_state_ut_o" the training forward's that also writes o (more shared memory: 216 KB at 3 stages against 128, and
@@ -62,7 +62,7 @@ TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_
                  "_fwd_o": "fwd_o", "_state_bwd": "state_bwd", "_prep_wu_qp": "prep_wu", "_state_bwd_qp": "state_bwd",
                  "_bwd_vk_qp": "bwd_vk", "_bwd_vv_qp": "bwd_vv", "_fwd_o_loop": "fwd_o",
                  "_bwd_k_block32": "bwd_k", "_prep_intra_at": "prep_intra", "_bwd_vk_nd": "bwd_vk",
-                 "_bwd_vv_nd": "bwd_vv", "_bwd_k_block_nd": "bwd_k",
+                 "_bwd_vv_nd": "bwd_vv", "_bwd_k_block_nd": "bwd_k", "_bwd_k_block_gate": "bwd_k",
                  "_bwd_vk": "bwd_vk", "_bwd_vv": "bwd_vv", "_bwd_k_block": "bwd_k", "_bwd_gate": "bwd_gate",
                  "_bwd_norms": "bwd_norms", "_prefill_prepare": "prefill_prepare", "_prefill_state": "prefill_state",
                  "_prefill_prepare_half1": "prefill_prepare",
@@ -95,6 +95,8 @@ KERNEL_CONSTEXPRS = {"_prep_intra": dict(INVERSE=chunk.TUNING["prep_inverse"]),
                      "_prep_intra_at": dict(INVERSE=chunk.TUNING["prep_inverse"], STORE_AT=True, STORE_QN=True),
                      "_bwd_vk_nd": dict(SK=_SKV, ROW_DOTS=True), "_bwd_vv_nd": dict(NS=128 // _SKV, NORMS=True),
                      "_bwd_k_block_nd": dict(SK=_SK, NORMS=True),
+                     # `TUNING["bwd_gate_fused"]`'s (§7 item 70)
+                     "_bwd_k_block_gate": dict(SK=_SK, GATE=True),
                      "_bwd_gate": dict(SK=chunk.TUNING["bwd_gate_cols"]),
                      "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
                      "_prefill_prepare": dict(HALF=0),
@@ -116,6 +118,7 @@ def kernel_fn(name: str):
                "_state_bwd_qp": chunk._state_bwd, "_bwd_vk_qp": chunk._bwd_vk, "_bwd_vv_qp": chunk._bwd_vv,
                "_fwd_o_loop": chunk._fwd_o, "_bwd_k_block32": chunk._bwd_k_block, "_prep_intra_at": chunk._prep_intra,
                "_bwd_vk_nd": chunk._bwd_vk, "_bwd_vv_nd": chunk._bwd_vv, "_bwd_k_block_nd": chunk._bwd_k_block,
+               "_bwd_k_block_gate": chunk._bwd_k_block,
                "_prefill_prepare_half1": prefill._prefill_prepare, "_prefill_prepare_half2": prefill._prefill_prepare}
     return aliases.get(name) or getattr(chunk, name, None) or getattr(prefill, name)
 

@@ -448,6 +448,32 @@ def test_norm_sums_from_scores(dev, monkeypatch, dtype, all_bf16, others):
     assert all(torch.equal(x.grad, g) for x, g in zip(leaves, kept[2:]))
 
 
+@pytest.mark.parametrize("others", [{}, {"bwd_k_rows": 32, "norms_from_scores": True, "bwd_k_cols": 16,
+                                     "bwd_gate_cols": 16}])
+def test_gate_chain_in_score_backward(dev, monkeypatch, others):
+    """TUNING["bwd_gate_fused"]: the last of a chunk's row blocks to finish on a key slice runs `_bwd_gate`'s
+    reverse cumsum and gate chain (`_gate_chain`, the same code on the same dG, read from L2), so every output and
+    gradient is bit-identical to the separate launch's, whichever block finishes last: on packed documents whose
+    last chunks hold one to four 16-row blocks (and a one-token and an empty document), with 16- and 32-row blocks,
+    one and two key slices (the fused chain runs on the score backward's slices whatever `bwd_gate_cols` says; the
+    separate launch here on the same ones, so that dA_log's partials sum in the same order), with and without the
+    sums from the scores. Kept and recomputing backwards' gradients agree bit for bit."""
+    from k3.ops.kda import triton_chunk as tc
+
+    cu = [0, 70, 71, 71, 100, 148, 211]
+    inputs = make_raw(1, cu[-1], 2, 32, 32, seed=67, N=len(cu) - 1)
+    for key, value in others.items():
+        monkeypatch.setitem(tc.TUNING, key, value)
+    kw = dict(cu_seqlens=torch.tensor(cu, device=dev))
+    base = _fwd_bwd(inputs, dev, **kw)
+    monkeypatch.setitem(tc.TUNING, "bwd_gate_fused", True)
+    fused = _fwd_bwd(inputs, dev, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(fused, base))
+    # (o too, but a forward that keeps nothing computes it inside `_state`: `state_o_apart`)
+    again = _fwd_bwd(inputs, dev, save_intermediates=False, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(again[2:], base[2:]))
+
+
 def test_backward_bf16_storage(dev, monkeypatch):
     """TUNING["bwd_storage_bf16"]: the chunk-start states, Ũ, dS_end and dŨ stored in bf16 for bf16 inputs (the
     value side multiplies them as stored) pass the fp64 tolerances, leave the forward bit-identical and change the

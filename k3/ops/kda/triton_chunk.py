@@ -31,7 +31,8 @@ measured variant are in docs/kda-kernels.md. In short:
   `_bwd_k_block` (per 16-row block and key slice) the score backward, in the prepare's blocks and anchors;
   `_bwd_gate` (per key slice and chunk) the reverse cumsum and the gate chain; `_bwd_norms` (per row) the two sums
   over K that remain, the q/k norm backward and dβ's σ'. (`TUNING["norms_from_scores"]` takes those sums from the
-  scores in `_bwd_vv` instead, so `_bwd_k_block` finishes dq and dk and `_bwd_norms` does not run.)
+  scores in `_bwd_vv` instead, so `_bwd_k_block` finishes dq and dk and `_bwd_norms` does not run;
+  `TUNING["bwd_gate_fused"]` has the last of a chunk's row blocks on each key slice run `_bwd_gate`'s work.)
 
 Intermediates are stored in bf16 for bf16 inputs except U and Aqk (fp32 unless all_bf16) and G and T (fp32); the
 chunk-start states, Ũ, dS_end and dŨ that the value-side backward reads are bf16 as TUNING["bwd_storage_bf16"]
@@ -702,9 +703,9 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, aqk, dbk_in, at_in, nd_in,
 
 @triton.jit
 def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_in, daqk_in, dakk_in, db_part,
-                 nrm_in, dq_out, dk_out,
+                 nrm_in, dq_out, dk_out, z, A_log, dt_bias, dz, dA_part, dbias_part, done,
                  scale, H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, NORMS: tl.constexpr,
-                 INTERP: tl.constexpr):
+                 GATE: tl.constexpr, G_MIN: tl.constexpr, INTERP: tl.constexpr):
     """The score backward of one (BC-row block R, key slice of SK columns, chunk, head): everything that lands on
     block R's rows, so no program waits for another and nothing is carried across blocks. BC is 16, or 32
     (`TUNING["bwd_k_rows"]`, below).
@@ -725,7 +726,11 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
     bf16 for bf16 inputs (`bwd_da_bf16`). `_bwd_norms` finishes dq̂, dk̂ and dβ, which reduce over K. G is the
     prepare's ([TT, H, K], `_g_block`), ‖q‖ and ‖k‖ too (`_load_norm`). NORMS (`TUNING["norms_from_scores"]`):
     with ⟨q̂, dq̂⟩ and ⟨k̂, dk̂⟩ per row from `_bwd_vv` (nrm_in [TT, H, 2]) it finishes the norm backward itself and
-    writes dq and dk (dq_out, dk_out), no dq̂, dk̂ and no dβ partial. A block wholly past the document end does
+    writes dq and dk (dq_out, dk_out), no dq̂, dk̂ and no dβ partial. GATE (`TUNING["bwd_gate_fused"]`): the last of
+    a chunk's row blocks (inside the document) to finish on this key slice runs `_bwd_gate`'s reverse cumsum and
+    gate chain for the chunk and slice (`_gate_chain`), so no `_bwd_gate` launch follows: each block counts itself
+    in `done` ([NT, H, NS] int32, zeros) after its dG stores, and the one that finds the others counted reads their
+    dG from L2. A block wholly past the document end does
     nothing: its dG rows (G_C's gradient may sit on the chunk's last row) pass through unchanged. The products are tf32
     (bf16 operands: 3.51 → 3.40 ms at the K3 shape, but ddt_bias 4.0e-4 → 6.5e-3 from fp64 in the interpreter, near
     its 8e-3 limit; session 13 run 2).
@@ -841,27 +846,37 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
             tl.store(tl.make_block_ptr(db_part + (bos * H + i_h) * NS + s, (L,), (H * NS,), (r0,), (BC,), (0,)),
                      dbeta, boundary_check=(0,))
         tl.store(p_dg, dG)
+        if GATE:
+            # every thread's dG stores before the count's release; the count's acquire before the other blocks'
+            # dG are read (the CUTLASS semaphore's order)
+            tl.debug_barrier()
+            blocks_in = tl.minimum(tl.cdiv(L - row0, BC), NB)
+            if tl.atomic_add(done + (i_c * H + i_h) * NS + s, 1, sem="acq_rel") == blocks_in - 1:
+                tl.debug_barrier()
+                _gate_chain(z, A_log, dt_bias, dg_in, dz, dA_part, dbias_part, bos, L, row0, i_c, i_h, s, H, K, SK,
+                            C, G_MIN, True, INTERP)
 
 
 @triton.jit
-def _bwd_gate(z, A_log, dt_bias, cu, chunk_idx, dg_in, dz, dA_part, dbias_part,
-              H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, G_MIN: tl.constexpr, INTERP: tl.constexpr):
-    """After `_bwd_k_block`, one (key slice of SK columns, chunk, head): dG → dg by the reverse cumsum over the
-    chunk, then the gate chain: dz, and this chunk's partial sums of dA_log (dA_part: [NT, H, NS]) and dt_bias
-    (dbias_part: [NT, H, K]), reduced by the caller."""
+def _gate_chain(z, A_log, dt_bias, dg_in, dz, dA_part, dbias_part, bos, L, row0, i_c, i_h, s,
+                H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, G_MIN: tl.constexpr, L2_ONLY: tl.constexpr,
+                INTERP: tl.constexpr):
+    """Key slice s of one (chunk, head): dG → dg by the reverse cumsum over the chunk, then the gate chain: dz, and
+    this chunk's partial sums of dA_log (dA_part: [NT, H, NS]) and dt_bias (dbias_part: [NT, H, K]), reduced by the
+    caller. L2_ONLY: dG is read past L1 (`.cg`), as other programs of the launch have just written it."""
     NS: tl.constexpr = K // SK
-    pid = tl.program_id(0)
-    i_c = pid // NS
-    s = pid % NS
     c0 = s * SK
-    i_h = tl.program_id(1)
-    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
     rows = tl.arange(0, C)
     g_base = (i_c * H + i_h).to(tl.int64) * C * K
     valid = row0 + rows < L
     z_raw, a_exp, bias = _gate_inputs(z, A_log, dt_bias, bos, L, row0, c0, i_h, H, K, C, SK)
     _, x = _gate_from(z_raw, a_exp, bias, valid, G_MIN)
-    dg = tl.cumsum(tl.load(dg_in + g_base + rows[:, None] * K + c0 + tl.arange(0, SK)[None, :]), 0, reverse=True)
+    p_dg = dg_in + g_base + rows[:, None] * K + c0 + tl.arange(0, SK)[None, :]
+    if L2_ONLY:
+        dG = tl.load(p_dg, cache_modifier=".cg")
+    else:
+        dG = tl.load(p_dg)
+    dg = tl.cumsum(dG, 0, reverse=True)
     sg = tl.sigmoid(x)
     dx = tl.where(valid[:, None], dg * G_MIN * sg * (1.0 - sg), 0.0)
     dzv = dx * a_exp
@@ -869,6 +884,20 @@ def _bwd_gate(z, A_log, dt_bias, cu, chunk_idx, dg_in, dz, dA_part, dbias_part,
              boundary_check=(0,))
     tl.store(dA_part + (i_c * H + i_h) * NS + s, tl.sum(tl.sum(dx * x, 1), 0))
     tl.store(dbias_part + (i_c * H + i_h).to(tl.int64) * K + c0 + tl.arange(0, SK), tl.sum(dzv, 0))
+
+
+@triton.jit
+def _bwd_gate(z, A_log, dt_bias, cu, chunk_idx, dg_in, dz, dA_part, dbias_part,
+              H, K: tl.constexpr, SK: tl.constexpr, C: tl.constexpr, G_MIN: tl.constexpr, INTERP: tl.constexpr):
+    """After `_bwd_k_block`, one (key slice of SK columns, chunk, head): the reverse cumsum and the gate chain
+    (`_gate_chain`)."""
+    NS: tl.constexpr = K // SK
+    pid = tl.program_id(0)
+    i_c = pid // NS
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
+    _gate_chain(z, A_log, dt_bias, dg_in, dz, dA_part, dbias_part, bos, L, row0, i_c, i_h, pid % NS, H, K, SK, C,
+                G_MIN, False, INTERP)
 
 
 @triton.jit
@@ -1065,7 +1094,8 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     Qg − Aqk·W (inter's Qg is Q′ then, `_fwd(qprime=True)`), without Aqk's tile and product in its chain; the value
     side adds dŨ's Aqkᵀ·dO (`_state_bwd_step`). norms_from_scores: the norm backward's and dβ's sums over K from
     the scores in `_bwd_vv` (Euler's identity, on the prepare's Ã), so `_bwd_k_block` writes dq and dk and
-    `_bwd_norms` does not run (`TUNING["norms_from_scores"]`).
+    `_bwd_norms` does not run (`TUNING["norms_from_scores"]`). `TUNING["bwd_gate_fused"]`: `_bwd_gate`'s work in
+    `_bwd_k_block` (`_gate_chain`, by the last row block of each chunk and key slice to finish).
     """
     TT, H, K = q.shape
     V = v.shape[-1]
@@ -1082,6 +1112,7 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     BCK = TUNING["bwd_k_rows"]
     if BCK not in (16, 32):
         raise ValueError(f"TUNING['bwd_k_rows'] is 16 or 32, not {BCK!r}")
+    gate_fused = bool(TUNING["bwd_gate_fused"])
     if inter is None:
         # with qprime, Q′ over Qg: `_state` reads neither without o
         W, U, Qg, Kd, Aqk, gc, Tm, norms, G, _, At = _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale,
@@ -1124,7 +1155,8 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     db = torch.empty_like(b)
     SK = min(K, TUNING["bwd_k_cols"])
     NS = K // SK
-    SKG = min(K, TUNING["bwd_gate_cols"])
+    # the gate chain on `_bwd_k_block`'s key slices when it runs there (bwd_gate_fused)
+    SKG = SK if gate_fused else min(K, TUNING["bwd_gate_cols"])
     NSG = K // SKG
     dA_part = torch.zeros(NT, H, NSG, dtype=torch.float32, device=dev)
     dbias_part = torch.zeros(NT, H, K, dtype=torch.float32, device=dev)
@@ -1159,14 +1191,18 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         # chunk) the reverse cumsum and the gate chain, and per row the norm and σ' chains (in `_bwd_k_block` and
         # `_bwd_vv` with norms_from_scores)
         db_part = nrm if norms_from_scores else torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
+        # with bwd_gate_fused, the blocks of a chunk count themselves per key slice here (`_bwd_k_block`)
+        done = torch.zeros(plan.NT, H, NS, dtype=torch.int32, device=dev) if gate_fused else db_part
         _bwd_k_block[(plan.NT * NS * (CHUNK // BCK), H)](q, k, b, G, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG,
-                                                         daqk, dakk, db_part, nrm, dq, dk, scale, H=H, K=K, SK=SK,
-                                                         C=CHUNK, BC=BCK, NORMS=norms_from_scores, INTERP=interp,
-                                                         **_launch_options("bwd_k"))
-        del G
-        _bwd_gate[(plan.NT * NSG, H)](z, A_log, dt_bias, plan.cu, plan.chunk_idx, dG, dz, dA_part, dbias_part,
-                                      H=H, K=K, SK=SKG, C=CHUNK, G_MIN=g_min, INTERP=interp,
-                                      **_launch_options("bwd_gate"))
+                                                         daqk, dakk, db_part, nrm, dq, dk, z, A_log, dt_bias, dz,
+                                                         dA_part, dbias_part, done, scale, H=H, K=K, SK=SK,
+                                                         C=CHUNK, BC=BCK, NORMS=norms_from_scores, GATE=gate_fused,
+                                                         G_MIN=g_min, INTERP=interp, **_launch_options("bwd_k"))
+        del G, done
+        if not gate_fused:
+            _bwd_gate[(plan.NT * NSG, H)](z, A_log, dt_bias, plan.cu, plan.chunk_idx, dG, dz, dA_part, dbias_part,
+                                          H=H, K=K, SK=SKG, C=CHUNK, G_MIN=g_min, INTERP=interp,
+                                          **_launch_options("bwd_gate"))
         if not norms_from_scores:
             BT = TUNING["bwd_norms_rows"]
             _bwd_norms[(triton.cdiv(TT, BT), H)](q, k, b, qn, kn, dqh, dkh, dbeta, db_part, dq, dk, db, TT, scale,

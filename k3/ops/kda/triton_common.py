@@ -136,6 +136,11 @@ TUNING = {
     # (Session 27 run 2 moved its cumsum and gate chain into `_bwd_vk`, run after `_bwd_k_block`: `_bwd_vk` 1.80 →
     # 3.13 ms, fwd+bwd 10.545 against ~10.0; reverted, §7 item 59)
     "bwd_gate_cols": 32, "bwd_gate_warps": 4, "bwd_gate_stages": None, "bwd_gate_maxnreg": None,
+    # `_bwd_gate`'s work done by `_bwd_k_block`: the last of a chunk's row blocks to finish on a key slice (an atomic
+    # count per chunk, head and slice) runs the reverse cumsum and the gate chain, on dG its siblings have just
+    # written (read from L2), so the launch and dG's second trip to memory go (docs/kda-kernels.md §7 item 70; on
+    # bwd_k_cols' slices, bwd_gate_cols then unused). Untimed: off
+    "bwd_gate_fused": False,
     "bwd_norms_rows": 16, "bwd_norms_warps": 4, "bwd_norms_stages": None, "bwd_norms_maxnreg": None,
     "decode_bv": 64, "decode_warps": 4,
     # the inference forward (no backward can follow) in 16-token chunks (`triton_prefill.py`, session 14); False:
