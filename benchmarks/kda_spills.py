@@ -51,7 +51,8 @@ CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF
                   USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64,
                   STORE_UT=False, SPLIT=chunk.TUNING["state_split_inference"], STORE_QN=False, HALF=0,
                   INVERSE=chunk.TUNING["prefill_inverse"],  # the prefill's, for bf16 inputs (`_prep_intra`: below)
-                  SEGMENT=False, QPRIME=False, LOOP=False, STORE_AT=False, ROW_DOTS=False, NORMS=False, GATE=False)
+                  SEGMENT=False, QPRIME=False, LOOP=False, STORE_AT=False, ROW_DOTS=False, NORMS=False, GATE=False,
+                  VV=False, BVV=64)
 # kernel -> its TUNING key prefix, in launch order; "_state_ut" is `_state` when it also stores Ũ (the backward's
 # recompute launch, and the training forward's since session 28, `state_o_apart`, which then writes o in `_fwd_o`),
 # "_state_ut_o" the training forward's that also writes o (more shared memory: 216 KB at 3 stages against 128, and
@@ -63,6 +64,7 @@ TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_
                  "_bwd_vk_qp": "bwd_vk", "_bwd_vv_qp": "bwd_vv", "_fwd_o_loop": "fwd_o",
                  "_bwd_k_block32": "bwd_k", "_prep_intra_at": "prep_intra", "_bwd_vk_nd": "bwd_vk",
                  "_bwd_vv_nd": "bwd_vv", "_bwd_k_block_nd": "bwd_k", "_bwd_k_block_gate": "bwd_k",
+                 "_bwd_vk_vv": "bwd_vk",
                  "_bwd_vk": "bwd_vk", "_bwd_vv": "bwd_vv", "_bwd_k_block": "bwd_k", "_bwd_gate": "bwd_gate",
                  "_bwd_norms": "bwd_norms", "_prefill_prepare": "prefill_prepare", "_prefill_state": "prefill_state",
                  "_prefill_prepare_half1": "prefill_prepare",
@@ -70,7 +72,7 @@ TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_
 # the launches whose chunk-start states, Ũ, dS_end, dŨ follow TUNING["bwd_storage_bf16"] (the inference `_state`
 # stores fp32 states, the ones it returns)
 STORED_FOR_BACKWARD = {"_state_ut", "_state_ut_o", "_fwd_o", "_fwd_o_loop", "_state_bwd", "_bwd_vk", "_bwd_vv",
-                       "_state_bwd_qp", "_bwd_vk_qp", "_bwd_vv_qp", "_bwd_vk_nd", "_bwd_vv_nd"}
+                       "_state_bwd_qp", "_bwd_vk_qp", "_bwd_vv_qp", "_bwd_vk_nd", "_bwd_vv_nd", "_bwd_vk_vv"}
 # pointers that are bf16 in one specialisation only (`_bwd_vv` writes the β logit's gradient, b's dtype, with NORMS)
 KERNEL_BF16_ARGS = {"_bwd_vv_nd": ("db_out",)}
 # per-kernel constexprs on top of CONSTEXPRS
@@ -97,6 +99,8 @@ KERNEL_CONSTEXPRS = {"_prep_intra": dict(INVERSE=chunk.TUNING["prep_inverse"]),
                      "_bwd_k_block_nd": dict(SK=_SK, NORMS=True),
                      # `TUNING["bwd_gate_fused"]`'s (§7 item 70)
                      "_bwd_k_block_gate": dict(SK=_SK, GATE=True),
+                     # `TUNING["bwd_vv_fused"]`'s (§7 item 71)
+                     "_bwd_vk_vv": dict(SK=_SKV, VV=True, BVV=chunk.TUNING["bwd_vv_bv"]),
                      "_bwd_gate": dict(SK=chunk.TUNING["bwd_gate_cols"]),
                      "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
                      "_prefill_prepare": dict(HALF=0),
@@ -118,7 +122,7 @@ def kernel_fn(name: str):
                "_state_bwd_qp": chunk._state_bwd, "_bwd_vk_qp": chunk._bwd_vk, "_bwd_vv_qp": chunk._bwd_vv,
                "_fwd_o_loop": chunk._fwd_o, "_bwd_k_block32": chunk._bwd_k_block, "_prep_intra_at": chunk._prep_intra,
                "_bwd_vk_nd": chunk._bwd_vk, "_bwd_vv_nd": chunk._bwd_vv, "_bwd_k_block_nd": chunk._bwd_k_block,
-               "_bwd_k_block_gate": chunk._bwd_k_block,
+               "_bwd_k_block_gate": chunk._bwd_k_block, "_bwd_vk_vv": chunk._bwd_vk,
                "_prefill_prepare_half1": prefill._prefill_prepare, "_prefill_prepare_half2": prefill._prefill_prepare}
     return aliases.get(name) or getattr(chunk, name, None) or getattr(prefill, name)
 
@@ -221,7 +225,7 @@ def main() -> None:
     print(f"{'kernel':14s} {'settings':40s} {'regs':>5s} {'spill st/ld B':>14s} {'shared KB':>10s}")
     for name in args.kernels or list(TUNING_PREFIX):
         base = {**tuned_settings(name, args.bv), **VARIANT_SETTINGS.get(name, {})}
-        if name in ("_bwd_vk", "_bwd_vk_qp", "_bwd_vk_nd") and len(set(stored_bf16)) < 4:  # as `_bwd` launches it
+        if name in ("_bwd_vk", "_bwd_vk_qp", "_bwd_vk_nd", "_bwd_vk_vv") and len(set(stored_bf16)) < 4:  # as `_bwd` launches it
             base["num_stages"] = chunk.TUNING["bwd_vk_fp32_stages"]
             base["BV"] = args.bv or chunk.TUNING["bwd_vk_fp32_bv"]
         for warps, stages, cap in itertools.product(args.warps or [base["num_warps"]],

@@ -474,6 +474,31 @@ def test_gate_chain_in_score_backward(dev, monkeypatch, others):
     assert all(torch.equal(a, b) for a, b in zip(again[2:], base[2:]))
 
 
+@pytest.mark.parametrize("others", [{}, {"norms_from_scores": True, "state_bwd_qprime": True, "bwd_vk_cols": 16,
+                                     "bwd_gate_fused": True}])
+def test_value_chain_in_key_slices(dev, monkeypatch, others):
+    """TUNING["bwd_vv_fused"]: the last of a chunk's `_bwd_vk` slice programs to finish runs `_bwd_vv`'s work
+    (`_vv_chain`, the same code on the other slices' partials read from L2), so every output and gradient equals the
+    separate launch's: bit for bit in the interpreter, within 1e-5 on a GPU (where the chain runs at `_bwd_vk`'s launch
+    settings; a stale partial would be off by its whole size). On packed documents with a one-token and an empty
+    one, with one and two key slices, with Q′, the sums from the scores (whose row dots are partials too) and the
+    fused gate chain. Kept and recomputing backwards' gradients agree bit for bit."""
+    from k3.ops.kda import triton_chunk as tc
+
+    cu = [0, 70, 71, 71, 100, 148]
+    inputs = make_raw(1, cu[-1], 2, 32, 64, seed=68, N=len(cu) - 1)
+    for key, value in others.items():
+        monkeypatch.setitem(tc.TUNING, key, value)
+    kw = dict(cu_seqlens=torch.tensor(cu, device=dev))
+    base = _fwd_bwd(inputs, dev, **kw)
+    monkeypatch.setitem(tc.TUNING, "bwd_vv_fused", True)
+    fused = _fwd_bwd(inputs, dev, **kw)
+    for a, b in zip(fused, base):
+        assert torch.equal(a, b) if not ON_GPU else rel_err(a.cpu(), b.cpu()) <= 1e-5
+    again = _fwd_bwd(inputs, dev, save_intermediates=False, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(again[2:], fused[2:]))
+
+
 def test_backward_bf16_storage(dev, monkeypatch):
     """TUNING["bwd_storage_bf16"]: the chunk-start states, Ũ, dS_end and dŨ stored in bf16 for bf16 inputs (the
     value side multiplies them as stored) pass the fp64 tolerances, leave the forward bit-identical and change the

@@ -32,7 +32,8 @@ measured variant are in docs/kda-kernels.md. In short:
   `_bwd_gate` (per key slice and chunk) the reverse cumsum and the gate chain; `_bwd_norms` (per row) the two sums
   over K that remain, the q/k norm backward and dβ's σ'. (`TUNING["norms_from_scores"]` takes those sums from the
   scores in `_bwd_vv` instead, so `_bwd_k_block` finishes dq and dk and `_bwd_norms` does not run;
-  `TUNING["bwd_gate_fused"]` has the last of a chunk's row blocks on each key slice run `_bwd_gate`'s work.)
+  `TUNING["bwd_gate_fused"]` has the last of a chunk's row blocks on each key slice run `_bwd_gate`'s work, and
+  `TUNING["bwd_vv_fused"]` the last of a chunk's `_bwd_vk` programs `_bwd_vv`'s.)
 
 Intermediates are stored in bf16 for bf16 inputs except U and Aqk (fp32 unless all_bf16) and G and T (fp32); the
 chunk-start states, Ũ, dS_end and dŨ that the value-side backward reads are bf16 as TUNING["bwd_storage_bf16"]
@@ -528,9 +529,10 @@ def _state_bwd(qg, kd, aqk, w, gc, do, dht, du, dse, dh0, cu, chunk_off,
 
 @triton.jit
 def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do, du, ut, aqk,
-            dqh_out, dkh_out, dg_out, dbk_out, nd_out,
+            dqh_out, dkh_out, dg_out, dbk_out, nd_out, v, at_in, dv, daqk_out, dakk_out, db_out, nrm_out, done,
             scale, H, K: tl.constexpr, V: tl.constexpr, SK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-            QPRIME: tl.constexpr, ROW_DOTS: tl.constexpr, INTERP: tl.constexpr):
+            QPRIME: tl.constexpr, ROW_DOTS: tl.constexpr, VV: tl.constexpr, BVV: tl.constexpr,
+            INTERP: tl.constexpr):
     """Value side, part 1: one (key slice of SK columns, chunk, head), the value-dim gradients that are
     elementwise in the key column, from the forward's Ũ = U − W·S (no W, no W·S).
 
@@ -550,6 +552,11 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
     Aqkᵀ·dO, enters dW after the loop as −Aqkᵀ·(dO·Sᵀ) = −Aqkᵀ·dQg, one product on the accumulator the loop builds
     anyway. ROW_DOTS (`TUNING["norms_from_scores"]`): also this slice's part of ⟨q̂, dq̂⟩ and ⟨k̂, dk̂⟩ per row, from
     dq̂, dk̂ as stored (nd_out [NT, H, NS, 2, C]), which `_bwd_vv` completes for the norm backward.
+
+    VV (`TUNING["bwd_vv_fused"]`): the last of a chunk's NS slice programs to finish runs `_bwd_vv`'s work for the
+    chunk (`_vv_chain` on value blocks of BVV, the other slices' partials read from L2), so no `_bwd_vv` launch
+    follows and dO, dŨ, Ũ come back from L2 rather than memory: each slice counts itself in `done` ([NT, H] int32,
+    zeros) after its stores, as `_bwd_k_block` does with the gate chain.
     """
     NS: tl.constexpr = K // SK
     pid = tl.program_id(0)
@@ -606,37 +613,31 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
         tl.store(nd_out + p_part * 2 * C + rows, tl.sum(qh * dqh.to(tl.float32), 1))
         tl.store(nd_out + (p_part * 2 + 1) * C + rows, tl.sum(kh * dkh.to(tl.float32), 1))
     tl.store(dg_out + (i_c * H + i_h).to(tl.int64) * C * K + rows[:, None] * K + (c0 + cs)[None, :], dG)
+    if VV:
+        # the partials' stores before the count's release, its acquire before they are read (`_bwd_k_block`'s GATE)
+        tl.debug_barrier()
+        if tl.atomic_add(done + i_c * H + i_h, 1, sem="acq_rel") == NS - 1:
+            tl.debug_barrier()
+            _vv_chain(v, b, t_in, do, du, ut, aqk, dbk_out, at_in, nd_out, dv, daqk_out, dakk_out, db_out, nrm_out,
+                      bos, L, row0, i_c, i_h, H, V, NS, BVV, C, QPRIME, ROW_DOTS, True, INTERP)
 
 
 @triton.jit
-def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, aqk, dbk_in, at_in, nd_in,
-            dv, daqk_out, dakk_out, db_out, nrm_out,
-            H, V: tl.constexpr, NS: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, QPRIME: tl.constexpr,
-            NORMS: tl.constexpr, INTERP: tl.constexpr):
-    """Value side, part 2: one (chunk, head), the gradients that contract over the value dim within the chunk:
-    dAqk, dAkk (through dŨ·Ũᵀ), dv and dβ (with `_bwd_vk`'s dβ partials).
+def _load_partial(ptr, L2_ONLY: tl.constexpr):
+    """A partial sum another program wrote: past L1 (`.cg`) when it was written in the same launch."""
+    if L2_ONLY:
+        x = tl.load(ptr, cache_modifier=".cg")
+    else:
+        x = tl.load(ptr)
+    return x
 
-    Looping over value blocks: dAqk = dO·Ũᵀ, dŨ·Ũᵀ and, through U = T·diag(β)·V, dv = β·Tᵀ·dŨ and
-    dβ_v = Σ_v (Tᵀ·dŨ)⊙V, on top of `_bwd_vk`'s NS partials of dβ, summed first (in slice order: deterministic).
-    Then dAkk = −Tᵀ·(dŨ·Ũᵀ): Ũ = T·X with X = β·V − (β·K⊙Γ)·S and T = (I + Akk)⁻¹, so Akk's gradient is
-    −Tᵀ·dŨ·Ũᵀ (below the diagonal). It equals the chain through W and U, −Tᵀ·dT·Tᵀ with dT = dŨ·Xᵀ, without X's
-    two cancelling halves, one of which (dW·(β·K⊙Γ)ᵀ) sums over K in `_bwd_vk`'s slices (session 27; docs
-    §7 item 57). Writes dv, and dAqk, dAkk (masked to their lower triangles) and dβ for `_bwd_k_block` /
-    `_bwd_norms`. With QPRIME, du holds only dŨ's part Kd·dS_end (`_state_bwd_step`): each value block adds
-    Aqkᵀ·dO before T's product, and dŨ·Ũᵀ takes the rest after the loop as Aqkᵀ·(dO·Ũᵀ), on the unmasked dAqk.
 
-    NORMS (`TUNING["norms_from_scores"]`): the sums over K that the norm backward and dβ need, from the scores by
-    Euler's identity instead of from the finished dq̂, dk̂ (so `_bwd_k_block` can finish dq, dk and no `_bwd_norms`
-    runs). Aqk is linear in q̂_r through its row r and in k̂_i through its column i, Ã (Akk = diag(β)·Ã) in k̂ through
-    its row and its column, so the score side's ⟨q̂_r, dq̂_r⟩ = Σ_i dAqk[r, i]·Aqk[r, i] and ⟨k̂_r, dk̂_r⟩ = the
-    column sum of dAqk⊙Aqk plus the row and column sums of dAkk⊙Akk, on the dAqk, dAkk as stored (those
-    `_bwd_k_block` multiplies); dβ's score part is the row sum of dAkk⊙Ã. With `_bwd_vk`'s value-side partials
-    (nd_in) the two sums go to nrm_out ([TT, H, 2] fp32) and dβ, times σ', to db_out as the logit's gradient (b's
-    dtype). Ã comes from the prepare (at_in, `store_at`).
-    """
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
+@triton.jit
+def _vv_chain(v, b, t_in, do, du, ut, aqk, dbk_in, at_in, nd_in, dv, daqk_out, dakk_out, db_out, nrm_out,
+              bos, L, row0, i_c, i_h, H, V: tl.constexpr, NS: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+              QPRIME: tl.constexpr, NORMS: tl.constexpr, L2_ONLY: tl.constexpr, INTERP: tl.constexpr):
+    """`_bwd_vv`'s work on one (chunk, head); L2_ONLY: `_bwd_vk`'s partials (dβ's and, with NORMS, the row dots)
+    were written in the same launch (`bwd_vv_fused`)."""
     rows = tl.arange(0, C)
     beta = _load_beta(b, bos, L, row0, i_h, H, C)
     Tm = tl.load(_bp(t_in, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,), padding_option="zero")
@@ -646,7 +647,7 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, aqk, dbk_in, at_in, nd_in,
     dbeta = tl.zeros([C], dtype=tl.float32)
     p_part = ((i_c * H + i_h) * NS).to(tl.int64)
     for s in tl.static_range(NS):
-        dbeta += tl.load(dbk_in + (p_part + s) * C + rows)
+        dbeta += _load_partial(dbk_in + (p_part + s) * C + rows, L2_ONLY)
     if QPRIME:
         Aq = tl.load(_bp(aqk, bos, L, i_h, row0, 0, H, C, C, C), boundary_check=(0,),
                      padding_option="zero").to(tl.float32)
@@ -689,8 +690,8 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, aqk, dbk_in, at_in, nd_in,
         # dAkk⊙Akk = diag(β)·(dAkk⊙Ã): its row sums are β times dAt's
         nk = tl.sum(Pq + beta[:, None] * dAt, 0) + beta * dAt_rows
         for s in tl.static_range(NS):
-            nq += tl.load(nd_in + ((p_part + s) * 2) * C + rows)
-            nk += tl.load(nd_in + ((p_part + s) * 2 + 1) * C + rows)
+            nq += _load_partial(nd_in + ((p_part + s) * 2) * C + rows, L2_ONLY)
+            nk += _load_partial(nd_in + ((p_part + s) * 2 + 1) * C + rows, L2_ONLY)
         p_n = nrm_out + ((bos + row0 + rows) * H + i_h).to(tl.int64) * 2
         valid = row0 + rows < L
         tl.store(p_n, nq, mask=valid)
@@ -699,6 +700,39 @@ def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, aqk, dbk_in, at_in, nd_in,
         tl.store(p_db, _cast(dbeta * beta * (1.0 - beta), db_out.dtype.element_ty, INTERP), boundary_check=(0,))
     else:
         tl.store(p_db, dbeta, boundary_check=(0,))
+
+
+@triton.jit
+def _bwd_vv(v, b, cu, chunk_idx, t_in, do, du, ut, aqk, dbk_in, at_in, nd_in,
+            dv, daqk_out, dakk_out, db_out, nrm_out,
+            H, V: tl.constexpr, NS: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, QPRIME: tl.constexpr,
+            NORMS: tl.constexpr, INTERP: tl.constexpr):
+    """Value side, part 2: one (chunk, head), the gradients that contract over the value dim within the chunk:
+    dAqk, dAkk (through dŨ·Ũᵀ), dv and dβ (with `_bwd_vk`'s dβ partials).
+
+    Looping over value blocks: dAqk = dO·Ũᵀ, dŨ·Ũᵀ and, through U = T·diag(β)·V, dv = β·Tᵀ·dŨ and
+    dβ_v = Σ_v (Tᵀ·dŨ)⊙V, on top of `_bwd_vk`'s NS partials of dβ, summed first (in slice order: deterministic).
+    Then dAkk = −Tᵀ·(dŨ·Ũᵀ): Ũ = T·X with X = β·V − (β·K⊙Γ)·S and T = (I + Akk)⁻¹, so Akk's gradient is
+    −Tᵀ·dŨ·Ũᵀ (below the diagonal). It equals the chain through W and U, −Tᵀ·dT·Tᵀ with dT = dŨ·Xᵀ, without X's
+    two cancelling halves, one of which (dW·(β·K⊙Γ)ᵀ) sums over K in `_bwd_vk`'s slices (session 27; docs
+    §7 item 57). Writes dv, and dAqk, dAkk (masked to their lower triangles) and dβ for `_bwd_k_block` /
+    `_bwd_norms`. With QPRIME, du holds only dŨ's part Kd·dS_end (`_state_bwd_step`): each value block adds
+    Aqkᵀ·dO before T's product, and dŨ·Ũᵀ takes the rest after the loop as Aqkᵀ·(dO·Ũᵀ), on the unmasked dAqk.
+
+    NORMS (`TUNING["norms_from_scores"]`): the sums over K that the norm backward and dβ need, from the scores by
+    Euler's identity instead of from the finished dq̂, dk̂ (so `_bwd_k_block` can finish dq, dk and no `_bwd_norms`
+    runs). Aqk is linear in q̂_r through its row r and in k̂_i through its column i, Ã (Akk = diag(β)·Ã) in k̂ through
+    its row and its column, so the score side's ⟨q̂_r, dq̂_r⟩ = Σ_i dAqk[r, i]·Aqk[r, i] and ⟨k̂_r, dk̂_r⟩ = the
+    column sum of dAqk⊙Aqk plus the row and column sums of dAkk⊙Akk, on the dAqk, dAkk as stored (those
+    `_bwd_k_block` multiplies); dβ's score part is the row sum of dAkk⊙Ã. With `_bwd_vk`'s value-side partials
+    (nd_in) the two sums go to nrm_out ([TT, H, 2] fp32) and dβ, times σ', to db_out as the logit's gradient (b's
+    dtype). Ã comes from the prepare (at_in, `store_at`).
+    """
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    bos, L, row0 = _chunk_coords(cu, chunk_idx, i_c, C)
+    _vv_chain(v, b, t_in, do, du, ut, aqk, dbk_in, at_in, nd_in, dv, daqk_out, dakk_out, db_out, nrm_out, bos, L, row0,
+              i_c, i_h, H, V, NS, BV, C, QPRIME, NORMS, False, INTERP)
 
 
 @triton.jit
@@ -1096,6 +1130,7 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
     the scores in `_bwd_vv` (Euler's identity, on the prepare's Ã), so `_bwd_k_block` writes dq and dk and
     `_bwd_norms` does not run (`TUNING["norms_from_scores"]`). `TUNING["bwd_gate_fused"]`: `_bwd_gate`'s work in
     `_bwd_k_block` (`_gate_chain`, by the last row block of each chunk and key slice to finish).
+    `TUNING["bwd_vv_fused"]`: `_bwd_vv`'s work in `_bwd_vk` (`_vv_chain`, by the last slice of each chunk).
     """
     TT, H, K = q.shape
     V = v.shape[-1]
@@ -1179,14 +1214,20 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         # K = 16 with BV = 32 faulted (illegal address, in the value-side kernel of the time) on the H200; BV = 16
         # runs (docs/kda-kernels.md, runs 8-9)
         BVK = min(V, TUNING["bwd_vk_fp32_bv" if fp32_tiles else "bwd_vk_bv"]) if K > 16 else 16
+        # with bwd_vv_fused, the key slices of a chunk count themselves here (`_bwd_vk`)
+        vv_fused = bool(TUNING["bwd_vv_fused"])
+        done = torch.zeros(plan.NT, H, dtype=torch.int32, device=dev) if vv_fused else dbk
+        at = aqk if At is None else At
+        BVV = min(V, TUNING["bwd_vv_bv"])
         _bwd_vk[(plan.NT * NSV, H)](q, k, b, G, gc, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du, ut, aqk,
-                                    dqh, dkh, dG, dbk, nd, scale, H=H, K=K, V=V, SK=SKV, BV=BVK, C=CHUNK,
-                                    QPRIME=qprime, ROW_DOTS=norms_from_scores, INTERP=interp, **vk_launch)
-        _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, aqk, dbk,
-                              aqk if At is None else At, nd, dv, daqk, dakk, dbeta, nrm,
-                              H=H, V=V, NS=NSV, BV=min(V, TUNING["bwd_vv_bv"]), C=CHUNK, QPRIME=qprime,
-                              NORMS=norms_from_scores, INTERP=interp, **_launch_options("bwd_vv"))
-        del dbk, nd, ut, aqk, At
+                                    dqh, dkh, dG, dbk, nd, v, at, dv, daqk, dakk, dbeta, nrm, done, scale, H=H, K=K,
+                                    V=V, SK=SKV, BV=BVK, C=CHUNK, QPRIME=qprime, ROW_DOTS=norms_from_scores,
+                                    VV=vv_fused, BVV=BVV, INTERP=interp, **vk_launch)
+        if not vv_fused:
+            _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, aqk, dbk, at, nd, dv, daqk, dakk,
+                                  dbeta, nrm, H=H, V=V, NS=NSV, BV=BVV, C=CHUNK, QPRIME=qprime,
+                                  NORMS=norms_from_scores, INTERP=interp, **_launch_options("bwd_vv"))
+        del dbk, nd, ut, aqk, At, at, done
         # per (16-row block, key slice): the score side (docs/kda-kernels.md §7 item 22); then per (key slice,
         # chunk) the reverse cumsum and the gate chain, and per row the norm and σ' chains (in `_bwd_k_block` and
         # `_bwd_vv` with norms_from_scores)

@@ -120,6 +120,10 @@ TUNING = {
     # `_bwd_vv` since dAkk = −Tᵀ·(dŨ·Ũᵀ) (session 27, no dT partials to sum): on value blocks of 64 at 2 stages
     # 0.74 → 0.69 ms at the K3 shape (run 1; 4 warps 0.78)
     "bwd_vv_bv": 64, "bwd_vv_warps": 8, "bwd_vv_stages": 2, "bwd_vv_maxnreg": 128,
+    # `_bwd_vv`'s work done by `_bwd_vk`: the last of a chunk's key-slice programs to finish (an atomic count per chunk
+    # and head) runs it on value blocks of bwd_vv_bv, at `_bwd_vk`'s launch, with dO, dŨ and Ũ still in L2 from its
+    # siblings' loops (docs/kda-kernels.md §7 item 71). Untimed: off
+    "bwd_vv_fused": False,
     # `_bwd_k_block` (session 13) per (16-row block, key slice of 32): capped at 72 registers (92 B of spills) for seven
     # programs per SM, 3.54 → 2.75 ms at the K3 shape (96: 3.26, 80: 2.96, 64: 2.77; runs 3-4). With bf16 dA
     # (session 27) 64 registers (100 B of spills, eight programs per SM): 2.53 → 2.48-2.49 ms in runs 3-4, the small
