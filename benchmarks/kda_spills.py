@@ -225,7 +225,8 @@ def main() -> None:
     print(f"{'kernel':14s} {'settings':40s} {'regs':>5s} {'spill st/ld B':>14s} {'shared KB':>10s}")
     for name in args.kernels or list(TUNING_PREFIX):
         base = {**tuned_settings(name, args.bv), **VARIANT_SETTINGS.get(name, {})}
-        if name in ("_bwd_vk", "_bwd_vk_qp", "_bwd_vk_nd", "_bwd_vk_vv") and len(set(stored_bf16)) < 4:  # as `_bwd` launches it
+        # as `_bwd` launches it
+        if name in ("_bwd_vk", "_bwd_vk_qp", "_bwd_vk_nd", "_bwd_vk_vv") and len(set(stored_bf16)) < 4:
             base["num_stages"] = chunk.TUNING["bwd_vk_fp32_stages"]
             base["BV"] = args.bv or chunk.TUNING["bwd_vk_fp32_bv"]
         for warps, stages, cap in itertools.product(args.warps or [base["num_warps"]],

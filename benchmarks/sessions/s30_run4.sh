@@ -3,8 +3,8 @@
 # kernel before them by the split-K pattern (the program that finishes last does the reduction, found by an atomic
 # count; docs/kda-kernels.md §7 items 70-71): `_bwd_gate`'s reverse cumsum and gate chain inside `_bwd_k_block`
 # (`bwd_gate_fused`) and `_bwd_vv`'s work inside `_bwd_vk` (`bwd_vv_fused`). Their GPU tests first: outputs and
-# gradients equal to the separate launches' (bit for bit for the gate, 1e-5 for the value chain, which runs at
-# `_bwd_vk`'s launch), which is what tries the counts' memory ordering (the interpreter runs programs one after
+# gradients equal to the separate launches' (to 1e-6 and 1e-5: the chains compile inside other kernels) on
+# NaN-filled allocations, which is what tries the counts' memory ordering (the interpreter runs programs one after
 # another). Then timed beside the defaults, alone, together and with the sums from the scores (`norms_from_scores`,
 # item 69), at the K3 shape and the small preset's; no accuracy table (the gradients are those of the separate
 # launches). Predictions at the K3 shape: −0.2 ms (gate: `_bwd_gate`'s 0.38 less the chain inside `_bwd_k_block`, whose

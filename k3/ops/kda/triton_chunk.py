@@ -764,10 +764,9 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
     a chunk's row blocks (inside the document) to finish on this key slice runs `_bwd_gate`'s reverse cumsum and
     gate chain for the chunk and slice (`_gate_chain`), so no `_bwd_gate` launch follows: each block counts itself
     in `done` ([NT, H, NS] int32, zeros) after its dG stores, and the one that finds the others counted reads their
-    dG from L2. A block wholly past the document end does
-    nothing: its dG rows (G_C's gradient may sit on the chunk's last row) pass through unchanged. The products are tf32
-    (bf16 operands: 3.51 → 3.40 ms at the K3 shape, but ddt_bias 4.0e-4 → 6.5e-3 from fp64 in the interpreter, near
-    its 8e-3 limit; session 13 run 2).
+    dG from L2. A block wholly past the document end does nothing: its dG rows (G_C's gradient may sit on the
+    chunk's last row) pass through unchanged. The products are tf32 (bf16 operands: 3.51 → 3.40 ms at the K3 shape,
+    but ddt_bias 4.0e-4 → 6.5e-3 from fp64 in the interpreter, near its 8e-3 limit; session 13 run 2).
 
     32-row blocks (MID; docs/kda-kernels.md §7 item 67) halve the neighbours' loads (one block pair per chunk
     instead of six, each loaded by both its programs). From the first row a 32-row block's factors would reach
@@ -989,8 +988,8 @@ def _fwd_prepare(q, k, v, z, b, A_log, dt_bias, g_min, scale, plan, dtypes, stor
     chunk-local operands (`Prepared`): the backward reads T, the norms and G, an inference forward does not store
     ‖q‖ and frees G before `_state`. Q′ = Q⊙Γ − Aqk·W (`_state_bwd` with `TUNING["state_bwd_qprime"]`) is None
     unless qprime is "apart" (a tensor of its own) or "over" (written over Q⊙Γ, which is then returned as Q′ in both
-    places). Ã (store_at, bf16 for bf16 inputs) is for the backward's sums from the scores (`TUNING["norms_from_scores"]`); only its
-    strictly lower triangle is meaningful (`_bwd_vv` masks it)."""
+    places). Ã (store_at, bf16 for bf16 inputs) is for the backward's sums from the scores
+    (`TUNING["norms_from_scores"]`); only its strictly lower triangle is meaningful (`_bwd_vv` masks it)."""
     TT, H, K = q.shape
     V = v.shape[-1]
     lo, hi = dtypes
