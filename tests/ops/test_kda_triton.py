@@ -356,6 +356,31 @@ def test_training_output_apart_from_the_state_pass(dev, monkeypatch):
     assert torch.equal(outs[True][0], outs[False][0])
 
 
+def _backward_switch_checks(monkeypatch, key, inputs, dev, new, base, ref, cu, all_bf16):
+    """What every backward switch read at the forward owes, with TUNING[key] on (`new`) against off (`base`), both
+    `run_both` results with the fp64 `ref`: each gradient within 1.3× the default path's error from fp64 (on a GPU a
+    tenth of the tolerance more: its tf32 dots, exact in the interpreter, move the small sums, dA_log's two entries
+    most, 1.7-2.0× when imitated in the interpreter); kept and recomputing backwards bit-identical; and the switch
+    read once, at the forward: flipped off before the backward, the gradients are the kept ones."""
+    from k3.ops.kda import chunk_kda
+    from k3.ops.kda import triton_chunk as tc
+
+    for name, a, b, r in zip(NAMES, new[2], base[2], ref[2]):
+        slack = 0.1 * TOL[name] if ON_GPU else 0.0
+        assert rel_err(a.cpu(), r) <= 1.3 * rel_err(b.cpu(), r) + slack, name
+    kw = dict(cu_seqlens=torch.tensor(cu, device=dev), all_bf16=all_bf16)
+    kept = _fwd_bwd(inputs, dev, save_intermediates=True, **kw)
+    again = _fwd_bwd(inputs, dev, save_intermediates=False, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(kept[2:], again[2:]))
+    leaves = [x.detach().to(dev, copy=True).requires_grad_() for x in inputs]
+    o, S = chunk_kda(*leaves[:7], initial_state=leaves[7], output_final_state=True, **kw)
+    monkeypatch.setitem(tc.TUNING, key, False)
+    gen = torch.Generator().manual_seed(21)
+    do, dS = torch.randn(o.shape, generator=gen).to(o), torch.randn(S.shape, generator=gen).to(S)
+    torch.autograd.backward((o, S), (do, dS))
+    assert all(torch.equal(x.grad, g) for x, g in zip(leaves, kept[2:]))
+
+
 @pytest.mark.parametrize("dtype,all_bf16", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)])
 def test_state_bwd_on_qprime(dev, monkeypatch, dtype, all_bf16):
     """TUNING["state_bwd_qprime"]: `_state_bwd` on Q′ = Q⊙Γ − Aqk·W, with dŨ's Aqkᵀ·dO taken in `_bwd_vk` and
@@ -378,25 +403,7 @@ def test_state_bwd_on_qprime(dev, monkeypatch, dtype, all_bf16):
         check(qp, ref, dtype, "state_bwd_qprime")
     assert torch.equal(qp[0], base[0]) and torch.equal(qp[1], base[1]) and torch.equal(qp[2][0], base[2][0])
     assert all(not torch.equal(a, b) for a, b in zip(qp[2][1:], base[2][1:]))
-    # on a GPU the tf32 dots (exact in the interpreter) move the small sums, dA_log's two entries most (1.7-2.0× when
-    # imitated in the interpreter): a floor of a tenth of the tolerance there
-    for name, a, b, r in zip(NAMES, qp[2], base[2], ref[2]):
-        slack = 0.1 * TOL[name] if ON_GPU else 0.0
-        assert rel_err(a.cpu(), r) <= 1.3 * rel_err(b.cpu(), r) + slack, name
-    kw = dict(cu_seqlens=torch.tensor(cu, device=dev), all_bf16=all_bf16)
-    kept = _fwd_bwd(inputs, dev, save_intermediates=True, **kw)
-    again = _fwd_bwd(inputs, dev, save_intermediates=False, **kw)
-    assert all(torch.equal(a, b) for a, b in zip(kept[2:], again[2:]))
-    # read once, at the forward
-    from k3.ops.kda import chunk_kda
-
-    leaves = [x.detach().to(dev, copy=True).requires_grad_() for x in inputs]
-    o, S = chunk_kda(*leaves[:7], initial_state=leaves[7], output_final_state=True, **kw)
-    monkeypatch.setitem(tc.TUNING, "state_bwd_qprime", False)
-    gen = torch.Generator().manual_seed(21)
-    do, dS = torch.randn(o.shape, generator=gen).to(o), torch.randn(S.shape, generator=gen).to(S)
-    torch.autograd.backward((o, S), (do, dS))
-    assert all(torch.equal(x.grad, g) for x, g in zip(leaves, kept[2:]))
+    _backward_switch_checks(monkeypatch, "state_bwd_qprime", inputs, dev, qp, base, ref, cu, all_bf16)
 
 
 @pytest.mark.parametrize("dtype,all_bf16,others", [(torch.bfloat16, False, {"bwd_vk_cols": 16, "bwd_k_cols": 16}),
@@ -429,23 +436,7 @@ def test_norm_sums_from_scores(dev, monkeypatch, dtype, all_bf16, others):
         check(new, ref, dtype, "norms_from_scores")
     assert torch.equal(new[0], base[0]) and torch.equal(new[1], base[1])
     assert [torch.equal(a, b) for a, b in zip(new[2], base[2])] == [False, False, True, True, False, True, True, True]
-    for name, a, b, r in zip(NAMES, new[2], base[2], ref[2]):
-        slack = 0.1 * TOL[name] if ON_GPU else 0.0
-        assert rel_err(a.cpu(), r) <= 1.3 * rel_err(b.cpu(), r) + slack, name
-    kw = dict(cu_seqlens=torch.tensor(cu, device=dev), all_bf16=all_bf16)
-    kept = _fwd_bwd(inputs, dev, save_intermediates=True, **kw)
-    again = _fwd_bwd(inputs, dev, save_intermediates=False, **kw)
-    assert all(torch.equal(a, b) for a, b in zip(kept[2:], again[2:]))
-    # read once, at the forward
-    from k3.ops.kda import chunk_kda
-
-    leaves = [x.detach().to(dev, copy=True).requires_grad_() for x in inputs]
-    o, S = chunk_kda(*leaves[:7], initial_state=leaves[7], output_final_state=True, **kw)
-    monkeypatch.setitem(tc.TUNING, "norms_from_scores", False)
-    gen = torch.Generator().manual_seed(21)
-    do, dS = torch.randn(o.shape, generator=gen).to(o), torch.randn(S.shape, generator=gen).to(S)
-    torch.autograd.backward((o, S), (do, dS))
-    assert all(torch.equal(x.grad, g) for x, g in zip(leaves, kept[2:]))
+    _backward_switch_checks(monkeypatch, "norms_from_scores", inputs, dev, new, base, ref, cu, all_bf16)
 
 
 def _nan_filled_allocations(monkeypatch):

@@ -614,12 +614,20 @@ def _bwd_vk(q, k, b, g_in, gc_in, qn_in, kn_in, cu, chunk_idx, t_in, hs, dse, do
         tl.store(nd_out + (p_part * 2 + 1) * C + rows, tl.sum(kh * dkh.to(tl.float32), 1))
     tl.store(dg_out + (i_c * H + i_h).to(tl.int64) * C * K + rows[:, None] * K + (c0 + cs)[None, :], dG)
     if VV:
-        # the partials' stores before the count's release, its acquire before they are read (`_bwd_k_block`'s GATE)
-        tl.debug_barrier()
-        if tl.atomic_add(done + i_c * H + i_h, 1, sem="acq_rel") == NS - 1:
-            tl.debug_barrier()
+        if _last_to_finish(done + i_c * H + i_h, NS):
             _vv_chain(v, b, t_in, do, du, ut, aqk, dbk_out, at_in, nd_out, dv, daqk_out, dakk_out, db_out, nrm_out,
                       bos, L, row0, i_c, i_h, H, V, NS, BVV, C, QPRIME, ROW_DOTS, True, INTERP)
+
+
+@triton.jit
+def _last_to_finish(counter, n):
+    """Counts this program in `counter` (int32, zeroed before the launch) once its stores are issued, and says
+    whether it is the last of the n programs counting there: the split-K pattern, in CUTLASS's semaphore's order. A
+    CTA barrier puts every thread's stores before one thread's acq_rel atomic (the release); Triton broadcasts that
+    thread's result through shared memory and a barrier, so the acquire comes before every thread's later loads of
+    the others' stores."""
+    tl.debug_barrier()
+    return tl.atomic_add(counter, 1, sem="acq_rel") == n - 1
 
 
 @triton.jit
@@ -861,14 +869,14 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
             valid = r0 + tl.arange(0, BC) < L
             nq = tl.load(p_n, mask=valid, other=0.0)
             q_n = _load_norm(qn_in, bos, L, r0, i_h, H, BC)
-            dq = (scale * dqh - qh * (nq / scale)[:, None]) / q_n[:, None]
+            dq = _unit_norm_bwd(scale * dqh, qh / scale, nq, q_n)
             tl.store(_bp(dq_out, bos, L, i_h, r0, c0, H, K, BC, SK), _cast(dq, dq_out.dtype.element_ty, INTERP),
                      boundary_check=(0,))
         dkh = tl.load(p_dkh, boundary_check=(0,), padding_option="zero").to(tl.float32) + fk + ec * cs + ce
         if NORMS:
             nk = tl.load(p_n + 1, mask=valid, other=0.0)
             k_n = _load_norm(kn_in, bos, L, r0, i_h, H, BC)
-            dk = (dkh - kh * nk[:, None]) / k_n[:, None]
+            dk = _unit_norm_bwd(dkh, kh, nk, k_n)
             tl.store(_bp(dk_out, bos, L, i_h, r0, c0, H, K, BC, SK), _cast(dk, dk_out.dtype.element_ty, INTERP),
                      boundary_check=(0,))
         # padding rows keep their dG: the last row carries G_C's gradient into the chunk (`_bwd_vk`)
@@ -879,15 +887,18 @@ def _bwd_k_block(q, k, b, g_in, qn_in, kn_in, cu, chunk_idx, dqh_in, dkh_in, dg_
             tl.store(tl.make_block_ptr(db_part + (bos * H + i_h) * NS + s, (L,), (H * NS,), (r0,), (BC,), (0,)),
                      dbeta, boundary_check=(0,))
         tl.store(p_dg, dG)
+        # the chunk's blocks inside the document count (a block past its end returned above)
         if GATE:
-            # every thread's dG stores before the count's release; the count's acquire before the other blocks'
-            # dG are read (the CUTLASS semaphore's order)
-            tl.debug_barrier()
-            blocks_in = tl.minimum(tl.cdiv(L - row0, BC), NB)
-            if tl.atomic_add(done + (i_c * H + i_h) * NS + s, 1, sem="acq_rel") == blocks_in - 1:
-                tl.debug_barrier()
+            if _last_to_finish(done + (i_c * H + i_h) * NS + s, tl.minimum(tl.cdiv(L - row0, BC), NB)):
                 _gate_chain(z, A_log, dt_bias, dg_in, dz, dA_part, dbias_part, bos, L, row0, i_c, i_h, s, H, K, SK,
                             C, G_MIN, True, INTERP)
+
+
+@triton.jit
+def _unit_norm_bwd(dy, y, y_dy, n):
+    """dx = (dy − y·⟨y, dy⟩)/‖x‖ for y = x/‖x‖, on rows; y_dy is ⟨y, dy⟩ per row over all of K (`_norm_bwd_rows`
+    sums it on its tile, `_bwd_k_block` gets it from `_bwd_vv` with NORMS)."""
+    return (dy - y * y_dy[:, None]) / n[:, None]
 
 
 @triton.jit
@@ -935,12 +946,13 @@ def _bwd_gate(z, A_log, dt_bias, cu, chunk_idx, dg_in, dz, dA_part, dbias_part,
 
 @triton.jit
 def _norm_bwd_rows(x, dxh, dx, n_in, row_off, off, m, sc, INTERP: tl.constexpr):
-    """dx = (dy − y·⟨y, dy⟩)/‖x‖ on a [BT, K] tile, y = x/‖x‖ and dy = sc·dx̂; ‖x‖ from n_in (the prepare's)."""
+    """The L2-norm backward (`_unit_norm_bwd`) on a [BT, K] tile, y = x/‖x‖ and dy = sc·dx̂; ‖x‖ from n_in (the
+    prepare's)."""
     xr = tl.load(x + off, mask=m[:, None], other=0.0).to(tl.float32)
     n = tl.load(n_in + row_off, mask=m, other=1.0)
     y = xr / n[:, None]
     dy = tl.load(dxh + off, mask=m[:, None], other=0.0).to(tl.float32) * sc
-    tl.store(dx + off, _cast((dy - y * tl.sum(y * dy, 1)[:, None]) / n[:, None], dx.dtype.element_ty, INTERP),
+    tl.store(dx + off, _cast(_unit_norm_bwd(dy, y, tl.sum(y * dy, 1), n), dx.dtype.element_ty, INTERP),
              mask=m[:, None])
 
 
@@ -1215,30 +1227,30 @@ def _bwd(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, do, dht, dtypes,
         BVK = min(V, TUNING["bwd_vk_fp32_bv" if fp32_tiles else "bwd_vk_bv"]) if K > 16 else 16
         # with bwd_vv_fused, the key slices of a chunk count themselves here (`_bwd_vk`)
         vv_fused = bool(TUNING["bwd_vv_fused"])
-        done = torch.zeros(plan.NT, H, dtype=torch.int32, device=dev) if vv_fused else dbk
+        slices_done = torch.zeros(plan.NT, H, dtype=torch.int32, device=dev) if vv_fused else dbk
         at = aqk if At is None else At
         BVV = min(V, TUNING["bwd_vv_bv"])
         _bwd_vk[(plan.NT * NSV, H)](q, k, b, G, gc, qn, kn, plan.cu, plan.chunk_idx, Tm, hs, dse, do, du, ut, aqk,
-                                    dqh, dkh, dG, dbk, nd, v, at, dv, daqk, dakk, dbeta, nrm, done, scale, H=H, K=K,
-                                    V=V, SK=SKV, BV=BVK, C=CHUNK, QPRIME=qprime, ROW_DOTS=norms_from_scores,
-                                    VV=vv_fused, BVV=BVV, INTERP=interp, **vk_launch)
+                                    dqh, dkh, dG, dbk, nd, v, at, dv, daqk, dakk, dbeta, nrm, slices_done, scale,
+                                    H=H, K=K, V=V, SK=SKV, BV=BVK, C=CHUNK, QPRIME=qprime,
+                                    ROW_DOTS=norms_from_scores, VV=vv_fused, BVV=BVV, INTERP=interp, **vk_launch)
         if not vv_fused:
             _bwd_vv[(plan.NT, H)](v, b, plan.cu, plan.chunk_idx, Tm, do, du, ut, aqk, dbk, at, nd, dv, daqk, dakk,
                                   dbeta, nrm, H=H, V=V, NS=NSV, BV=BVV, C=CHUNK, QPRIME=qprime,
                                   NORMS=norms_from_scores, INTERP=interp, **_launch_options("bwd_vv"))
-        del dbk, nd, ut, aqk, At, at, done
+        del dbk, nd, ut, aqk, At, at, slices_done
         # per (16-row block, key slice): the score side (docs/kda-kernels.md §7 item 22); then per (key slice,
         # chunk) the reverse cumsum and the gate chain, and per row the norm and σ' chains (in `_bwd_k_block` and
         # `_bwd_vv` with norms_from_scores)
         db_part = nrm if norms_from_scores else torch.empty(TT, H, NS, dtype=torch.float32, device=dev)
         # with bwd_gate_fused, the blocks of a chunk count themselves per key slice here (`_bwd_k_block`)
-        done = torch.zeros(plan.NT, H, NS, dtype=torch.int32, device=dev) if gate_fused else db_part
+        blocks_done = torch.zeros(plan.NT, H, NS, dtype=torch.int32, device=dev) if gate_fused else db_part
         _bwd_k_block[(plan.NT * NS * (CHUNK // BCK), H)](q, k, b, G, qn, kn, plan.cu, plan.chunk_idx, dqh, dkh, dG,
                                                          daqk, dakk, db_part, nrm, dq, dk, z, A_log, dt_bias, dz,
-                                                         dA_part, dbias_part, done, scale, H=H, K=K, SK=SK,
+                                                         dA_part, dbias_part, blocks_done, scale, H=H, K=K, SK=SK,
                                                          C=CHUNK, BC=BCK, NORMS=norms_from_scores, GATE=gate_fused,
                                                          G_MIN=g_min, INTERP=interp, **_launch_options("bwd_k"))
-        del G, done
+        del G, blocks_done
         if not gate_fused:
             _bwd_gate[(plan.NT * NSG, H)](z, A_log, dt_bias, plan.cu, plan.chunk_idx, dG, dz, dA_part, dbias_part,
                                           H=H, K=K, SK=SKG, C=CHUNK, G_MIN=g_min, INTERP=interp,
