@@ -164,9 +164,9 @@ class CollectiveCounter:
 
 def worker(args) -> None:
     from k3.config import get_preset
-    from k3.dist.muon import DistributedMuonAdamW
-    from k3.dist.parallelize import parallelize
-    from k3.dist.runtime import ParallelRuntime
+    from k3.parallel.muon import DistributedMuonAdamW
+    from k3.parallel.parallelize import parallelize
+    from k3.parallel.runtime import ParallelRuntime
     from k3.model.model import build_model
     from k3.optim import cosine_schedule
     from k3.train.loop import TrainConfig, train_step

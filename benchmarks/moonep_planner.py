@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from k3.dist.moonep import plan_moonep, plan_moonep_reference
+from k3.parallel.moonep import plan_moonep, plan_moonep_reference
 
 
 def counts(R: int, E: int, S: int, K: int, seed: int = 0) -> torch.Tensor:

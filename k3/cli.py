@@ -124,36 +124,13 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _load_trained(path: str):
-    """A model and tokenizer from a run folder or a checkpoint folder (newest committed checkpoint)."""
-    from pathlib import Path
-
-    import torch
-
-    from k3.config import ModelConfig
-    from k3.model.model import K3ForCausalLM
-    from k3.train.checkpoint import latest_checkpoint, load_checkpoint
-    from k3.train.tokenizer import Tokenizer
-
-    root = Path(path)
-    ckpt = root if (root / "model.safetensors").exists() else latest_checkpoint(root / "checkpoints")
-    if ckpt is None:
-        raise ValueError(f"no committed checkpoint under {root}")
-    tensors, _ = load_checkpoint(ckpt)
-    config = ModelConfig.load(ckpt / "config.json")
-    with torch.device("meta"):
-        model = K3ForCausalLM(config)
-    model.to_empty(device="cpu")
-    model.load_state_dict(tensors)
-    return model.eval(), Tokenizer.load(ckpt / "tokenizer"), ckpt
-
-
 def cmd_generate(args) -> int:
     """One prompt through the inference engine (the same engine `k3 serve` and `k3 chat` use), streamed."""
+    from k3.checkpoint import load_trained
     from k3.infer.api import SamplingParams
     from k3.infer.engine import Engine
 
-    model, tokenizer, ckpt = _load_trained(args.run)
+    model, tokenizer, ckpt = load_trained(args.run)
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t") if args.escapes else args.prompt
     ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
     engine = Engine(model, tokenizer=tokenizer)
@@ -173,7 +150,7 @@ def cmd_generate(args) -> int:
 
 def cmd_tokenizer_train(args) -> int:
     from k3.train.data import read_documents, stdlib_documents
-    from k3.train.tokenizer import train_bpe
+    from k3.tokenizer import train_bpe
 
     docs = stdlib_documents() if args.data is None else read_documents(args.data)
     tokenizer = train_bpe((text for _, text in docs), args.vocab_size)

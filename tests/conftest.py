@@ -1,5 +1,22 @@
+import random
+
 import pytest
 import torch
+
+from k3.tokenizer import train_bpe
+
+
+def _corpus(n: int = 300) -> list[str]:
+    rng = random.Random(0)
+    words = ["the", "model", "cat", "sat", "on", "a", "mat", "def", "return", "print", "weather", "Paris",
+             "tool", "call", "hello", "world", "42", "3.14", "é", "你好", "(", ")", ":", "{", "}", "\n"]
+    return [" ".join(rng.choice(words) for _ in range(60)) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """A 512-token byte-level BPE with K3's special tokens, trained on a small mixed-script corpus."""
+    return train_bpe(_corpus(), 512, show_progress=False)
 
 
 def pytest_addoption(parser):

@@ -21,32 +21,11 @@ TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json", 
                    "tokenization_kimi.py", "encoding_k3.py", "chat_template.jinja")
 
 
-def _checkpoint_dir(path: Path) -> Path:
-    from k3.train.checkpoint import latest_checkpoint
-
-    if (path / "model.safetensors").is_file():
-        return path
-    ckpt = latest_checkpoint(path / "checkpoints")
-    if ckpt is None:
-        raise ValueError(f"{path} is neither a checkpoint folder (model.safetensors) nor a run folder with a "
-                         "committed checkpoint under checkpoints/")
-    return ckpt
-
-
 def cmd_to_release(args) -> int:
-    import torch
-
-    from k3.config import ModelConfig
+    from k3.checkpoint import load_trained
     from k3.convert.release import save_release
-    from k3.model.model import K3ForCausalLM
-    from k3.train.checkpoint import load_checkpoint
 
-    ckpt = _checkpoint_dir(Path(args.source))
-    tensors, _ = load_checkpoint(ckpt)
-    config = ModelConfig.load(ckpt / "config.json")
-    with torch.device("meta"):
-        model = K3ForCausalLM(config)
-    model.load_state_dict(tensors, assign=True)  # no copy: the model takes the loaded tensors
+    model, _, ckpt = load_trained(args.source)
     tokenizer = ckpt / "tokenizer"
     out = save_release(model, args.out, mxfp4=args.mxfp4, shard_size=args.shard_size,
                        copy_files_from=tokenizer if tokenizer.is_dir() else None)
@@ -61,7 +40,7 @@ def cmd_from_release(args) -> int:
     import torch
 
     from k3.convert.release import load_release
-    from k3.train.checkpoint import save_checkpoint
+    from k3.checkpoint import save_checkpoint
 
     src = Path(args.release_dir)
     ckpt = load_release(src, dtype=getattr(torch, args.dtype))

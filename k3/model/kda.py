@@ -77,7 +77,7 @@ class KimiDeltaAttention(nn.Module):
                    cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal depthwise conv before SiLU: pre [B, T, P] -> (y [B, T, P], last W-1 inputs per sequence).
 
-        A seam: context parallelism (k3.dist) overrides it to bring in the previous rank's halo.
+        A seam: context parallelism (k3.parallel) overrides it to bring in the previous rank's halo.
         """
         return causal_conv1d(pre, weight, conv_state, cu_seqlens)
 

@@ -250,7 +250,7 @@ class MuonAdamW(torch.optim.Optimizer):
         """NS5 of every block of every parameter; returns one tensor per parameter in its (local) shape.
 
         Blocks are oriented rows <= cols and bucketed by shape across parameters for one batched NS.
-        The distributed optimizer (k3.dist.muon) overrides this with the owner exchange.
+        The distributed optimizer (k3.parallel.muon) overrides this with the owner exchange.
         """
         buckets: dict[tuple, list[tuple[int, Tensor]]] = defaultdict(list)
         for i, (p, n) in enumerate(zip(params, nesterov)):
@@ -338,7 +338,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
 def local_tensor(t: Tensor) -> Tensor:
     """The local shard of a DTensor (sharing its storage), or t itself: the optimizer's math is per element
-    or per owned block, so it runs on local shards; k3.dist.muon does the cross-rank part."""
+    or per owned block, so it runs on local shards; k3.parallel.muon does the cross-rank part."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 

@@ -41,9 +41,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from k3.infer.api import AdmissionError, ContextLengthError, RequestOutput, SamplingParams, TokenLogprob
 from k3.infer.metrics import render_prometheus
 from k3.serve import protocol as P
-from k3.serve.chat_template import (ChatTemplate, IncrementalDecoder, OutputParser, ReplyAccumulator, ReplyDelta,
+from k3.chat.template import (ChatTemplate, IncrementalDecoder, OutputParser, ReplyAccumulator, ReplyDelta,
                                     TemplateError, normalize_effort)
-from k3.train.tokenizer import Tokenizer
+from k3.tokenizer import Tokenizer
 
 log = logging.getLogger("k3.serve")
 

@@ -61,7 +61,7 @@ def _default_tokenizer(vocab_size: int):
     import itertools
 
     from k3.train.data import stdlib_documents
-    from k3.train.tokenizer import train_bpe
+    from k3.tokenizer import train_bpe
 
     print(f"# no --tokenizer: training a {vocab_size}-token BPE on the standard library", file=sys.stderr)
     docs = (text for _, text in itertools.islice(stdlib_documents(), 400))
@@ -72,7 +72,7 @@ def load_model(args: argparse.Namespace):
     """(model, tokenizer, name) from --checkpoint or --preset, on --device in --dtype."""
     import torch
 
-    from k3.train.tokenizer import Tokenizer
+    from k3.tokenizer import Tokenizer
 
     device = args.device
     if device == "auto":
@@ -81,9 +81,9 @@ def load_model(args: argparse.Namespace):
     if args.checkpoint:
         from pathlib import Path
 
-        from k3.cli import _load_trained
+        from k3.checkpoint import load_trained
 
-        model, tokenizer, ckpt = _load_trained(args.checkpoint)
+        model, tokenizer, ckpt = load_trained(args.checkpoint)
         name = Path(args.checkpoint).resolve().name
         model = model.to(device)
     else:
@@ -136,7 +136,7 @@ CHAT_HELP = "commands: /reset (new conversation), /effort none|low|medium|high|m
 async def chat_loop(engine, tokenizer, args: argparse.Namespace, out=None) -> None:
     """Read a line, stream the reply (thinking dimmed), keep the history (with its reasoning) for the next turn."""
     from k3.infer.api import SamplingParams
-    from k3.serve.chat_template import ChatTemplate, OutputParser, ReplyAccumulator, TemplateError, normalize_effort
+    from k3.chat.template import ChatTemplate, OutputParser, ReplyAccumulator, TemplateError, normalize_effort
 
     out = out or sys.stdout
     template = ChatTemplate(tokenizer)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from k3.train.checkpoint import fsync_dir
+from k3.checkpoint import fsync_dir
 
 IGNORE_INDEX = -100
 Document = tuple[str, str]  # (name, text); the name decides the held-out split
@@ -198,7 +198,7 @@ def prepare_corpus(documents: Sequence[Document | str], tokenizer, directory: st
 
     Writes `tokens.bin` (uint32, all documents back to back), `offsets.npy` (int64 [N+1], document i is
     tokens[offsets[i]:offsets[i+1]]) and `meta.json`, into a temporary folder that is then renamed.
-    `tokenizer`: a `k3.train.tokenizer.Tokenizer`. Empty texts are skipped.
+    `tokenizer`: a `k3.tokenizer.Tokenizer`. Empty texts are skipped.
     """
     from tqdm.auto import tqdm
 

@@ -30,22 +30,22 @@ import numpy as np
 import torch
 
 from k3.config import ModelConfig, get_preset
-from k3.dist.muon import DistributedMuonAdamW
-from k3.dist.parallelize import DCP_MARKER, ParallelTraining, parallelize
-from k3.dist.runtime import ParallelRuntime
+from k3.parallel.muon import DistributedMuonAdamW
+from k3.parallel.parallelize import DCP_MARKER, ParallelTraining, parallelize
+from k3.parallel.runtime import ParallelRuntime
 from k3.model.checkpointing import apply_activation_checkpointing
 from k3.model.model import K3ForCausalLM, build_model
 from k3.model.moe import StableLatentMoE
 from k3.model.quantile_balancing import QuantileHistogram, expert_loads, imbalance_from_stats, layer_load_stats
 from k3.ops.weight_grads import accumulating_weight_grads
 from k3.optim import MuonAdamW, cosine_schedule, qk_clip_, qk_clip_stats
-from k3.train.checkpoint import (CheckpointError, commit_checkpoint, latest_checkpoint, load_checkpoint,
-                                 new_checkpoint_dir, save_checkpoint, step_dir_name, verify_checkpoint,
-                                 write_train_state)
+from k3.checkpoint import (CheckpointError, commit_checkpoint, latest_checkpoint, load_checkpoint,
+                           new_checkpoint_dir, save_checkpoint, step_dir_name, verify_checkpoint,
+                           write_train_state)
 from k3.train.data import (PackedBatches, TokenizedCorpus, documents_fingerprint, prepare_corpus, read_documents,
                            split_documents, stdlib_documents)
 from k3.train.metrics import MetricsLog, plot_run
-from k3.train.tokenizer import Tokenizer, train_bpe
+from k3.tokenizer import Tokenizer, train_bpe
 
 
 class TrainingError(RuntimeError):

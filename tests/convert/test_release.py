@@ -16,7 +16,7 @@ from k3.convert.mx import mx_dequantize
 from k3.convert.names import MXFP4_QUANTIZATION_CONFIG
 from k3.convert.release import dequantize_experts, load_release, save_release
 from k3.model.model import build_model
-from k3.train.tokenizer import Tokenizer, write_tiktoken_files
+from k3.tokenizer import Tokenizer, write_tiktoken_files
 
 BF16, F32, U8 = torch.bfloat16, torch.float32, torch.uint8
 

@@ -1,9 +1,8 @@
-"""Fixtures for the server tests: the debug preset with random weights, a 512-token BPE trained here, and
-a real uvicorn server on a free loopback port (in a thread of this process)."""
+"""Fixtures for the server tests: the debug preset with random weights (the 512-token BPE `tokenizer` is in
+tests/conftest.py), and a real uvicorn server on a free loopback port (in a thread of this process)."""
 
 from __future__ import annotations
 
-import random
 import socket
 import threading
 import time
@@ -13,21 +12,8 @@ import torch
 
 from k3.config import get_preset
 from k3.model.model import build_model
-from k3.train.tokenizer import train_bpe
 
 MODEL_NAME = "k3-debug"
-
-
-def _corpus(n: int = 300) -> list[str]:
-    rng = random.Random(0)
-    words = ["the", "model", "cat", "sat", "on", "a", "mat", "def", "return", "print", "weather", "Paris",
-             "tool", "call", "hello", "world", "42", "3.14", "é", "你好", "(", ")", ":", "{", "}", "\n"]
-    return [" ".join(rng.choice(words) for _ in range(60)) for _ in range(n)]
-
-
-@pytest.fixture(scope="session")
-def tokenizer():
-    return train_bpe(_corpus(), 512, show_progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from k3.infer.api import AdmissionError
 from k3.infer.generate import generate
-from k3.serve.chat_template import ChatTemplate
+from k3.chat.template import ChatTemplate
 from tests.serve.conftest import MODEL_NAME, real_engine_available, serve
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]

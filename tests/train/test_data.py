@@ -19,7 +19,7 @@ from k3.train.data import (
     split_documents,
     stdlib_documents,
 )
-from k3.train.tokenizer import train_bpe
+from k3.tokenizer import train_bpe
 
 B, T = 3, 32
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from k3.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from k3.train.loop import ContextStage, TrainConfig, TrainingError, train
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@ Legend: cp ranks, B_l rows per rank, T global row length, T_l = T/cp tokens per 
 K = V head dim, W short-conv width, C + R latent width.
 
 Each cp rank holds the contiguous slice [c·T_l, (c+1)·T_l) of every row of its data shard
-(`k3.dist.runtime.shard_batch`). Everything in a K3 layer is per token except three things, which
+(`k3.parallel.runtime.shard_batch`). Everything in a K3 layer is per token except three things, which
 `apply_context_parallel` takes over by switching the class of the existing modules (parameters and
 names unchanged, model code untouched; the subclasses override the layers' seams):
 
@@ -32,7 +32,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from k3.dist.runtime import BatchShard
+from k3.parallel.runtime import BatchShard
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 

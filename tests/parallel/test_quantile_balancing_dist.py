@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from k3.model.quantile_balancing import QuantileHistogram, route_topk_with_cutoff
-from tests.dist.spawn import run_workers
+from tests.parallel.spawn import run_workers
 
 E, K, TOKENS = 32, 4, 240
 

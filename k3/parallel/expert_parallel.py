@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from k3.dist.moonep import MoonEPPlan, plan_moonep
+from k3.parallel.moonep import MoonEPPlan, plan_moonep
 from k3.model.moe import LatentExperts
 from k3.ops.moe import grouped_situ_glu
 

@@ -1,4 +1,4 @@
-"""Crash-safe checkpoints of a single-process training run (systems.md §4).
+"""Crash-safe training checkpoints, and `load_trained`: the one loader of a trained run or checkpoint.
 
 A checkpoint is a directory `step_000123/` holding:
 - `model.safetensors` — every parameter and persistent buffer (Quantile Balancing biases included);
@@ -171,3 +171,32 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     tensors = load_file(str(path / "model.safetensors"))
     train_state = torch.load(path / "train_state.pt", weights_only=True)
     return tensors, train_state
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder itself, or the newest committed checkpoint of a run folder. Raises CheckpointError."""
+    root = Path(path)
+    if (root / "model.safetensors").exists():
+        return root
+    ckpt = latest_checkpoint(root / "checkpoints")
+    if ckpt is None:
+        raise CheckpointError(f"{root} is neither a checkpoint folder (model.safetensors) nor a run folder with a "
+                              "committed checkpoint under checkpoints/")
+    return ckpt
+
+
+def load_trained(path: str | Path, device: str | torch.device = "cpu"):
+    """(model in eval mode, tokenizer, checkpoint folder) from a run folder (its newest committed checkpoint)
+    or a checkpoint folder. Every front end that loads trained weights (generate, serve, chat, convert) uses this."""
+    from k3.config import ModelConfig
+    from k3.model.model import K3ForCausalLM
+    from k3.tokenizer import Tokenizer
+
+    ckpt = resolve_checkpoint(path)
+    tensors, _ = load_checkpoint(ckpt)
+    config = ModelConfig.load(ckpt / "config.json")
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    # assign: the model takes the loaded tensors without a second copy (every buffer is persistent)
+    model.load_state_dict(tensors, assign=True)
+    return model.to(device).eval(), Tokenizer.load(ckpt / "tokenizer"), ckpt

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from k3.train import tokenizer as tk
-from k3.train.tokenizer import (
+from k3 import tokenizer as tk
+from k3.tokenizer import (
     KIMI_PAT_STR,
     SPECIAL_TOKENS,
     Tokenizer,

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from k3.serve.chat_template import (ChatTemplate, OutputParser, ReplyAccumulator, TemplateError, normalize_effort,
+from k3.chat.template import (ChatTemplate, OutputParser, ReplyAccumulator, TemplateError, normalize_effort,
                                     parse_reply)
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

@@ -12,14 +12,14 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from k3.config import get_preset
-from k3.dist.muon import DistributedMuonAdamW
-from k3.dist.parallelize import parallelize
-from k3.dist.runtime import ParallelRuntime
+from k3.parallel.muon import DistributedMuonAdamW
+from k3.parallel.parallelize import parallelize
+from k3.parallel.runtime import ParallelRuntime
 from k3.model.model import build_model
 from k3.optim import MuonAdamW, cosine_schedule
 from k3.train.data import Batch
 from k3.train.loop import TrainConfig, train_step
-from tests.dist.spawn import run_workers
+from tests.parallel.spawn import run_workers
 
 STEPS = 3
 ROWS, T = 4, 64

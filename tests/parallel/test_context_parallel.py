@@ -10,10 +10,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from k3.config import get_preset
-from k3.dist.context_parallel import CPContext, apply_context_parallel
-from k3.dist.runtime import shard_batch
+from k3.parallel.context_parallel import CPContext, apply_context_parallel
+from k3.parallel.runtime import shard_batch
 from k3.model.model import build_model
-from tests.dist.spawn import run_workers
+from tests.parallel.spawn import run_workers
 
 T = 48
 CU = [0, 5, 30, 31, 48, 60, 72, 96]  # two rows of 48: row ends at 48 and 96

@@ -14,7 +14,7 @@ so the X columns end as M. Folding S ← M_j S + S̃_j over the segments in orde
 true incoming state (the reset M_j = 0 makes the fold start over at each document), and running each
 segment from it reproduces the single-pass output and final states.
 
-This file is the oracle for the distributed version (`k3.dist.context_parallel`): there each rank
+This file is the oracle for the distributed version (`k3.parallel.context_parallel`): there each rank
 computes its own (M_i, S̃_i), one all-gather of [H, K, K + V] replaces the Python list, the fold runs
 locally, and autograd through the all-gather gives the mirrored backward fold.
 

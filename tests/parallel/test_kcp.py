@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3.dist.kcp import fold_states, kcp_kda, kda_transition, split_fragments
+from k3.parallel.kcp import fold_states, kcp_kda, kda_transition, split_fragments
 from k3.ops.kda import naive_recurrent_kda
 
 H, K, V = 2, 5, 3

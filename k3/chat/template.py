@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from k3.train.tokenizer import Tokenizer
+from k3.tokenizer import Tokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # The trained effort levels (systems.md §7.2); `medium` exists only in the schema and maps by config.

@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
-from k3.train.checkpoint import committed_checkpoints, verify_checkpoint
+from k3.checkpoint import committed_checkpoints, verify_checkpoint
 from k3.train.loop import ContextStage, TrainConfig, train
-from tests.dist.spawn import run_workers
+from tests.parallel.spawn import run_workers
 
 
 def _corpus(folder):

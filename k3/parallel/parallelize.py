@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from k3.dist.context_parallel import CPContext, apply_context_parallel
-from k3.dist.expert_parallel import ExpertParallelExperts, apply_expert_parallel
-from k3.dist.runtime import ParallelRuntime
+from k3.parallel.context_parallel import CPContext, apply_context_parallel
+from k3.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
+from k3.parallel.runtime import ParallelRuntime
 from k3.model.checkpointing import apply_activation_checkpointing
 from k3.optim.muon import local_tensor
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from k3.dist.moonep import plan_moonep, plan_moonep_reference
+from k3.parallel.moonep import plan_moonep, plan_moonep_reference
 
 
 def random_counts(gen, R, E, S, K, skew=0.0):

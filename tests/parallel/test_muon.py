@@ -6,10 +6,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from k3.config import get_preset
-from k3.dist.muon import DistributedMuonAdamW, _row_ranges
+from k3.parallel.muon import DistributedMuonAdamW, _row_ranges
 from k3.model.model import build_model
 from k3.optim.muon import MuonAdamW
-from tests.dist.spawn import run_workers
+from tests.parallel.spawn import run_workers
 
 STEPS = 3
 

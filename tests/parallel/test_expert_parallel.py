@@ -5,9 +5,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from k3.config import get_preset
-from k3.dist.expert_parallel import ExpertParallelExperts
+from k3.parallel.expert_parallel import ExpertParallelExperts
 from k3.model.moe import StableLatentMoE
-from tests.dist.spawn import run_workers
+from tests.parallel.spawn import run_workers
 
 TOKENS_PER_RANK = 24
 

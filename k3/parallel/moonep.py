@@ -3,7 +3,7 @@
 Follows the Kimi K3 report §5.2.1 and App. E, and systems.md §5.2. A pure function of the counts:
 `plan_moonep` (placement as tensor ops: 10.6 ms for E = 896, R = 64 on one CPU core, against 225 ms for
 `plan_moonep_reference`, its loop twin, which it is tested to equal exactly; `benchmarks/moonep_planner.py`).
-`k3.dist.expert_parallel`
+`k3.parallel.expert_parallel`
 runs it on the all-gathered counts and dispatches by its `send`.
 
 Setting. R expert-parallel ranks, E routed experts, E/R of them at home on each rank: expert e lives on
@@ -25,7 +25,7 @@ Algorithm (deterministic; every rank runs it on the same all-gathered C and gets
    leading range; the migrated chunks take the following ranges in fill order. So send[r, e, d], the
    number of copies source r sends to destination d for expert e, is the overlap of r's range with d's.
 
-Guarantees (tested in tests/dist/test_moonep.py):
+Guarantees (tested in tests/parallel/test_moonep.py):
 - Exact balance: every rank processes exactly its target, i.e. exactly S·K copies whenever N = R·S·K
   (the normal case: nothing dropped). If fewer copies are routed (N < R·S·K, e.g. masked padding
   tokens), loads differ by at most one copy and never exceed S·K, so the S·K-row buffer stays valid.
