@@ -1,0 +1,91 @@
+"""The package layering holds: each k3 package imports only the packages `ALLOWED` lists for it, lazy imports
+included, and never another package's private names. `cli` and `hf` are front ends and may import anything.
+
+    cli, hf                                   front ends
+    train        serve          convert       services
+    parallel     infer   chat   checkpoint
+    optim                tokenizer
+    model
+    ops          config                       core
+"""
+
+from __future__ import annotations
+
+import ast
+from graphlib import TopologicalSorter
+from pathlib import Path
+
+import k3
+
+ROOT = Path(k3.__file__).parent
+
+# package -> the k3 packages it may import (top-level modules count as packages)
+ALLOWED: dict[str, set[str]] = {
+    "config": set(),
+    "tokenizer": set(),
+    "ops": set(),
+    "chat": {"tokenizer"},
+    "model": {"config", "ops"},
+    "optim": {"config", "model", "ops"},
+    "checkpoint": {"config", "model", "tokenizer"},
+    "infer": {"config", "model", "ops"},
+    "parallel": {"config", "model", "ops", "optim"},
+    "train": {"config", "model", "ops", "optim", "parallel", "checkpoint", "tokenizer"},
+    "convert": {"config", "model", "ops", "checkpoint"},
+    "serve": {"config", "model", "checkpoint", "infer", "tokenizer", "chat"},
+}
+FRONT_ENDS = {"cli", "hf"}
+
+
+def _package(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    return rel.parts[0]
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """(imported k3 package, line) for every import in the file, at any depth (lazy imports count)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] if node.module != "k3" else [f"k3.{a.name}" for a in node.names]
+        else:
+            continue
+        found += [(n.split(".")[1], node.lineno) for n in names if n.startswith("k3.")]
+    return found
+
+
+def test_every_package_is_placed():
+    packages = {_package(p) for p in ROOT.rglob("*.py")} - {"__init__"}
+    assert packages <= set(ALLOWED) | FRONT_ENDS, f"place new packages in ALLOWED: {packages - set(ALLOWED)}"
+
+
+def test_allowed_layering_has_no_cycle():
+    TopologicalSorter(ALLOWED).static_order()  # raises CycleError
+
+
+def test_packages_import_only_below_them():
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        src = _package(path)
+        if src in FRONT_ENDS or src == "__init__":
+            continue
+        for dst, line in _imports(path):
+            if dst != src and dst not in ALLOWED[src]:
+                wrong.append(f"{path.relative_to(ROOT.parent)}:{line}: {src} imports {dst}")
+    assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_no_private_names_across_packages():
+    """A package uses another's public names only: `from k3.optim.muon import _helper` elsewhere is refused."""
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        src = _package(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("k3."):
+                dst = node.module.split(".")[1]
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                if dst != src and private:
+                    wrong.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {private} from {node.module}")
+    assert not wrong, "private names imported across packages:\n" + "\n".join(wrong)
