@@ -25,7 +25,7 @@ demo: setup
 	$(BIN)/k3 train --preset tiny --out runs/tiny --time-budget 8 --resume
 	$(BIN)/k3 generate runs/tiny --escapes --prompt 'import os\n\n\ndef read_config(path):\n    ' --max-new-tokens 120
 
-# two workers (pytest-xdist), a test file per worker: the CPU suite in 705 s instead of 1025 on 2 cores (session 14)
+# two workers (pytest-xdist), a test file per worker: on 2 cores the suite takes about two thirds of one worker's time
 test: setup
 	$(BIN)/pytest -q -n 2 --dist loadfile
 

@@ -154,7 +154,8 @@ class ModelConfig:
     kda_impl: KDAImpl = "torch"
     kda_chunk_size: int = 16
     # kda_impl "triton" in training: the forward keeps its chunk operands, cumulative gate and chunk-start states
-    # for the backward (~1.9 GiB per layer at K3's shape, ~6 ms less per layer; docs/kda-kernels.md §2), or recomputes
+    # for the backward (~1.9 GiB per layer at K3's shape buys a shorter backward; docs/kda-kernels.md), or
+    # the backward recomputes them (False)
     kda_save_intermediates: bool = True
     mla_impl: MLAImpl = "auto"
     # Block AttnRes wiring (k3.model.attn_res): direct reads (reference), the direct wiring with the fused

@@ -22,7 +22,7 @@ Under the fused direct read each sealed source is `seal`ed: the reads' backward 
 one buffer, where the autograd engine would add one gradient per read.
 The fused two-phase form reads each sealed source once per block forward and writes one gradient per source
 and block, where the direct read touches it once per read and the autograd engine sums one gradient per read;
-on the H200 it was no faster (docs/fast-paths.md, session 10), so "auto" keeps the direct read.
+it was not faster on an H200 (docs/fast-paths.md), so "auto" keeps the direct read.
 """
 
 from __future__ import annotations

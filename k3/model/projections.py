@@ -15,10 +15,9 @@ from k3.ops.weight_grads import accumulates, add_gradient, add_product, fp32_pro
 
 # Backward without the concatenated output gradient (`fused_linears`): output slices at least this wide get their
 # own x-gradient GEMM, accumulated in place; narrower ones are concatenated for one GEMM. None: autograd's
-# backward, which concatenates every slice's gradient. Session 19 run 2 (`benchmarks/fused_linears.py`, 64K
-# tokens): the KDA layer's q, k, v, gate (1024 each) split, β and the decay input (8, 128) concatenated,
-# backward 1.54 → 1.37 ms; the shared MLP's two 320-wide slices split lost (0.43 → 0.75 ms), so they stay
-# concatenated under this threshold. dx is rounded to the activation dtype after each accumulated GEMM (one
+# backward, which concatenates every slice's gradient. 1024 splits the KDA layer's q, k, v and gate and keeps
+# β, the decay input and the shared MLP's 320-wide slices concatenated, where splitting them was slower
+# (`benchmarks/fused_linears.py`, docs/fast-paths.md). dx is rounded to the activation dtype after each accumulated GEMM (one
 # rounding per wide slice, as separate linears summed by autograd give), not once.
 SPLIT_BACKWARD_WIDTH: int | None = 1024
 
