@@ -126,6 +126,7 @@ def cmd_train(args) -> int:
 
 def cmd_generate(args) -> int:
     """One prompt through the inference engine (the same engine `k3 serve` and `k3 chat` use), streamed."""
+    from k3.chat.detokenize import TextStream
     from k3.checkpoint import load_trained
     from k3.infer.api import SamplingParams
     from k3.infer.engine import Engine
@@ -133,7 +134,8 @@ def cmd_generate(args) -> int:
     model, tokenizer, ckpt = load_trained(args.run)
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t") if args.escapes else args.prompt
     ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
-    engine = Engine(model, tokenizer=tokenizer)
+    engine = Engine(model)
+    text = TextStream(tokenizer)
     sampling = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed, stop_token_ids=tuple(tokenizer.stop_ids))
     sampling.validate(model.config.vocab_size)
@@ -142,7 +144,7 @@ def cmd_generate(args) -> int:
     sys.stdout.write(prompt)
     while engine.has_unfinished():
         for out in engine.step():
-            sys.stdout.write(out.new_text)
+            sys.stdout.write(text.feed(out.new_token_ids, out.finished))
             sys.stdout.flush()
     sys.stdout.write("\n")
     return 0

@@ -8,6 +8,9 @@ preset's 8,192 they are 7,936…8,191, so `ModelConfig`'s `bos/eos/pad_token_id`
 
 - **Own BPE** (`train_bpe`): HF `tokenizers` — `models.BPE`, `pre_tokenizers.ByteLevel(add_prefix_space=False)`,
   `decoders.ByteLevel` — trained without specials, then the 256 specials appended, saved as `tokenizer.json`.
+- **Bytes** (`byte_tokenizer`): the same kind with no merges, so it needs no training: byte b is id b, unused
+  placeholders fill the base vocabulary, the specials sit where every preset expects them. For serving
+  random weights (`k3 serve --preset`), tests and benchmarks; text costs one token per byte.
 - **Release format** (`load_tiktoken`): `tiktoken.model` ("base64-token rank" lines) plus
   `tokenizer_config.json`; tiktoken with the Kimi pre-tokenisation regex, shipped below as `KIMI_PAT_STR`.
   tiktoken's regex engine (fancy-regex over Rust `regex`) accepts the pattern as published, including
@@ -253,8 +256,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = True,
     size is used. If the texts are too small to learn enough merges, unused placeholder tokens
     `<|bpe_unused_{id}|>` fill the base vocabulary so that the specials still land at base..base+255.
     """
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
     from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     base = vocab_size - NUM_SPECIAL_TOKENS
     if base < 256:
@@ -273,13 +276,37 @@ def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = True,
     trainer = trainers.BpeTrainer(vocab_size=base, min_frequency=min_frequency, show_progress=show_progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
     backend.train_from_iterator(texts, trainer, length=len(texts))
+    return _with_specials(backend, base)
+
+
+def byte_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level tokenizer that needs no training: id b is byte b (0..255), placeholders
+    `<|bpe_unused_{id}|>` up to `vocab_size - 256`, then K3's 256 specials (the layout of `train_bpe`)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    base = vocab_size - NUM_SPECIAL_TOKENS
+    if base < 256:
+        raise ValueError(f"vocab_size must be at least 512 (256 bytes + 256 specials), got {vocab_size}")
+    backend = HFTokenizer(models.BPE(vocab=dict(_byte_decoder()), merges=[]))  # byte-level stand-in char → byte
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return _with_specials(backend, base)
+
+
+def _with_specials(backend: Any, base: int) -> Tokenizer:
+    """An HF BPE of at most `base` tokens → a `Tokenizer`: unused placeholders fill the base vocabulary, so
+    that K3's 256 specials land at base..base+255."""
+    from tokenizers import AddedToken
+
     learned = backend.get_vocab_size(with_added_tokens=False)
     assert learned <= base
     fill = [AddedToken(f"<|bpe_unused_{i}|>", special=True, normalized=False) for i in range(learned, base)]
     specials = [AddedToken(name, special=True, normalized=False) for name in SPECIAL_TOKENS]
     backend.add_special_tokens(fill + specials)
     ids = {name: backend.token_to_id(name) for name in SPECIAL_TOKENS}
-    assert [ids[n] for n in SPECIAL_TOKENS] == list(range(base, vocab_size)), "specials must land at base+offset"
+    assert [ids[n] for n in SPECIAL_TOKENS] == list(range(base, base + NUM_SPECIAL_TOKENS)), \
+        "specials must land at base+offset"
     return Tokenizer(backend, "bpe", ids, base)
 
 

@@ -2,7 +2,7 @@
 included, and never another package's private names. `cli` and `hf` are front ends and may import anything.
 
     cli, hf                                   front ends
-    train        serve          convert       services
+    train        serve          convert       sandbox       services
     parallel     infer   chat   checkpoint
     optim                tokenizer
     model
@@ -33,6 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "train": {"config", "model", "ops", "optim", "parallel", "checkpoint", "tokenizer"},
     "convert": {"config", "model", "ops", "checkpoint"},
     "serve": {"config", "model", "checkpoint", "infer", "tokenizer", "chat"},
+    "sandbox": set(),  # stands alone: agents' execution environment, also usable without the model
 }
 FRONT_ENDS = {"cli", "hf"}
 

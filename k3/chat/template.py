@@ -36,7 +36,8 @@ Design rules (each one is a test):
   `<|open|>json<|sep|>…<|close|>json<|sep|>` block (input only; the parser reads it too).
 - The reply parser is a token-level state machine fed incrementally (`OutputParser`), so streaming and
   non-streaming share one code path: think → `reasoning_content`, response → `content`, calls → OpenAI
-  `tool_calls` whose arguments stream as pieces of one JSON object string.
+  `tool_calls` whose arguments stream as pieces of one JSON object string. `ReplyStream` adds stop strings
+  on the content (the detokenizer and stop matching live in `k3/chat/detokenize.py`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from k3.chat.detokenize import IncrementalDecoder, StopMatcher
 from k3.tokenizer import Tokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -246,31 +248,6 @@ class ChatTemplate:
                 ids += self.open_tag("argument", name=key, type="json") + self.text(compact_json(value))
             ids += self.close_tag("argument")
         return ids
-
-
-class IncrementalDecoder:
-    """Token ids → text pieces, holding back a cut multi-byte character until the token that completes it."""
-
-    def __init__(self, tokenizer: Tokenizer, max_hold: int = 8):
-        self.tokenizer = tokenizer
-        self.max_hold = max_hold
-        self._pending: list[int] = []
-
-    def feed(self, token_ids: Iterable[int]) -> str:
-        self._pending.extend(token_ids)
-        if not self._pending:
-            return ""
-        text = self.tokenizer.decode(self._pending)
-        # a byte-level token can end inside a UTF-8 sequence: wait (a little) for the rest of it
-        if text.endswith("\ufffd") and len(self._pending) < self.max_hold:
-            return ""
-        self._pending.clear()
-        return text
-
-    def flush(self) -> str:
-        text = self.tokenizer.decode(self._pending) if self._pending else ""
-        self._pending.clear()
-        return text
 
 
 @dataclass
@@ -486,6 +463,36 @@ class ReplyAccumulator:
         content = self.content if (self.content or not calls) else None
         reasoning = self.reasoning if (self.reasoning or thinking) else None
         return Reply(content, reasoning, calls)
+
+
+class ReplyStream:
+    """Generated token ids → `ReplyDelta`s of one chat reply, with stop strings matched on its content.
+
+    `feed(ids, finished)` parses the ids (`OutputParser`) and cuts the content at the first stop string
+    (`StopMatcher`: a stream never shows the start of one); pass `finished=True` with the last ids. At a
+    match `stopped` turns True, tool calls of that delta are dropped, and nothing more comes.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, thinking: bool, stop: Sequence[str] = (), call_id=new_call_id):
+        self.parser = OutputParser(tokenizer, thinking, call_id)
+        self.stopper = StopMatcher(stop)
+
+    @property
+    def stopped(self) -> bool:
+        return self.stopper.hit
+
+    def feed(self, token_ids: Iterable[int], finished: bool = False) -> ReplyDelta:
+        if self.stopped:
+            return ReplyDelta()
+        delta = self.parser.feed(token_ids)
+        if finished:
+            delta.extend(self.parser.finish())
+        delta.content = self.stopper.feed(delta.content)
+        if self.stopped:
+            delta.tool_calls = []
+        elif finished:
+            delta.content += self.stopper.flush()
+        return delta
 
 
 def parse_reply(tokenizer: Tokenizer, token_ids: Iterable[int], thinking: bool) -> Reply:

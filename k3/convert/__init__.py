@@ -4,8 +4,9 @@
   A_log padding, the `language_model.` prefix, vision tower / projector names).
 - `mx`: MXFP4 (E2M1) and MXFP8 (E4M3, E5M2) with E8M0 block-32 scales (OCP MX v1.0).
 - `release`: `load_release` / `save_release` for a release-layout directory.
-- `hf`: optional transformers integration (`AutoModelForCausalLM.from_pretrained` on a release directory).
 - `cli`: `k3 convert to-release | from-release`.
+
+The transformers integration over this layout is `k3.hf`, a front end like the CLI.
 """
 
 # Lazy exports: `k3.convert.cli` is imported by `k3 --help`, which should not pay for torch.

@@ -1,7 +1,8 @@
 """The inference engine's token-level API: what the server (and `k3 generate` / `k3 chat`) may use.
 
 The server talks to the engine only through these types and `k3.infer.engine.Engine` /
-`k3.infer.engine.AsyncEngine`; it never touches the model or the cache.
+`k3.infer.engine.AsyncEngine`; it never touches the model or the cache. Token ids in, token ids and
+logprobs out: text (detokenization, stop strings) is `k3.chat.detokenize`'s.
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None  # same seed, same output
     stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()  # stop strings (need the engine's tokenizer to detokenize)
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob plus the top-k alternatives
-    include_stop_str_in_output: bool = False
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError (with the offending field name first) on out-of-range values."""
@@ -59,7 +58,6 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
-    new_text: str = ""  # detokenized increment (empty if the engine has no tokenizer)
     logprobs: list[TokenLogprob] | None = None
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"

@@ -7,6 +7,9 @@
                    ▼
     Scheduler.after_forward (index hash blocks, save KDA checkpoints) ─► sampling ─► stop checks ─► RequestOutput
 
+The engine knows no text: token ids in, token ids and logprobs out. Detokenization and stop strings live
+above it (`k3.chat.detokenize`), shared by the server, the CLI and evaluation.
+
 `Engine` is synchronous and single-threaded; `AsyncEngine` runs it in a background thread and streams
 outputs to asyncio consumers (what the server uses). Split after nano-vllm: sequence.py, scheduler.py,
 cache.py (the pool), prefix_cache.py, kv_pool.py, sampling.py, metrics.py; the runner is below.
@@ -65,11 +68,10 @@ class ModelRunner:
 class Engine:
     """Continuous-batching engine over one model. Not thread-safe (see AsyncEngine)."""
 
-    def __init__(self, model: K3ForCausalLM, config: EngineConfig | None = None, tokenizer=None):
+    def __init__(self, model: K3ForCausalLM, config: EngineConfig | None = None):
         config = config or EngineConfig()
         config.validate()
         self.model = model.eval()
-        self.tokenizer = tokenizer  # anything with decode(list[int]) -> str; needed for text and stop strings
         mcfg = model.config
         self.vocab_size = mcfg.vocab_size
         device = next(model.parameters()).device
@@ -126,8 +128,6 @@ class Engine:
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt_ids: token ids must be ints in [0, {self.vocab_size})")
         sampling.validate(self.vocab_size)
-        if sampling.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need an engine with a tokenizer")
         total = len(prompt_ids) + sampling.max_tokens
         if total > self.max_context:
             raise ContextLengthError(
@@ -223,33 +223,13 @@ class Engine:
             seq.pending_logprobs.append(lp)
         sp = seq.sampling
         reason = None
-        stop_token = token in sp.stop_token_ids or token in self.config.eos_token_ids
-        if stop_token:
+        if token in sp.stop_token_ids or token in self.config.eos_token_ids:
             reason = "stop"
         elif len(seq.output_ids) >= sp.max_tokens or len(seq.tokens) >= self.max_context:
             reason = "length"
-        upto = None
-        if self.tokenizer is not None:
-            ids = seq.output_ids[:-1] if stop_token else seq.output_ids
-            text = self.tokenizer.decode(ids)
-            if sp.stop:
-                found = _find_stop(text, sp.stop, max(0, seq.emitted_text - max(map(len, sp.stop))))
-                if found is not None:
-                    at, s = found
-                    text = text[: at + (len(s) if sp.include_stop_str_in_output else 0)]
-                    reason = "stop"
-            seq.text = text
-            upto = len(text)
-            if reason is None:
-                # hold back an incomplete UTF-8 character and a tail that may still become a stop string
-                if text.endswith("\ufffd"):
-                    upto = len(text.rstrip("\ufffd"))
-                upto -= _stop_prefix_len(text[:upto], sp.stop)
-            upto = max(upto, seq.emitted_text)
         out = RequestOutput(
             request_id=seq.request_id,
             new_token_ids=seq.output_ids[seq.emitted_tokens :],
-            new_text=seq.text[seq.emitted_text : upto] if upto is not None else "",
             logprobs=seq.pending_logprobs if sp.logprobs is not None else None,
             finished=reason is not None,
             finish_reason=reason,
@@ -259,8 +239,6 @@ class Engine:
         )
         seq.emitted_tokens = len(seq.output_ids)
         seq.pending_logprobs = []
-        if upto is not None:
-            seq.emitted_text = upto
         if reason is not None:
             self._finish(seq, reason)
         return out
@@ -312,35 +290,11 @@ class Engine:
 def merge_output(total: RequestOutput, out: RequestOutput) -> None:
     """Accumulate a streamed increment into a running total (in place)."""
     total.new_token_ids = total.new_token_ids + out.new_token_ids
-    total.new_text += out.new_text
     if out.logprobs is not None:
         total.logprobs = (total.logprobs or []) + out.logprobs
     total.finished, total.finish_reason = out.finished, out.finish_reason
     total.prompt_tokens, total.cached_tokens = out.prompt_tokens, out.cached_tokens
     total.completion_tokens = out.completion_tokens
-
-
-def _find_stop(text: str, stops, start: int) -> tuple[int, str] | None:
-    """The earliest stop string in text[start:] -> (index, the stop string)."""
-    best = None
-    for s in stops:
-        if not s:
-            continue
-        i = text.find(s, start)
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, s)
-    return best
-
-
-def _stop_prefix_len(text: str, stops) -> int:
-    """Length of the longest suffix of text that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
 
 
 class AsyncEngine:

@@ -53,8 +53,6 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     emitted_tokens: int = 0  # output tokens already returned in a RequestOutput
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
-    text: str = ""  # detokenized output (stop strings cut)
-    emitted_text: int = 0  # characters of `text` already returned
     finish_reason: str | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -3,9 +3,9 @@ same engine, no HTTP). `k3.cli` wires them in with `add_serve_parser(subparsers)
 
 Both load a model with `--checkpoint DIR` (a run folder, using its newest checkpoint, or a checkpoint folder;
 its tokenizer comes along) or `--preset NAME` (random weights, for tests, benchmarks and trying the API;
-the tokenizer is `--tokenizer DIR`, else a byte-level BPE of the preset's vocabulary trained on the first
-2 M characters of this Python's standard library, which takes a few seconds). Every `EngineConfig` field
-is a flag (`--max-running`, `--pool-bytes`, `--max-context`, ...; see `k3/infer/config.py`).
+the tokenizer is `--tokenizer DIR`, else `k3.tokenizer.byte_tokenizer`: one token per byte, padded to the
+preset's vocabulary, nothing to train). Every `EngineConfig` field is a flag (`--max-running`, `--pool-bytes`,
+`--max-context`, ...; see `k3/infer/config.py`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a run folder (its newest checkpoint) or a checkpoint folder")
     src.add_argument("--preset", help="random weights of a preset: debug | tiny | small | k3")
-    p.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint's; for --preset, trained here)")
+    p.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint's; for --preset, one token per byte)")
     p.add_argument("--weights-seed", type=int, default=0, help="init seed of --preset weights")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto (default auto)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="default bfloat16 on GPU, float32 on CPU")
@@ -57,22 +57,11 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(**given)
 
 
-def _default_tokenizer(vocab_size: int):
-    import itertools
-
-    from k3.train.data import stdlib_documents
-    from k3.tokenizer import train_bpe
-
-    print(f"# no --tokenizer: training a {vocab_size}-token BPE on the standard library", file=sys.stderr)
-    docs = (text for _, text in itertools.islice(stdlib_documents(), 400))
-    return train_bpe(docs, vocab_size, show_progress=False, max_chars=2_000_000)
-
-
 def load_model(args: argparse.Namespace):
     """(model, tokenizer, name) from --checkpoint or --preset, on --device in --dtype."""
     import torch
 
-    from k3.tokenizer import Tokenizer
+    from k3.tokenizer import Tokenizer, byte_tokenizer
 
     device = args.device
     if device == "auto":
@@ -97,7 +86,7 @@ def load_model(args: argparse.Namespace):
     if args.tokenizer:
         tokenizer = Tokenizer.load(args.tokenizer)
     if tokenizer is None:
-        tokenizer = _default_tokenizer(model.config.vocab_size)
+        tokenizer = byte_tokenizer(model.config.vocab_size)
     if tokenizer.vocab_size != model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model {model.config.vocab_size}")
     if dtype != torch.float32:
@@ -135,8 +124,8 @@ CHAT_HELP = "commands: /reset (new conversation), /effort none|low|medium|high|m
 
 async def chat_loop(engine, tokenizer, args: argparse.Namespace, out=None) -> None:
     """Read a line, stream the reply (thinking dimmed), keep the history (with its reasoning) for the next turn."""
+    from k3.chat.template import ChatTemplate, ReplyAccumulator, ReplyStream, TemplateError, normalize_effort
     from k3.infer.api import SamplingParams
-    from k3.chat.template import ChatTemplate, OutputParser, ReplyAccumulator, TemplateError, normalize_effort
 
     out = out or sys.stdout
     template = ChatTemplate(tokenizer)
@@ -183,13 +172,11 @@ async def chat_loop(engine, tokenizer, args: argparse.Namespace, out=None) -> No
         # no per-request seed: the engine seeds each request from its own --seed stream
         sampling = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p,
                                   stop_token_ids=tuple(tokenizer.stop_ids))
-        parser, acc = OutputParser(tokenizer, thinking), ReplyAccumulator()
+        reply, acc = ReplyStream(tokenizer, thinking), ReplyAccumulator()
         out.write("k3> ")
         in_thought = False
         async for result in engine.stream("chat-" + uuid.uuid4().hex, ids, sampling):
-            delta = parser.feed(result.new_token_ids)
-            if result.finished:
-                delta.extend(parser.finish())
+            delta = reply.feed(result.new_token_ids, result.finished)
             acc.add(delta)
             if delta.reasoning:
                 out.write(("" if in_thought else dim) + delta.reasoning)

@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from k3.chat.template import (ChatTemplate, OutputParser, ReplyAccumulator, TemplateError, normalize_effort,
-                                    parse_reply)
+from k3.chat.template import ChatTemplate, OutputParser, ReplyAccumulator, TemplateError, normalize_effort, parse_reply
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather, now. 天気",

@@ -1,5 +1,7 @@
-"""transformers integration: AutoModelForCausalLM on a release-layout directory, generate = k3 greedy, save."""
+"""transformers integration (`k3.hf`): AutoModelForCausalLM on a release-layout directory, generate = k3 greedy,
+save."""
 
+import importlib
 import logging
 
 import pytest
@@ -21,7 +23,7 @@ def release_dir(tmp_path_factory):
 def hf_model(release_dir):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from k3.convert.hf import register
+    from k3.hf import register
 
     register()
     register()  # idempotent
@@ -72,3 +74,10 @@ def test_save_pretrained_writes_the_release_layout(hf_model, release_dir, tmp_pa
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     ids = torch.tensor([[1, 2, 3]])
     assert torch.equal(again.generate(ids, max_new_tokens=5), hf_model.generate(ids, max_new_tokens=5))
+
+
+def test_the_front_end_lives_outside_convert():
+    """`convert` depends on the model and the checkpoint format only; the wrapper, which also needs the
+    generation loop, is the front end `k3.hf`."""
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("k3.convert.hf")

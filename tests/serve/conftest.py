@@ -63,7 +63,7 @@ def real_engine_available() -> bool:
 
 
 def make_engine(model, tokenizer, **config):
-    """The real `AsyncEngine` (context 1024 tokens) once it exists, else the fake."""
+    """The real `AsyncEngine` (context 1024 tokens), or the fake where `k3.infer.engine` cannot be imported."""
     if not real_engine_available():
         from tests.serve.fake_engine import FakeEngine
 
@@ -95,7 +95,7 @@ def fake(model, tokenizer):
 
 @pytest.fixture(scope="module")
 def live(model, tokenizer):
-    """A server over the engine the product ships (the fake until `k3.infer.engine` lands): (engine, base_url)."""
+    """A server over the engine the product ships (see `make_engine`): (engine, base_url)."""
     engine = make_engine(model, tokenizer)
     try:
         with serve(engine, tokenizer) as server:

@@ -1,7 +1,7 @@
 """A test double of `k3.infer.engine.AsyncEngine`: the same `stream` / `abort` / `metrics` interface, one
-request at a time through the real model and a `K3Cache`, plus hooks the real engine does not have:
-`script` (the next requests emit these token ids instead of sampling: tool-call replies) and `refuse`
-(the next request raises this `AdmissionError`).
+request at a time through the plain generation loop (`k3.infer.generate.generate_steps`), plus hooks the
+real engine does not have: `script` (the next requests write these token ids without running the model:
+tool-call replies), `refuse` (the next request raises this `AdmissionError`), `delay` and `fail_after`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from k3.infer.api import AdmissionError, RequestOutput, SamplingParams, TokenLogprob
-from k3.infer.generate import sample_next
+from k3.infer.api import AdmissionError, RequestOutput, SamplingParams
+from k3.infer.generate import generate_steps
 
 
 class FakeEngine:
@@ -70,28 +70,24 @@ class FakeEngine:
                 self.waiting -= 1
 
     async def _generate(self, request_id, prompt_ids, sampling, script):
-        generator = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else
-                                                  int(torch.randint(0, 2**62, ())))
-        cache = self.model.new_cache(1)
-        # a scripted reply runs the model only when logprobs are asked for
-        run_model = script is None or sampling.logprobs is not None
-        logits = await asyncio.to_thread(self._forward, prompt_ids, cache) if run_model else None
+        if script is None:
+            seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()))
+            steps = generate_steps(self.model, torch.tensor([prompt_ids]), sampling,
+                                   torch.Generator().manual_seed(seed))
         count = 0
         while True:
             if request_id in self._abort:
                 yield self._out(request_id, [], None, True, "abort", prompt_ids, count)
                 return
-            if script is not None:
-                token = script[count]
+            if script is None:
+                # the model runs in a worker thread, so the event loop keeps serving other requests
+                step = await asyncio.to_thread(next, steps, None)
+                token, logprob = int(step.tokens[0]), step.logprobs[0]
             else:
-                token = int(sample_next(logits, sampling, generator))
+                token, logprob = script[count], None
+                await asyncio.sleep(0)
             count += 1
-            logprobs = None
-            if sampling.logprobs is not None:
-                lp = torch.log_softmax(logits.float(), -1)[0]
-                top = torch.topk(lp, sampling.logprobs) if sampling.logprobs else None
-                logprobs = [TokenLogprob(token, float(lp[token]),
-                                         list(zip(top.indices.tolist(), top.values.tolist())) if top else [])]
+            logprobs = [logprob] if logprob is not None else None
             if token in sampling.stop_token_ids or (script is not None and count == len(script)):
                 yield self._out(request_id, [token], logprobs, True, "stop", prompt_ids, count)
                 return
@@ -99,14 +95,6 @@ class FakeEngine:
                 yield self._out(request_id, [token], logprobs, True, "length", prompt_ids, count)
                 return
             yield self._out(request_id, [token], logprobs, False, None, prompt_ids, count)
-            if run_model:
-                logits = await asyncio.to_thread(self._forward, [token], cache)
-            else:
-                await asyncio.sleep(0)
-
-    @torch.no_grad()
-    def _forward(self, ids, cache):
-        return self.model(torch.tensor([ids]), cache=cache).logits[:, -1]
 
     @staticmethod
     def _out(request_id, ids, logprobs, finished, reason, prompt_ids, count):

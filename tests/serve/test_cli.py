@@ -46,6 +46,24 @@ def test_engine_flags():
         _parser().parse_args(["serve", "--preset", "debug", "--checkpoint", "x"])
 
 
+def test_preset_serves_with_a_byte_tokenizer(tmp_path):
+    """`--preset` without `--tokenizer` trains nothing: one token per byte, K3's specials where the preset has them."""
+    from k3.config import get_preset
+    from k3.serve.cli import load_model
+    from k3.tokenizer import SPECIAL_TOKENS, Tokenizer
+
+    model, tokenizer, name = load_model(_parser().parse_args(["serve", "--preset", "debug", "--device", "cpu"]))
+    config = get_preset("debug")
+    assert name == "k3-debug" and tokenizer.vocab_size == config.vocab_size
+    assert (tokenizer.bos_id, tokenizer.pad_id) == (config.bos_token_id, config.pad_token_id)
+    assert [tokenizer.special_id(n) for n in SPECIAL_TOKENS] == list(range(config.vocab_size - 256, config.vocab_size))
+    text = "héllo 你好 <|open|>\n\x00"
+    assert tokenizer.encode(text) == list(text.encode()) and tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.mergeable_ranks()[b"\xff"] == 255
+    tokenizer.save(tmp_path)
+    assert Tokenizer.load(tmp_path).encode(text) == list(text.encode())
+
+
 def test_chat_repl(tokenizer_dir, monkeypatch, capsys):
     args = _parser().parse_args(["chat", "--preset", "debug", "--tokenizer", tokenizer_dir, "--max-tokens", "4",
                                  "--max-context", "512"])

@@ -15,9 +15,9 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from k3.chat.template import ChatTemplate
 from k3.infer.api import AdmissionError
 from k3.infer.generate import generate
-from k3.chat.template import ChatTemplate
 from tests.serve.conftest import MODEL_NAME, real_engine_available, serve
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -1,6 +1,6 @@
 """Optional Hugging Face transformers integration: `AutoModelForCausalLM.from_pretrained(release_dir)`.
 
-    from k3.convert.hf import register
+    from k3.hf import register
     register()  # AutoConfig / AutoModelForCausalLM learn model_type "kimi_k3"
     model = AutoModelForCausalLM.from_pretrained("path/to/Kimi-K3")      # a KimiK3ForCausalLM
     out = model.generate(input_ids, max_new_tokens=32)                   # greedy by default
@@ -9,14 +9,16 @@
 `KimiK3ForCausalLM` is a thin `PreTrainedModel` wrapper: `.k3` is k3's own `K3ForCausalLM`, loaded by
 `k3.convert.release.load_release` (so MXFP4 experts, dtypes and the tensor-name checks are k3's), and
 `save_pretrained` is `save_release`. transformers' own weight loading, generation loop and cache classes
-are not used: `generate` is k3's prefill-then-decode loop over `K3Cache` (the hybrid KDA state + MLA latent
-cache has no transformers equivalent), greedy or sampled (temperature / top-k / top-p), with the
-usual `[B, T + new]` result, stopping at `eos_token_id` and padding finished rows with `pad_token_id`.
+are not used: `generate` is k3's plain loop (`k3.infer.generate.generate_steps`: prefill, then decode over
+`K3Cache`, whose hybrid KDA state + MLA latent cache has no transformers equivalent), greedy or sampled
+(temperature / top-k / top-p), with the usual `[B, T + new]` result, stopping at `eos_token_id` and padding
+finished rows with `pad_token_id`.
 Prompts in a batch must have equal length (no padding: a KDA state cannot skip pad tokens).
 `forward` returns `CausalLMOutputWithPast` with the `K3Cache` as `past_key_values`.
 
 transformers is imported only when these classes are first used (`pip install 'k3[hf]'`); the release's
-`auto_map` remote code is never run (a registered local class wins over remote code).
+`auto_map` remote code is never run (a registered local class wins over remote code). A front end like
+`k3.cli`: it joins the checkpoint converter (`k3.convert`) and the generation loop (`k3.infer`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from k3.config import ModelConfig
 from k3.convert.names import experts_are_packed
 from k3.convert.release import load_release, read_release_config, save_release
 from k3.infer.api import SamplingParams
-from k3.infer.generate import sample_next
+from k3.infer.generate import generate_steps
 from k3.model.model import build_model
 
 MODEL_TYPE = "kimi_k3"
@@ -43,7 +45,7 @@ def _require_transformers() -> None:
     try:
         import transformers  # noqa: F401
     except ImportError as e:
-        raise ImportError("k3.convert.hf needs the optional dependency transformers>=4.45: "
+        raise ImportError("k3.hf needs the optional dependency transformers>=4.45: "
                           "pip install 'k3[hf]' (or pip install transformers)") from e
 
 
@@ -186,9 +188,9 @@ def _classes() -> dict[str, type]:
 
             do_sample = pick(do_sample, "do_sample", False)
             eos = pick(eos_token_id, "eos_token_id", self.k3.config.eos_token_id)
-            eos = {eos} if isinstance(eos, int) else set(eos)
+            eos = (eos,) if isinstance(eos, int) else tuple(sorted(set(eos)))
             pad = pick(pad_token_id, "pad_token_id", self.k3.config.pad_token_id)
-            B, T = input_ids.shape
+            T = input_ids.shape[1]
             new = max_new_tokens
             if new is None:  # transformers' precedence: max_new_tokens, then max_length (default 20)
                 new = getattr(gc, "max_new_tokens", None) if max_length is None else None
@@ -198,22 +200,13 @@ def _classes() -> dict[str, type]:
 
             device = self.k3.lm_head.weight.device
             ids = input_ids.to(device)
-            cache = self.k3.new_cache(B)
-            logits = self.k3(ids, cache=cache).logits[:, -1]
-            done = torch.zeros(B, dtype=torch.bool, device=device)
-            out = [ids]
-            params = SamplingParams(max_tokens=max(new, 1), temperature=temperature, top_k=top_k or 0,
-                                    top_p=top_p if top_p is not None else 1.0)
+            if new <= 0:
+                return ids
+            params = SamplingParams(max_tokens=new, temperature=temperature, top_k=top_k or 0,
+                                    top_p=top_p if top_p is not None else 1.0, stop_token_ids=eos)
             generator = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,))))
-            for _ in range(max(new, 0)):
-                token = sample_next(logits, params, generator)
-                token = torch.where(done, torch.full_like(token, pad), token)
-                out.append(token[:, None])
-                done |= torch.isin(token, torch.tensor(sorted(eos), device=device, dtype=token.dtype))
-                if bool(done.all()):
-                    break
-                logits = self.k3(token[:, None], cache=cache).logits[:, -1]
-            return torch.cat(out, dim=1)
+            steps = generate_steps(self.k3, ids, params, generator, pad_id=pad)
+            return torch.cat([ids] + [step.tokens[:, None] for step in steps], dim=1)
 
     return {"KimiK3Config": KimiK3Config, "KimiK3ForCausalLM": KimiK3ForCausalLM}
 

@@ -1,0 +1,251 @@
+"""One handler per endpoint, each reading the `AppState` from `request.app.state.k3`.
+
+The two generating endpoints differ only in how a choice turns engine outputs into OpenAI pieces: a chat
+choice parses the reply (`k3.chat.template.ReplyStream`: reasoning, content, tool calls; stop strings on the
+content), a completion choice shows the text (`k3.chat.detokenize.TextStream`; stop strings on the text,
+special tokens left out). Both answer through `k3.serve.stream.respond`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Sequence
+
+from fastapi import Request
+from fastapi.responses import PlainTextResponse
+
+from k3.chat.detokenize import TextStream, TokenText
+from k3.chat.template import ReplyAccumulator, ReplyStream, TemplateError, normalize_effort
+from k3.infer.api import RequestOutput, TokenLogprob
+from k3.infer.metrics import render_prometheus
+from k3.serve import protocol as P
+from k3.serve.errors import bad_request
+from k3.serve.state import AppState
+from k3.serve.stream import Choice, Run, respond
+from k3.serve.validate import (authorize, check_chat, check_completion, check_model, completion_budget,
+                               completion_prompts, read_body, sampling_params)
+
+
+def _state(request: Request) -> AppState:
+    return request.app.state.k3
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0
+
+
+def _usage(choices: Sequence[Choice], prompt_tokens: int, cached: int, reasoning: int = 0) -> P.Usage:
+    completion = sum(c.completion_tokens for c in choices)
+    return P.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                   total_tokens=prompt_tokens + completion,
+                   prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached),
+                   completion_tokens_details=P.CompletionTokensDetails(reasoning_tokens=reasoning))
+
+
+def _header(state: AppState, response_id: str) -> dict:
+    """The fields every body and chunk of one response repeats."""
+    return {"id": response_id, "created": int(time.time()), "model": state.model_name,
+            "system_fingerprint": state.fingerprint}
+
+
+class ChatChoice(Choice):
+    """A chat choice: the parsed reply (tool calls filtered by the request's tool options) and chat logprobs."""
+
+    def __init__(self, index: int, run: Run, reply: ReplyStream, thinking: bool, tools: bool,
+                 parallel_tool_calls: bool, logprobs: bool, token_text: TokenText):
+        super().__init__(index, run)
+        self.reply = reply
+        self.thinking = thinking
+        self.tools = tools
+        self.parallel = parallel_tool_calls
+        self.logprobs = logprobs
+        self.token_text = token_text
+        self.num_calls = 0
+        self.acc = ReplyAccumulator()
+        self.lps: list[P.ChatLogprob] = []
+
+    def update(self, out: RequestOutput) -> P.ChatChunkChoice | None:
+        self.account(out)
+        delta = self.reply.feed(out.new_token_ids, out.finished)
+        if self.reply.stopped:
+            self.finish("stop")
+        else:
+            # calls are dropped when no tools were offered (or tool_choice is none), all but the first when not
+            # parallel
+            delta.tool_calls = [c for c in delta.tool_calls if self.tools and (self.parallel or c.index == 0)]
+            self.num_calls = max([self.num_calls] + [c.index + 1 for c in delta.tool_calls])
+            if out.finished:
+                self.finish("length" if out.finish_reason == "length" else ("tool_calls" if self.num_calls else "stop"))
+        self.acc.add(delta)
+        lp = self._logprobs(out.logprobs) if self.logprobs else []
+        self.lps += lp
+        if not (delta or lp):
+            return None
+        calls = [P.ToolCallDeltaOut(index=t.index, id=t.id, type="function" if t.id else None,
+                                    function=P.FunctionCallDelta(name=t.name, arguments=t.arguments))
+                 for t in delta.tool_calls]
+        d = P.ChatDelta(content=delta.content or None, reasoning_content=delta.reasoning or None,
+                        tool_calls=calls or None)
+        return P.ChatChunkChoice(index=self.index, delta=d, logprobs=P.ChoiceLogprobs(content=lp) if lp else None)
+
+    def _logprobs(self, entries: list[TokenLogprob] | None) -> list[P.ChatLogprob]:
+        out = []
+        for e in entries or []:
+            text, raw = self.token_text(e.token_id)
+            top = []
+            for tid, lp in e.top:
+                ttext, traw = self.token_text(tid)
+                top.append(P.ChatLogprobTop(token=ttext, logprob=_finite(lp), bytes=traw))
+            out.append(P.ChatLogprob(token=text, logprob=_finite(e.logprob), bytes=raw, top_logprobs=top))
+        return out
+
+    def finish_piece(self) -> P.ChatChunkChoice:
+        return P.ChatChunkChoice(index=self.index, delta=P.ChatDelta(), finish_reason=self.finish_reason)
+
+    def result(self) -> P.ChatChoice:
+        reply = self.acc.reply(self.thinking)
+        calls = [P.ToolCallOut(id=t.id, function=P.FunctionCallOut(name=t.name, arguments=t.arguments))
+                 for t in reply.tool_calls]
+        message = P.AssistantMessage(content=reply.content, reasoning_content=reply.reasoning_content,
+                                     tool_calls=calls or None)
+        return P.ChatChoice(index=self.index, message=message, finish_reason=self.finish_reason or "stop",
+                            logprobs=P.ChoiceLogprobs(content=self.lps) if self.logprobs else None)
+
+
+class TextChoice(Choice):
+    """A completion choice: the visible text and the legacy logprobs (tokens, offsets, top alternatives)."""
+
+    def __init__(self, index: int, run: Run, text: TextStream, logprobs: int | None, token_text: TokenText):
+        super().__init__(index, run)
+        self.stream = text
+        self.logprobs = logprobs
+        self.token_text = token_text
+        self.text = ""
+        self.offset = 0
+        self.lps = P.CompletionLogprobs(top_logprobs=[] if logprobs else None)
+
+    def update(self, out: RequestOutput) -> P.CompletionChoice | None:
+        self.account(out)
+        text = self.stream.feed(out.new_token_ids, out.finished)
+        if self.stream.stopped:
+            self.finish("stop")
+        elif out.finished:
+            self.finish("length" if out.finish_reason == "length" else "stop")
+        self.text += text
+        lp = self._logprobs(out.logprobs) if self.logprobs is not None else None
+        if lp is not None:
+            self.lps.tokens += lp.tokens
+            self.lps.token_logprobs += lp.token_logprobs
+            self.lps.text_offset += lp.text_offset
+            if lp.top_logprobs is not None:
+                self.lps.top_logprobs += lp.top_logprobs
+        if not text and lp is None:
+            return None
+        return P.CompletionChoice(index=self.index, text=text, logprobs=lp)
+
+    def _logprobs(self, entries: list[TokenLogprob] | None) -> P.CompletionLogprobs:
+        lp = P.CompletionLogprobs(top_logprobs=[] if self.logprobs else None)
+        for e in entries or []:
+            text, _ = self.token_text(e.token_id)
+            lp.tokens.append(text)
+            lp.token_logprobs.append(_finite(e.logprob))
+            lp.text_offset.append(self.offset)
+            self.offset += len(text)
+            if self.logprobs:
+                lp.top_logprobs.append({self.token_text(t)[0]: _finite(v) for t, v in e.top})
+        return lp
+
+    def finish_piece(self) -> P.CompletionChoice:
+        return P.CompletionChoice(index=self.index, text="", finish_reason=self.finish_reason)
+
+    def result(self) -> P.CompletionChoice:
+        return P.CompletionChoice(index=self.index, text=self.text, finish_reason=self.finish_reason or "stop",
+                                  logprobs=self.lps if self.logprobs is not None else None)
+
+
+async def chat_completions(request: Request):
+    state = _state(request)
+    authorize(state, request)
+    req, body = await read_body(request, P.ChatCompletionRequest)
+    check_model(state, req.model)
+    check_chat(req)
+    try:
+        thinking = normalize_effort(req.reasoning_effort, state.medium_effort) is not None
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        prompt = state.template.render(messages, tools=body.get("tools"), reasoning_effort=req.reasoning_effort,
+                                       tool_choice=body.get("tool_choice"),
+                                       response_format=body.get("response_format"))
+    except TemplateError as e:
+        raise bad_request(str(e), e.param) from None
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = completion_budget(state, len(prompt), requested, param, "messages")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    response_id = "chatcmpl-" + uuid.uuid4().hex
+    run = Run(state.engine, [(f"{response_id}-{i}", prompt, sampling_params(state, req, max_tokens, i, logprobs))
+                             for i in range(req.n)])
+    tools_on = bool(req.tools) and req.tool_choice != "none"
+    choices = [ChatChoice(i, run, ReplyStream(state.tokenizer, thinking, req.stop_list()), thinking, tools_on,
+                          req.parallel_tool_calls, req.logprobs, state.token_text) for i in range(req.n)]
+
+    def usage() -> P.Usage:
+        return _usage(choices, len(prompt), choices[0].cached_tokens,
+                      sum(c.reply.parser.reasoning_tokens for c in choices))
+
+    opening = [P.ChatChunkChoice(index=c.index, delta=P.ChatDelta(role="assistant", content="")) for c in choices]
+    return await respond(request, state, req, run, choices, header=_header(state, response_id),
+                         response_model=P.ChatCompletion, chunk_model=P.ChatCompletionChunk, usage=usage,
+                         opening=opening)
+
+
+async def completions(request: Request):
+    state = _state(request)
+    authorize(state, request)
+    req, _ = await read_body(request, P.CompletionRequest)
+    check_model(state, req.model)
+    check_completion(req)
+    ids_list, texts = completion_prompts(state, req)
+    max_tokens = [completion_budget(state, len(ids), req.max_tokens, "max_tokens", "prompt") for ids in ids_list]
+    response_id = "cmpl-" + uuid.uuid4().hex
+    items = []
+    for p_index, ids in enumerate(ids_list):
+        for j in range(req.n):
+            k = p_index * req.n + j
+            items.append((f"{response_id}-{k}", ids, sampling_params(state, req, max_tokens[p_index], j, req.logprobs)))
+    run = Run(state.engine, items)
+    choices = [TextChoice(k, run, TextStream(state.tokenizer, req.stop_list(),
+                                             prefix=texts[k // req.n] if req.echo else ""),
+                          req.logprobs, state.token_text) for k in range(len(items))]
+    prompt_tokens = sum(len(ids) for ids in ids_list)
+
+    def usage() -> P.Usage:
+        cached = sum(choices[p * req.n].cached_tokens for p in range(len(ids_list)))
+        return _usage(choices, prompt_tokens, cached)
+
+    return await respond(request, state, req, run, choices, header=_header(state, response_id),
+                         response_model=P.Completion, chunk_model=P.Completion, usage=usage)
+
+
+async def list_models(request: Request):
+    state = _state(request)
+    authorize(state, request)
+    card = P.ModelCard(id=state.model_name, created=state.created, max_model_len=state.max_context)
+    return P.ModelList(data=[card]).dump()
+
+
+async def get_model(name: str, request: Request):
+    state = _state(request)
+    authorize(state, request)
+    check_model(state, name)
+    return P.ModelCard(id=state.model_name, created=state.created, max_model_len=state.max_context).dump()
+
+
+async def health():
+    return {"status": "ok"}
+
+
+async def metrics(request: Request):
+    engine = _state(request).engine
+    return PlainTextResponse(render_prometheus(engine.metrics()), media_type="text/plain; version=0.0.4")
