@@ -84,10 +84,20 @@ def save_checkpoint(root: str | Path, step: int, state_dict: dict[str, torch.Ten
     text content; extra_dirs: name -> directory copied in.
     """
     tmp = new_checkpoint_dir(root, step)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    save_file(tensors, str(tmp / "model.safetensors"))
+    write_model(tmp, state_dict)
     write_train_state(tmp, train_state, extra_files, extra_dirs)
     return commit_checkpoint(root, step, tmp, keep)
+
+
+def write_model(tmp: Path, state_dict: dict[str, torch.Tensor]) -> None:
+    """model.safetensors of a checkpoint being written in `tmp` (tensors copied to the host)."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    save_file(tensors, str(tmp / "model.safetensors"))
+
+
+def read_model(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint's model.safetensors (on the host), without verifying the manifest."""
+    return load_file(str(Path(path) / "model.safetensors"))
 
 
 def write_train_state(tmp: Path, train_state: dict[str, Any], extra_files: dict[str, Path | str] | None = None,
@@ -168,7 +178,7 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     """Verify, then load (model tensors, train_state). Raises CheckpointError on any problem."""
     path = Path(path)
     verify_checkpoint(path)
-    tensors = load_file(str(path / "model.safetensors"))
+    tensors = read_model(path)
     train_state = torch.load(path / "train_state.pt", weights_only=True)
     return tensors, train_state
 

@@ -7,6 +7,7 @@ from k3.optim.muon import (
     ParamRule,
     muon_block_view,
     newton_schulz,
+    orthogonalize_blocks,
     param_rule,
 )
 from k3.optim.qk_clip import qk_clip_, qk_clip_stats
@@ -21,6 +22,7 @@ __all__ = [
     "lr_multiplier",
     "muon_block_view",
     "newton_schulz",
+    "orthogonalize_blocks",
     "param_rule",
     "qk_clip_",
     "qk_clip_stats",

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from itertools import chain
 from typing import Literal
@@ -158,8 +158,8 @@ class MuonAdamW(torch.optim.Optimizer):
     - `named_params`: (name, parameter) pairs, e.g. `model.named_parameters()`; names select the rule.
     - Both groups carry `lr` (and `initial_lr` once a scheduler runs), so one LambdaLR scales both.
     - `ns_dtype`: Newton–Schulz dtype; None = bfloat16 on CUDA, float32 on CPU (accurate on every CPU,
-      fast or not at bf16). torch.bfloat16 reproduces the GPU numerics and torch.optim.Muon, and on
-      CPUs with AVX512-BF16/AMX it is ~3× faster (docs/optimizer.md, "Cost").
+      fast or not at bf16). torch.bfloat16 reproduces the GPU numerics and torch.optim.Muon, and is faster
+      on CPUs with AVX512-BF16/AMX (docs/optimizer.md, "Cost").
     - Parameters without a gradient are skipped (no decay, no state), as in torch's optimizers.
     - `impl`: "reference" (foreach ops), "fused" (fused AdamW + Triton Muon kernels), "auto" = fused on CUDA.
       Not part of the state dict: a checkpoint of either loads into the other.
@@ -183,7 +183,7 @@ class MuonAdamW(torch.optim.Optimizer):
             raise ValueError(f"impl must be 'auto', 'reference' or 'fused', got {impl!r}")
         self.impl = impl
         muon, adamw = [], []
-        self._block_shapes: dict[Tensor, tuple[int, int, int]] = {}
+        self.block_shapes: dict[Tensor, tuple[int, int, int]] = {}
         seen: set[Tensor] = set()
         for name, p in named_params:
             if p in seen:
@@ -192,7 +192,7 @@ class MuonAdamW(torch.optim.Optimizer):
             rule = param_rule(name, p, config)
             if rule.kind == "muon":
                 muon.append((name, p))
-                self._block_shapes[p] = rule.block_view
+                self.block_shapes[p] = rule.block_view
             else:
                 adamw.append((name, p))
         if not seen:
@@ -237,7 +237,7 @@ class MuonAdamW(torch.optim.Optimizer):
             nesterov = torch._foreach_lerp(grads, bufs, mu)
         updates = self._orthogonalize(params, nesterov, ns_dtype, group["ns_steps"])
         weights = [local_tensor(p) for p in params]
-        alphas = [-(lr * (RMS_MATCH * math.sqrt(max(self._block_shapes[p][1:])))) for p in params]
+        alphas = [-(lr * (RMS_MATCH * math.sqrt(max(self.block_shapes[p][1:])))) for p in params]
         if fused:
             muon_update(weights, updates, 1 - lr * wd, alphas)
             return
@@ -249,23 +249,11 @@ class MuonAdamW(torch.optim.Optimizer):
                        steps: int) -> list[Tensor]:
         """NS5 of every block of every parameter; returns one tensor per parameter in its (local) shape.
 
-        Blocks are oriented rows <= cols and bucketed by shape across parameters for one batched NS.
         The distributed optimizer (k3.parallel.muon) overrides this with the owner exchange.
         """
-        buckets: dict[tuple, list[tuple[int, Tensor]]] = defaultdict(list)
-        for i, (p, n) in enumerate(zip(params, nesterov)):
-            blocks = n.view(self._block_shapes[p])  # [n_blocks, rows, cols]
-            if blocks.shape[1] > blocks.shape[2]:
-                blocks = blocks.mT
-            buckets[(blocks.shape[1], blocks.shape[2])].append((i, blocks))
-        updates: list[Tensor | None] = [None] * len(params)
-        for items in buckets.values():
-            for batch in _batches(items):
-                O = newton_schulz(_stack_as(ns_dtype, [blocks for _, blocks in batch]), steps)
-                for (i, blocks), o in zip(batch, O.split([blocks.shape[0] for _, blocks in batch])):
-                    n_blocks, rows, cols = self._block_shapes[params[i]]
-                    updates[i] = (o.mT if rows > cols else o).reshape(nesterov[i].shape)
-        return updates
+        stacks = ((i, n.view(self.block_shapes[p])) for i, (p, n) in enumerate(zip(params, nesterov)))
+        ortho = orthogonalize_blocks(stacks, ns_dtype, steps)
+        return [ortho[i].reshape(n.shape) for i, n in enumerate(nesterov)]
 
     def _state_tensor(self, p: Parameter, key: str) -> Tensor:
         """Optimizer state `key` of p, created as fp32 zeros shaped like p (a DTensor for a DTensor p)."""
@@ -342,6 +330,27 @@ def local_tensor(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def orthogonalize_blocks(stacks: Iterable[tuple[Hashable, Tensor]], ns_dtype: torch.dtype,
+                         steps: int) -> dict[Hashable, Tensor]:
+    """NS5 of every block of each (key, blocks [n, rows, cols]) stack; returns key -> [n, rows, cols] in ns_dtype.
+
+    Blocks are oriented rows <= cols, bucketed by shape across stacks and run in batches of at most
+    NS_BATCH_ELEMENTS elements. MuonAdamW and the unit owners of P2P Muon (k3.parallel.muon) both use it.
+    """
+    buckets: dict[tuple[int, int], list[tuple[Hashable, Tensor, bool]]] = defaultdict(list)
+    for key, blocks in stacks:
+        flip = blocks.shape[1] > blocks.shape[2]
+        oriented = blocks.mT if flip else blocks
+        buckets[(oriented.shape[1], oriented.shape[2])].append((key, oriented, flip))
+    out: dict[Hashable, Tensor] = {}
+    for items in buckets.values():
+        for batch in _batches(items):
+            O = newton_schulz(_stack_as(ns_dtype, [blocks for _, blocks, _ in batch]), steps)
+            for (key, blocks, flip), o in zip(batch, O.split([blocks.shape[0] for _, blocks, _ in batch])):
+                out[key] = o.mT if flip else o
+    return out
+
+
 def _stack_as(dtype: torch.dtype, blocks: list[Tensor]) -> Tensor:
     """torch.cat(blocks).to(dtype), cast while copying (cat into an output of that dtype): one read of the fp32
     blocks and one write in dtype."""
@@ -349,8 +358,9 @@ def _stack_as(dtype: torch.dtype, blocks: list[Tensor]) -> Tensor:
     return torch.cat(blocks, out=out)
 
 
-def _batches(items: list[tuple[Tensor, Tensor]]) -> Iterable[list[tuple[Tensor, Tensor]]]:
-    """Split a bucket into batches of at most NS_BATCH_ELEMENTS elements (at least one parameter each)."""
+def _batches(items: list[tuple]) -> Iterable[list[tuple]]:
+    """Split a bucket of (key, blocks, ...) into batches of at most NS_BATCH_ELEMENTS elements (at least one stack
+    each)."""
     batch, size = [], 0
     for item in items:
         n = item[1].numel()

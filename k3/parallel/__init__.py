@@ -1,6 +1,6 @@
-"""Distributed training for K3, applied to the single-device model afterwards (issue 7, systems.md §5).
+"""Distributed training for K3, applied to the single-device model afterwards (systems.md §5; docs/distributed.md).
 
-So far this package holds two single-process building blocks: the MoonEP expert-parallel planner
-(`moonep.py`) and the KDA context-parallel math (`kcp.py`). The torch.distributed wiring is still to
-come. See docs/distributed.md.
+`runtime.py` (process group, mesh, how a global batch is cut), `parallelize.py` (EP → CP → activation
+checkpointing → FSDP2, the per-step reductions and DCP checkpoints), `expert_parallel.py` with the MoonEP planner
+(`moonep.py`), `context_parallel.py` with the KCP math (`kcp.py`), and P2P Muon (`muon.py`).
 """

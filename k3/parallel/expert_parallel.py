@@ -143,7 +143,8 @@ class ExpertParallelExperts(nn.Module):
         F_ = flat.shape[1]
         # indexing `flat` even when nothing is sent keeps the exchange in every rank's autograd graph, so
         # every rank runs the backward all-to-all (a rank that skipped it would hang the others)
-        ids = [e - r * P for d in range(R) if int(plan.slot_home[d]) == r for e in plan.slot_experts[d][: n_slots[d]].tolist()]
+        ids = [e - r * P for d in range(R) if int(plan.slot_home[d]) == r
+               for e in plan.slot_experts[d][: n_slots[d]].tolist()]
         send_buf = flat[torch.tensor(ids, dtype=torch.int64, device=flat.device)]
         in_splits = [n_slots[d] * F_ if int(plan.slot_home[d]) == r else 0 for d in range(R)]
         home = int(plan.slot_home[r])

@@ -1,10 +1,9 @@
 """The MoonEP planner: balance expert-parallel ranks exactly with redundant expert copies (pure function).
 
 Follows the Kimi K3 report §5.2.1 and App. E, and systems.md §5.2. A pure function of the counts:
-`plan_moonep` (placement as tensor ops: 10.6 ms for E = 896, R = 64 on one CPU core, against 225 ms for
-`plan_moonep_reference`, its loop twin, which it is tested to equal exactly; `benchmarks/moonep_planner.py`).
-`k3.parallel.expert_parallel`
-runs it on the all-gathered counts and dispatches by its `send`.
+`plan_moonep` (placement as tensor ops) and `plan_moonep_reference`, its loop twin, which it is tested to equal
+exactly (timed against each other by `benchmarks/moonep_planner.py`). `k3.parallel.expert_parallel` runs it on
+the all-gathered counts and dispatches by its `send`.
 
 Setting. R expert-parallel ranks, E routed experts, E/R of them at home on each rank: expert e lives on
 rank e // (E/R). Each rank holds S tokens routed top-K, so it sends T = S·K token copies. The step's

@@ -11,10 +11,11 @@ Plan, fixed at construction from shapes only (identical on every rank, no commun
   ties to the rank holding most of its rows, then the lowest rank.
 
 Step (replacing `MuonAdamW._orthogonalize`): units held whole by one rank are orthogonalised in place
-there; for the others, holders cut their Nesterov rows per unit and send each slice to the unit's owner — one `all_to_all_single` with per-peer splits, so nothing goes to a rank
-that does not own it; the owner stacks equal-shape units and runs one batched NS per shape; the update
-rows go back by the inverse `all_to_all_single`; each holder updates its own rows (momentum and
-parameters never leave their rank). Not overlapped with compute in this build (one exchange per step).
+there; for the others, holders cut their Nesterov rows per unit and send each slice to the unit's owner —
+one `all_to_all_single` with per-peer splits, so nothing goes to a rank that does not own it; the owner
+stacks equal-shape units and runs one batched NS per shape (`k3.optim.muon.orthogonalize_blocks`); the
+update rows go back by the inverse `all_to_all_single`; each holder updates its own rows (momentum and
+parameters never leave their rank). One exchange per step, not overlapped with compute.
 `bytes_sent` counts what left this rank (self-slices excluded).
 """
 
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from k3.optim.muon import MuonAdamW, _batches, _stack_as, newton_schulz
+from k3.optim.muon import MuonAdamW, orthogonalize_blocks
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class DistributedMuonAdamW(MuonAdamW):
             a, b = self._ranges[i][self.rank]
             if p.to_local().numel() != (b - a) * shape[-1]:
                 raise ValueError(f"parameter {i}: local shard does not match Shard(0) chunking")
-            n_blocks, rows, cols = self._block_shapes[p]
+            n_blocks, rows, cols = self.block_shapes[p]
             for u in range(n_blocks):
                 units.append((i, u * rows, rows, cols))
         self._units = self._assign_owners(units)
@@ -194,14 +195,6 @@ class DistributedMuonAdamW(MuonAdamW):
 
     @staticmethod
     def _ns_units(owned: dict[int, Tensor], ns_dtype, steps) -> dict[int, Tensor]:
-        buckets: dict[tuple[int, int], list[tuple[int, Tensor]]] = defaultdict(list)
-        for u, block in owned.items():
-            b = block.mT if block.shape[0] > block.shape[1] else block
-            buckets[tuple(b.shape)].append((u, b[None]))
-        out = {}
-        for items in buckets.values():
-            for batch in _batches(items):
-                O = newton_schulz(_stack_as(ns_dtype, [b for _, b in batch]), steps)
-                for (u, _), o in zip(batch, O):
-                    out[u] = (o.mT if owned[u].shape[0] > owned[u].shape[1] else o).float()
-        return out
+        """NS5 of each owned unit [rows, cols], batched by shape; returns fp32 results in the same shapes."""
+        ortho = orthogonalize_blocks(((u, block[None]) for u, block in owned.items()), ns_dtype, steps)
+        return {u: o[0].float() for u, o in ortho.items()}

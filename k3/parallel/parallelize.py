@@ -2,12 +2,12 @@
 
 Order (systems.md §5.1, fixed): expert parallelism (swap routed experts for the EP version) → context
 parallelism (switch KDA/MLA mixers to their CP classes) → activation checkpointing per decoder layer
-(optional) → FSDP2 `fully_shard` per decoder layer, then the root. FSDP2 shards every parameter over the flattened dp × cp ranks with `Shard(0)`, except the
-routed experts, which EP already shards by expert over the same ranks (FSDP ignores them). Mixed precision
-on GPU is bf16 autocast over fp32 parameters, exactly as on one GPU: FSDP2's `param_dtype=bf16` would also
-round the parameters the model keeps in fp32 (router, KDA gate `A_log`/`dt_bias`, convs, norms), and
-`A_log`/`dt_bias` sit on the KDA module itself, so no per-module policy can exempt them. `param_dtype`
-can still be set (half the all-gather bytes, with that rounding).
+(optional) → FSDP2 `fully_shard` per decoder layer, then the root. FSDP2 shards every parameter over the
+flattened dp × cp ranks with `Shard(0)`, except the routed experts, which EP already shards by expert over
+the same ranks (FSDP ignores them). Mixed precision on GPU is bf16 autocast over fp32 parameters, exactly as
+on one GPU: FSDP2's `param_dtype=bf16` would also round the parameters the model keeps in fp32 (router, KDA
+gate `A_log`/`dt_bias`, convs, norms), and `A_log`/`dt_bias` sit on the KDA module itself, so no per-module
+policy can exempt them. `param_dtype` can still be set (half the all-gather bytes, with that rounding).
 
 Each rank's loss is its token sum over the *global* token count, so the single-process gradient is the
 *sum* of the ranks' gradients. FSDP2 averages (gloo has no pre-multiplied sum for a divide factor of 1),
@@ -15,8 +15,9 @@ so the loss is scaled by W (`loss_scale`) and the expert gradients, which EP's a
 already summed and FSDP does not touch, are divided back by W (`finish_gradients`).
 
 `ParallelTraining` holds what the loop needs per step: cutting the global batch, the all-reduces of
-Quantile Balancing histograms, expert loads, MLA max logits and the loss; the global gradient norm; and
-distributed checkpoints (DCP) that a run with another number of ranks can load.
+Quantile Balancing histograms, expert loads, MLA max logits and the loss; the global gradient norm; the
+optimizer (P2P Muon); and distributed checkpoints (DCP) that a run with another number of ranks can load.
+A single process has the same interface with every collective the identity (`k3.train.runtime.SingleProcess`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from k3.parallel.expert_parallel import ExpertParallelExperts, apply_expert_para
 from k3.parallel.runtime import ParallelRuntime
 from k3.model.checkpointing import apply_activation_checkpointing
 from k3.optim.muon import local_tensor
+from k3.parallel.muon import DistributedMuonAdamW
 
 DCP_MARKER = ".metadata"  # written by dcp.save: a checkpoint directory with it is a distributed one
 
@@ -71,13 +73,25 @@ def parallelize(model: nn.Module, runtime: ParallelRuntime, moonep: bool = True,
 
 
 class ParallelTraining:
+    distributed = True  # checkpoints are DCP shards, loadable by any number of ranks
+    # the FSDP2 and EP wrappers own their parameters' gradients: no in-place accumulation (k3.ops.weight_grads)
+    in_place_weight_grads = False
+
     def __init__(self, runtime: ParallelRuntime, model: nn.Module, experts: list[ExpertParallelExperts],
                  cp_context: CPContext | None):
         self.runtime, self.model, self.experts, self.cp_context = runtime, model, experts, cp_context
 
     @property
+    def dims(self):
+        return self.runtime.dims
+
+    @property
     def loss_scale(self) -> float:
         return float(self.runtime.world_size)
+
+    def build_optimizer(self, config, **kwargs) -> DistributedMuonAdamW:
+        """P2P Muon + AdamW over the sharded parameters; `kwargs` as for `k3.optim.MuonAdamW`."""
+        return DistributedMuonAdamW(self.model.named_parameters(), config, **kwargs)
 
     def finish_gradients(self) -> None:
         """After the step's backward passes: undo `loss_scale` on the gradients FSDP did not average."""
@@ -101,17 +115,18 @@ class ParallelTraining:
     def max_(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.runtime.all_reduce_(tensor, dist.ReduceOp.MAX)
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Global L2 norm of all gradients (local shards are disjoint across ranks), then scale to max_norm."""
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of all gradients (local shards are disjoint across ranks), then scale to max_norm.
+        Returns the norm (float64, 0-dim, on the device)."""
         grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
         norms = torch._foreach_norm(grads) if grads else []
         sq = torch.stack([n.double() for n in norms]).pow(2).sum() if norms else torch.zeros(
             (), dtype=torch.float64, device=self.runtime.device)
-        total = float(self.sum_(sq.to(self.runtime.device)).sqrt())
-        coef = max_norm / (total + 1e-6)
+        norm = self.sum_(sq.to(self.runtime.device)).sqrt()
+        coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
-        return total
+        return norm
 
     def ep_stats(self) -> dict[str, list[float]]:
         if not self.experts:
@@ -124,12 +139,15 @@ class ParallelTraining:
         return {"model": get_model_state_dict(self.model, options=options),
                 "optim": get_optimizer_state_dict(self.model, optimizer, options=options)}
 
-    def save(self, directory: Path, optimizer) -> None:
-        """Every rank writes its shards of the model and optimizer into `directory` (DCP format)."""
+    def save(self, directory: Path, optimizer) -> dict:
+        """Every rank writes its shards of the model and optimizer into `directory` (DCP format). Returns what
+        train_state.pt must add (nothing: the optimizer is in the shards)."""
         dcp.save(self._state(optimizer), checkpoint_id=str(directory))
+        return {}
 
-    def load(self, directory: Path, optimizer) -> None:
-        """Load a DCP checkpoint written with any number of ranks into the sharded model and optimizer."""
+    def load(self, directory: Path, optimizer, train_state: dict | None = None) -> None:
+        """Load a DCP checkpoint written with any number of ranks into the sharded model and optimizer
+        (`train_state` is not needed: the shards hold both)."""
         options = StateDictOptions(full_state_dict=False)
         state = self._state(optimizer)
         # Parameters that never had a gradient (e.g. layer 0's attention-residual query) have no optimizer

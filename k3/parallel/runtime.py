@@ -5,8 +5,8 @@ degree; B rows and T tokens of the *global* batch.
 
 One mesh `("dp", "cp")` with dp·cp = W. FSDP2 shards parameters over the flattened `dp_cp` dimension
 (CP ranks hold the same parameters and distinct tokens, as in torchtitan). Expert parallelism borrows
-ranks from dp × cp; this build supports ep = 1 (no EP) or ep = W (every rank is an EP rank), which covers
-one node (and the 2-GPU run). Quantile Balancing, the loss token count and QK-Clip's max reduce over
+ranks from dp × cp; ep = 1 (no EP) or ep = W (every rank is an EP rank) is supported, which covers one
+node. Quantile Balancing, the loss token count and QK-Clip's max reduce over
 the whole world: every rank holds distinct tokens.
 
 The data layout does not depend on W: every rank builds the same global batch and keeps its piece, so a
@@ -89,10 +89,28 @@ class ParallelRuntime:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def barrier(self) -> None:
+        dist.barrier()
+
     def all_reduce_(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce over every rank (all hold distinct tokens)."""
         dist.all_reduce(tensor, op=op)
         return tensor
+
+    def check_batch_layout(self, rows: int, seq_len: int) -> None:
+        """A global batch of `rows` × `seq_len` must cut evenly: rows over dp, each row into cp slices longer than
+        the KDA conv halo. Raises ValueError."""
+        dp, cp = self.dims.dp, self.dims.cp
+        if rows % dp:
+            raise ValueError(f"stage seq_len {seq_len}: {rows} rows per micro-batch do not split over dp={dp}")
+        if seq_len % cp or seq_len // cp < 4:
+            raise ValueError(f"stage seq_len {seq_len} must split into cp={cp} slices of at least 4 tokens")
+
+    def parallelize(self, model, moonep: bool = True, activation_checkpointing: bool = False):
+        """EP → CP → activation checkpointing → FSDP2 on `model` (in place); returns its `ParallelTraining`."""
+        from k3.parallel.parallelize import parallelize  # parallelize.py builds on this module
+
+        return parallelize(model, self, moonep=moonep, activation_checkpointing=activation_checkpointing)
 
     def shard_batch(self, input_ids: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor):
         return shard_batch(input_ids, labels, cu_seqlens, self.dims.dp, self.dp_rank, self.dims.cp, self.cp_rank)
