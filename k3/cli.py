@@ -8,6 +8,7 @@ import os
 import sys
 
 from k3.convert.cli import add_convert_parser
+from k3.sandbox.cli import add_sandbox_parser
 from k3.serve.cli import add_serve_parser
 
 
@@ -225,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_convert_parser(sub)
     add_serve_parser(sub)
+    add_sandbox_parser(sub)
     return parser
 
 
