@@ -270,13 +270,8 @@ def _blocks(D: int) -> tuple[int, int]:
 # The direct read's launch settings, set by `benchmarks/attn_res.py --tiles`, which times them at the small preset's
 # shape. None: rows of at most `one_warp_width` (padded) columns one per program on one warp, 16 backward programs
 # per SM; wider rows `_blocks` and `num_warps`, 4 backward programs per SM. One warp keeps a row's sums inside the
-# warp (shuffles): across 4 warps every per-source sum of the backward waits on a shared-memory barrier. Session 18
-# run 3, N = 65536, D = 768, bf16, two reads of 7 sealed sources: forward 0.920 → 0.696 ms, backward 3.485 →
-# 1.984; of 3: 0.375 → 0.336 and 0.970 → 0.845 (2 rows at 4 warps before; 2 warps or 2 rows per warp lost).
-# The stacked backward (all sources of a row tile held in registers between the passes, 8 warps; session 17) timed
-# 0.93x the 4-warp two-pass kernel's time at 7 sources and 1.16x at 3 (session 18 run 1), far behind one warp: deleted.
-# A chunked one-warp backward won in the tiles at 3 sources (session 19) and lost in the step (+18 ms per 64K x 4
-# step, session 20's interleaved A/B): deleted, commit 11a0cd0 has it (docs/fast-paths.md, session 20).
+# warp (shuffles): across 4 warps every per-source sum of the backward waits on a shared-memory barrier, so one
+# warp per row beat 4 warps, 2 warps and 2 rows per warp (the variants that lost: docs/fast-paths.md).
 READ_TILES: dict = {"block_m": None, "num_warps": None, "bwd_per_sm": None, "one_warp_width": 1024}
 
 
@@ -476,8 +471,7 @@ class _AttnResMerge(torch.autograd.Function):
 
 def two_phase_fits(num_queries: int, D: int) -> bool:
     """Whether the fused phase 1 serves J queries of width D: its [J, D] accumulators per row in registers, at
-    most 8192 elements padded (8 warps; 16384 compiled for 16 warps to 1.6 KB of spills and 165 KB of shared
-    memory offline, and its H200 test did not pass, session 10 run 4)."""
+    most 8192 elements padded (8 warps; 16384 on 16 warps spilled and did not pass its GPU test)."""
     return triton is not None and triton.next_power_of_2(num_queries) * triton.next_power_of_2(D) <= 8192
 
 

@@ -32,9 +32,8 @@ from k3.ops.weight_grads import accumulate_product, add_gradient
 CHUNK_ELEMENTS = 1 << 28
 # bytes of one chunk's logits under the Triton row kernel: it overwrites the logits with their gradient in
 # place, so they are the chunk's only transient, and 1 GiB holds 2x the rows in bf16 (2^29 elements, 3,121 rows
-# at V = 163,840 over 21 even chunks of a 65,536-token step): half the passes over dW. Session 18 run 3 (H200,
-# `benchmarks.cross_entropy --rows-settings`, the whole 65,536-token loss forward + backward): 2^28 elements
-# 108.8 ms, 2^29 95.5 ms, 2^30 97.1 ms (peak 2.0 / 2.4 / 3.3 GiB)
+# at V = 163,840 over 21 even chunks of a 65,536-token step): half the passes over dW, and faster than 2^28 or
+# 2^30 elements (`benchmarks.cross_entropy --rows-settings`)
 CHUNK_BYTES_ROWS_KERNEL = 1 << 30
 
 
@@ -159,16 +158,14 @@ def _rows_kernel_runs(dtype: torch.dtype, t: torch.Tensor) -> bool:
             and triton_runs_on(t))
 
 
-# The row kernel's launch; `python -m benchmarks.cross_entropy --rows-settings` times the alternatives.
-# form "per_row": one program per row (what the H200 profiles measured: 18.9 ms of a 65,536-token step, the
-# second sweep read from DRAM again because the rows in flight, many programs of 320 KB each, exceed the 50 MB
-# L2). "persistent": programs_per_sm x SMs programs, each striding over the rows, so that the rows in flight
-# (about 132 x 320 KB at one per SM) can stay in L2 until the second sweep; its loads are pipelined `stages`
-# tiles deep (tl.range num_stages; None: not pipelined) so one program per SM still streams at full bandwidth;
-# reverse: its second sweep runs from the row's end back, so it first reads the tiles the first sweep read last
-# (the ones most likely still in L2). With programs_per_sm x SMs >= rows it is one program per row again, with
-# those two options. Both forms: BV the vocabulary tile width, warps per program. Untimed: the default is the
-# measured launch.
+# The row kernel's launch; `python -m benchmarks.cross_entropy --rows-settings` times the alternatives. form "per_row":
+# one program per row (its second sweep reads from DRAM again: the rows in flight, many programs of 320 KB each, exceed
+# the 50 MB L2). "persistent": programs_per_sm x SMs programs, each striding over the rows, so that the rows in flight
+# (about 132 x 320 KB at one per SM) can stay in L2 until the second sweep; its loads are pipelined `stages` tiles deep
+# (tl.range num_stages; None: not pipelined) so one program per SM still streams at full bandwidth; reverse: its second
+# sweep runs from the row's end back, so it first reads the tiles the first sweep read last (the ones most likely still
+# in L2). With programs_per_sm x SMs >= rows it is one program per row again, with those two options. Both forms: BV the
+# vocabulary tile width, warps per program. Untimed: the default is the measured launch.
 LOSS_ROWS = dict(form="per_row", programs_per_sm=1, BV=4096, warps=8, stages=None, reverse=False)
 
 

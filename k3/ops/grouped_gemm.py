@@ -5,9 +5,9 @@ Legend: M rows sorted by group (expert), G groups, `offs` [G] int32 cumulative g
 `grouped_mm_wgrad(a [K, M], b [M, N], offs) -> [G, K, N]`: out[g] = a[:, s_g:e_g] @ b[s_g:e_g], one program per
 output tile and group, looping over the group's rows. Why beside `torch._grouped_mm`: on the `small` preset's
 thin experts (L = 384, 2I = 640, I = 320) torch's weight-gradient GEMM slows with the largest group under skewed
-routing, and this kernel measured 1.4-1.8x faster there (docs/fast-paths.md, session 11); the MoE runs it where
-it measured faster (`k3.ops.moe.GROUPED_WGRAD`). A row-form kernel (forward and data gradients) measured
-0.79-0.88x torch and was deleted (commit 2f43c7c has it, with its device-built tile map).
+routing, and this kernel measured faster there (docs/fast-paths.md); the MoE runs it where it measured faster
+(`k3.ops.moe.GROUPED_WGRAD`). A row-form kernel for the forward and data gradients was slower than torch and was
+deleted.
 
 The references are the per-group loops `grouped_mm_reference` / `grouped_mm_wgrad_reference` (the MoE's CPU
 path); the interpreter tests tie the kernel to them in fp64, and on the GPU the MoE's expert test and the
@@ -26,7 +26,7 @@ try:
 except ImportError:  # CPU-only installs: the MoE uses its per-group loop
     triton = None
 
-# Tiles and launch settings (session 11 run 1's best); `benchmarks/grouped_gemm_triton.py` times others.
+# Tiles and launch settings, the best `benchmarks/grouped_gemm_triton.py` timed; it times others.
 WGRAD_CONFIG = dict(BM=128, BN=128, BK=128, warps=8, stages=3)
 
 

@@ -8,9 +8,8 @@ checkpoint; NoPE in K3, so never rotated), Vd value head dim.
     v                                 [R, H, Vd]
 
 The reference (`naive_expand_keys`) is `torch.cat` with k_pe broadcast over heads, plus a copy making v
-contiguous; autograd's backward of the kv split is another cat. Those strided copies ran at ~0.5 ms each
-at 64K tokens of the small preset on an H200 (6 ms a step over its 6 MLA layers, session 17's profile), well
-below the bandwidth the bytes need. The Triton pair writes k and v in one pass, and the backward writes
+contiguous; autograd's backward of the kv split is another cat. Those strided copies ran well below the
+bandwidth their bytes need (docs/fast-paths.md). The Triton pair writes k and v in one pass, and the backward writes
 d(kv) and dk_pe (the sum over heads, in fp32) in one pass.
 """
 

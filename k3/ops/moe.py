@@ -78,11 +78,10 @@ if triton is not None:
 _SPREAD_BLOCK_M, _SPREAD_BLOCK_L = 32, 128
 
 # Which kernel runs the weight-gradient GEMMs where torch._grouped_mm could (bf16 on CUDA): "torch", "triton"
-# (k3.ops.grouped_gemm) or "auto": Triton for experts at most 1024 wide, torch above. Measured on the H200
-# (session 11 run 1, docs/fast-paths.md): on the small preset's experts at 32K tokens with skewed routing the
-# Triton kernel took dW2 0.312 -> 0.172 ms and dW13 0.386 -> 0.280 ms (torch's slows with the largest group,
-# it does not), balanced 1.00-1.09x; at K3's widths it was 0.8x. The data-gradient and forward GEMMs stay on
-# torch._grouped_mm (the Triton row kernel measured 0.79-0.88x there).
+# (k3.ops.grouped_gemm) or "auto": Triton for experts at most 1024 wide, torch above. On the H200 the Triton
+# kernel was faster on the small preset's experts under skewed routing (torch's slows with the largest group, it
+# does not), even when balanced, and slower at K3's widths (docs/fast-paths.md). The data-gradient and forward
+# GEMMs stay on torch._grouped_mm (a Triton row kernel was slower there).
 GROUPED_WGRAD = "auto"
 _TRITON_WGRAD_MAX_WIDTH = 1024
 
@@ -221,7 +220,7 @@ def _spread_rows(x: torch.Tensor, src: torch.Tensor, dtype: torch.dtype | None =
     """out[r] = x[src[r]] in `dtype` (default x's), zero where src[r] = len(x): one gather into the k× larger
     [rows, L] output, instead of zero-filling it and scattering k copies of every token into it. Where Triton
     runs, one kernel that casts while it copies (the torch form first appends a zero row to x, a copy of x, and
-    casts in another pass; session 17: the two gathers took 12.8 ms of a 64K-token small-preset step)."""
+    casts in another pass)."""
     dtype = dtype or x.dtype
     low = (torch.float32, torch.bfloat16, torch.float16)
     if triton is not None and triton_runs_on(x) and x.dtype in low and dtype in low and x.stride(-1) == 1:

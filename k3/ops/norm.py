@@ -105,14 +105,13 @@ def _blocks(D: int) -> tuple[int, int]:
 
 
 # The fused RMSNorm's launch (`benchmarks/norm.py` times the settings): rows of 512-1024 padded columns one per
-# program on one warp in the forward, as the AttnRes reads since session 18 (a row's sums stay inside the warp;
-# at 4 warps a 768-wide row spans the four and each sum waits on a shared-memory barrier); narrower rows already
-# lie one per warp in the tile form (`_blocks`, `num_warps`, 4 backward programs per SM). Session 18 run 4,
-# 65,536 × 768 bf16: forward 98 → 53 µs. `one_warp_width` 0 turns it off. The interpreter keeps the tile form
-# (it pays per program). The backward has its own rule (`measured_bwd`), from the kernels timed alone (session
-# 19 run 2; session 18 had timed autograd's host work with them): at 65,536 × 768, 4 rows on 4 warps with 8
-# programs per SM, 95 µs (one warp per row: 114); at KDA's 524,288 × 128 gated heads, one row per program on one
-# warp with 32 per SM, 202 µs (the tile form: 284); other widths keep the tile form.
+# program on one warp in the forward, as the AttnRes reads (a row's sums stay inside the warp; at 4 warps a
+# 768-wide row spans the four and each sum waits on a shared-memory barrier); narrower rows already lie one per
+# warp in the tile form (`_blocks`, `num_warps`, 4 backward programs per SM). `one_warp_width` 0 turns it off. The
+# interpreter keeps the tile form (it pays per program). The backward has its own rule (`measured_bwd`), from the
+# kernels timed alone: at D = 768, 4 rows on 4 warps with 8 programs per SM beat one warp per row; at KDA's
+# 128-wide gated heads one row per program on one warp with 32 per SM beat the tile form; other widths keep the
+# tile form.
 NORM_TILES: dict = {"block_m": None, "num_warps": None, "bwd_per_sm": None, "one_warp_width": 1024,
                     "measured_bwd": True}
 

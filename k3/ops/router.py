@@ -11,9 +11,9 @@ h is the bf16 activation under autocast, so h is exact in bf16, and W splits exa
 so h W^T = h W0^T + h W1^T + h W2^T with every product exact, from one bf16 GEMM against [W0; W1; W2] ([3E, D])
 with fp32 output. The sums are the tensor cores' fp32 accumulation, which on the H200 is not the CUDA cores'
 (it aligns and truncates within each MMA): relative error 7e-7 to 8e-6 against fp64 at the small and K3 router
-shapes, where the CUDA-core fp32 GEMM gives 5-6e-7 and bf16 weights ~2e-3 (tests/gpu/test_fast_paths.py,
-session 17 run 2). The fp32 GEMMs (no TF32: it would round W to 10 bits) ran on the CUDA cores: 16.5 ms of a
-64K-token small-preset step for its 20 routers' forward and backward, 5.3 ms split (docs/fast-paths.md).
+shapes, where the CUDA-core fp32 GEMM gives 5-6e-7 and bf16 weights ~2e-3 (tests/gpu/test_fast_paths.py). The
+fp32 GEMMs (no TF32: it would round W to 10 bits) ran on the CUDA cores, about 3× slower than the split
+(docs/fast-paths.md).
 `router_impl="reference"` keeps the CUDA-core fp32 GEMM.
 
 Backward, with G = dL/dlogits [N, E] fp32 split the same way (G = G0 + G1 + G2, exact):
@@ -26,8 +26,8 @@ values (the same exact products, IEEE fp32 sums), so the split's algebra is test
 
 Selection (`topk_with_cutoff_triton`): the top-k of s + b per token and the (k+1)-th value (Quantile Balancing's
 cutoff), one Triton program per block of rows with the whole row of E biased scores in registers: k + 1 rounds
-of (max, lowest index attaining it, mask it out). `torch.topk` over [N, E] with E = 64 took 5.8 ms of a 64K-token
-small-preset step for 20 layers (0.29 ms a call for 16 MB read). Same values as torch.topk; among exactly equal
+of (max, lowest index attaining it, mask it out), where `torch.topk` over [N, E] with E = 64 runs far below the
+bandwidth its bytes need. Same values as torch.topk; among exactly equal
 values the lower expert index comes first (torch.topk leaves that order unspecified); NaN ranks highest, as
 in torch.topk, so every index is a valid expert (a NaN cutoff comes back as +inf; such a step is skipped).
 """

@@ -1,4 +1,4 @@
-"""Causal depthwise short convolution of the KDA q/k/v paths (architecture.md §2.2 step 2, §2.5).
+"""Causal depthwise short convolution of the KDA q/k/v paths (K3 report §2.1.1).
 
 Legend: B batch, T tokens, C channels, W kernel width.
 
@@ -380,7 +380,7 @@ if triton is not None:
         c, in_c, t0, w0, w1, w2, w3, x1, x2, x3 = _stream_start(X, Wt, R, C, stride_x, W, SEG, BC)
         # g at u − 1, u − 2, u − 3 (not read while i < 3). Each starts from its own zeros: Triton carries a name
         # through the loop only if its value changes there, and `g3 = g2` from one shared zeros tensor looked
-        # unchanged, so g2 and g3 stayed zero on the GPU (session 18 runs 2-3; the interpreter runs Python)
+        # unchanged, so g2 and g3 stayed zero on the GPU (the interpreter runs Python and did not show it)
         g1 = tl.zeros([BC], dtype=tl.float32)
         g2 = tl.zeros([BC], dtype=tl.float32)
         g3 = tl.zeros([BC], dtype=tl.float32)
@@ -436,12 +436,10 @@ _CONV_BT, _CONV_BC = 64, 64
 _CONV_BWD_BT, _CONV_BWD_BC, _CONV_BWD_WARPS = 64, 64, 4
 # Kernel 1 as `_conv_silu_grad_blocks_kernel` (BT, BC, warps, token blocks per program, stages), or None for
 # `_conv_silu_grad_kernel` at the tiles above (kernel 2 keeps them either way); width ≤ 4 only. 16 × 64 tiles,
-# 4 warps, 8 blocks: 201 → 187 µs at 32K tokens × 1024 channels, 584 → 532 µs at 8K × 12,288, the best of ten
-# settings (H200, session 12 run 2, docs/fast-paths.md); `benchmarks.short_conv --bwd-tiles` times them.
+# 4 warps, 8 blocks: the best of the settings `benchmarks.short_conv --bwd-tiles` times (docs/fast-paths.md).
 _CONV_GRAD_BLOCKS: tuple[int, int, int, int, int] | None = (16, 64, 4, 8, 1)
 # The interpreter pays per tile operation, not per element: there kernel 1 takes one 128-row block per program
-# (a 2048-token fused conv forward + backward there: 7.6 s at the GPU's 16-row tiles, 3.0 s at 128 rows; the same
-# kernel, tested at both)
+# (less than half the time of the GPU's 16-row tiles there; the same kernel, tested at both)
 _CONV_GRAD_BLOCKS_INTERPRETED: tuple[int, int, int, int, int] | None = (128, 64, 4, 1, 1)
 # g between the backward's two kernels, for bf16/fp16 input (fp32 input always keeps fp32 g): fp32 costs 14
 # bytes per element against 10 in x's dtype, but the bf16 dx of the small preset's shape is then 18% closer to
@@ -449,11 +447,10 @@ _CONV_GRAD_BLOCKS_INTERPRETED: tuple[int, int, int, int, int] | None = (128, 64,
 _CONV_G_FP32 = True
 # The streaming kernels (`_conv_silu_fwd_stream_kernel`, `_conv_silu_bwd_stream_kernel`; W ≤ 4) as (SEG tokens per
 # program, BC channels, warps, pipeline stages), or None for the tile kernels above. BC = 8 · 32 · warps gives each
-# thread one 16-byte vector of a bf16 row. Session 18 run 4 (`benchmarks.short_conv --stream`, kernel time per
-# call): at a 64K-token step's conv (C = 1024, x a slice of the 4240-wide projection rows) forward 157 → 143 µs,
-# backward 569 → 309 µs; at K3's width (8K tokens × 12,288) 226 → 166 and 781 → 334 µs. 256-token segments:
-# backward 290 µs, forward 228. The interpreter keeps the tile kernels (it pays per loop step; the tests run the
-# stream kernels there through `_CONV_STREAM_INTERPRETED`).
+# thread one 16-byte vector of a bf16 row. Faster than the tile kernels at the small preset's and K3's widths,
+# most in the backward, and 128-token segments beat 256 (`benchmarks.short_conv --stream`, docs/fast-paths.md).
+# The interpreter keeps the tile kernels (it pays per loop step; the tests run the stream kernels there through
+# `_CONV_STREAM_INTERPRETED`).
 _CONV_FWD_STREAM: tuple[int, int, int, int] | None = (128, 1024, 4, 3)
 _CONV_BWD_STREAM: tuple[int, int, int, int] | None = (128, 1024, 4, 3)
 _CONV_STREAM_INTERPRETED: tuple[int, int, int, int] | None = None

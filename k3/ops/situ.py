@@ -1,4 +1,4 @@
-"""SiTU-GLU, the bounded gated activation of every K3 FFN (architecture.md §5.3; K3 report §2.3.2, App. B).
+"""SiTU-GLU, the bounded gated activation of every K3 FFN (K3 report §2.3.2, App. B).
 
     f(g, u) = [β1·tanh(g/β1)·σ(g)] · [β2·tanh(u/β2)],   β1 = 4, β2 = 25
 
@@ -15,7 +15,7 @@ The routed experts use the row-weighted form a = p ⊙ f (p the router weight of
 `weighted_situ_glu_forward` (the forward kernel with `row_scale`) and `weighted_situ_glu_backward` (one
 kernel returning dg, du, the weighted activation for the down-projection's weight gradient, and
 dp = Σ da ⊙ f, the MoE gradient transform's router-weight gradient); their torch formulas are the reference.
-Gradients (architecture.md §5.3): ∂f/∂g = [sech²(g/β1)σ(g) + β1 tanh(g/β1)σ(g)(1−σ(g))]·β2 tanh(u/β2),
+Gradients: ∂f/∂g = [sech²(g/β1)σ(g) + β1 tanh(g/β1)σ(g)(1−σ(g))]·β2 tanh(u/β2),
 ∂f/∂u = β1 tanh(g/β1)σ(g)·sech²(u/β2).
 """
 

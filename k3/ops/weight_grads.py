@@ -1,11 +1,10 @@
 """Weight gradients added into `.grad` where they are computed: gradient accumulation without the engine's passes.
 
 With micro-batches, autograd delivers each 16-bit weight gradient by casting it to the fp32 master's dtype and
-then `AccumulateGrad` adds it into `.grad`: for the small preset's 854M parameters that is 9.5 ms per micro-batch
-after the first on an H200 (5.0 of it the casts; session 20 run 1, `benchmarks/sessions/s20_accum_probe.py`),
-about 1.3% of a 64K-token step. Megatron-LM calls the remedy "gradient accumulation fusion": the weight-gradient
-GEMM writes fp32 and adds into the accumulator in its epilogue (beta = 1), so the gradient is never rounded to
-16 bits, never cast, never re-read.
+then `AccumulateGrad` adds it into `.grad`: for the small preset's 854M parameters about 1% of a 64K-token step on
+an H200, half of it the casts (docs/fast-paths.md). Megatron-LM calls the remedy "gradient accumulation fusion":
+the weight-gradient GEMM writes fp32 and adds into the accumulator in its epilogue (beta = 1), so the gradient is
+never rounded to 16 bits, never cast, never re-read.
 
 Here the autograd Functions that compute weight gradients (the fused projections, the routed experts, the loss's
 head) call `add_product` / `add_gradient` with the leaf parameter. Inside `accumulating_weight_grads()` (which
@@ -67,9 +66,9 @@ def fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc += a @ b, acc in fp32 (or fp64) and a, b in a 16-bit GEMM dtype (or acc's). On CUDA the sum happens in
     cuBLAS's epilogue (beta = 1, fp32 output): one pass over acc instead of a 16-bit product and then an fp32
-    read-modify-write, and the product skips the rounding to 16 bits. The loss's head summed its chunks' products
-    this way from session 9 (their separate adds took 9.7 ms of a 469 ms small-preset step at 32K tokens, run 2's
-    profile). Elsewhere (CPU has no mixed-dtype GEMM) the product is rounded and added."""
+    read-modify-write, and the product skips the rounding to 16 bits (the loss's head sums its chunks' products this
+    way: separate adds cost about 2% of a small-preset step). Elsewhere (CPU has no mixed-dtype GEMM) the product
+    is rounded and added."""
     if acc.dtype == torch.float32 and _fp32_epilogue_gemm(a, b):
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:

@@ -306,8 +306,8 @@ def test_tiny_model_fast_paths_and_checkpointing_match_reference():
     be held to each other tightly. What a fast path must not do is add error: every gradient of the fast
     stack is within 1.5× the bf16 reference stack's error (+1e-2), and the loss within 1e-2 relative.
     At token draw 5 the AttnRes projections' gradients reached 1.25× that budget in the fast stack and as
-    much with the MoE, norms or AttnRes each back on its reference (draws 6, 7: ≤ 0.80×;
-    benchmarks/sessions/tiny_margin.py, docs/fast-paths.md): bf16 noise of the draw, not one path's error.
+    much with the MoE, norms or AttnRes each back on its reference (draws 6, 7: ≤ 0.80×; docs/fast-paths.md): bf16
+    noise of the draw, not one path's error.
     The budget is therefore 2× the reference's error (+1e-2) for every gradient, and 1.5× for the median one.
     """
     base = get_preset("tiny")
@@ -376,8 +376,8 @@ def test_chunked_cross_entropy_small_vocab_shape(rows_kernel):
 
 def test_cross_entropy_weight_gradient_summed_in_the_gemm():
     """`accumulate_product` (`k3.ops.weight_grads`, the loss's head) on CUDA sums the chunks' weight-gradient
-    products in cuBLAS's fp32 epilogue, in place: against fp64 it is at least as accurate as rounding each chunk's product to bf16 and adding it (the CPU
-    path), and it writes into the accumulator it was given."""
+    products in cuBLAS's fp32 epilogue, in place: against fp64 it is at least as accurate as rounding each chunk's
+    product to bf16 and adding it (the CPU path), and it writes into the accumulator it was given."""
     from k3.ops.weight_grads import accumulate_product
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -491,7 +491,7 @@ def test_weight_grads_accumulated_in_place_over_micro_batches_cuda():
 @pytest.mark.parametrize("N,D,E", [(32768, 768, 64), (4096, 7168, 896)])
 def test_split_router_logits_full_shape(N, D, E):
     """The split router's bf16 GEMMs (cuBLAS, fp32 output) against fp64 at the small and K3 router shapes. The
-    tensor cores' fp32 accumulation is not the CUDA cores' (session 17 run 2: logits 7.2e-7 / 7.9e-6, weight
+    tensor cores' fp32 accumulation is not the CUDA cores' (measured: logits 7.2e-7 / 7.9e-6, weight
     gradient 5.1e-6 / 4.4e-6 at these shapes, against 5.0e-7 / 5.8e-7 for the fp32 GEMM), so: logits and weight
     gradient ≤ 3e-5 and ≤ 1% of the error of bf16 weights (what the split avoids); the bf16 input gradient within
     1.01x of the fp32 path's (bf16 rounding dominates both)."""

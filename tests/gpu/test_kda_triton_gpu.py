@@ -1,6 +1,6 @@
 """Triton KDA kernels at full shapes on a CUDA GPU (K = V = 128, bf16), against the fp64 recurrence and fla.
 
-Tolerances as in tests/ops/test_kda_triton.py (issue #5). Where fla-core is importable, our error must
+Tolerances as in tests/ops/test_kda_triton.py. Where fla-core is importable, our error must
 also be at most 1.5× fla's on the same inputs.
 
 Legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences.
@@ -106,9 +106,9 @@ def test_pipelined_forward_in_a_cuda_graph_and_on_another_stream():
     in a CUDA graph and replayed, and run on a non-default current stream: both bit-identical to the eager forward on
     the default stream, also after the inputs change in place (the graph reads them at replay); and the same as one
     segment, and within the limits of the fp64 recurrence."""
-    from k3.ops.kda import triton_chunk as tc
-    from k3.ops.kda import triton_prefill as tp
-    from k3.ops.kda.triton_common import make_plan
+    from k3.ops.kda import chunk as tc
+    from k3.ops.kda import chunk_prefill as tp
+    from k3.ops.kda.chunk_common import make_plan
 
     inputs = [x.cuda() for x in make_raw(1, 8192, 64, 128, 128, seed=3, bias=2.0)]
     assert tp.prefill_segments_for(make_plan(1, 8192, None, inputs[0].device), 64, 128, inputs[0].device) == (4, ())

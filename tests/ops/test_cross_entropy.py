@@ -14,9 +14,7 @@ from k3.config import get_preset
 from k3.model.model import build_model
 from k3.ops import cross_entropy as ce
 from k3.ops.cross_entropy import chunked_linear_cross_entropy, linear_cross_entropy, naive_linear_cross_entropy
-from tests.interpreter import INTERPRETING, run_module_in_interpreter
-
-ON_GPU = torch.cuda.is_available()
+from tests.interpreter import INTERPRETING, kernel_device, rerun_in_interpreter
 # the persistent form at test shapes: 3 programs (`_multiprocessors` is patched to 1 SM below), tiles of 128
 PERSISTENT = dict(form="persistent", programs_per_sm=3, BV=128, warps=4, stages=2, reverse=True)
 FORMS = {"per_row": dict(ce.LOSS_ROWS, BV=128), "persistent": PERSISTENT,
@@ -185,18 +183,14 @@ def test_chunk_rows_taken_and_override_honoured(monkeypatch):
 
 # ---- the row kernel's launch forms: on a GPU, or in the interpreter ---------------------------------------
 
-@pytest.mark.skipif(ON_GPU or INTERPRETING, reason="kernels run directly in this process")
-def test_in_triton_interpreter():
-    pytest.importorskip("triton")
-    run_module_in_interpreter(__file__)
+test_in_triton_interpreter = rerun_in_interpreter(__file__)
 
 
 @pytest.fixture
 def dev(monkeypatch):
-    if not (ON_GPU or INTERPRETING):
-        pytest.skip("runs in the interpreter subprocess (test_in_triton_interpreter)")
+    device = kernel_device()
     monkeypatch.setattr(ce, "_multiprocessors", lambda device: 1)  # programs = programs_per_sm, on a GPU too
-    return "cuda" if ON_GPU else "cpu"
+    return device
 
 
 @pytest.mark.parametrize("form", list(FORMS))

@@ -2,15 +2,15 @@
 
 On a CUDA machine the tests run on the GPU. On CPU they run through the Triton interpreter, which must be
 switched on before Triton is imported; `test_in_triton_interpreter` therefore re-runs this module in a
-subprocess with TRITON_INTERPRET=1, and the kernel tests skip in the parent process.
+subprocess with TRITON_INTERPRET=1 (tests/interpreter.py), and the kernel tests skip in the parent process.
 
-Tolerances (relative RMSE vs the fp64 recurrence on the same inputs) are issue #5's for bf16 inputs:
+Tolerances (relative RMSE vs the fp64 recurrence on the same inputs), for bf16 inputs:
 output and final state 5e-3; dq, dk, dv, dh0, ddt_bias 8e-3; dz, dA_log, dβ 2e-2. fp32 inputs get a
 fifth of those in the interpreter (exact fp32), and 1.5× them on a GPU: there fp32 operands are rounded to tf32
 (10-bit mantissa) inside every dot, which bf16 inputs never are (their products are exact), and the reference
-keeps the full fp32 inputs (H200, runs 9-10: o 1.3e-3, S 1.4e-3, dt_bias 3.7e-3, and A_log 2.1e-2, one
+keeps the full fp32 inputs (measured on an H200: o 1.3e-3, S 1.4e-3, dt_bias 3.7e-3, and A_log 2.1e-2, one
 cancelling sum per head, on varlen [1, 0, 17, 70]). Layer-level comparisons with the torch path allow 1e-3 in the
-interpreter and 2e-3 on a GPU (tf32 again: 1.07e-3 and 1.14e-3 in run 9).
+interpreter and 2e-3 on a GPU (tf32 again: up to 1.14e-3 measured).
 
 Legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences.
 """
@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops.kda import naive_kda_gate, naive_recurrent_kda
-from tests.interpreter import INTERPRETING, cases, run_module_in_interpreter
+from tests.interpreter import INTERPRETING, ON_GPU, cases, kernel_device, rerun_in_interpreter
 
-ON_GPU = torch.cuda.is_available()
 F64 = torch.float64
 LAYER_TOL = 2e-3 if ON_GPU else 1e-3  # the KDA layer against its torch path (fp32 activations; tf32 on a GPU)
 NAMES = ("q", "k", "v", "z", "b", "A_log", "dt_bias", "h0")
@@ -31,27 +30,22 @@ TOL = {"o": 5e-3, "S": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "h0": 8e-3, "dt_bi
        "z": 2e-2, "A_log": 2e-2, "b": 2e-2}
 
 
-@pytest.mark.skipif(ON_GPU or INTERPRETING, reason="kernels run directly in this process")
-def test_in_triton_interpreter():
-    pytest.importorskip("triton")
-    run_module_in_interpreter(__file__)
+test_in_triton_interpreter = rerun_in_interpreter(__file__)
 
 
 @pytest.fixture(autouse=True)
 def _prefill_at_every_size(monkeypatch):
-    """Forwards no backward follows take the inference kernels (`triton_prefill`) at these tests' small shapes too:
+    """Forwards no backward follows take the inference kernels (`chunk_prefill`) at these tests' small shapes too:
     chunk_kda picks them only with enough programs to fill a GPU (`prefill_applies`, tested on its own)."""
     if ON_GPU or INTERPRETING:
-        from k3.ops.kda import triton_chunk as tc
+        from k3.ops.kda import chunk as tc
 
         monkeypatch.setitem(tc.TUNING, "prefill_min_programs", 0)
 
 
 @pytest.fixture
 def dev():
-    if not (ON_GPU or INTERPRETING):
-        pytest.skip("runs in the interpreter subprocess (test_in_triton_interpreter)")
-    return "cuda" if ON_GPU else "cpu"
+    return kernel_device()
 
 
 def rel_err(a, b):
@@ -165,7 +159,7 @@ def test_score_backward_on_32_row_blocks(dev, monkeypatch):
     interpreter ≤ 1.4e-5; the rest of the backward is the same), also with every decay at the lower bound, where
     the diagonal factors reach e^±80 and the blocks' products underflow; the forward is untouched. Other values
     are refused."""
-    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import chunk as tc
 
     cu = [0, 70, 71, 71, 150]
     packed = make_raw(1, cu[-1], 2, 32, 32, seed=67, N=len(cu) - 1)
@@ -265,7 +259,7 @@ def test_saved_intermediates_match_recompute_bitwise(dev, monkeypatch, case):
     from the forward's `_state` when kept, else from the backward's. o is bit-identical too, except where a kept
     forward computes it from the stored bf16 states and Ũ (`state_o_apart`; then within o's fp64 tolerance of the
     other)."""
-    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import chunk as tc
 
     calls = []
     prepare, state = tc._fwd_prepare, tc._fwd_state
@@ -319,8 +313,8 @@ def test_training_output_apart_from_the_state_pass(dev, monkeypatch):
     an empty one among them), leaves the final state and every gradient bit-identical (the backward reads the same
     stored tensors), also without an initial state, and does nothing for fp32 inputs (their states are stored in
     fp32). `fwd_o_loop` (one program walking both value blocks) gives the same o bit for bit."""
+    from k3.ops.kda import chunk as tc
     from k3.ops.kda import chunk_kda
-    from k3.ops.kda import triton_chunk as tc
 
     cu = [0, 70, 71, 71, 150]
     inputs = make_raw(1, cu[-1], 2, 32, 64, seed=7, N=len(cu) - 1)
@@ -362,8 +356,8 @@ def _backward_switch_checks(monkeypatch, key, inputs, dev, new, base, ref, cu, a
     tenth of the tolerance more: its tf32 dots, exact in the interpreter, move the small sums, dA_log's two entries
     most, 1.7-2.0× when imitated in the interpreter); kept and recomputing backwards bit-identical; and the switch
     read once, at the forward: flipped off before the backward, the gradients are the kept ones."""
+    from k3.ops.kda import chunk as tc
     from k3.ops.kda import chunk_kda
-    from k3.ops.kda import triton_chunk as tc
 
     for name, a, b, r in zip(NAMES, new[2], base[2], ref[2]):
         slack = 0.1 * TOL[name] if ON_GPU else 0.0
@@ -392,7 +386,7 @@ def test_state_bwd_on_qprime(dev, monkeypatch, dtype, all_bf16):
     and recomputing backwards bit-identical (`_prep_wu` writes Q′ beside Q⊙Γ in one, over it in the other). With
     all_bf16 (Aqk stored in bf16) the same, but the fp64 tolerances, which that variant is not held to. The switch
     is read at the forward: flipping it before the backward changes nothing."""
-    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import chunk as tc
 
     cu = [0, 70, 71, 71, 150]
     inputs = make_raw(1, cu[-1], 2, 32, 64, seed=65, N=len(cu) - 1, dtype=dtype)
@@ -423,7 +417,7 @@ def test_norm_sums_from_scores(dev, monkeypatch, dtype, all_bf16, others):
     path's error (one rounding of dq̂, dk̂ fewer, against the sums taken on the stored scores, whose bf16 operands
     differ from the backward's fp32 ones). The switch is read at the forward: flipping it before the backward
     changes nothing."""
-    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import chunk as tc
 
     cu = [0, 70, 71, 71, 150]
     inputs = make_raw(1, cu[-1], 2, 32, 64, seed=66, N=len(cu) - 1, dtype=dtype)
@@ -464,7 +458,7 @@ def test_gate_chain_in_score_backward(dev, monkeypatch, others):
     sums from the scores. Kept and recomputing backwards' gradients agree bit for bit. The fused runs allocate
     NaN-filled memory (`_nan_filled_allocations`); on a GPU, where the chain's code could in principle compile
     differently in its host kernel, the results may differ by 1e-6 (a stale dG would differ by its whole size)."""
-    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import chunk as tc
 
     cu = [0, 70, 71, 71, 100, 148, 211]
     inputs = make_raw(1, cu[-1], 2, 32, 32, seed=67, N=len(cu) - 1)
@@ -492,7 +486,7 @@ def test_value_chain_in_key_slices(dev, monkeypatch, others):
     store landed would show). On packed documents with a one-token and an empty one, on two key slices (one would
     count to one), plain and with Q′, the sums from the scores (whose row dots are partials too) and the fused gate
     chain. Kept and recomputing backwards' gradients agree bit for bit."""
-    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import chunk as tc
 
     cu = [0, 70, 71, 71, 100, 148]
     inputs = make_raw(1, cu[-1], 2, 32, 64, seed=68, N=len(cu) - 1)
@@ -516,7 +510,7 @@ def test_backward_bf16_storage(dev, monkeypatch):
     dAkk in bf16) moves the score side's gradients and neither dv nor dh0, and does nothing for fp32 inputs. The
     tensors saved for the backward are bf16 where named, fp32 for fp32 inputs. Names outside the four are
     refused."""
-    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import chunk as tc
 
     cu = [0, 40, 41, 100]
     inputs = make_raw(1, cu[-1], 2, 32, 64, seed=43, N=len(cu) - 1)
@@ -577,8 +571,8 @@ def test_state_value_blocks_do_not_change_results(dev, monkeypatch, key):
     64 against the default 32 gives the same results up to the matmul's summation order (BLAS blocking in the
     interpreter, tile shapes on a GPU). state_bv is the 64-token inference forward's launch, state_ut_bv the training
     forward's (it also stores Ũ), state_bwd_bv the backward state pass."""
-    from k3.ops.kda import chunk_kda
-    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import chunk as tc
+    from k3.ops.kda import chunk_kda, chunk_state
 
     inputs = make_raw(1, 80, 2, 32, 64, seed=31, dtype=torch.float32)
     monkeypatch.setitem(tc.TUNING, "prefill", False)  # the inference forward in 64-token chunks
@@ -593,9 +587,9 @@ def test_state_value_blocks_do_not_change_results(dev, monkeypatch, key):
     base = run()
     monkeypatch.setitem(tc.TUNING, key, 64)
     launched = []
-    state = tc._state
-    monkeypatch.setattr(tc, "_state", type("Spy", (), {"__getitem__": lambda self, grid: launched.append(grid)
-                                                       or state[grid]})())
+    state = chunk_state._state
+    monkeypatch.setattr(chunk_state, "_state", type("Spy", (), {"__getitem__": lambda self, grid: launched.append(grid)
+                                                                or state[grid]})())
     wide = run()
     if key != "state_bwd_bv":
         assert launched and launched[0][0] == 1, launched  # the first `_state` launch took V // 64 value blocks
@@ -611,7 +605,7 @@ def test_state_split_products(dev, monkeypatch, dtype):
     hi + lo, about 16 mantissa bits) pass the fp64 tolerances, and in the interpreter (where tf32 dots are exact
     fp32) stay within 5e-5 of the tf32 path on fp32 inputs, yet differ from it: the split path ran
     (bf16 results: 5e-4, the odd one-ulp flip of a bf16 rounding, 3.9e-3 each)."""
-    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import chunk as tc
 
     inputs = make_raw(1, 150, 2, 32, 64, seed=41, N=3, dtype=dtype)
     cu = [0, 40, 41, 150]
@@ -635,7 +629,7 @@ def test_state_bwd_products(dev, monkeypatch, products, dtype):
     tolerances and leaves the forward bit-identical. In the interpreter (tf32 dots exact in fp32 there) the
     default split path stays within 5e-5 of the tf32 path's gradients on fp32 inputs (5e-4 in bf16), yet differs
     from it: each path ran."""
-    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import chunk as tc
 
     inputs = make_raw(1, 100, 2, 32, 64, seed=43, N=3, dtype=dtype)
     cu = [0, 40, 41, 100]
@@ -658,7 +652,7 @@ def test_state_bwd_products(dev, monkeypatch, products, dtype):
 def test_state_bwd_products_refused(dev, monkeypatch, products, key, value, match):
     """An unknown product mode, and split or bf16 products at launch settings the H200 built wrong or that were
     never measured there, are refused."""
-    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import chunk as tc
 
     monkeypatch.setitem(tc.TUNING, "state_bwd_products", products)
     if key is not None:
@@ -669,12 +663,12 @@ def test_state_bwd_products_refused(dev, monkeypatch, products, key, value, matc
 
 def test_inference_forward_state_products(dev, monkeypatch):
     """The 64-token inference forward (no backward can follow; `prefill` off) multiplies in split bf16 like the
-    training forward (`state_split_inference`, the default since session 12), so on these fp32 inputs their outputs
+    training forward (`state_split_inference`, the default), so on these fp32 inputs their outputs
     are bit-identical, whether or not the training forward keeps its operands (for bf16 inputs a training forward
     that keeps them computes o from the stored bf16 states, `state_o_apart`); with it off the inference forward is
     tf32: both within fp64 tolerance, within 5e-5 of each other in the interpreter."""
+    from k3.ops.kda import chunk as tc
     from k3.ops.kda import chunk_kda
-    from k3.ops.kda import triton_chunk as tc
 
     inputs = [x.to(dev) for x in make_raw(1, 150, 2, 32, 64, seed=43, dtype=torch.float32)]
     ref, _ = reference(*[x.double() for x in inputs])
@@ -717,11 +711,11 @@ def _check_forward(out, ref, dtype, what=""):
 
 @pytest.mark.parametrize("T", cases(1, 15, 16, 17, 63, 65, 150, gpu_only=(16, 63, 150)))
 def test_prefill_forward_matches_fp64_recurrence(dev, monkeypatch, T):
-    """The inference forward at its default chunk (`triton_prefill`, what chunk_kda runs when no backward can follow)
+    """The inference forward at its default chunk (`chunk_prefill`, what chunk_kda runs when no backward can follow)
     against the fp64 recurrence, bf16 and fp32, at lengths around the 16-, 32- and 64-token chunk edges; and beside
     the 64-token inference forward (`prefill` off): fp32 inputs agree to 2e-5 in the interpreter (split-bf16
     products in both)."""
-    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import chunk as tc
 
     for dtype in (torch.bfloat16, torch.float32):
         inputs = make_raw(2, T, 2, 32, 32, seed=50 + T, dtype=dtype)
@@ -740,7 +734,7 @@ def test_prefill_forward_varlen_and_extreme_gates(dev, monkeypatch, g_min, chunk
     """Packed documents of 0-70 tokens (chunks never cross one), and gate inputs at ±1e4 with large biases: at
     g_min = −5 whole chunks decay at the bound, where exp(−G) reaches e^80 in the score operands; 16- and 32-token
     chunks (the 32-token join multiplies factors of both halves)."""
-    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import chunk as tc
 
     monkeypatch.setitem(tc.TUNING, "prefill_chunk", chunk)
     lengths = [1, 0, 2, 16, 64, 3, 1, 70, 17]
@@ -760,7 +754,7 @@ def test_prefill_forward_varlen_and_extreme_gates(dev, monkeypatch, g_min, chunk
 
 
 def test_segment_bounds_cover_every_chunk_once_at_even_cuts():
-    from k3.ops.kda.triton_common import segment_bounds
+    from k3.ops.kda.chunk_prefill import segment_bounds
 
     for n_chunks in range(0, 40):
         for segments in (1, 2, 3, 4, 7, 64):
@@ -787,9 +781,9 @@ def test_prefill_pipeline_and_dispatch_rules(monkeypatch):
     prefill_tail_min_programs state programs (None: more than SMs), one per prefill_tail_segment_tokens tokens and
     then the shorter prefill_segment_tail. The inference kernels: from prefill_min_programs programs, or from fewer
     with enough token-heads (`prefill_few_programs`, whose last tier only as a pipeline)."""
-    from k3.ops.kda import triton_chunk as tc
-    from k3.ops.kda import triton_prefill as tp
-    from k3.ops.kda.triton_common import plan_for
+    from k3.ops.kda import chunk as tc
+    from k3.ops.kda import chunk_prefill as tp
+    from k3.ops.kda.chunk_common import plan_for
 
     device = torch.device("cpu")
     one = plan_for((0, 16384), device, 64)
@@ -843,9 +837,9 @@ def test_prefill_pipeline_and_dispatch_rules(monkeypatch):
 def test_prefill_dispatch_does_not_depend_on_the_launch_value_block(monkeypatch):
     """The dispatch thresholds were measured at BV 64 and count programs at BV 64 (`_state_programs`): whichever
     value block the state pass launches with, every shape takes the same path, chunk and segments."""
-    from k3.ops.kda import triton_chunk as tc
-    from k3.ops.kda import triton_prefill as tp
-    from k3.ops.kda.triton_common import plan_for
+    from k3.ops.kda import chunk as tc
+    from k3.ops.kda import chunk_prefill as tp
+    from k3.ops.kda.chunk_common import plan_for
 
     device = torch.device("cpu")
     plans = [plan_for(offsets, device, 64) for offsets in
@@ -869,9 +863,9 @@ def test_prefill_pipeline_segments_give_the_same_results(dev, monkeypatch, chunk
     """The inference forward as a pipeline of segments (`prefill_segments`: each segment's state pass after its
     prepare, beside the next one's; on a GPU on two streams) gives bit-identical o, final states and chunk-start
     states: packed documents that start, end and lie wholly inside segments, empty ones, and an initial state."""
+    from k3.ops.kda import chunk as tc
     from k3.ops.kda import chunk_kda
-    from k3.ops.kda import triton_chunk as tc
-    from k3.ops.kda import triton_prefill as tp
+    from k3.ops.kda import chunk_prefill as tp
 
     monkeypatch.setitem(tc.TUNING, "prefill_chunk", chunk)
     # segments at any size and packing (the rule pipelines one long sequence only; the kernels cut any packing)
@@ -902,7 +896,7 @@ def test_prefill_forward_head_dims_value_blocks_and_bf16_products(dev, monkeypat
     """K = V = 128 (the model's head), V = 64, each launched with TUNING's value block and a warpgroup per 64 value
     columns (at least one); V split into value blocks of 16 (the value columns are independent: the same results up
     to a product's summation order), and `state_bf16` (plain bf16 products) within the bf16 limits."""
-    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import chunk as tc
 
     launched = []
     state = tc.prefill_forward.__globals__["_prefill_state"]
@@ -934,8 +928,8 @@ def test_prefill_forward_state_products_and_inverse_precision(dev, monkeypatch, 
     """The inference forward's defaults for bf16 inputs (plain bf16 state products, tf32 inverses) and the exact
     settings (split products, FMA inverses), each within the bf16 limits against fp64 at lengths around the chunk
     edges; fp32 inputs always take the exact inverse; a precision the kernels do not know is refused."""
-    from k3.ops.kda import triton_chunk as tc
-    from k3.ops.kda.triton_common import _inverse_precision
+    from k3.ops.kda import chunk as tc
+    from k3.ops.kda.chunk_common import _inverse_precision
 
     monkeypatch.setitem(tc.TUNING, "prefill_chunk", chunk)
     inputs = make_raw(2, 47, 2, 32, 32, seed=56)
@@ -957,8 +951,8 @@ def test_kernel_precisions_follow_the_input_dtype(dev, monkeypatch):
     """What the launches receive: bf16 and fp16 inputs get tf32 inverses (inference prepare and training
     `_prep_intra`) and plain bf16 state products in the inference forward; fp32 inputs get exact inverses and split
     products. (The interpreter computes tf32 dots exactly, so only the launch arguments can tell.)"""
-    from k3.ops.kda import triton_chunk as tc
-    from k3.ops.kda import triton_prefill as tp
+    from k3.ops.kda import chunk_prefill as tp
+    from k3.ops.kda import chunk_prepare
 
     seen = []
 
@@ -968,7 +962,7 @@ def test_kernel_precisions_follow_the_input_dtype(dev, monkeypatch):
             lambda *a, **k: seen.append((name, {x: k[x] for x in ("INVERSE", "BF16", "SPLIT") if x in k}))
             or kernel[grid](*a, **k))})())
 
-    for module, name in ((tp, "_prefill_prepare"), (tp, "_prefill_state"), (tc, "_prep_intra")):
+    for module, name in ((tp, "_prefill_prepare"), (tp, "_prefill_state"), (chunk_prepare, "_prep_intra")):
         spy(module, name)
     want = {torch.bfloat16: ("tf32", True), torch.float16: ("tf32", True), torch.float32: ("ieee", False)}
     for dtype, (inverse, bf16) in want.items():
@@ -985,10 +979,10 @@ def test_kernel_precisions_follow_the_input_dtype(dev, monkeypatch):
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's σ(±1e4)
 def test_prefill_forward_32_token_chunks(dev, monkeypatch):
     """`TUNING["prefill_chunk"]` 32 (two launches of `_prefill_prepare`, one per chunk half; at or below 64 state
-    programs by default) against fp64 at lengths around 32 and 64, bf16 and fp32, beside the 16-token chunks (fp32: 2e-5 in
-    the interpreter); packed documents with every decay at the bound, where G reaches −160 inside a chunk; the states
-    for prefix caching (every second 32-token chunk)."""
-    from k3.ops.kda import triton_chunk as tc
+    programs by default) against fp64 at lengths around 32 and 64, bf16 and fp32, beside the 16-token chunks (fp32:
+    2e-5 in the interpreter); packed documents with every decay at the bound, where G reaches −160 inside a chunk;
+    the states for prefix caching (every second 32-token chunk)."""
+    from k3.ops.kda import chunk as tc
 
     for T, dtype in ((1, torch.float32), (31, torch.bfloat16), (33, torch.float32), (65, torch.bfloat16),
                      (150, torch.float32)):
@@ -1018,9 +1012,9 @@ def test_prefill_forward_32_token_chunks(dev, monkeypatch):
 
 
 def test_prefill_applies_with_enough_programs(dev, monkeypatch):
-    """chunk_kda's inference forward is `triton_prefill`'s where its state pass has at least prefill_min_programs
+    """chunk_kda's inference forward is `chunk_prefill`'s where its state pass has at least prefill_min_programs
     (value block, sequence, head) programs, else the 64-token one; a training forward never is."""
-    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import chunk as tc
 
     prefills = []
     prefill_forward = tc.prefill_forward
@@ -1041,9 +1035,9 @@ def test_prefill_chunk_32_while_the_state_pass_fits_one_wave(dev, monkeypatch):
     """32-token chunks while the state pass's (value block, sequence, head) programs fit in one wave (latency-bound:
     half the sequential steps), 16 beyond (throughput-bound); `prefill_chunk` 16 always 16, anything else refused.
     The inference forward launches the prepare twice (two halves) at 32 and once at 16."""
-    from k3.ops.kda import triton_chunk as tc
-    from k3.ops.kda import triton_prefill as tp
-    from k3.ops.kda.triton_common import plan_for
+    from k3.ops.kda import chunk as tc
+    from k3.ops.kda import chunk_prefill as tp
+    from k3.ops.kda.chunk_common import plan_for
 
     device = torch.device(dev)
     plan = plan_for((0, 100, 300), device, 64)  # N = 2
@@ -1076,9 +1070,9 @@ def test_prefill_chunk_32_while_the_state_pass_fits_one_wave(dev, monkeypatch):
 @pytest.mark.parametrize("prefill", [True, False])
 def test_saved_intermediates_only_when_a_backward_follows(dev, monkeypatch, prefill):
     """No grad mode or no input that requires grad: nothing extra is computed or kept. With `prefill` (the default)
-    such a forward runs the inference kernels of `triton_prefill` alone, none of the training forward's."""
+    such a forward runs the inference kernels of `chunk_prefill` alone, none of the training forward's."""
+    from k3.ops.kda import chunk as tc
     from k3.ops.kda import chunk_kda
-    from k3.ops.kda import triton_chunk as tc
 
     monkeypatch.setitem(tc.TUNING, "prefill", prefill)
     prefills = []
@@ -1143,8 +1137,8 @@ def test_saved_intermediates_under_activation_checkpointing(dev):
 def test_chunk_states_for_prefix_caching(dev, monkeypatch, prefill, chunk):
     """The states at every 64-token chunk start (chunk_kda's return_chunk_states), from the inference forward in
     16-token chunks (every fourth of its chunks) and 32-token ones (every second), and from the 64-token one."""
+    from k3.ops.kda import chunk as tc
     from k3.ops.kda import chunk_kda
-    from k3.ops.kda import triton_chunk as tc
 
     monkeypatch.setitem(tc.TUNING, "prefill", prefill)
     monkeypatch.setitem(tc.TUNING, "prefill_chunk", chunk)
@@ -1296,7 +1290,7 @@ def test_launch_options_follow_tuning(monkeypatch):
     """TUNING's optional per-kernel num_stages / maxnreg reach the launch only when set (benchmarks/kda.py
     --tuning sweeps them); warps always do, as set or, where None, from the value block."""
     pytest.importorskip("triton")
-    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import chunk as tc
 
     monkeypatch.setitem(tc.TUNING, "prep_intra_maxnreg", 168)
     monkeypatch.setitem(tc.TUNING, "prep_intra_stages", None)
@@ -1379,8 +1373,8 @@ def test_prepare_matches_fp64_chunk_operands(dev, case):
     all_bf16 stores it in bf16). The cases at g_min −5 cover `_intra_off_step`'s one anchor per row block, whose
     factors exp(a_R − G) underflow to zero across up to 48 rows (measured: the same errors as the two-anchor
     factorisation it replaced, ±1e-8)."""
-    from k3.ops.kda import triton_chunk as tc
-    from k3.ops.kda.triton_common import _Plan
+    from k3.ops.kda import chunk as tc
+    from k3.ops.kda.chunk_common import _Plan
 
     lengths, H, K, V, dtype, all_bf16, g_min = PREPARE_CASES[case]
     offsets = [0]
@@ -1444,12 +1438,12 @@ def test_backward_key_slices(dev, monkeypatch, case):
     (measured ≤ 1.2e-6, dA_log; the rest ≤ 4.9e-7) and 1e-4 for bf16 inputs, whose gradients are stored in bf16:
     an fp32 difference of ~1e-7 can flip a rounding by one bf16 ulp (measured: dq 2.3e-5 in dense_bf16, three
     such flips among its 8960 entries; dk 1.8e-5 with all_bf16, dz ≤ 2.8e-6, the rest ≤ 2.5e-6). On a GPU
-    1e-3 (as the fused-vs-split `_bwd_k` comparison this replaces, H200 run 9: other dot tilings, dz 2.1e-4 and
-    dt_bias 1.1e-4). Outputs are bit-identical. At K = 16 both sides are one slice."""
+    1e-3 (other dot tilings; measured on an H200: dz 2.1e-4 and dt_bias 1.1e-4). Outputs are bit-identical. At
+    K = 16 both sides are one slice."""
     import functools
 
     import k3.ops.kda
-    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import chunk as tc
 
     lengths, H, K, V, dtype, vk_cols, k_cols, kw = SLICE_CASES[case]
     if lengths is None:
@@ -1489,9 +1483,9 @@ def test_kept_norms_and_gate_are_read(dev, monkeypatch, save):
     its own: scaling the stored ‖q‖ (or ‖k‖), or shifting G, after the prepare leaves o, the final state and dv
     bit-identical and changes dq (dk; dq through exp(G) in `_bwd_vk`). They are stored by the forward that keeps its
     intermediates, or by the backward's recompute (save_intermediates off), and never by an inference forward (G is
-    freed before `_state`; the default inference forward, `triton_prefill`'s, calls no prepare of this file). Two key
+    freed before `_state`; the default inference forward, `chunk_prefill`'s, calls no prepare of this file). Two key
     slices in each backward kernel."""
-    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import chunk as tc
 
     cu = [0, 1, 1, 18, 88]
     inputs = make_raw(1, cu[-1], 1, 32, 32, seed=43, N=len(cu) - 1, dtype=torch.float32)

@@ -8,22 +8,14 @@ import pytest
 import torch
 
 from k3.ops.mla_keys import expand_keys, naive_expand_keys
-from tests.interpreter import INTERPRETING, run_module_in_interpreter
+from tests.interpreter import kernel_device, rerun_in_interpreter
 
-ON_GPU = torch.cuda.is_available()
-
-
-@pytest.mark.skipif(ON_GPU or INTERPRETING, reason="kernels run directly in this process")
-def test_in_triton_interpreter():
-    pytest.importorskip("triton")
-    run_module_in_interpreter(__file__)
+test_in_triton_interpreter = rerun_in_interpreter(__file__)
 
 
 @pytest.fixture
 def dev():
-    if not (ON_GPU or INTERPRETING):
-        pytest.skip("runs in the interpreter subprocess (test_in_triton_interpreter)")
-    return "cuda" if ON_GPU else "cpu"
+    return kernel_device()
 
 
 def _inputs(lead, H, N, P, Vd, C, dtype, pe_dtype, dev, seed):

@@ -1,4 +1,4 @@
-"""Causal depthwise short conv (architecture.md §2.2 step 2, §2.5): against torch's conv1d, split with a
+"""Causal depthwise short conv of the KDA q/k/v paths: against torch's conv1d, split with a
 carried state, and packed documents (cu_seqlens); the fused short conv + SiLU's backward variants on a GPU or
 in the Triton interpreter (a subprocess on CPU).
 
@@ -11,9 +11,7 @@ import torch.nn.functional as F
 
 from k3.ops import short_conv
 from k3.ops.short_conv import causal_conv1d, naive_causal_conv1d
-from tests.interpreter import INTERPRETING, run_module_in_interpreter
-
-ON_GPU = torch.cuda.is_available()
+from tests.interpreter import INTERPRETING, ON_GPU, kernel_device, rerun_in_interpreter
 
 IMPLS = pytest.mark.parametrize("conv", [naive_causal_conv1d, causal_conv1d], ids=["naive", "fast"])
 
@@ -177,7 +175,8 @@ def test_fast_matches_reference_with_gradients(lengths, history):
         inputs = [t.clone().requires_grad_() for t in leaves]
         y, s = conv(inputs[0], inputs[1], inputs[2] if history else None, cu_seqlens=cu)
         g = torch.Generator().manual_seed(13)
-        loss = (y * torch.randn(y.shape, generator=g, dtype=y.dtype)).sum() + (s * torch.randn(s.shape, generator=g, dtype=s.dtype)).sum()
+        loss = ((y * torch.randn(y.shape, generator=g, dtype=y.dtype)).sum()
+                + (s * torch.randn(s.shape, generator=g, dtype=s.dtype)).sum())
         results.append([y, s, *torch.autograd.grad(loss, inputs)])
     for ref, fast in zip(*results):
         torch.testing.assert_close(fast, ref, rtol=0, atol=1e-12)
@@ -288,8 +287,6 @@ def test_fast_column_cache_not_filled_under_inference_mode():
 def test_short_conv_silu_reference_and_checks():
     """The fused kernel's reference is SiLU of the convolution from zero history; its entry checks run on CPU
     (the kernel itself: tests/ops/triton_interpreter_checks.py and tests/gpu)."""
-    import os
-
     from k3.ops.short_conv import naive_short_conv_silu, short_conv_silu, short_conv_silu_available
 
     g = torch.Generator().manual_seed(0)
@@ -305,15 +302,17 @@ def test_short_conv_silu_reference_and_checks():
         short_conv_silu(x.float(), w[:5].float())
     with pytest.raises(ValueError, match="batch of 1"):
         short_conv_silu(x.float().expand(2, -1, -1), w.float(), cu)
-    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not INTERPRETING:
         with pytest.raises(RuntimeError, match="Triton"):
             short_conv_silu(x.float(), w.float())
 
 
-@pytest.mark.skipif(ON_GPU or INTERPRETING, reason="kernels run directly in this process")
-def test_fused_backward_variants_in_interpreter():
-    pytest.importorskip("triton")
-    run_module_in_interpreter(f"{__file__}::test_fused_backward_variants")
+test_fused_backward_variants_in_interpreter = rerun_in_interpreter(f"{__file__}::test_fused_backward_variants")
+
+
+@pytest.fixture
+def dev():
+    return kernel_device()
 
 
 class _Launches:
@@ -331,14 +330,12 @@ class _Launches:
 @pytest.mark.parametrize("blocks", [None, (8, 32, 4, 3, 1), (16, 32, 4, 2, 2), short_conv._CONV_GRAD_BLOCKS,
                                     short_conv._CONV_GRAD_BLOCKS_INTERPRETED],
                          ids=["per-block", "blocks3", "blocks2-staged", "gpu-default", "interpreter-default"])
-def test_fused_backward_variants(blocks, W, monkeypatch):
+def test_fused_backward_variants(blocks, W, dev, monkeypatch):
     """short_conv_silu with kernel 1 as the per-block kernel and as the multi-block one at several settings and at
     both defaults (`_CONV_GRAD_BLOCKS`, `_CONV_GRAD_BLOCKS_INTERPRETED`), fp32 against the fp64 reference: output,
     dx and dw ≤ 1e-5 relative RMSE. Packed documents that end at, one before and one after the 24-token program
     blocks and at 127-129 (the 32- and 128-token blocks), three 128-row programs, tokens and channels not
     multiples of the tiles; and batched rows without documents."""
-    if not (ON_GPU or INTERPRETING):
-        pytest.skip("runs in the interpreter subprocess (test_fused_backward_variants_in_interpreter)")
     if ON_GPU and blocks == short_conv._CONV_GRAD_BLOCKS_INTERPRETED:
         pytest.skip("the interpreter's 128-row tiles: a slow, spilling compile on a GPU")
     monkeypatch.setattr(short_conv, "_CONV_GRAD_BLOCKS", blocks)
@@ -348,40 +345,34 @@ def test_fused_backward_variants(blocks, W, monkeypatch):
     monkeypatch.setattr(short_conv, "_CONV_STREAM_INTERPRETED", None)
     launches = _Launches(short_conv._conv_silu_grad_blocks_kernel)
     monkeypatch.setattr(short_conv, "_conv_silu_grad_blocks_kernel", launches)
-    _check_fused_against_reference(W)
+    _check_fused_against_reference(W, dev)
     assert launches.count == (0 if blocks is None else 3)
 
 
-@pytest.mark.skipif(ON_GPU or INTERPRETING, reason="kernels run directly in this process")
-def test_fused_stream_variants_in_interpreter():
-    pytest.importorskip("triton")
-    run_module_in_interpreter(f"{__file__}::test_fused_stream_variants")
+test_fused_stream_variants_in_interpreter = rerun_in_interpreter(f"{__file__}::test_fused_stream_variants")
 
 
 @pytest.mark.parametrize("stream, W", [((24, 32, 1, 1), 4), ((24, 32, 1, 1), 3), ((128, 64, 2, 3), 4)],
                          ids=["seg24", "seg24-W3", "seg128-staged"])
-def test_fused_stream_variants(stream, W, monkeypatch):
+def test_fused_stream_variants(stream, W, dev, monkeypatch):
     """The streaming forward and backward (`_CONV_FWD_STREAM`, `_CONV_BWD_STREAM`: the GPU's default; in the
     interpreter `_CONV_STREAM_INTERPRETED`) at several segment and channel
     widths, fp32 against the fp64 reference (≤ 1e-5): documents ending at, one before and one after the 24-token
     segments and 127-129 (the 128-token ones), so a segment's three halo rows cross into the next document;
     channels not a multiple of BC (37 against 32 and 64); batched rows without documents."""
-    if not (ON_GPU or INTERPRETING):
-        pytest.skip("runs in the interpreter subprocess (test_fused_stream_variants_in_interpreter)")
     monkeypatch.setattr(short_conv, "_CONV_FWD_STREAM", stream)
     monkeypatch.setattr(short_conv, "_CONV_BWD_STREAM", stream)
     monkeypatch.setattr(short_conv, "_CONV_STREAM_INTERPRETED", stream)
     launches = [_Launches(short_conv._conv_silu_fwd_stream_kernel), _Launches(short_conv._conv_silu_bwd_stream_kernel)]
     monkeypatch.setattr(short_conv, "_conv_silu_fwd_stream_kernel", launches[0])
     monkeypatch.setattr(short_conv, "_conv_silu_bwd_stream_kernel", launches[1])
-    _check_fused_against_reference(W)
+    _check_fused_against_reference(W, dev)
     assert [n.count for n in launches] == [3, 3]
 
 
-def _check_fused_against_reference(W):
+def _check_fused_against_reference(W, device):
     from k3.ops.short_conv import naive_short_conv_silu, short_conv_silu
 
-    device = "cuda" if ON_GPU else "cpu"
     g = torch.Generator().manual_seed(W)
     C = 37
     # the third input spans three 128-row programs (the defaults' blocks), documents ending at 127, 128 and 129
@@ -407,7 +398,7 @@ def test_stream_backward_carries_its_row_windows():
     """The streaming backward's loop carries all ten of its row vectors (x, g at u − 1..u − 3 and the four dw
     sums), compiled for sm_90 offline. Triton carries a name through a loop only if its value changes there; the
     first form started g1, g2, g3 from one zeros tensor, so `g3 = g2` looked unchanged and g2, g3 stayed zero on
-    the GPU while the interpreter (plain Python) was right (session 18)."""
+    the GPU while the interpreter (plain Python) was right."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -1,48 +1,48 @@
-"""The Triton kernels of k3.ops (SiTU-GLU, RMSNorm / gated RMSNorm, AttnRes read) through the Triton
-interpreter on CPU, against the fp64 references: forward and every gradient.
+"""The Triton kernels of k3.ops (SiTU-GLU, the MoE's weighted SiTU-GLU, combine, dispatch and weight-gradient GEMMs,
+RMSNorm / gated RMSNorm, the AttnRes reads, the router's top-k, the short conv + SiLU, the chunked loss's row kernel)
+through the Triton interpreter on CPU, against fp64 references: forward and every gradient.
 
-Run by tests/ops/test_triton_interpreter.py in a subprocess, because TRITON_INTERPRET must be set
-before triton is imported. Tolerances are relative RMSE (‖a − b‖ / ‖b‖): fp32 ≤ 2e-6, bf16 ≤ 1e-2.
-The interpreter (triton 3.6) truncates fp32 → bf16 stores where a GPU rounds to nearest, so bf16 results
-here carry about 1.3× a GPU's rounding error; "no worse than the unfused path" is checked on the GPU.
+Not collected by name: tests/ops/test_triton_interpreter.py runs this file in a subprocess with TRITON_INTERPRET=1
+(tests/interpreter.py), which must be set before triton is imported. Tolerances are relative RMSE
+(‖a − b‖ / ‖b‖): fp32 ≤ 2e-6, bf16 ≤ 1e-2. The interpreter (triton 3.6) truncates fp32 → bf16 stores where a GPU
+rounds to nearest, so bf16 results here carry about 1.3× a GPU's rounding error; "no worse than the unfused path"
+is checked on the GPU.
 """
 
-import os
+import pytest
+import torch
 
-os.environ["TRITON_INTERPRET"] = "1"
-
-import torch  # noqa: E402
-
-from k3.model.attn_res import attn_res_read, block_reads  # noqa: E402
-from k3.ops.attn_res import attn_res_read_triton  # noqa: E402
-from k3.ops import cross_entropy  # noqa: E402
-from k3.ops.cross_entropy import chunked_linear_cross_entropy, naive_linear_cross_entropy  # noqa: E402
-from k3.ops import grouped_gemm, moe  # noqa: E402
-from k3.model.moe import LatentExperts  # noqa: E402
-from k3.ops.moe import sum_rows_triton  # noqa: E402
-from k3.ops.norm import _row_view, naive_rms_norm, rms_norm_triton  # noqa: E402
-from k3.ops import short_conv  # noqa: E402
-from k3.ops.short_conv import naive_short_conv_silu, short_conv_silu  # noqa: E402
-from k3.ops.situ import (naive_situ_glu, situ_glu_backward_triton, situ_glu_forward_triton,  # noqa: E402
+from k3.model.attn_res import attn_res_read, block_reads
+from k3.model.moe import LatentExperts
+from k3.ops import cross_entropy, grouped_gemm, moe, short_conv
+from k3.ops.attn_res import attn_res_read_triton
+from k3.ops.cross_entropy import chunked_linear_cross_entropy, naive_linear_cross_entropy
+from k3.ops.moe import sum_rows_triton
+from k3.ops.norm import _row_view, naive_rms_norm, rms_norm_triton
+from k3.ops.short_conv import naive_short_conv_silu, short_conv_silu
+from k3.ops.situ import (naive_situ_glu, situ_glu_backward_triton, situ_glu_forward_triton,
                          weighted_situ_glu_backward_triton)
+from tests.interpreter import INTERPRETING
 
+if not INTERPRETING:
+    pytest.skip("runs in the Triton interpreter's subprocess (test_triton_interpreter.py)", allow_module_level=True)
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+DTYPES = pytest.mark.parametrize("dtype", [F32, BF16])
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
-failures = []
 
 
 def check(name, got, ref, dtype, tol=None):
     err = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-    ok = err <= (tol or TOL[dtype]) and torch.isfinite(got).all()
-    print(f"{'ok  ' if ok else 'FAIL'} {name:<40} {str(dtype):<15} rel {err:.2e}")
-    if not ok:
-        failures.append(name)
+    assert err <= (tol or TOL[dtype]) and torch.isfinite(got).all(), f"{name} ({dtype}): rel {err:.2e}"
 
 
 def leaf(t, dtype=torch.float64):
     return t.detach().to(dtype).requires_grad_()
 
 
-def situ(dtype):
+@DTYPES
+def test_situ(dtype):
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 140, generator=g, dtype=torch.float64) * torch.tensor([6.0] * 70 + [40.0] * 70)
     gate, up = h[:, :70], h[:, 70:]  # row-strided views, as the MoE path passes them
@@ -57,7 +57,8 @@ def situ(dtype):
     check("situ d up", du, ur.grad, dtype)
 
 
-def weighted_situ(dtype, M=45, N=70):
+@DTYPES
+def test_weighted_situ(dtype, M=45, N=70):
     """The MoE's row-weighted SiTU-GLU: a = p ⊙ f(g, u); forward, dg, du, dp and the weighted activation
     (columns not a multiple of the kernel's 64-column tile, rows not a multiple of its 8-row block)."""
     g = torch.Generator().manual_seed(1)
@@ -79,7 +80,8 @@ def weighted_situ(dtype, M=45, N=70):
     assert dp.dtype == torch.float32 and wact.dtype == dtype
 
 
-def sum_rows(dtype, N=37, k=3, L=150):
+@DTYPES
+def test_sum_rows(dtype, N=37, k=3, L=150):
     """The MoE combine: out[n] = Σ_j y[dest[n·k + j]] (fp32 sum), with padding rows in y that no token reads,
     N and L not multiples of the kernel's tiles, and y a row-strided view."""
     g = torch.Generator().manual_seed(3)
@@ -96,7 +98,8 @@ def sum_rows(dtype, N=37, k=3, L=150):
     assert exact.dtype == torch.float64 and ((exact - ref).abs().max() <= 1e-12 * ref.abs().max()), "fp64 combine"
 
 
-def spread_rows(x_dtype, out_dtype, N=37, L=150, M=101):
+@pytest.mark.parametrize("x_dtype, out_dtype", [(F32, F32), (BF16, BF16), (F32, BF16)])
+def test_spread_rows(x_dtype, out_dtype, N=37, L=150, M=101):
     """The MoE dispatch's row spread (out[r] = x[src[r]], zero rows where src = N, cast while copying) against
     torch's gather: exact where the dtype stays, bf16 rounding where fp32 becomes bf16."""
     g = torch.Generator().manual_seed(N + L)
@@ -107,15 +110,13 @@ def spread_rows(x_dtype, out_dtype, N=37, L=150, M=101):
     ref = torch.cat([x.double(), torch.zeros(1, L, dtype=torch.float64)]).index_select(0, src)
     tag = f"spread rows {x_dtype} -> {out_dtype}"
     if x_dtype == out_dtype:
-        ok = out.dtype == out_dtype and torch.equal(out.double(), ref)
-        print(f"{'ok  ' if ok else 'FAIL'} {tag}")
-        if not ok:
-            failures.append(tag)
+        assert out.dtype == out_dtype and torch.equal(out.double(), ref), tag
     else:
         check(tag, out, ref, out_dtype)
 
 
-def grouped_wgrad(dtype):
+@DTYPES
+def test_grouped_wgrad(dtype):
     """The weight-gradient grouped GEMM against per-group fp64 products: empty groups, groups shorter and longer
     than a tile of rows, K, N and the rows not multiples of the tiles, a transposed (strided) operand."""
     g = torch.Generator().manual_seed(5)
@@ -132,7 +133,8 @@ def grouped_wgrad(dtype):
         assert got[0].abs().max() == 0 and got[3].abs().max() == 0, "an empty group's weight gradient is zero"
 
 
-def grouped_wgrad_into(dtype):
+@DTYPES
+def test_grouped_wgrad_into(dtype):
     """The weight-gradient kernel writing two fp32 outputs (rows split at 20, inside a 32-row tile) and then
     adding a second product into them, against the fp64 per-group products."""
     g = torch.Generator().manual_seed(6)
@@ -151,7 +153,7 @@ def grouped_wgrad_into(dtype):
     check("grouped_mm_wgrad_into, accumulated", torch.cat(outs, 1), second, dtype)
 
 
-def experts_accumulating_weight_grads():
+def test_experts_accumulating_weight_grads():
     """Two micro-batches through the expert function inside `accumulating_weight_grads` (the Triton weight-gradient
     kernel writing w1's and w3's .grad, then adding into them): the same .grad as the engine's sum of the two
     backward passes (fp32, within the kernel's fp32 rounding)."""
@@ -188,7 +190,7 @@ def experts_accumulating_weight_grads():
         check(f"experts accumulated d{name}", a, b.double(), torch.float32, tol=1e-6)
 
 
-def experts_triton_wgrad():
+def test_experts_triton_wgrad():
     """The whole expert function with the Triton weight-gradient GEMMs (GROUPED_WGRAD = "triton", the other
     GEMMs through torch._grouped_mm as on CUDA, fp32) against the fp64 reference dispatch."""
     E, L, I, N, k = 8, 32, 24, 50, 3
@@ -221,7 +223,9 @@ def experts_triton_wgrad():
         check(f"experts (Triton dW) d{name}", a, b, torch.float32, tol=1e-5)
 
 
-def norm(dtype, D, gated):
+@DTYPES
+@pytest.mark.parametrize("D, gated", [(96, False), (130, True), (64, True)])
+def test_norm(dtype, D, gated):
     g = torch.Generator().manual_seed(D)
     x = torch.randn(3, 13, D, generator=g, dtype=torch.float64) * 3
     w = 1 + 0.2 * torch.randn(D, generator=g, dtype=torch.float64)
@@ -243,7 +247,7 @@ def norm(dtype, D, gated):
         check(tag + " dgate", gt.grad, gr.grad, dtype)
 
 
-def norm_out_dtype(D):
+def test_norm_out_dtype(D=96):
     """fp32 x written as bf16 by the norm itself (the routed experts' latent norm): as the reference rounded once."""
     g = torch.Generator().manual_seed(D + 1)
     x = torch.randn(5, 11, D, generator=g, dtype=torch.float64) * 3
@@ -262,7 +266,8 @@ def norm_out_dtype(D):
     check(f"rmsnorm fp32 -> bf16 D={D} dw", wt.grad, wr.grad, torch.bfloat16)
 
 
-def norm_strided(dtype, H=3, D=16):
+@DTYPES
+def test_norm_strided(dtype, H=3, D=16):
     """x and the gate as KDA hands them over: column slices of wider projection rows, split into H heads
     ([B, T, H, D] views of row stride W), read in place; their gradients land in those columns only."""
     g = torch.Generator().manual_seed(H * D)
@@ -292,7 +297,9 @@ def norm_strided(dtype, H=3, D=16):
     check("rmsnorm, column slice forward", out, ref, dtype)
 
 
-def attn_res(dtype, n, D, one_row=False):
+@pytest.mark.parametrize("dtype, n, D, one_row", [(F32, 2, 80, False), (F32, 3, 100, False), (F32, 5, 64, False),
+                                                 (BF16, 4, 96, False), (F32, 3, 100, True)])
+def test_attn_res(dtype, n, D, one_row):
     """The fused read against the stacked fp64 reference; `one_row`: one row per program on one warp (the GPU's
     launch at D ≤ 1024, which the interpreter skips)."""
     from k3.ops import attn_res as ops_attn_res
@@ -325,7 +332,10 @@ def _attn_res(dtype, n, D, label):
         check(tag + f" d source {i}", st[i].grad, sr[i].grad, dtype)
 
 
-def attn_res_two_phase(dtype, n, J, D):
+# one sealed source (block 0), J not a power of two, D not a multiple of the 64-column chunks, K3's J = 25
+@pytest.mark.parametrize("dtype, n, J, D", [(F32, 1, 3, 64), (F32, 3, 5, 80), (F32, 4, 7, 96),
+                                            (F32, 2, 25, 40), (BF16, 4, 7, 96)])
+def test_attn_res_two_phase(dtype, n, J, D):
     """The fused two-phase form (one phase 1 over n sealed sources for J queries, then J merges with partial
     sums) against the torch form in fp64 on the same (dtype-rounded) values: the first query's phase-1 output
     is used directly, as the model's first read of a block is. Query gradients sum ds·r·v over every row and
@@ -360,7 +370,8 @@ def attn_res_two_phase(dtype, n, J, D):
     check(tag + " d merge queries", w.grad, r_w.grad, dtype, qtol)
 
 
-def attn_res_sealed(dtype, D=96):
+@pytest.mark.parametrize("dtype, D", [(F32, 96), (BF16, 64)])
+def test_attn_res_sealed(dtype, D):
     """Sealed sources (`seal_source`) read by a chain of fused reads, as the model reads its blocks: their gradients
     summed inside the reads' kernels (every later read adds into the first one's buffer) against the fp64 torch
     reads, whose gradients autograd sums; a partial sum that is also used outside the reads, and a sealed source
@@ -408,8 +419,7 @@ def attn_res_sealed(dtype, D=96):
     check(tag + " d partial", p.grad, r_p.grad, dtype)
     check(tag + " d queries", q.grad, r_q.grad, dtype, 1e-5 if dtype == torch.float32 else None)
     # backward order: read 3 (sealed 1, 2 new), 2 (0 new; 1, 2 add), 1 (0, 1 add), 0 (0 adds); the partial never
-    if masks != [0b000, 0b0110, 0b011, 0b01]:
-        failures.append(f"{tag}: accumulate masks {[bin(m) for m in masks]}")
+    assert masks == [0b000, 0b0110, 0b011, 0b01], f"{tag}: accumulate masks {[bin(m) for m in masks]}"
 
 
 def debug_model_gradients(model, ids):
@@ -425,7 +435,7 @@ def debug_model_gradients(model, ids):
     return {"logits": logits, **{n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
 
 
-def model_sealed_reads():
+def test_model_sealed_reads():
     """The debug model in fp64 with the fused direct reads (`attn_res_impl="triton"`; fp32 inside the kernels),
     its sealed sources summing their gradients in the kernels, against (a) the torch reads: logits ≤ 2e-6, every
     parameter gradient ≤ 5e-4 (the fused read's own fp32 rounding, amplified through five layers' backward:
@@ -458,12 +468,12 @@ def model_sealed_reads():
             runs[name] = debug_model_gradients(model, ids)
     finally:
         model_module.seal = seal
-    if len(sinks) != 3 or any(s is None or s.grad is not None for s in sinks):  # 5 layers in blocks of 2
-        failures.append(f"model sealed reads: sinks {sinks} (expected 3, emptied by the backward)")
+    # 5 layers in blocks of 2
+    assert len(sinks) == 3 and all(s is not None and s.grad is None for s in sinks), \
+        f"model sealed reads: sinks {sinks} (expected 3, emptied by the backward)"
     for key, ref in runs["torch"].items():
-        if key not in runs["sealed"]:
-            failures.append(f"model sealed reads: no gradient for {key}")
-        elif ref.abs().sum() > 0:
+        assert key in runs["sealed"], f"model sealed reads: no gradient for {key}"
+        if ref.abs().sum() > 0:
             check(f"model sealed reads {key}", runs["sealed"][key], ref, torch.float32,
                   2e-6 if key == "logits" else 5e-4)
             check(f"model sealed vs unsealed {key}", runs["sealed"][key], runs["fused"][key], torch.float32, 1e-6)
@@ -471,7 +481,8 @@ def model_sealed_reads():
                   torch.float32, 1e-12)
 
 
-def topk_cutoff(N, E, k):
+@pytest.mark.parametrize("N, E, k", [(3, 64, 8), (77, 64, 8), (9, 896, 16), (5, 10, 1)])
+def test_topk_cutoff(N, E, k):
     """The router's fused top-k + cutoff against torch.topk on s + b: the same ids (random scores have no ties)
     and bit-identical cutoffs; a row of equal values takes the lowest ids; NaN scores rank first (as in
     torch.topk), so no id is out of range."""
@@ -493,12 +504,11 @@ def topk_cutoff(N, E, k):
           and torch.equal(idx[2, :2], torch.tensor([3, E - 1])[:k]))
     if N == 3:
         ok = ok and torch.equal(idx[1], torch.arange(k)) and cutoff[1].item() == 0.5
-    print(f"{'ok  ' if ok else 'FAIL'} {tag}")
-    if not ok:
-        failures.append(tag)
+    assert ok, tag
 
 
-def qb_histogram(N, E, num_bins):
+@pytest.mark.parametrize("N, E, num_bins", [(70, 64, 1000), (9, 100, 37)])
+def test_qb_histogram(N, E, num_bins):
     """Quantile Balancing's histogram from the fused kernel against the torch path: identical counts over two
     micro-batches, with values binned below the range, above it (clamped) and exactly on bin edges."""
     from k3.model.quantile_balancing import QuantileHistogram, route_topk_with_cutoff
@@ -517,12 +527,10 @@ def qb_histogram(N, E, num_bins):
             hist.add(scores, cutoff)
     tag = f"qb histogram N={N} E={E} bins={num_bins}"
     ok = torch.equal(hists[0].counts, hists[1].counts) and int(hists[1].counts.sum()) == 2 * N * E
-    print(f"{'ok  ' if ok else 'FAIL'} {tag}")
-    if not ok:
-        failures.append(tag)
+    assert ok, tag
 
 
-def model_two_phase():
+def test_model_two_phase():
     """The debug model (5 layers in blocks of 2, random queries) in fp64 with the fused two-phase wiring (fp32
     inside the AttnRes kernels) against the direct wiring: logits ≤ 2e-6, every parameter gradient ≤ 5e-5 (the
     model's other ops in fp64, so only the kernels' fp32 rounding separates the two, amplified through five
@@ -547,17 +555,37 @@ def model_two_phase():
             runs[impl] = debug_model_gradients(model, ids)
     finally:
         model_module.fused_two_phase_available, attn_res_model.attn_res_phase1_triton = available, phase1
-    if len(fused_calls) != 3:  # one phase 1 per block: 5 layers in blocks of 2
-        failures.append(f"model two-phase: {len(fused_calls)} fused phase-1 calls, expected 3")
+    # one phase 1 per block: 5 layers in blocks of 2
+    assert len(fused_calls) == 3, f"model two-phase: {len(fused_calls)} fused phase-1 calls, expected 3"
     for key, ref in runs["direct"].items():
         if ref.abs().sum() > 0:
             check(f"model two-phase {key}", runs["two_phase"][key], ref, torch.float32,
                   None if key == "logits" else 5e-5)
 
 
-def conv_silu(dtype, B, T, C, lengths, tol_dtype=None):
+# the backward's tiles: documents ending exactly at a token-tile edge (64), one token before one (127: dx of
+# tokens 125-126 must not take g from the next tile, which is the next document) and one after (129: token
+# 127 takes g from the next tile), T and C not multiples of the tile; batched rows ending at tile edges
+BT, BC = short_conv._CONV_BWD_BT, short_conv._CONV_BWD_BC
+AT_TILE_EDGES = [BT, BT - 1, 2, BT + 1, 1, 4]
+
+
+# g_fp32 False: g between the backward's kernels in x's dtype (fp32 input keeps fp32)
+@pytest.mark.parametrize("dtype, B, T, C, lengths, tol_dtype, g_fp32", [
+    # documents of 1, 2 and 3 tokens (shorter than the 3-token history), one crossing the 64-token blocks
+    (F32, 1, 140, 70, [1, 2, 3, 60, 1, 73], None, True),
+    (BF16, 1, 140, 70, [1, 2, 3, 60, 1, 73], None, True),
+    (F32, 2, 67, 64, None, None, True),
+    (F32, 1, 1, 5, [1], None, True),
+    (F32, 1, 3 * BT + 7, BC + 3, AT_TILE_EDGES, None, True),
+    (F32, 3, BT, BC - 24, None, None, True),
+    (F16, 1, 3 * BT + 7, BC + 3, AT_TILE_EDGES, BF16, True),
+    (F32, 1, 3 * BT + 7, BC + 3, AT_TILE_EDGES, None, False),
+    (BF16, 1, 3 * BT + 7, BC + 3, AT_TILE_EDGES, None, False)])
+def test_conv_silu(dtype, B, T, C, lengths, tol_dtype, g_fp32, monkeypatch):
     """The fused short conv + SiLU against the fp64 reference, forward and both gradients; `tol_dtype` holds
     a dtype without a tolerance of its own (fp16) to another's."""
+    monkeypatch.setattr(short_conv, "_CONV_G_FP32", g_fp32)
     g = torch.Generator().manual_seed(T + C)
     cu = None if lengths is None else torch.tensor([0] + lengths).cumsum(0)
     # a column slice of a wider projection output, as the KDA layer passes it
@@ -577,7 +605,9 @@ def conv_silu(dtype, B, T, C, lengths, tol_dtype=None):
     assert wide_t.grad[..., :C].abs().max() == 0 and wide_t.grad[..., 2 * C:].abs().max() == 0
 
 
-def loss_rows(dtype, N, V, chunk_rows):
+# the second case: two vocabulary tiles, the second partial
+@pytest.mark.parametrize("dtype, N, V, chunk_rows", [(F32, 21, 300, 8), (F32, 9, 5000, 4), (BF16, 21, 300, 8)])
+def test_loss_rows(dtype, N, V, chunk_rows):
     """The chunked loss with its per-row Triton kernel (logsumexp, loss, softmax − onehot in place)."""
     g = torch.Generator().manual_seed(V)
     h = torch.randn(N, 24, generator=g, dtype=torch.float64) * 2
@@ -602,60 +632,3 @@ def loss_rows(dtype, N, V, chunk_rows):
     check(tag + " dw", wt.grad, wr.grad, dtype)
     assert ht.grad[1].abs().max() == 0 and ht.grad[N - 2].abs().max() == 0
 
-
-loss_rows(torch.float32, 21, 300, 8)
-loss_rows(torch.float32, 9, 5000, 4)  # two vocabulary tiles, the second partial
-loss_rows(torch.bfloat16, 21, 300, 8)
-for dtype in (torch.float32, torch.bfloat16):
-    # documents of 1, 2 and 3 tokens (shorter than the 3-token history), one crossing the 64-token blocks
-    conv_silu(dtype, 1, 140, 70, [1, 2, 3, 60, 1, 73])
-conv_silu(torch.float32, 2, 67, 64, None)
-conv_silu(torch.float32, 1, 1, 5, [1])
-# the backward's tiles: documents ending exactly at a token-tile edge (64), one token before one (127: dx of
-# tokens 125-126 must not take g from the next tile, which is the next document) and one after (129: token
-# 127 takes g from the next tile), T and C not multiples of the tile; batched rows ending at tile edges
-BT, BC = short_conv._CONV_BWD_BT, short_conv._CONV_BWD_BC
-conv_silu(torch.float32, 1, 3 * BT + 7, BC + 3, [BT, BT - 1, 2, BT + 1, 1, 4])
-conv_silu(torch.float32, 3, BT, BC - 24, None)
-conv_silu(torch.float16, 1, 3 * BT + 7, BC + 3, [BT, BT - 1, 2, BT + 1, 1, 4], tol_dtype=torch.bfloat16)
-short_conv._CONV_G_FP32 = False  # g between the backward's kernels in x's dtype (fp32 input keeps fp32)
-for dtype in (torch.float32, torch.bfloat16):
-    conv_silu(dtype, 1, 3 * BT + 7, BC + 3, [BT, BT - 1, 2, BT + 1, 1, 4])
-short_conv._CONV_G_FP32 = True
-for x_dtype, out_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                           (torch.float32, torch.bfloat16)):
-    spread_rows(x_dtype, out_dtype)
-for dtype in (torch.float32, torch.bfloat16):
-    grouped_wgrad(dtype)
-experts_triton_wgrad()
-grouped_wgrad_into(torch.float32)
-grouped_wgrad_into(torch.bfloat16)
-experts_accumulating_weight_grads()
-for dtype in (torch.float32, torch.bfloat16):
-    situ(dtype)
-    weighted_situ(dtype)
-    sum_rows(dtype)
-    for D, gated in ((96, False), (130, True), (64, True)):
-        norm(dtype, D, gated)
-norm_out_dtype(96)
-for dtype in (torch.float32, torch.bfloat16):
-    norm_strided(dtype)
-for n, D in ((2, 80), (3, 100), (5, 64)):
-    attn_res(torch.float32, n, D)
-attn_res(torch.bfloat16, 4, 96)
-attn_res(torch.float32, 3, 100, one_row=True)
-attn_res_sealed(torch.float32)
-attn_res_sealed(torch.bfloat16, 64)
-model_sealed_reads()
-for N, E, k in ((3, 64, 8), (77, 64, 8), (9, 896, 16), (5, 10, 1)):
-    topk_cutoff(N, E, k)
-qb_histogram(70, 64, 1000)
-qb_histogram(9, 100, 37)
-# one sealed source (block 0), J not a power of two, D not a multiple of the 64-column chunks, K3's J = 25
-for n, J, D in ((1, 3, 64), (3, 5, 80), (4, 7, 96), (2, 25, 40)):
-    attn_res_two_phase(torch.float32, n, J, D)
-attn_res_two_phase(torch.bfloat16, 4, 7, 96)
-model_two_phase()
-if failures:
-    raise SystemExit(f"{len(failures)} interpreter checks failed: {failures}")
-print("all interpreter checks passed")

@@ -1,7 +1,7 @@
 """Pure-PyTorch references for Kimi Delta Attention (KDA): the gate, the token recurrence, the chunked form.
 
-`naive_recurrent_kda` is the ground truth: it runs the per-token recurrence of architecture.md §2.2 step 7
-literally. `naive_chunk_kda` is the UT-transform chunked form of §2.4; it computes every intra-chunk
+`naive_recurrent_kda` is the ground truth: it runs the per-token recurrence of docs/kda.md §2 literally.
+`naive_chunk_kda` is the UT-transform chunked form of docs/kda.md §3; it computes every intra-chunk
 quantity for all chunks at once and loops in Python only over the inter-chunk state hand-off, so it is
 fast enough to train small models on CPU with autograd. Both accept packed documents through `cu_seqlens`.
 The chunked form computes the decay between positions r ≥ i as exp(G[r] − G[i]) directly (never the
@@ -21,7 +21,7 @@ def naive_kda_gate(
     dt_bias: torch.Tensor | None = None,
     lower_bound: float = -5.0,
 ) -> torch.Tensor:
-    """Lower-bounded log-decay g = lower_bound · σ(exp(A_log[h]) · (z + dt_bias)) (§2.2 step 6).
+    """Lower-bounded log-decay g = lower_bound · σ(exp(A_log[h]) · (z + dt_bias)) (docs/kda.md §1).
 
     z: [..., H, K] raw decay logits, any float dtype. A_log: [H]. dt_bias: [H*K], [H, K] or None.
     Returns g with z's shape, in float32 (float64 if z is float64), within [lower_bound, 0].
@@ -89,7 +89,7 @@ def naive_chunk_kda(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunked KDA via the UT transform (§2.4); same arguments and results as `naive_recurrent_kda`.
+    """Chunked KDA via the UT transform (docs/kda.md §3); same arguments and results as `naive_recurrent_kda`.
 
     chunk_size: any C ≥ 1; T need not be a multiple of it. With cu_seqlens the documents are gathered
     into a zero-padded batch [N, T_max, H, ·], run once, and scattered back.
@@ -178,7 +178,7 @@ def prepare_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
 
 
 def _recurrent(q, k, v, g, beta, S):
-    """§2.2 step 7, one token at a time. Inputs [B, T, H, ·] (q scaled), S [B, H, K, V]."""
+    """The recurrence (docs/kda.md §2), one token at a time. Inputs [B, T, H, ·] (q scaled), S [B, H, K, V]."""
     B, T, H, _ = q.shape
     outs = []
     for t in range(T):
@@ -192,11 +192,12 @@ def _recurrent(q, k, v, g, beta, S):
 
 
 def chunk_form(q, k, v, g, beta, S, C, scores=None):
-    """§2.4 for a batch: intra-chunk terms for all chunks at once, then the state hand-off chunk by chunk.
+    """The chunked form (docs/kda.md §3) for a batch: intra-chunk terms for all chunks at once, then the state
+    hand-off chunk by chunk.
 
     Inputs [B, T, H, ·] (q scaled), S [B, H, K, V]. Returns o [B, T, H, V] and the final state.
     `scores(q, k, beta, G) -> (Akk, Aqk)` builds the two intra-chunk matrices; the default is the exact
-    direct form below, chunk.py supplies the factorised one.
+    direct form below, torch_chunk.py supplies the factorised one.
     """
     B, T, H, K = k.shape
     V = v.shape[-1]

@@ -1,12 +1,12 @@
 """The inference forward of `chunk_kda` (no backward can follow: prefill, `torch.no_grad` forwards) in 16-token
 chunks, or 32-token chunks made of 16-token halves (`TUNING["prefill_chunk"]`).
 
-Why a second forward: the training forward (`triton_chunk.py`, 64-token chunks) writes what its backward reads: W,
-U, T, Aqk and G, ~5.8 GB of intermediates at the K3 shape, 2.9 ms where the memory floor is 0.24 ms. An
-inference forward keeps none of it, and the lower-bounded gate allows a smaller chunk: over 16 tokens with
-g ≥ −5 the in-chunk decay exp(G_r − G_i) lies in [e^−80, e^80], inside fp32's and bf16's range, so one anchor, the
-chunk's start, serves every score of the chunk (no sub-blocks, no 64×64 solve). The design follows Moonshot's
-FlashKDA forward (CUDA); docs/kda-kernels.md §9 says what was taken over and what differs, §6-§7 what was measured:
+Why a second forward: the training forward (64-token chunks) writes what its backward reads, W, U, T, Aqk and G
+(~5.8 GB of intermediates at the K3 shape), far above an inference forward's memory floor. This one keeps none of
+it, and the lower-bounded gate allows a smaller chunk: over 16 tokens with g ≥ −5 the in-chunk decay
+exp(G_r − G_i) lies in [e^−80, e^80], inside fp32's and bf16's range, so one anchor, the chunk's start, serves every
+score of the chunk (no row blocks, no 64×64 solve). The design follows Moonshot's FlashKDA forward (CUDA);
+docs/kda-kernels.md, "Kernels by stage", says what was taken over and what differs.
 
 - `_prefill_prepare`, one program per (16-token chunk, head), all chunks in parallel: the gate, its in-chunk
   cumulative sum G (inclusive), the q/k L2 norms and β; then, with Γ = exp(G) and Γ_C its last row,
@@ -17,38 +17,39 @@ FlashKDA forward (CUDA); docs/kda-kernels.md §9 says what was taken over and wh
   holds more than one half and no factor leaves e^±80.
 - `_prefill_state`, one program per (value block, sequence, head), the chunks of a sequence in order. With S the
   state at the chunk's start: Ũ = U − W·S, O = Q_d·S + M·Ũ, S ← Diag(Γ_C)·S + K_rᵀ·Ũ. 32-token chunks halve its
-  sequential steps (1.08 → 0.78 ms at the K3 shape, session 15). Value blocks of 64 on 4 warps: one block of 128
-  on 8 warps, whose two warpgroups share the step's W, Q_d and K_r tiles, won once and lost three times (sessions
-  23-24, `TUNING["prefill_state_bv"]`).
-- For one sequence whose state pass fits in one wave (latency-bound, a few programs per SM) and has at least 2^19
-  token-heads, the two run as a pipeline of segments of chunks (`pipelined`, `prefill_segments_for`): each
-  segment's state pass, on a high-priority side stream, beside the next segment's prepare (K3 shape 1.655 → 1.502
-  ms at 4 segments interleaved, session 22 run 1; 1.666 → 1.515 in the issue's table, run 3). With more state
-  programs than SMs the segments end in two shorter ones (`prefill_segment_tail`): the last state pass runs alone
-  after the whole prepare (K3 shape 1.319 → 1.290 ms, session 25).
+  sequential steps.
+- For one sequence whose state pass fits in one wave (latency-bound, a few programs per SM) and that has enough
+  work, the two run as a pipeline of segments of chunks (`pipelined`, `prefill_segments_for`): each segment's state
+  pass, on a high-priority side stream, beside the next segment's prepare. With more state programs than SMs the
+  segments end in shorter ones (`prefill_segment_tail`): the last state pass runs alone after the whole prepare.
 
 The state is kept transposed, X = Sᵀ [BV, K] fp32 in registers, so that it is the left operand of both products
 that read it (X·Wᵀ, X·Q_dᵀ) and the accumulator of the one that writes it (X·Γ_C + Ũᵀ·K_r): it never goes through
 shared memory. For bf16 inputs its products take plain bf16 operands (`TUNING["prefill_state_bf16"]`, FlashKDA's
-choice: 0.26 ms less at the K3 shape, o 4.0e-3 from fp64 against 3.0e-3, session 21); for fp32 inputs, and with
-that switch off, products with an fp32 operand are split bf16 (`_state_mm`, as the training forward's state pass).
+choice); for fp32 inputs, and with that switch off, products with an fp32 operand are split bf16 (`_state_mm`, as
+the training forward's state pass).
 
-Legend as in triton_chunk.py; here C = 16 or 32 and NT counts C-token chunks.
+Legend: TT tokens, H heads, K key dim, V value dim, N sequences, BV value block; here C = 16 or 32 and NT counts
+C-token chunks.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import threading
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from k3.ops import interpreting
-from k3.ops.kda.triton_common import (CHUNK, TUNING, _bp, _cast, _chunk_coords, _exp, _gate_tile, _inv16,
-                                      _inverse_precision, _launch_options, _load_beta, _load_gamma, _mm,
-                                      _mm_split, _sequence_coords, _state_mm, _store_block, pipelined, plan_for,
-                                      segment_bounds)
+from k3.ops.kda.chunk_common import (CHUNK, _bp, _cast, _chunk_coords, _exp, _gate_tile, _inv16, _inverse_precision,
+                                     _load_beta, _load_gamma, _mm, _mm_split, _sequence_coords, _state_mm, _store_block,
+                                     plan_for)
+from k3.ops.kda.tuning import TUNING, _launch_options
+
 
 @triton.jit
 def _store_rows(x, out, bos, L, i_h, row0, H, W: tl.constexpr, C: tl.constexpr, INTERP: tl.constexpr):
@@ -88,7 +89,7 @@ def _block16(q, k, v, z, b, A_log, dt_bias, bos, L, row0, i_h, scale, H, K: tl.c
     A = tl.where(r[:, None] > r[None, :], beta[:, None] * _mm(kd, kiT, SCORES_BF16, INTERP), 0.0)
     M = tl.where(r[:, None] >= r[None, :], _mm(qd, kiT, SCORES_BF16, INTERP), 0.0)
     P = _inv16(A, 16, INVERSE) * beta[None, :]
-    # W and U formed here, not P·(V − K_d·S) in the state pass: one product less on its chain (docs §7 item 30)
+    # W and U formed here, not P·(V − K_d·S) in the state pass: one product less on its chain
     v_t = tl.load(_bp(v, bos, L, i_h, row0, 0, H, V, 16, V), boundary_check=(0,), padding_option="zero")
     return qd32, qd, _mm_split(P, kd, INTERP), kr, _mm_split(P, v_t, INTERP), M, gamma_end
 
@@ -228,7 +229,7 @@ def _prefill_state(qd, w, kr, u, m_in, gc, h0, o, ht, hs, cu, chunk_off, hs_off,
             tl.store(ht + i_nh.to(tl.int64) * K * V + off_x, X)
 
 
-# the value block in which the dispatch thresholds (TUNING's prefill_*_programs) were measured, sessions 14-22
+# the value block in which the dispatch thresholds (TUNING's prefill_*_programs) were measured
 DISPATCH_BV = 64
 
 
@@ -242,10 +243,8 @@ def _state_programs(plan, H: int, V: int) -> int:
 def prefill_applies(plan, H: int, V: int, device: torch.device) -> bool:
     """Whether these kernels are the faster inference forward here: their state pass walks each sequence in 2× (4×
     at 16-token chunks) the steps of the 64-token one with half its value blocks, so it needs enough (value block,
-    sequence, head) programs, counted at BV 64 (`_state_programs`), to fill the GPU (session 14, 16-token chunks:
-    1.20-1.31× faster at 192 and 128 programs, 0.64× at 64), or, with fewer, enough work
-    (`TUNING["prefill_few_programs"]`: 32-token chunks win 1.14× at 64 programs and 2^19 token-heads, 1.18× at 32
-    programs and 2^20 as a pipeline; session 22)."""
+    sequence, head) programs, counted at BV 64 (`_state_programs`), to fill the GPU, or, with fewer, enough work
+    (`TUNING["prefill_few_programs"]`, in 32-token chunks)."""
     if not TUNING["prefill"]:
         return False
     programs = _state_programs(plan, H, V)
@@ -273,9 +272,8 @@ def prefill_chunk_for(plan, H: int, V: int, device: torch.device) -> int:
     """The inference forward's chunk: 32 while the state pass's (value block, sequence, head) programs (counted at
     BV 64, `_state_programs`) are at most `TUNING["prefill_chunk32_max_programs"]` (None: two per SM) and
     `TUNING["prefill_chunk"]` is 32; 16 beyond, or always with `prefill_chunk` 16. Few programs are latency-bound,
-    and 32-token chunks halve their sequential steps (T = 32768 H = 32, 64 programs: 2.705 against 3.377 ms, session
-    22 run 1); more are throughput-bound, and there the 16-token chunks' smaller products and the join they skip win
-    (192 programs: 1.502 against 1.709 ms)."""
+    and 32-token chunks halve their sequential steps; more are throughput-bound, and there the 16-token chunks'
+    smaller products and the join they skip win."""
     C = TUNING["prefill_chunk"]
     if C not in (16, 32):
         raise ValueError(f"TUNING['prefill_chunk'] must be 16 or 32, got {C}")
@@ -302,6 +300,51 @@ def prefill_segments_for(plan, H: int, V: int, device: torch.device) -> tuple[in
         return segments, ()
     regular = max(1, min(TUNING["prefill_segments"], TT // TUNING["prefill_tail_segment_tokens"]))
     return regular, tuple(TUNING["prefill_segment_tail"])
+
+
+def segment_bounds(n_chunks: int, segments: int, tail: Sequence[float] = ()) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of chunk indices that split n_chunks chunks into `segments` near-equal pipeline segments,
+    followed by one shorter segment per entry of `tail` (its size as a fraction of a regular one), fewer if there
+    are too few chunks. Every bound is even, so a chunk table sliced at it (two int32 per chunk) keeps the 16-byte
+    alignment that Triton specialises kernels on."""
+    pairs = -(-n_chunks // 2)
+    weights = [1.0] * max(1, segments) + [float(w) for w in tail]
+    if any(w <= 0 for w in weights):
+        raise ValueError(f"segment tail fractions must be positive, got {list(tail)}")
+    edges = [0.0, *itertools.accumulate(weights)]  # the last is sum(weights) exactly: the last cut is n_chunks
+    cuts = [min(2 * round(pairs * e / edges[-1]), n_chunks) for e in edges]
+    return [(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:]) if hi > lo]
+
+
+@functools.cache
+def _side_stream(device: torch.device, thread: int) -> torch.cuda.Stream:
+    """One per device and thread: a stream shared across threads would tie one thread's work (or CUDA graph capture)
+    to another's."""
+    return torch.cuda.Stream(device, priority=-1)  # the highest priority: its blocks are scheduled first
+
+
+def pipelined(device: torch.device, n: int, produce, consume) -> None:
+    """produce(i), then consume(i), for i in range(n), with consume(i) overlapping produce(i + 1): on CUDA the
+    producers run on the current stream and the consumers, in order, on a high-priority side stream, each after its
+    producer (an event); the current stream then waits for the side stream, so whatever follows (and the caching
+    allocator's reuse of the memory both used) is ordered after all of it. Elsewhere (CPU, the Triton interpreter)
+    the calls run in that order. Works under CUDA graph capture (the events become the graph's edges)."""
+    if device.type != "cuda" or n <= 1:
+        for i in range(n):
+            produce(i)
+            consume(i)
+        return
+    # Triton launches on the current device's current stream: make it the device's
+    with torch.cuda.device(device):
+        main, side = torch.cuda.current_stream(device), _side_stream(device, threading.get_ident())
+        for i in range(n):
+            produce(i)
+            ready = torch.cuda.Event()
+            ready.record(main)
+            side.wait_event(ready)
+            with torch.cuda.stream(side):
+                consume(i)
+        main.wait_stream(side)
 
 
 def prefill_forward(q, k, v, z, b, A_log, dt_bias, g_min, scale, h0, plan, want_ht, want_hs, dtypes,

@@ -1,12 +1,11 @@
 """`fused_recurrent_kda`: the KDA decode step as one Triton kernel (one or a few tokens, many sequences).
 
-Decode is bound by the state's bytes (performance.md §3.3): each step reads and writes S [H, K, V] per
-sequence, so the kernel touches S exactly once per call, whatever the number of tokens, and fuses
-everything else (gate, q/k L2 norms, β sigmoid) into the same pass. States live in a pool
-[slots, H, K, V] addressed by an index per sequence (continuous batching) and are updated in place; a
-negative index marks a padding row that is skipped. For speculative decoding the multi-token mode also
-returns the state after every position, so a rejected suffix can be rolled back by copying one of them.
-The math is docs/kda.md §2, token by token, exactly as `naive_recurrent_kda`.
+Decode is bound by the state's bytes: each step reads and writes S [H, K, V] per sequence, so the kernel touches
+S exactly once per call, whatever the number of tokens, and fuses everything else (gate, q/k L2 norms, β sigmoid)
+into the same pass. States live in a pool [slots, H, K, V] addressed by an index per sequence (continuous
+batching) and are updated in place; a negative index marks a padding row that is skipped. For speculative
+decoding the multi-token mode also returns the state after every position, so a rejected suffix can be rolled
+back by copying one of them. The math is docs/kda.md §2, token by token, exactly as `naive_recurrent_kda`.
 
 Legend: N sequences, T tokens per sequence, H heads, K key dim, V value dim, BV value block.
 """
@@ -18,7 +17,8 @@ import triton
 import triton.language as tl
 
 from k3.ops import interpreting, triton_runs_on
-from k3.ops.kda.triton_chunk import TUNING, _cast
+from k3.ops.kda.chunk_common import _cast
+from k3.ops.kda.tuning import TUNING
 
 
 @triton.jit
