@@ -1,10 +1,10 @@
 """Model configuration: the released `config.json` schema as typed dataclasses, presets, load/save.
 
-Field names are exactly those of the released Kimi K3 `config.json` (architecture.md §8.1), so a
+Field names are exactly those of the released Kimi K3 `config.json` (docs/architecture.md §8.1), so a
 config written here is readable by the release's own loaders and vice versa. A few fields are k3's
 runtime switches (which implementation of an op to run); they are never written to `config.json`.
 
-Presets (architecture.md §8.3) keep K3's structural rules at every size: 3 KDA : 1 Gated MLA with
+Presets (docs/architecture.md §8.3) keep K3's structural rules at every size: 3 KDA : 1 Gated MLA with
 an extra MLA as the last layer, layer 0 dense, latent width D/2, shared experts at full width,
 AttnRes blocks, NoPE.
 """
@@ -67,7 +67,7 @@ class LinearAttnConfig:
 
 @dataclass
 class VisionConfig:
-    """`vision_config` (MoonViT-V2 + patchmergerv2 projector, architecture.md §7.1). Kept for round trips."""
+    """`vision_config` (MoonViT-V2 + patchmergerv2 projector, docs/architecture.md §7.1). Kept for round trips."""
 
     patch_size: int = 14
     vt_hidden_size: int = 1024
@@ -171,7 +171,7 @@ class ModelConfig:
     norm_impl: FusedOpImpl = "auto"  # RMSNorm: autograd formula or fused Triton kernels
     # lm_head + cross-entropy: full logits, chunked, or chunked with the Triton row kernel (k3.ops.cross_entropy)
     loss_impl: LossImpl = "auto"
-    # AttnRes block representations and the partial sum (architecture.md §4.3): in the activation dtype (autocast's
+    # AttnRes block representations and the partial sum (docs/architecture.md §4.3): in the activation dtype (autocast's
     # under autocast, else the embedding's), as the released code keeps them, or in fp32 (the embedding upcast)
     residual_dtype: ResidualDtype = "activation"
 

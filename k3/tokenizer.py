@@ -1,6 +1,6 @@
 """Tokenizers: k3's own byte-level BPE and the released K3 tiktoken format, behind one class.
 
-Both kinds share K3's id layout (architecture.md §9.5): a base vocabulary of `vocab_size - 256` byte-level
+Both kinds share K3's id layout (docs/architecture.md §9.5): a base vocabulary of `vocab_size - 256` byte-level
 BPE tokens, then 256 special tokens at fixed offsets above it — offset 0 `[BOS]`, 1 `[EOS]`,
 2 `<|end_of_msg|>` (the generation stop token), 3–5 the XTML structural tokens, 21 `<|media_pad|>`,
 255 `[PAD]`. With the release vocabulary (base 163,584) these are ids 163,584…163,839; with the `tiny`
@@ -17,7 +17,7 @@ preset's 8,192 they are 7,936…8,191, so `ModelConfig`'s `bos/eos/pad_token_id`
   `\\p{Han}` and the `&&` class intersections, so it is used verbatim.
 
 `encode` treats its input as ordinary text: a special token's spelling in user text is encoded as text,
-never as the special (systems.md §3.1). Chat templates insert specials by id (`special_id`).
+never as the special (docs/data.md). Chat templates insert specials by id (`special_id`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ _NAMED_SPECIALS = {
 # The 256 specials in K3's order; SPECIAL_TOKENS[k] sits at id base_vocab_size + k.
 SPECIAL_TOKENS: list[str] = [_NAMED_SPECIALS.get(k, f"<|reserved_token_{k}|>") for k in range(NUM_SPECIAL_TOKENS)]
 
-# Kimi pre-tokenisation regex (architecture.md §9.5), alternatives joined by `|`.
+# Kimi pre-tokenisation regex (docs/architecture.md §9.5), alternatives joined by `|`.
 KIMI_PAT_STR = "|".join([
     r"""[\p{Han}]+""",
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",

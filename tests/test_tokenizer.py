@@ -67,7 +67,7 @@ def _byte_soup(seed: int) -> list[str]:
 
 def test_special_token_table():
     assert len(SPECIAL_TOKENS) == 256 and len(set(SPECIAL_TOKENS)) == 256
-    # architecture.md §9.5: id 163584 + offset
+    # docs/architecture.md §9.5: id 163584 + offset
     known = {163584: "[BOS]", 163585: "[EOS]", 163586: "<|end_of_msg|>", 163587: "<|open|>", 163588: "<|close|>",
              163589: "<|sep|>", 163590: "[start_header_id]", 163591: "[end_header_id]", 163593: "[EOT]",
              163602: "<|media_begin|>", 163603: "<|media_content|>", 163604: "<|media_end|>",

@@ -1,6 +1,6 @@
 """K3's chat format (XTML) as token ids: render a conversation into a prompt, parse the model's reply.
 
-XTML (architecture.md §9.5, systems.md §9.4, K3 report App. F) writes markup with three reserved special
+XTML (docs/architecture.md §9.5, docs/serving.md, K3 report App. F) writes markup with three reserved special
 tokens instead of angle brackets: `<|open|>NAME attrs<|sep|> … <|close|>NAME<|sep|>`; every message ends
 with `<|end_of_msg|>`, the generation stop token. A rendered prompt, top to bottom:
 
@@ -27,7 +27,7 @@ Design rules (each one is a test):
 - Rendering is a pure function of its inputs. Options that hold for the whole conversation (tool
   declarations, the thinking effort) come before the history; options of one request (`tool_choice`,
   `response_format`) come after it. Appending a turn, or changing a one-shot option, therefore keeps the
-  history's token prefix, which the engine's prefix cache then serves (systems.md §8.3).
+  history's token prefix, which the engine's prefix cache then serves (docs/inference.md).
 - Thinking mode (a `reasoning_effort` is set) renders every historical think channel, even an empty one
   (preserved thinking), and every assistant message has a response channel, even an empty one before tool
   calls, so the model's own reply, rendered back as history, continues the cached prefix token for token.
@@ -55,7 +55,7 @@ from k3.chat.detokenize import IncrementalDecoder, StopMatcher
 from k3.tokenizer import Tokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# The trained effort levels (systems.md §7.2); `medium` exists only in the schema and maps by config.
+# The trained effort levels (K3 report §4.1); `medium` exists only in the schema and maps by config.
 EFFORT_LEVELS = ("low", "high", "max")
 _EFFORT_ALIASES = {"minimal": "low", "xhigh": "max"}
 _HEADER = re.compile(r'\s*([A-Za-z_][\w.-]*)((?:\s+[\w.-]+="[^"]*")*)\s*$')
@@ -84,7 +84,7 @@ def normalize_effort(effort: str | None, medium: str = "high") -> str | None:
 
 
 def compact_json(value: Any) -> str:
-    """Deterministic JSON: key order kept, no spaces, non-ASCII as is (systems.md §9.4)."""
+    """Deterministic JSON: key order kept, no spaces, non-ASCII as is (docs/serving.md)."""
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 

@@ -1,4 +1,4 @@
-"""The released Kimi K3 checkpoint layout, both ways, and the MX block formats (architecture.md §8–§9).
+"""The released Kimi K3 checkpoint layout, both ways, and the MX block formats (docs/architecture.md §8–§9).
 
 - `names`: the one mapping between k3 tensor names and the release's (stacked ↔ per-expert routed experts,
   A_log padding, the `language_model.` prefix, vision tower / projector names).

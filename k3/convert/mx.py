@@ -6,12 +6,12 @@ A block of `block_size` (32) consecutive elements along the last dim shares one 
 X = 2^(code − 127): an 8-bit biased exponent, no sign, no zero, code 255 = NaN. Elements are stored as
 v / X rounded to nearest, ties to even, saturating at the element format's largest finite value:
 - E2M1 (FP4): {0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6}, emax 2, no Inf/NaN. Two codes per byte, the first
-  element of each pair in the **low** nibble (architecture.md §9.3; torchao's `float4_e2m1fn_x2`).
+  element of each pair in the **low** nibble (docs/architecture.md §9.3; torchao's `float4_e2m1fn_x2`).
   A nibble's bit 3 is the sign, bits 0–2 index [0, 0.5, 1, 1.5, 2, 3, 4, 6].
 - E4M3 (max 448, emax 8) and E5M2 (max 57344, emax 15): `torch.float8_e4m3fn` / `torch.float8_e5m2`.
 
 Scale rounding (`mode`, torchao's `ScaleCalculationMode` names; amax = max |v| of the block in fp32):
-- `floor` (default; the OCP rule, architecture.md §9.3): e = ⌊log2 amax⌋ − emax. Largest element may
+- `floor` (default; the OCP rule, docs/architecture.md §9.3): e = ⌊log2 amax⌋ − emax. Largest element may
   saturate (amax/X ∈ [2^emax, 2^(emax+1))). Idempotent: quantize(dequantize(q)) == q, so a release
   checkpoint survives load (dequantize) → save (quantize) byte for byte.
 - `ceil`: e = ⌈log2 amax⌉ − emax.   `even`: ⌊log2⌋ of amax with its mantissa first rounded half-up

@@ -1,4 +1,4 @@
-"""The one mapping between k3 tensor names and the released Kimi K3 checkpoint layout (architecture.md §9.2).
+"""The one mapping between k3 tensor names and the released Kimi K3 checkpoint layout (docs/architecture.md §9.2).
 
 Legend: E routed experts, I expert hidden width (`moe_intermediate_size`), L latent width
 (`routed_expert_hidden_size`), H heads, K head dim.
@@ -46,7 +46,7 @@ _K3_EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[1
 _RELEASE_EXPERT = re.compile(r"^language_model\.(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\."
                              r"(weight|weight_packed|weight_scale)$")
 
-# The MXFP4 `quantization_config` of the release (architecture.md §8.1), written into text_config when
+# The MXFP4 `quantization_config` of the release (docs/architecture.md §8.1), written into text_config when
 # experts are saved packed.
 MXFP4_QUANTIZATION_CONFIG = {
     "quant_method": "compressed-tensors",
@@ -145,7 +145,7 @@ def expert_release_shapes(stacked_shape: tuple[int, ...], packed: bool) -> dict[
 
 
 def a_log_release_length(config: ModelConfig) -> int:
-    """The release zero-pads A_log [H] to head_dim (architecture.md §9.4); K3: 96 -> 128."""
+    """The release zero-pads A_log [H] to head_dim (docs/architecture.md §9.4); K3: 96 -> 128."""
     return max(config.num_attention_heads, config.linear_attn_config.head_dim)
 
 
@@ -183,7 +183,7 @@ def text_layout(k3_specs: dict[str, TensorSpec], config: ModelConfig, packed: bo
 
 
 def vision_layout(vision: VisionConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, TensorSpec]:
-    """Release names and shapes of MoonViT-V2 and the patchmergerv2 projector (architecture.md §7, §9.2)."""
+    """Release names and shapes of MoonViT-V2 and the patchmergerv2 projector (docs/architecture.md §7, §9.2)."""
     D, Q, F = vision.vt_hidden_size, vision.qkv_hidden_size, vision.vt_intermediate_size
     p = vision.patch_size
     merged = vision.mm_hidden_size * vision.merge_kernel_size[0] * vision.merge_kernel_size[1]

@@ -1,4 +1,4 @@
-"""Load and save the released Kimi K3 checkpoint layout (architecture.md §8.1, §9).
+"""Load and save the released Kimi K3 checkpoint layout (docs/architecture.md §8.1, §9).
 
 A release directory holds `config.json` (nested: top level + `text_config` + `vision_config`),
 `model.safetensors.index.json` (`weight_map`: tensor name -> shard file) with its shards, and the
@@ -162,7 +162,7 @@ def check_layout(path: Path, expected_text: dict[str, N.TensorSpec], expected_vi
             continue
         got = found[name]
         shape_ok = got.shape == spec.shape
-        if name.endswith(".A_log"):  # any length >= H with a zero tail (architecture.md §9.4)
+        if name.endswith(".A_log"):  # any length >= H with a zero tail (docs/architecture.md §9.4)
             shape_ok = len(got.shape) == 1 and got.shape[0] >= num_heads
         if not shape_ok:
             problems.append(f"tensor {name!r} has shape {list(got.shape)}, expected {list(spec.shape)}")

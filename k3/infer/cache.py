@@ -1,4 +1,4 @@
-"""The hybrid paged pool: MLA latent pages and KDA state pages in one arena of equal pages (systems.md §8.2).
+"""The hybrid paged pool: MLA latent pages and KDA state pages in one arena of equal pages (docs/inference.md).
 
 Legend: N sequences, P pages, pt page tokens, D = kv_lora_rank + qk_rope_head_dim (latent width),
 H heads, K head dim, W-1 conv tail rows, C = H·K conv channels.
@@ -43,7 +43,7 @@ def kda_bytes_per_layer(config: ModelConfig, cache_bytes: int = 2) -> int:
 
 
 def page_tokens_for(config: ModelConfig, hash_block: int, cache_bytes: int = 2) -> int:
-    """The page rule (systems.md §8.2): smallest multiple of `hash_block` whose MLA page holds a KDA state."""
+    """The page rule (docs/inference.md): smallest multiple of `hash_block` whose MLA page holds a KDA state."""
     need = kda_bytes_per_layer(config, cache_bytes) if config.kda_layer_ids else 0
     per_block = hash_block * mla_bytes_per_token_layer(config, cache_bytes)
     return max(1, math.ceil(need / per_block)) * hash_block

@@ -1,4 +1,4 @@
-"""EngineConfig: every knob of the inference engine in one dataclass (systems.md §8).
+"""EngineConfig: every knob of the inference engine in one dataclass (docs/inference.md).
 
 Sizes are in tokens unless the name says bytes. `None` means "derive it", and `Engine` resolves each one
 in one documented place (`k3.infer.engine.Engine.__init__` via `resolve`), so a running engine always
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 @dataclass
 class EngineConfig:
-    # tokens per chained hash block; K3 uses 512, `small` 256, `tiny` 64 (systems.md §8.3)
+    # tokens per chained hash block; K3 uses 512, `small` 256, `tiny` 64 (docs/inference.md)
     hash_block_size: int = 64
     # MLA tokens per page; None: the page rule (smallest multiple of the hash block whose MLA page holds
     # at least one KDA layer's state, see `k3.infer.cache.page_tokens_for`)

@@ -1,4 +1,4 @@
-"""The inference engine: requests in token ids, continuous batching over the hybrid paged cache (systems.md §8).
+"""The inference engine: requests in token ids, continuous batching over the hybrid paged cache (docs/inference.md).
 
     add_request ─► Scheduler (waiting → running, budgets, chunked prefill, preemption)
                    │  Batch: N sequences × their next pieces

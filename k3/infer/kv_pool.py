@@ -1,4 +1,4 @@
-"""External CPU KV pool: write-back of evicted prefix pages (systems.md §8.4; K3 report §5.3.1).
+"""External CPU KV pool: write-back of evicted prefix pages (docs/inference.md; K3 report §5.3.1).
 
 A reusable, idle prefix block goes to CPU memory **only when it is evicted** from the device pool, and is
 loaded back when a later request hits it. A block moves as one **bundle**: its MLA pages (one per MLA

@@ -1,4 +1,4 @@
-"""Engine metrics: counters, gauges, latency histograms, and the Prometheus text exposition (systems.md §8.5).
+"""Engine metrics: counters, gauges, latency histograms, and the Prometheus text exposition (docs/inference.md).
 
 `EngineMetrics` lives inside the engine; `Engine.metrics()` returns a plain snapshot dict (numbers, and
 `{"buckets": [(le, cumulative count)], "sum", "count"}` for histograms) that is safe to hand to another

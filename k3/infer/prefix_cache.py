@@ -1,4 +1,4 @@
-"""State-aware prefix caching for the hybrid stack (systems.md §8.3; K3 report §5.4.1, Fig. 12).
+"""State-aware prefix caching for the hybrid stack (docs/inference.md; K3 report §5.4.1, Fig. 12).
 
 Legend: b hash block tokens, pt page tokens (a multiple of b), m = pt / b hash blocks per page.
 
@@ -177,7 +177,7 @@ class PrefixCache:
         self.evictions += 1
 
     def evict_page(self, page: int) -> None:
-        """Evict the unit owning `page` — in every cache group (systems.md §8.3 (c))."""
+        """Evict the unit owning `page` — in every cache group (docs/inference.md)."""
         unit = self.owner[page]
         if isinstance(unit, MLABlock):
             self.evict(unit)

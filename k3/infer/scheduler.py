@@ -1,5 +1,5 @@
 """Continuous batching: waiting and running queues, a per-step token budget, chunked prefill, admission to
-the running batch with prefix-cache hits, and preemption by recompute (systems.md §8.1).
+the running batch with prefix-cache hits, and preemption by recompute (docs/inference.md).
 
 Each step:
 1. every running request with one token left to run (a decode, or the last prompt token) gets it;

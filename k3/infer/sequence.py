@@ -1,6 +1,6 @@
 """One request inside the engine: its tokens, how many are in the cache, its pages, its sampling state.
 
-States (systems.md §8.1): WAITING → RUNNING → FINISHED. (The spec's WAITING_FOR_KV, waiting for a CPU-pool
+States (docs/inference.md): WAITING → RUNNING → FINISHED. (The spec's WAITING_FOR_KV, waiting for a CPU-pool
 load to land, is not a separate state here: loads are synchronous copies made while admitting.)
 A preempted request frees its pages (its registered prefix stays in the prefix cache), goes back to the
 front of the waiting queue with `num_computed = 0` and is recomputed — prompt plus the tokens it already
@@ -34,7 +34,7 @@ class Sequence:
     prompt_ids: list[int]
     sampling: SamplingParams
     generator: torch.Generator
-    long: bool = False  # admission class (systems.md §8.5)
+    long: bool = False  # admission class (docs/inference.md)
     arrival: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
     tokens: list[int] = field(default_factory=list)

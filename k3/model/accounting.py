@@ -1,7 +1,7 @@
 """Parameter and cache accounting of a config, computed from the real modules on the meta device.
 
 "Active" parameters follow the K3 report's count: everything one token touches, excluding the input
-embedding table; of the routed experts only top-k of E count (architecture.md §8.2). The router's
+embedding table; of the routed experts only top-k of E count (docs/architecture.md §8.2). The router's
 `e_score_correction_bias` buffer is counted as a parameter, as in the release's tensor listing.
 """
 

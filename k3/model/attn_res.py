@@ -1,4 +1,4 @@
-"""Block Attention Residuals (architecture.md §4; K3 report §2.2; AttnRes paper arXiv 2603.15031).
+"""Block Attention Residuals (docs/architecture.md §4; K3 report §2.2; AttnRes paper arXiv 2603.15031).
 
 Legend: n sources, J queries, B batch, T tokens, D model width.
 

@@ -1,4 +1,4 @@
-"""Per-sequence decoding cache of the hybrid stack (architecture.md §2.5, §3.3).
+"""Per-sequence decoding cache of the hybrid stack (docs/architecture.md §2.5, §3.3).
 
 Legend: B sequences, S cached tokens, H heads, K/V head dims, P = H·K, W conv width.
 

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (architecture.md §2; K3 report §2.1.1, Kimi Linear arXiv 2510.26692).
+"""Kimi Delta Attention layer (docs/architecture.md §2; K3 report §2.1.1, Kimi Linear arXiv 2510.26692).
 
 Legend: B batch, T tokens, D model width, H heads, K = V head dim, P = H·K.
 
@@ -33,7 +33,7 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class KimiDeltaAttention(nn.Module):
-    # Parameters kept in fp32 whatever the model dtype (as in the release, architecture.md §2.1).
+    # Parameters kept in fp32 whatever the model dtype (as in the release, docs/architecture.md §2.1).
     fp32_params = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "dt_bias", "A_log", "o_norm.weight")
 
     def __init__(self, config: ModelConfig, layer_idx: int):
@@ -55,7 +55,7 @@ class KimiDeltaAttention(nn.Module):
         self.k_conv1d = nn.Conv1d(P, P, self.conv_size, groups=P, bias=False)
         self.v_conv1d = nn.Conv1d(P, P, self.conv_size, groups=P, bias=False)
         self.b_proj = nn.Linear(D, H, bias=False)
-        # decay logits are low-rank with rank = head_dim (architecture.md §2.1)
+        # decay logits are low-rank with rank = head_dim (docs/architecture.md §2.1)
         self.f_a_proj = nn.Linear(D, K, bias=False)
         self.f_b_proj = nn.Linear(K, P, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(P))
@@ -66,7 +66,7 @@ class KimiDeltaAttention(nn.Module):
 
     @torch.no_grad()
     def reset_special_parameters(self, generator: torch.Generator) -> None:
-        """A_log = 0 and Mamba-2-style dt_bias = softplus⁻¹(dt), dt ~ logU(1e-3, 1e-1) (architecture.md §2.3)."""
+        """A_log = 0 and Mamba-2-style dt_bias = softplus⁻¹(dt), dt ~ logU(1e-3, 1e-1) (docs/architecture.md §2.3)."""
         self.A_log.zero_()
         u = torch.rand(self.dt_bias.shape, generator=generator, device=self.dt_bias.device, dtype=torch.float32)
         dt = torch.exp(u * (torch.log(torch.tensor(1e-1)) - torch.log(torch.tensor(1e-3))) + torch.log(torch.tensor(1e-3)))

@@ -1,4 +1,4 @@
-"""Gated Multi-head Latent Attention with NoPE (architecture.md §3; K3 report §2.1.2).
+"""Gated Multi-head Latent Attention with NoPE (docs/architecture.md §3; K3 report §2.1.2).
 
 Legend: B batch, T new tokens, S attended tokens (cached + new), D model width, H heads,
 N = qk_nope_head_dim, R = qk_rope_head_dim (never rotated: NoPE), Vd = v_head_dim, C = kv_lora_rank.

@@ -1,4 +1,4 @@
-"""The K3 text stack: decoder layers, Block AttnRes wiring, head (architecture.md §1, §4.2).
+"""The K3 text stack: decoder layers, Block AttnRes wiring, head (docs/architecture.md §1, §4.2).
 
 Legend: B batch, T tokens, D model width, V vocabulary.
 
@@ -114,7 +114,7 @@ class DecoderLayer(nn.Module):
     def forward(self, sealed: list[torch.Tensor], partial: torch.Tensor, layout: SequenceLayout,
                 cache: K3Cache | None = None, router_infos: list | None = None,
                 mla_max_logits: list | None = None, read=None) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """One layer of the direct AttnRes wiring (architecture.md §4.2): (sealed, partial) -> (sealed, partial).
+        """One layer of the direct AttnRes wiring (docs/architecture.md §4.2): (sealed, partial) -> (sealed, partial).
 
         `read(w, sources)` is the AttnRes read (reference or fused); `sealed` is returned as a new list.
         """
@@ -187,7 +187,7 @@ class K3Model(nn.Module):
         return read(self.output_query(), sealed + [partial])
 
     def _layers_two_phase(self, h, layout, cache, router_infos, mla_max_logits):
-        """Same result as `_layers_direct`; sealed sources are read once per block (architecture.md §4.4)."""
+        """Same result as `_layers_direct`; sealed sources are read once per block (docs/architecture.md §4.4)."""
         S, L = self.config.attn_res_block_size, len(self.layers)
         fused = fused_two_phase_available(h, self._block_queries())
         sealed: list[torch.Tensor] = []

@@ -1,4 +1,4 @@
-"""Stable LatentMoE and the dense SiTU-GLU FFN (architecture.md §5; K3 report §2.3).
+"""Stable LatentMoE and the dense SiTU-GLU FFN (docs/architecture.md §5; K3 report §2.3).
 
 Legend: N tokens, D model width, E experts, k experts per token, L latent width (D/2),
 I expert hidden width.

@@ -1,4 +1,4 @@
-"""RMSNorm with fp32 statistics (architecture.md conventions): w ⊙ x / sqrt(mean(x²) + ε), cast back.
+"""RMSNorm with fp32 statistics (docs/architecture.md conventions): w ⊙ x / sqrt(mean(x²) + ε), cast back.
 
 `impl` ("auto" | "reference" | "triton", set from `config.norm_impl` by the model after construction)
 picks the fused Triton kernels of `k3.ops.norm` on CUDA; the reference is the plain formula.

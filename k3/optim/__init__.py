@@ -1,4 +1,4 @@
-"""Per-Head Muon + AdamW, QK-Clip and the cosine schedule (systems.md §1; docs/optimizer.md)."""
+"""Per-Head Muon + AdamW, QK-Clip and the cosine schedule (docs/optimizer.md; docs/optimizer.md)."""
 
 from k3.optim.muon import (
     NS_COEFFICIENTS,

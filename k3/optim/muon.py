@@ -1,4 +1,4 @@
-"""Per-Head Muon + AdamW in one optimizer, routed by parameter name (systems.md §1; K3 report §2.5, §3.3).
+"""Per-Head Muon + AdamW in one optimizer, routed by parameter name (docs/optimizer.md; K3 report §2.5, §3.3).
 
 Legend: H heads, K KDA head dim, D model width, N nope dim, R rope dim, Vd value dim, C kv_lora_rank,
 Q q_lora_rank, E experts, I expert hidden width, L latent width; a block is [rows, cols].
@@ -127,7 +127,7 @@ def param_rule(name: str, param: Tensor, config: ModelConfig) -> ParamRule:
 def muon_block_view(name: str, param: Tensor, config: ModelConfig) -> Tensor:
     """The Newton–Schulz blocks of a Muon parameter: a view [n_blocks, rows, cols] of its storage.
 
-    Rows keep the model's layout (architecture.md §3): q_b_proj block h = rows h·(N+R) … (h+1)·(N+R)
+    Rows keep the model's layout (docs/architecture.md §3): q_b_proj block h = rows h·(N+R) … (h+1)·(N+R)
     ([nope | rope]); kv_b_proj block 2h = head h's K rows, block 2h+1 = its V rows.
     """
     rule = param_rule(name, param, config)

@@ -1,4 +1,4 @@
-"""QK-Clip for the Gated MLA layers (systems.md §1.1; K2 report §2.1, kept by K3 §3.3).
+"""QK-Clip for the Gated MLA layers (docs/optimizer.md; K2 report §2.1, kept by K3 §3.3).
 
 Legend: H heads, N nope dim, R rope dim (never rotated: NoPE), Vd value dim, Q q_lora_rank, C kv_lora_rank.
 

@@ -1,4 +1,4 @@
-"""Cosine learning-rate schedule with 1% linear warmup (systems.md §1.1; K3 report §3.2–3.3).
+"""Cosine learning-rate schedule with 1% linear warmup (docs/optimizer.md; K3 report §3.2–3.3).
 
 The report found cosine beats WSD for K3. With S total optimizer steps and W = ⌈warmup_frac·S⌉:
     η(t) = η_peak·(t+1)/W                                          for t < W

@@ -1,4 +1,4 @@
-"""Distributed training for K3, applied to the single-device model afterwards (systems.md §5; docs/distributed.md).
+"""Distributed training for K3, applied to the single-device model afterwards (docs/distributed.md; docs/distributed.md).
 
 `runtime.py` (process group, mesh, how a global batch is cut), `parallelize.py` (EP → CP → activation
 checkpointing → FSDP2, the per-step reductions and DCP checkpoints), `expert_parallel.py` with the MoonEP planner

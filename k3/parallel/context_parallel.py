@@ -1,4 +1,4 @@
-"""Context parallelism: KDA through KCP transitions, MLA through a latent all-gather (systems.md §5.3–5.4).
+"""Context parallelism: KDA through KCP transitions, MLA through a latent all-gather (docs/distributed.md).
 
 Legend: cp ranks, B_l rows per rank, T global row length, T_l = T/cp tokens per rank, H heads,
 K = V head dim, W short-conv width, C + R latent width.

@@ -1,4 +1,4 @@
-"""Expert parallelism with the MoonEP planner: routed experts sharded over ranks (systems.md §5.2).
+"""Expert parallelism with the MoonEP planner: routed experts sharded over ranks (docs/distributed.md).
 
 Legend: R EP ranks, E experts, P = E/R home experts per rank, N local tokens, k experts per token,
 L latent width, I expert hidden width; a *copy* is one (token, expert) pair.
@@ -20,7 +20,7 @@ DTensors sharded by expert over the EP mesh (rank h holds experts h·P … h·P 
 
 With the planner every rank computes exactly S·k copies per layer; `last_stats` keeps the step's per-rank
 load max/mean with and without it. The splits need the counts on the host (one small sync per layer);
-the device-side planner and symmetric-memory dispatch of systems.md are not built.
+the device-side planner and symmetric-memory dispatch of docs/ are not built.
 """
 
 from __future__ import annotations

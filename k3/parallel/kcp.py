@@ -1,6 +1,6 @@
 """KDA context parallelism (KCP) as single-process reference math: segment transitions and the fold.
 
-Follows the Kimi K3 report §5.1.2 (Eq. 17) and systems.md §5.3. Under CP, rank i holds a contiguous
+Follows the Kimi K3 report §5.1.2 (Eq. 17) and docs/distributed.md. Under CP, rank i holds a contiguous
 segment of the packed sequence. Per head the KDA recurrence is affine in the state,
 
     S_t = M_t S_{t−1} + β_t k_t v_tᵀ,    M_t = (I − β_t k_t k_tᵀ) Diag(α_t),    S: [K, V], M_t: [K, K],

@@ -1,6 +1,6 @@
 """The MoonEP planner: balance expert-parallel ranks exactly with redundant expert copies (pure function).
 
-Follows the Kimi K3 report §5.2.1 and App. E, and systems.md §5.2. A pure function of the counts:
+Follows the Kimi K3 report §5.2.1 and App. E, and docs/distributed.md. A pure function of the counts:
 `plan_moonep` (placement as tensor ops) and `plan_moonep_reference`, its loop twin, which it is tested to equal
 exactly (timed against each other by `benchmarks/moonep_planner.py`). `k3.parallel.expert_parallel` runs it on
 the all-gathered counts and dispatches by its `send`.

@@ -1,4 +1,4 @@
-"""P2P Muon: Newton–Schulz on whole blocks, with each block's rows sent only to its owner (systems.md §5.5).
+"""P2P Muon: Newton–Schulz on whole blocks, with each block's rows sent only to its owner (docs/distributed.md).
 
 Legend: W ranks; a *unit* is one Newton–Schulz block of a Muon parameter (a whole matrix, one head's rows,
 one expert); in the row space of a parameter (its dim 0 flattened with the middle dims, last dim = cols)

@@ -1,6 +1,6 @@
 """Apply parallelism to a built single-device model, and the few reductions a training step needs.
 
-Order (systems.md §5.1, fixed): expert parallelism (swap routed experts for the EP version) → context
+Order (docs/distributed.md, fixed): expert parallelism (swap routed experts for the EP version) → context
 parallelism (switch KDA/MLA mixers to their CP classes) → activation checkpointing per decoder layer
 (optional) → FSDP2 `fully_shard` per decoder layer, then the root. FSDP2 shards every parameter over the
 flattened dp × cp ranks with `Shard(0)`, except the routed experts, which EP already shards by expert over

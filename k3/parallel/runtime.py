@@ -1,4 +1,4 @@
-"""Process groups, the device mesh and how a global batch is cut into per-rank pieces (systems.md §5.1).
+"""Process groups, the device mesh and how a global batch is cut into per-rank pieces (docs/distributed.md).
 
 Legend: W world size, dp data-parallel sharding degree, cp context-parallel degree, ep expert-parallel
 degree; B rows and T tokens of the *global* batch.

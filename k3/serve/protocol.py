@@ -1,4 +1,4 @@
-"""The OpenAI wire format: pydantic models of requests, responses, stream chunks and errors (systems.md §9.1).
+"""The OpenAI wire format: pydantic models of requests, responses, stream chunks and errors (docs/serving.md).
 
 Requests validate strictly (a string is not a number, a float is not an integer) so that a bad field is a
 400 naming that field, and ignore unknown fields as OpenAI's API does. Ranges follow OpenAI's documented

@@ -1,4 +1,4 @@
-"""The k3 <-> release name table: covers the full K3 listing of architecture.md §9.2 (meta device), both ways."""
+"""The k3 <-> release name table: covers the full K3 listing of docs/architecture.md §9.2 (meta device), both ways."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Release-layout load/save: a random debug-size checkpoint written from architecture.md §9.2 by hand (not by
+"""Release-layout load/save: a random debug-size checkpoint written from docs/architecture.md §9.2 by hand (not by
 k3.convert), loaded, run, saved back byte for byte; broken checkpoints fail naming the tensor; MXFP4 error."""
 
 import json

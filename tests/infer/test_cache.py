@@ -1,4 +1,4 @@
-"""The hybrid paged pool (systems.md §8.2): page rule, typed views over one arena, refcounts, gather/scatter."""
+"""The hybrid paged pool (docs/inference.md): page rule, typed views over one arena, refcounts, gather/scatter."""
 
 import pytest
 import torch
@@ -17,7 +17,7 @@ def test_page_rule_reproduces_the_spec(preset, hash_block, expected):
     cfg = get_preset(preset)
     assert page_tokens_for(cfg, hash_block, cache_bytes=2) == expected
     if preset == "k3":
-        assert kda_bytes_per_layer(cfg, 2) == 6_512_640  # systems.md §8.2
+        assert kda_bytes_per_layer(cfg, 2) == 6_512_640  # docs/inference.md
 
 
 def test_views_of_different_groups_never_overlap():

@@ -1,4 +1,4 @@
-"""State-aware prefix caching and the CPU pool (systems.md §8.3, §8.4) on the debug preset in fp32.
+"""State-aware prefix caching and the CPU pool (docs/inference.md, §8.4) on the debug preset in fp32.
 
 "Bitwise" below means the warm run does exactly the cold run's arithmetic after the hit: the hit lands on a
 boundary where the cold run also split its prefill (pieces end on absolute positions), the copied KDA
@@ -79,7 +79,7 @@ def test_hit_then_continue_equals_cold_run(model):
 
 def test_no_hit_without_a_kda_checkpoint(model):
     """Checkpoints every 4 hash blocks (32) plus the prompt's last boundary (40): MLA pages alone never make a
-    hit (systems.md Fig. 12: the hit is the longest MLA match that also has KDA state)."""
+    hit (docs/: the hit is the longest MLA match that also has KDA state)."""
     engine = Engine(model, CFG.replace(checkpoint_every_blocks=4))
     P = prompt(45, 4)
     engine.generate(P, greedy(1))

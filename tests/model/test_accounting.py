@@ -1,4 +1,4 @@
-"""Parameter accounting against the release's arithmetic (architecture.md §8.2)."""
+"""Parameter accounting against the release's arithmetic (docs/architecture.md §8.2)."""
 
 import json
 import subprocess
@@ -9,9 +9,9 @@ import pytest
 from k3.config import get_preset
 from k3.model.accounting import account
 
-# architecture.md §8.2 (the released tensor listing): 2,779,484,478,208 total, 104,189,614,848 active.
+# docs/architecture.md §8.2 (the released tensor listing): 2,779,484,478,208 total, 104,189,614,848 active.
 K3_TOTAL, K3_ACTIVE = 2_779_484_478_208, 104_189_614_848
-# k3 stores A_log as [H] = 96 per KDA layer; the release zero-pads it to [128] (architecture.md §9.4).
+# k3 stores A_log as [H] = 96 per KDA layer; the release zero-pads it to [128] (docs/architecture.md §9.4).
 A_LOG_PADDING = 69 * (128 - 96)
 
 

@@ -1,4 +1,4 @@
-"""Block Attention Residuals (architecture.md §4, tests §4.5): the read operator, its two-phase form, and
+"""Block Attention Residuals (docs/architecture.md §4, tests §4.5): the read operator, its two-phase form, and
 the model-level wiring (direct vs two-phase, block size 1, K3's 93/12 layout, gradients of all queries).
 
 Legend: n sources, J queries, B batch, T tokens, D model width, L layers, S block size.

@@ -192,7 +192,7 @@ def _stream_dtypes(model, **kwargs):
 @pytest.mark.parametrize("residual", ["activation", "float32"])
 def test_residual_stream_dtype_under_autocast(residual):
     """Under bf16 autocast the block representations and partial sums are bf16 ("activation", the released
-    code's choice, architecture.md §4.3) or fp32 ("float32"); every parameter gradient stays fp32 and finite, and
+    code's choice, docs/architecture.md §4.3) or fp32 ("float32"); every parameter gradient stays fp32 and finite, and
     the two losses agree to bf16 precision. Without autocast the stream is the model's dtype, fp64 included."""
     config = CONFIG.replace(residual_dtype=residual)
     model = build_model(config, seed=0)

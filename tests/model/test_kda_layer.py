@@ -1,4 +1,4 @@
-"""The KDA layer's output stage against its formula (architecture.md §2): y = o_proj(σ(g) ⊙ RMSNorm_head(o)),
+"""The KDA layer's output stage against its formula (docs/architecture.md §2): y = o_proj(σ(g) ⊙ RMSNorm_head(o)),
 the per-head RMSNorm with one gain shared by all heads, g the output-gate projection of x. The recurrence
 itself is tested in tests/ops (against the fp64 naive recurrence); here it is replaced by a fixed o."""
 

@@ -1,4 +1,4 @@
-"""Gated MLA with NoPE (architecture.md §3, tests §3.4): naive (expanded) vs absorbed, prefill + decode,
+"""Gated MLA with NoPE (docs/architecture.md §3, tests §3.4): naive (expanded) vs absorbed, prefill + decode,
 the latent cache, SDPA parity, packed documents, QK-Clip max logits, causality.
 
 Legend: B batch, T tokens, H heads, N nope dim, R rope dim (never rotated), Vd value dim, C kv_lora_rank.

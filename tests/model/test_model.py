@@ -166,7 +166,7 @@ def test_init_is_seeded_and_deterministic():
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not torch.equal(sa["model.embed_tokens.weight"], sc["model.embed_tokens.weight"])
-    # K3 init rules (architecture.md §2.3, §4.3)
+    # K3 init rules (docs/architecture.md §2.3, §4.3)
     for name, t in sa.items():
         if name.endswith("A_log") or name.endswith("_res_proj.weight") or name.endswith("e_score_correction_bias"):
             assert torch.all(t == 0), name

@@ -1,4 +1,4 @@
-"""SiTU-GLU and Stable LatentMoE (architecture.md §5.1–§5.4).
+"""SiTU-GLU and Stable LatentMoE (docs/architecture.md §5.1–§5.4).
 
 Legend: N tokens, D model width, E experts, k experts per token, L latent width, I expert hidden width.
 """
@@ -35,7 +35,7 @@ def random_h(N: int, seed: int, dtype=torch.float64) -> torch.Tensor:
 # ---- SiTU-GLU ----------------------------------------------------------------------------------
 
 def situ_formula(g, u, b1=4.0, b2=25.0):
-    """architecture.md §5.3 written out: [β1 tanh(g/β1) σ(g)] · [β2 tanh(u/β2)]."""
+    """docs/architecture.md §5.3 written out: [β1 tanh(g/β1) σ(g)] · [β2 tanh(u/β2)]."""
     return (b1 * torch.tanh(g / b1) * torch.sigmoid(g)) * (b2 * torch.tanh(u / b2))
 
 

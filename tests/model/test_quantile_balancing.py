@@ -1,4 +1,4 @@
-"""Quantile Balancing: the exact rule, the histogram estimator, and their agreement (architecture.md §6.3).
+"""Quantile Balancing: the exact rule, the histogram estimator, and their agreement (docs/architecture.md §6.3).
 
 Legend: N routed tokens, E experts, B histogram bins, k experts per token.
 """

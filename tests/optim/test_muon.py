@@ -1,4 +1,4 @@
-"""Per-Head Muon + AdamW (systems.md §1.3, tests 1–3): routing, the torch.optim.Muon oracle, per-head and
+"""Per-Head Muon + AdamW (docs/optimizer.md, tests 1–3): routing, the torch.optim.Muon oracle, per-head and
 per-expert blocks, update RMS, AdamW vs torch.optim.AdamW, exact resume, a training smoke test.
 
 Legend: H heads, K KDA head dim, D model width, N nope dim, R rope dim, Vd value dim, E experts.

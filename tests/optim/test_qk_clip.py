@@ -1,4 +1,4 @@
-"""QK-Clip (systems.md §1.3 test 4): a toy debug model with one MLA head forced large; after the clip its
+"""QK-Clip (docs/optimizer.md): a toy debug model with one MLA head forced large; after the clip its
 recomputed max logit is τ, only that head's q_b_proj rows and kv_b_proj K rows changed, V rows and the
 shared k_pe rows are bitwise unchanged; a huge masked logit never counts as a head's max.
 

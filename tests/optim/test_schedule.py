@@ -1,4 +1,4 @@
-"""Cosine schedule with 1% linear warmup (systems.md §1.3 test 5): linear warmup, peak at W, midpoint
+"""Cosine schedule with 1% linear warmup (docs/optimizer.md): linear warmup, peak at W, midpoint
 (η_peak + η_min)/2, η_min at the end, monotone decay; one multiplier for both groups; the scheduler state
 round-trips a checkpoint."""
 

@@ -1,4 +1,4 @@
-"""KCP (segment transitions + fold) equals one pass of naive_recurrent_kda in float64 (systems.md §5.3)."""
+"""KCP (segment transitions + fold) equals one pass of naive_recurrent_kda in float64 (docs/distributed.md)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""MoonEP planner properties on random, skewed and adversarial routing (systems.md §5.2 T1)."""
+"""MoonEP planner properties on random, skewed and adversarial routing (docs/distributed.md)."""
 
 import pytest
 import torch
@@ -95,7 +95,7 @@ def test_all_tokens_to_one_rank(R, E):
 
 
 def test_one_rank_empty_tight_bound():
-    # Rank 0's experts get nothing, the rest is uniform: rank 0 needs ⌈E(R−1)/R²⌉ slots (systems.md §5.2).
+    # Rank 0's experts get nothing, the rest is uniform: rank 0 needs ⌈E(R−1)/R²⌉ slots (docs/distributed.md).
     R, E, K = 8, 64, 8
     P = E // R
     S = P * (R - 1)  # so that S·K spreads evenly over the E − P non-rank-0 experts

@@ -1,4 +1,4 @@
-"""Bad input is a 4xx with an OpenAI error body naming the field, never a 5xx or a crash (systems.md §9.3)."""
+"""Bad input is a 4xx with an OpenAI error body naming the field, never a 5xx or a crash (docs/serving.md)."""
 
 from __future__ import annotations
 

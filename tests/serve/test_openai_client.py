@@ -1,4 +1,4 @@
-"""The official `openai` client (sync and async) against a real uvicorn server on loopback (systems.md §9.3).
+"""The official `openai` client (sync and async) against a real uvicorn server on loopback (docs/serving.md).
 
 `live` serves the engine the product ships; `fake` serves the scriptable test engine, used where a random
 model cannot be relied on to write something (tool calls, JSON, a think channel) or to refuse a request.
