@@ -14,11 +14,14 @@ A gate (both against the torch two-phase form in fp64, ≤ 1e-5) runs first.
     python -m benchmarks.attn_res --quick    # small shapes, gate only (CPU: through the Triton interpreter)
     python -m benchmarks.attn_res --tiles    # the direct read's launch settings (k3.ops.attn_res.READ_TILES)
 
-`--tiles` times the fused direct read as the model runs it since session 17: bf16 sources, N = 65536 (the small
+`--tiles` times the fused direct read as the model runs it: bf16 sources, N = 65536 (the small
 preset at 64K tokens per micro-batch), the sealed sources `seal_source`d and read by two reads (the second read's
 backward adds into the first's buffers), under each (rows per tile, warps, backward programs per SM), after a
 check that each setting gives the default's outputs and gradients (≤ 1e-2 relative: bf16 results, the settings
 change only the order of sums).
+
+On a GPU the default run writes table "two-phase" and --tiles table "tiles" of
+benchmarks/results/attn-res-<device>.json.
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ if not torch.cuda.is_available():
 
 from k3.model.attn_res import block_reads  # noqa: E402
 from k3.ops.attn_res import attn_res_read_triton, seal_source  # noqa: E402
+
+from benchmarks.provenance import save_result, table  # noqa: E402
+
+CLAIM = ("The fused Block AttnRes read: its launch settings (rows per program, warps, backward programs per SM) at "
+         "the small preset's 64K-token micro-batch, and the direct read against the fused two-phase form")
 
 
 def block_inputs(n, J, N, D, device, seed=0):
@@ -83,10 +91,7 @@ def gate(device, n=4, J=7, N=300, D=96):
 
 
 TILE_SETTINGS = [  # (rows per tile, warps, backward programs per SM); None: the default's (one row on one warp at
-    # D = 768, 16 backward programs per SM since session 18). Session 17 run 3 and session 18 runs 1 and 3 timed 4 and
-    # 8 warps at 2-8 rows (8 warps lost 2-3x), a stacked backward (deleted) and one or two warps (one row on one warp
-    # won: 1.76x in the backward at 7 sealed sources); session 19 a chunked one-warp backward (won in these tiles at
-    # 3 sources, lost in the step in session 20: deleted)
+    # D = 768, 16 backward programs per SM). The settings timed before and dropped: docs/fast-paths.md, "Block AttnRes"
     (None, None, None), (None, None, 8), (None, None, 32), (2, 4, None)]
 
 
@@ -143,6 +148,12 @@ def tiles(device, N=65536, D=768, dtype=torch.bfloat16) -> int:
     for n, setting, f, b, fb, bb, d in rows:
         print(f"{n:>6} {str(setting):>30} {f:8.3f} {b:8.3f} {fb:9.0f} {bb:9.0f} {d:8.1e}")
     bad = [r for r in rows if not r[-1] <= 1e-2]  # bf16 outputs: the settings change only the order of sums
+    save_result("attn-res", CLAIM, {"tiles": table(
+        ["sealed sources", "(rows, warps, bwd per SM)", "fwd ms", "bwd ms", "fwd GB/s", "bwd GB/s", "diff vs first"],
+        [[n, str(setting), round(f, 3), round(b, 3), round(fb), round(bb), f"{d:.1e}"]
+         for n, setting, f, b, fb, bb, d in rows],
+        note=f"N = {N:,}, D = {D}, {str(dtype).removeprefix('torch.')}, two reads per sealed set; None: "
+             "`READ_TILES`' default.")})
     return 1 if bad else 0
 
 
@@ -167,6 +178,7 @@ def main() -> int:
     print(f"AttnRes reads of one block, N={N} D={D} J={J} fp32 (ms; ratio = direct / two-phase)")
     print(f"{'sealed':>6}  {'direct fwd':>10}  {'2-phase fwd':>11}  {'ratio':>5}  {'direct f+b':>10}  "
           f"{'2-phase f+b':>11}  {'ratio':>5}")
+    rows = []
     for n in (1, 4, 7):
         sealed, partials, queries, douts = block_inputs(n, J, N, D, device)
         times = {}
@@ -183,6 +195,10 @@ def main() -> int:
             times[name] = (fwd, both)
         (df, db), (tf, tb) = times["direct"], times["two-phase"]
         print(f"{n:>6}  {df:>10.3f}  {tf:>11.3f}  {df / tf:>5.2f}  {db:>10.3f}  {tb:>11.3f}  {db / tb:>5.2f}")
+        rows.append([n, round(df, 3), round(tf, 3), round(df / tf, 2), round(db, 3), round(tb, 3), round(db / tb, 2)])
+    save_result("attn-res", CLAIM, {"two-phase": table(
+        ["sealed sources", "direct fwd ms", "two-phase fwd ms", "ratio", "direct fwd+bwd ms", "two-phase fwd+bwd ms",
+         "ratio"], rows, note=f"One block's J = {J} reads, N = {N:,}, D = {D}, fp32; ratio = direct / two-phase.")})
     return 0
 
 

@@ -1,6 +1,6 @@
 """Peak host memory while loading a release-layout checkpoint, against the bytes of the loaded weights.
 
-Claim (issue 6): `load_release` streams shard by shard, so its peak RSS stays within 1.2× the loaded
+Claim: `load_release` streams shard by shard, so its peak RSS stays within 1.2× the loaded
 weights once shards are small next to the model (the release: ~15 GB shards, ≥1.45 TB of weights).
 Baseline in the same run: the naive loader, `safetensors.torch.load_file` of every shard, then build
 and fill the model. Each load runs in a fresh subprocess; "peak" is the child's VmHWM minus its VmRSS
@@ -8,7 +8,8 @@ just before loading (imports and torch's one-time
 runtime set-up excluded, see `child`). Correctness gate first: both loaders give identical tensors.
 
 Run: `python benchmarks/convert_memory.py [--preset small --vocab-size 32768 --num-experts 32]`
-(default ≈ 417M parameters: a 487 MB MXFP4 checkpoint, 833 MB once loaded in bf16).
+(default ≈ 417M parameters in bf16, MXFP4 experts); the table goes to
+benchmarks/results/convert-memory-<device>.json.
 """
 
 from __future__ import annotations
@@ -125,9 +126,11 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     table = Table(title=f"load_release peak RSS: {args.preset} preset, vocab {args.vocab_size}, "
                         f"{args.num_experts} experts ({n_params / 1e6:.0f}M parameters), MXFP4 experts")
-    for col in ("shard size", "shards", "checkpoint MB", "loader", "weights MB", "peak − baseline MB",
-                "peak / weights", "load s"):
+    columns = ("shard size", "shards", "checkpoint MB", "loader", "weights MB", "peak − baseline MB",
+               "peak / weights", "load s")
+    for col in columns:
         table.add_column(col, justify="right")
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.shard_sizes:
             path = save_release(model, Path(tmp) / size, mxfp4=True, shard_size=size)
@@ -141,7 +144,17 @@ def main() -> None:
                 table.add_row(size, str(shards), f"{ckpt_mb:.0f}", mode if mode != "naive" else "naive (baseline)",
                               f"{r['weights'] / 1e6:.0f}", f"{extra / 1e6:.0f}", f"{extra / r['weights']:.2f}×",
                               f"{r['seconds']:.1f}")
+                rows.append([size, shards, round(ckpt_mb), mode if mode != "naive" else "naive (baseline)",
+                             round(r["weights"] / 1e6), round(extra / 1e6), f"{extra / r['weights']:.2f}×",
+                             round(r["seconds"], 1)])
     Console(width=150).print(table)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.provenance import save_result, table as result_table
+
+    save_result("convert-memory", f"Peak host memory of loading a release-layout checkpoint ({args.preset} preset, "
+                f"vocab {args.vocab_size}, {args.num_experts} experts, {n_params / 1e6:.0f}M parameters, MXFP4 "
+                "experts) against the bytes of the loaded weights; the naive loader as the baseline",
+                {"peak-memory": result_table(list(columns), rows)})
 
 
 if __name__ == "__main__":

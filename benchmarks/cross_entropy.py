@@ -7,12 +7,15 @@ that fits), peak memory above the
 inputs, and the loss and gradient differences to the reference (a gate: loss ≤ 1e-3 relative, gradients
 ≤ 2e-2). The reference is skipped where it would not fit.
 
-`--rows-settings` (session 18) times the row kernel's launches (`k3.ops.cross_entropy.LOSS_ROWS`): (a) the
+`--rows-settings` times the row kernel's launches (`k3.ops.cross_entropy.LOSS_ROWS`): (a) the
 kernel alone on a bf16 [rows, 163840] chunk at 1,638 and 6,553 rows for each setting, checked against the
 per-row kernel (the default, first), with GB/s counted as the kernel's 2 reads + 1 write of the chunk and as the
 1 read + 1 write minimum; (b) the whole loss, forward+backward, at 65,536 tokens of the small head for chunks of
 2^28, 2^29, 2^30 logits × {the per-row kernel, the fastest other setting of (a) at 6,553 rows}, against today's
 default (2^28 elements, 1,638 rows, per-row), with peak memory. About a minute on an H200.
+
+On a GPU the default run writes table "vs-reference", --rows-settings tables "row-kernel" and "chunks" of
+benchmarks/results/cross-entropy-<device>.json.
 
     python -m benchmarks.cross_entropy                   # one GPU
     python -m benchmarks.cross_entropy --rows-settings   # one GPU: the row kernel's launches and chunk sizes
@@ -34,6 +37,14 @@ if not torch.cuda.is_available():
 from k3.ops import cross_entropy as ce  # noqa: E402
 from k3.ops.cross_entropy import chunked_linear_cross_entropy, naive_linear_cross_entropy  # noqa: E402
 
+from benchmarks.provenance import save_result, table  # noqa: E402
+
+CLAIM = ("The lm_head + cross-entropy of training: the full-logit reference, the chunked torch form and the chunked "
+         "form with the Triton row kernel (`loss_impl`), and the chunk size and launch of the row kernel")
+# the rows of --rows-settings' two tables, as measured
+ROWS_KERNEL: list[list] = []
+CHUNKS: list[list] = []
+
 IMPLS = {
     "reference": naive_linear_cross_entropy,
     "chunked": chunked_linear_cross_entropy,
@@ -53,7 +64,7 @@ def run(fn, h, w, y, device):
     return loss.detach(), hh.grad, ww.grad
 
 
-# the row kernel's launch that the H200 profiles measured (session 17), the reference of --rows-settings
+# the row kernel's launch before --rows-settings timed others: the first setting, against which the rest are checked
 PER_ROW = dict(form="per_row", programs_per_sm=1, BV=4096, warps=8, stages=None, reverse=False)
 
 
@@ -104,6 +115,7 @@ def time_rows_kernel(device: str, quick: bool) -> tuple[dict | None, bool]:
                               rep=100)
                 chunk = rows * V * 2
                 timing = f"{ms:7.3f} ms {3 * chunk / ms / 1e6:6.0f} | {2 * chunk / ms / 1e6:6.0f} GB/s"
+                ROWS_KERNEL.append([rows, label(s), round(ms, 3), round(3 * chunk / ms / 1e6), round(2 * chunk / ms / 1e6)])
                 if s is not settings[0] and good and (rows not in best or ms < best[rows][0]):
                     best[rows] = (ms, s)
             elif s is settings[3]:  # untimed: the persistent form at one program per SM
@@ -159,6 +171,9 @@ def time_whole_loss(device: str, quick: bool, other: dict | None) -> bool:
                 base_ms = base_ms or ms
                 timing = f"{ms:8.2f} ms {base_ms / ms:5.2f}x {peak:5.1f} GiB"
             chunks = -(-N // chunk_rows)
+            if not quick:
+                CHUNKS.append([name.split()[0], chunk_rows, chunks, label(s), round(ms, 2), f"{base_ms / ms:.2f}×",
+                               round(peak, 1)])
             print(f"  {name:10s} {chunk_rows:5d} rows x {chunks:3d} {label(s):48s} {timing:>28s}  {note}", flush=True)
     finally:
         ce.LOSS_ROWS = saved
@@ -172,6 +187,13 @@ def rows_settings_mode(device: str, quick: bool) -> int:
     if other is not None:
         print(f"(b) compares the per-row kernel with: {other}")
     ok_b = time_whole_loss(device, quick, other)
+    if ROWS_KERNEL and CHUNKS:
+        save_result("cross-entropy", CLAIM, {
+            "row-kernel": table(["rows", "launch", "ms", "GB/s (3 passes)", "GB/s (2 passes)"], ROWS_KERNEL,
+                                note="The row kernel alone over bf16 [rows, 163840] logits, loss and gradient."),
+            "chunks": table(["logits per chunk", "rows per chunk", "chunks", "row kernel", "ms", "vs first row",
+                             "peak GiB"], CHUNKS, note="The whole 65,536-token loss, forward + backward, D = 768, "
+                                                       "V = 163,840, bf16 autocast.")})
     return 0 if ok_a and ok_b else 1
 
 
@@ -226,6 +248,12 @@ def main() -> int:
         speed = "" if r[5] is None else f"{r[5]:5.2f}x"
         mem = "" if r[6] is None or r[6] != r[6] else f"{r[6]:6.1f} GiB"
         print(f"{r[0]:6s} N={r[1]:6d} D={r[2]:5d} {r[3]:10s} {ms:>12s} {speed:>7s} {mem:>10s}  {r[7]}")
+    if not quick:
+        save_result("cross-entropy", CLAIM, {"vs-reference": table(
+            ["head", "tokens", "D", "impl", "ms (fwd+bwd)", "vs first row", "peak GiB"],
+            [[r[0], r[1], r[2], r[3], "out of memory" if r[4] is None else round(r[4], 2),
+              None if r[5] is None else f"{r[5]:.2f}×", None if r[6] is None else round(r[6], 1)] for r in rows],
+            note="V = 163,840; bf16 autocast. The row kernel is `loss_impl=\"triton\"` (\"auto\" on CUDA).")})
     return 0 if ok else 1
 
 

@@ -27,7 +27,11 @@ activation checkpointing the EP/CP forwards run twice.
         --steps 200 --rows 2 --seq-len 4096 --cp-rows 1 --cp-seq-len 16384 --activation-checkpointing \\
         --set attention_backend=sdpa kda_impl=triton --concurrent-references --repeat-reference 60 \\
         --dcp-check --dcp-steps 10 --json dist.json --plot dist.png                       # 2 × H200
-    (docs/distributed.md splits this into four calls of under ten minutes each and merges them with --report)
+    python benchmarks/distributed.py --report a.json b.json --write-results   # merge runs into the results file
+
+`--write-results` writes the tables to benchmarks/results/distributed-<device>.json (`cpu`, `2xh200`, ...): with a run,
+or with --report over the --json files of runs split into several calls (each record carries its commit and
+device).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.provenance import device_name, git_sha, save_result, table  # noqa: E402
 
 
 def synthetic_batch(step: int, rows: int, seq_len: int, vocab: int):
@@ -247,6 +253,7 @@ def worker(args) -> None:
         "prediction": predict(config, world, cp, ep, args, params, root_params),
     }
     if runtime.is_main:
+        result |= {"commit": git_sha(), "device_name": device_name()}
         Path(args.result).write_text(json.dumps(result))
     import torch.distributed as dist
 
@@ -426,6 +433,8 @@ def main() -> None:
     p.add_argument("--plot", help="loss curves (PNG), rewritten after every job")
     p.add_argument("--report", nargs="+", metavar="JSON",
                    help="only print the tables (and --plot) of earlier --json files, merged (e.g. one per device call)")
+    p.add_argument("--write-results", action="store_true",
+                   help="also write the tables to benchmarks/results/distributed-<device>.json")
     # worker mode
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", default="fsdp", help=argparse.SUPPRESS)
@@ -447,7 +456,9 @@ def main() -> None:
         for r in merged:
             if "dcp_check" in r:
                 print(describe_dcp(r["dcp_check"]))
-        report([r for r in merged if "world" in r])
+        tables = report([r for r in merged if "world" in r])
+        if args.write_results:
+            save_tables(tables, [r for r in merged if "world" in r])
         if args.plot:
             plot_losses([r for r in merged if "world" in r], Path(args.plot))
         return
@@ -524,7 +535,9 @@ def main() -> None:
                  jobs.index((r["world"], r["config"], (r["rows"], r["seq_len"]))))
     if not results:
         raise SystemExit("every job failed")
-    report(results)
+    tables = report(results)
+    if args.write_results:
+        save_tables(tables, results)
     if args.dcp_check:
         world = max(args.worlds)
         same = [r for r in results if r["world"] == world and r["config"] == "fsdp"]
@@ -544,33 +557,50 @@ def reference_of(r: dict, results: list[dict]) -> dict | None:
                  and b.get("settings") == r.get("settings")), None)
 
 
-def report(results: list[dict]) -> None:
-    """The tables of `results`, each run compared with the 1-rank run of its batch shape and settings."""
+def save_tables(tables: dict, results: list[dict]) -> None:
+    """The report's tables into benchmarks/results/distributed-<device>.json, with the runs' commit and device."""
+    world = max(r["world"] for r in results)
+    names = sorted({r.get("device_name", "unknown") for r in results})
+    commits = sorted({r.get("commit", "unknown") for r in results})
+    cpu = all((r.get("settings") or {}).get("device", "cpu") == "cpu" for r in results)
+    gpu = next((n for n in names if "cpu" not in n.lower() and n != "unknown"), None)
+    slug = "cpu" if cpu else f"{world}x{gpu.split()[1].lower() if gpu and len(gpu.split()) > 1 else 'gpu'}"
+    save_result("distributed", "Distributed training: step time and tokens/s per rank, loss agreement with one "
+                "rank, bytes per collective against the algorithms' prediction", tables,
+                raw={"results": results}, slug=slug, commit=", ".join(commits),
+                device=", ".join(names) + ("" if cpu else f" × {world}"))
+
+
+def report(results: list[dict]) -> dict[str, dict]:
+    """The tables of `results`, each run compared with the 1-rank run of its batch shape and settings; printed and
+    returned in the results-file form (`training`, `bytes`)."""
     rows = []
     for r in results:
         base = reference_of(r, results)
         tps = r["tokens_per_step"] / r["step_s"]
         if base is None:
             scaling, diff = "-", "no 1-rank run"
-        elif r.get("repeat"):  # the same run again: only its losses mean something
-            deltas = [abs(a - b) for a, b in zip(r["losses"], base["losses"])]
-            scaling, diff = "-", f"{max(deltas):.1e} / {statistics.mean(deltas[-max(1, len(deltas) // 10):]):.1e}"
+        elif r is base:
+            scaling, diff = "1.00", "-"
         else:
-            scaling = f"{tps / r['world'] / (base['tokens_per_step'] / base['step_s']):.2f}"
+            # the same run again (a repeat): only its losses mean something
+            scaling = "-" if r.get("repeat") else f"{tps / r['world'] / (base['tokens_per_step'] / base['step_s']):.2f}"
             deltas = [abs(a - b) for a, b in zip(r["losses"], base["losses"])]
+            late = deltas[int(0.3 * len(deltas)):]  # after the plateau exit, where curves a step apart differ by nats
             tail = deltas[-max(1, len(deltas) // 10):]
-            diff = f"{max(deltas):.1e} / {statistics.mean(tail):.1e}"
+            diff = f"{max(deltas):.1e} / {max(late):.1e} / {statistics.mean(tail):.1e}"
         # GPU: time inside NCCL kernels (profiled step; they may overlap compute); CPU: wall time in gloo calls
         comm = r["nccl_ms"] / 1e3 if r.get("nccl_ms") is not None else sum(r["collective_s"].values())
         escape = plateau_exit(r)
         rows.append([f"{r['world']}", label_of(r), f"{r['rows']}×{r['seq_len']}", f"{r['step_s'] * 1e3:,.0f}",
                      f"{tps / r['world']:,.0f}",
                      scaling, f"{r['losses'][0]:.3f}→{r['losses'][-1]:.3f}",
-                     diff, "-" if escape is None else f"{escape}", f"{100 * comm / r['step_s']:.0f}%",
+                     diff, "-" if escape is None else f"{escape}",
+                     "-" if r["world"] == 1 else f"{100 * comm / r['step_s']:.0f}%",
                      "-" if r["ep_load"] is None else f"{r['ep_load']:.2f} ({r['ep_home_load']:.2f})",
                      "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"])
     header = ["ranks", "config", "batch", "step ms", "tok/s/rank", "scaling eff.", "loss first→last",
-              "|Δloss| max / last 10%", "leaves plateau at step",
+              "|Δloss| max / from 30% of the steps / last 10% mean", "leaves plateau at step",
               "comm share", "EP load max/mean (no plan)", "peak GiB"]
     steps = sorted({len(r["losses"]) for r in results})
     print_table(f"steps per job: {', '.join(map(str, steps))}; each run against the 1-rank run of its batch shape",
@@ -590,6 +620,25 @@ def report(results: list[dict]) -> None:
                               "-" if pr is None else f"{pr / 1e6:,.3f}"])
     print_table("bytes received per rank per step (MB)", ["ranks", "config", "collective", "measured", "predicted"],
                 byte_rows)
+    # the results file's bytes table: one row per run, one "measured / predicted" cell per collective
+    kinds = sorted({row[2] for row in byte_rows})
+    pivot: dict[tuple, dict] = {}
+    for world, config, kind, m, pr in byte_rows:
+        pivot.setdefault((world, config), {})[kind] = f"{m} / {pr}"
+    return {"training": table(header, [[cell(v) for v in row] for row in rows]),
+            "bytes": table(["ranks", "config"] + kinds,
+                           [[cell(w), c] + [cells.get(k) for k in kinds] for (w, c), cells in pivot.items()],
+                           note="MB received per rank per step: measured / predicted.")}
+
+
+def cell(text: str):
+    """A printed cell as a results-file value: "1,200" -> 1200, "-" -> None, anything else as printed."""
+    if text == "-":
+        return None
+    try:
+        return int(text.replace(",", "")) if text.replace(",", "").isdigit() else text
+    except ValueError:
+        return text
 
 
 def label_of(r: dict) -> str:

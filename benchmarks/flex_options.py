@@ -1,7 +1,6 @@
 """flex_attention's launch options at the small preset's MLA shape, side by side in one process (one GPU).
 
-The 32K-token profile of session 9 (docs/fast-paths.md) had flex's backward at 27.8 ms against 5.6 ms forward for
-the six MLA layers: about 150 TFLOP/s where its forward reaches about 300. This times forward + backward of
+flex's default backward runs at about half its forward's TFLOP/s on these shapes. This times forward + backward of
 `torch.compile(flex_attention)` with the document mask of packed training rows under each `kernel_options` set
 (block sizes, warps, stages of the forward and backward kernels), checks each against the default's output and
 gradients, and prints a table; `k3.ops.attention.FLEX_KERNEL_OPTIONS` takes the winner.
@@ -12,6 +11,8 @@ gradients, and prints a table; `k3.ops.attention.FLEX_KERNEL_OPTIONS` takes the 
 `--varlen` times PyTorch's FlashAttention varlen entry point on the same packed documents (cu_seqlens from the
 ids, causal), first with the value head as it is and, if the kernel refuses a value head unlike the query's,
 zero-padded to it (as the `flash` backend pads for FA2), against the first option's output and gradients.
+
+The table goes to `--result-table` (default "options") of benchmarks/results/flex-options-<device>.json.
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.provenance import save_result, table  # noqa: E402
+
+
+def short_label(opts) -> str:
+    """kernel_options as one short cell ("flex's defaults" for {})."""
+    if isinstance(opts, str):
+        return opts
+    return ", ".join(f"{k.replace('bwd_num_', 'bwd ').replace('fwd_num_', 'fwd ')}={v}" for k, v in opts.items()) \
+        or "flex's defaults"
 
 
 def packed_documents(B: int, T: int, mean: int, generator: torch.Generator) -> torch.Tensor:
@@ -104,6 +115,7 @@ def main() -> int:
     ap.add_argument("--doc-mean", type=int, default=1500, help="mean document length of the packed rows")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--varlen", action="store_true", help="also time torch.nn.attention.varlen.varlen_attn")
+    ap.add_argument("--result-table", default="options", help="the table of the results file this run writes")
     args = ap.parse_args()
     options = json.loads(args.options)
     B, T, H, Dqk, Dv = (int(x) for x in args.shape.split(","))
@@ -157,6 +169,16 @@ def main() -> int:
     for opts, f, b, d, note in rows:
         label = opts if isinstance(opts, str) else json.dumps(opts)
         print(f"{label[:70]:70s} " + (f"{f:8.3f} {b:8.3f} {d:8.1e}" if f is not None else f"{note:>26s}"))
+    result = [[short_label(opts), round(f, 3), round(fwd_flops / f / 1e9), round(b, 3),
+               round(2.5 * fwd_flops / b / 1e9), f"{d:.1e}"] if f is not None else
+              [short_label(opts), None, None, None, None, note] for opts, f, b, d, note in rows]
+    save_result("flex-options",
+                "flex_attention's kernel_options for the MLA layers (`k3.ops.attention.FLEX_KERNEL_OPTIONS`) and "
+                "PyTorch's FlashAttention varlen, forward and backward on packed documents",
+                {args.result_table: table(["kernel_options", "fwd ms", "fwd TFLOP/s", "bwd ms", "bwd TFLOP/s",
+                                           "diff vs first"], result,
+                                          note=f"B={B} T={T} H={H}, qk {Dqk}, v {Dv}, documents of mean "
+                                               f"{args.doc_mean:,}.")})
     return 0
 
 

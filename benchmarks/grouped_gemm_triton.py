@@ -1,13 +1,13 @@
 """The routed experts' two weight-gradient grouped GEMMs: `torch._grouped_mm` against the Triton kernel of
-`k3.ops.grouped_gemm` at several tile configs, on the same operands (issue 9's grouped-GEMM goal).
+`k3.ops.grouped_gemm` at several tile configs, on the same operands.
 
 For an expert L → 2I → L with M routed rows (tokens × k, padded per expert as the MoE pads them):
   dw2    dyᵀ @ act  -> [G, L, I]
   dw13   dhᵀ @ x    -> [G, 2I, L]
 TFLOP/s count 2·M·K·N per GEMM with M the routed rows (not the padding). Correctness gate: every Triton
 result against `torch._grouped_mm` on the same bf16 operands, relative error ≤ 1e-2 (both accumulate in fp32;
-the difference is the summation order and one bf16 rounding of the output). Session 11 runs 1 and 7 also
-timed the four row GEMMs against a Triton row kernel, since deleted (docs/fast-paths.md has the table).
+the difference is the summation order and one bf16 rounding of the output). The best config per GEMM goes to
+table "weight-gradients" of benchmarks/results/grouped-gemm-triton-<device>.json (not with --quick).
 
     python -m benchmarks.grouped_gemm_triton                 # one H200: the small preset's experts at 16K and
                                                              # 32K tokens, K3's 32 local experts; skewed routing
@@ -17,7 +17,6 @@ timed the four row GEMMs against a Triton row kernel, since deleted (docs/fast-p
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -30,7 +29,7 @@ from k3.ops import grouped_gemm  # noqa: E402
 from k3.ops.moe import dispatch_plan  # noqa: E402
 
 from benchmarks.moe_grouped_gemm import zipf_routes  # noqa: E402
-from benchmarks.provenance import git_sha  # noqa: E402
+from benchmarks.provenance import save_result, table  # noqa: E402
 
 WGRAD_CONFIGS = [dict(BM=128, BN=128, BK=64, warps=8, stages=3), dict(BM=128, BN=128, BK=64, warps=4, stages=4),
                  dict(BM=128, BN=128, BK=128, warps=8, stages=3), dict(BM=64, BN=128, BK=64, warps=4, stages=4),
@@ -65,7 +64,6 @@ def gemms(E, L, I, M_pad, offs, device, dtype, g):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", default=None, help="write the table here")
     parser.add_argument("--shapes", nargs="+", default=None, help="only these shape names (e.g. 'small 32K')")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -83,7 +81,7 @@ def main():
     if cuda:
         from triton.testing import do_bench
     g = torch.Generator().manual_seed(0)
-    results, lines = [], []
+    results, lines, rows = [], [], []
     for name, E, L, I, N, k, s in shapes:
         idx = zipf_routes(N, k, E, s, g, device)
         _, offs, M_pad = dispatch_plan(idx, E, 8 if cuda else 1)
@@ -114,6 +112,10 @@ def main():
             totals["best"] += best[0]
             lines.append((name, gname, f"{K}x{Nc}", f"{t_ms:.3f}", f"{flops / t_ms / 1e9:.0f}", f"{best[0]:.3f}",
                           f"{flops / best[0] / 1e9:.0f}", f"{t_ms / best[0]:.2f}", cfg_name(best[1]), f"{best[2]:.1e}"))
+            c = best[1]
+            rows.append([name, {"dw2": "dW2", "dw13": "dW13"}[gname], f"{t_ms:.3f} ({flops / t_ms / 1e9:.0f})",
+                         f"{best[0]:.3f} ({flops / best[0] / 1e9:.0f})", f"{t_ms / best[0]:.2f}×",
+                         f"{c['BM']}×{c['BN']}×{c['BK']}, {c['warps']} warps, {c['stages']} stages"])
         fl = 6 * M * L * I
         lines.append((name, "both", "", f"{totals['torch']:.3f}", f"{fl / totals['torch'] / 1e9:.0f}",
                       f"{totals['best']:.3f}", f"{fl / totals['best'] / 1e9:.0f}",
@@ -122,10 +124,15 @@ def main():
     widths = [max(len(str(r[i])) for r in lines + [header]) for i in range(len(header))]
     for r in [header] + lines:
         print("  ".join(str(v).rjust(wd) for v, wd in zip(r, widths)), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "grouped_gemm_triton", "git": git_sha(7), "torch": torch.__version__,
-                       "gpu": torch.cuda.get_device_name() if cuda else "cpu", "results": results}, f, indent=1)
+    if not args.quick:
+        save_result("grouped-gemm-triton",
+                    "The routed experts' weight-gradient GEMMs: `torch._grouped_mm` against the Triton kernel "
+                    "(`k3.ops.grouped_gemm.grouped_mm_wgrad`) at its best tile config per shape; bf16",
+                    {"weight-gradients": table(["shape (Zipf 0.7 unless said)", "GEMM", "torch ms (TFLOP/s)",
+                                                "Triton ms (TFLOP/s)", "speed-up", "best tile"], rows,
+                                               note="TFLOP/s on the routed rows; every Triton result within 1e-2 "
+                                                    "of torch's.")},
+                    raw={"results": results})
 
 
 if __name__ == "__main__":

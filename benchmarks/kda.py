@@ -1,6 +1,6 @@
 """KDA kernels: ours (`k3.ops.kda.chunk_kda`, `fused_recurrent_kda`) against fla-core's on one GPU.
 
-Follows performance.md §4: the baseline (fla-core 0.6.0 with the K3 settings: in-kernel gate with
+The baseline (fla-core 0.6.0 with the K3 settings: in-kernel gate with
 lower bound −5 and safe gate, in-kernel L2 norm and β sigmoid, FLA_FLASH_KDA=0) runs in the same process
 on the same inputs, alternating with ours; a correctness gate runs first (small shape against the fp64
 recurrence with the test tolerances, and every timed shape against fla); times are medians of
@@ -34,11 +34,11 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 from k3.ops.kda import chunk_kda, fused_recurrent_kda, naive_kda_gate, naive_recurrent_kda  # noqa: E402
-from k3.ops.kda import triton_chunk  # noqa: E402
+from k3.ops.kda import chunk as kda_chunk  # noqa: E402
 
 from benchmarks.provenance import git_sha  # noqa: E402
 
-BANDWIDTH = 4.25e12  # measured device copy bandwidth (performance.md §1)
+BANDWIDTH = 4.25e12  # measured device copy bandwidth of an H200
 PEAK_FLOPS = 807e12
 VARLEN_MIX = [1300, 547, 2048, 963, 271, 3063]
 # the faster, less accurate storage variants (docs/kda-kernels.md), timed with --variants
@@ -51,7 +51,7 @@ TOL = {"o": 5e-3, "S": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "h0": 8e-3, "dt_bi
 def load_fla(max_configs: int = 0):
     """fla's chunk_kda and in-place decode kernel, or None. max_configs > 0 keeps that many (evenly spaced)
     of each fla autotuner's configs: a full autotune compiles ~180 configs per shape key, more device time
-    than a run can spend, so runs that set it say so and compare with the anchors of performance.md too."""
+    than a run can spend, so runs that set it say so."""
     try:
         from fla.ops.kda import chunk_kda as fla_chunk
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_recurrent
@@ -92,18 +92,18 @@ def raw_inputs(B, T, H, K=128, V=128, N=None, seed=0, device="cuda", h0=False):
 
 def chunk_operands(B, T, H, seed=5, device="cuda", qprime=False):
     """What the training forward's prepare hands the state passes, for timing them alone: (plan, h0 [B, H, K, V],
-    `triton_chunk.Prepared` with T, the norms, G and Q′ if qprime) on `raw_inputs` at (B, T, H), K = V = 128, bf16."""
+    `chunk_prepare.Prepared` with T, the norms, G and Q′ if qprime) on `raw_inputs` at (B, T, H), K = V = 128, bf16."""
     q, k, v, z, b, A_log, dt_bias, h0 = raw_inputs(B, T, H, seed=seed, device=device, h0=True)
     flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, z, b)]
-    plan = triton_chunk.make_plan(B, T, None, q.device)
-    ops = triton_chunk._fwd_prepare(*flat, A_log, dt_bias, -5.0, 128 ** -0.5, plan,
-                                    triton_chunk.inter_dtypes(torch.bfloat16), store_t=True, store_norms=True,
-                                    qprime="apart" if qprime else None)
+    plan = kda_chunk.make_plan(B, T, None, q.device)
+    ops = kda_chunk._fwd_prepare(*flat, A_log, dt_bias, -5.0, 128 ** -0.5, plan,
+                                 kda_chunk.inter_dtypes(torch.bfloat16), store_t=True, store_norms=True,
+                                 qprime="apart" if qprime else None)
     return plan, h0, ops
 
 
 def probe_setup(quick_help: str):
-    """The session probes' command line and shape: (args with --out and --quick, (B, T, H), device). --quick is
+    """A probe's command line and shape: (args with --out and --quick, (B, T, H), device). --quick is
     T=128 H=2 (the interpreter on CPU, `quick_help` says what else it skips), otherwise the K3 shape."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="", help="write the rows as JSON here")
@@ -149,12 +149,12 @@ def reference_fn(ins, cu):
 def prefill_at_every_size():
     """chunk_kda's inference forward in its own kernels whatever the shape (`prefill_applies`), if TUNING["prefill"]
     is on: the accuracy checks run at small head counts, where chunk_kda would take the 64-token ones."""
-    saved = triton_chunk.TUNING["prefill_min_programs"]
-    triton_chunk.TUNING["prefill_min_programs"] = 0
+    saved = kda_chunk.TUNING["prefill_min_programs"]
+    kda_chunk.TUNING["prefill_min_programs"] = 0
     try:
         yield
     finally:
-        triton_chunk.TUNING["prefill_min_programs"] = saved
+        kda_chunk.TUNING["prefill_min_programs"] = saved
 
 
 def small_gate(device, **kw):
@@ -167,7 +167,7 @@ def small_gate(device, **kw):
     ref = grads_of(lambda x: reference_fn(x, None), [x.double() for x in ins], do.double(), dS.double())
     errs = {"o": rel(tri[0], ref[0]), "S": rel(tri[1], ref[1])}
     errs.update({n: rel(a, r) for n, a, r in zip(("q", "k", "v", "z", "b", "A_log", "dt_bias", "h0"), tri[2], ref[2])})
-    # the inference forward (no backward can follow) is its own kernels (`triton_prefill`, TUNING["prefill"]), which
+    # the inference forward (no backward can follow) is its own kernels (`chunk_prefill.py`, TUNING["prefill"]), which
     # chunk_kda picks only with enough programs to fill the GPU: here at this small shape too
     with torch.no_grad(), prefill_at_every_size():
         o, S = ours_fn(ins, None, **kw)
@@ -181,7 +181,7 @@ def accuracy_table(configs, fla, device, quick):
     inputs: the issue's "never worse than 1.5× fla" beside the absolute limits. Prints one table, returns the rows."""
     names = ("o", "S", "q", "k", "v", "z", "b", "A_log", "dt_bias", "h0", "o_inf", "S_inf")
     T, H = (300, 2) if quick else (8192, 4)
-    base = dict(triton_chunk.TUNING)
+    base = dict(kda_chunk.TUNING)
     rows = []
     for lengths in (None, VARLEN_MIX if not quick else [100, 1, 199]):
         cu = None if lengths is None else cu_tensor(lengths, device)
@@ -192,8 +192,8 @@ def accuracy_table(configs, fla, device, quick):
         ref = grads_of(lambda x: reference_fn(x, cu), [x.double() for x in ins], do.double(), dS.double())
         impls = [(json.dumps(cfg), cfg) for cfg in configs] + ([("fla", None)] if fla is not None else [])
         for label, cfg in impls:
-            triton_chunk.TUNING.clear()
-            triton_chunk.TUNING.update(base, **(cfg or {}))
+            kda_chunk.TUNING.clear()
+            kda_chunk.TUNING.update(base, **(cfg or {}))
             fn = (lambda x: fla_fn(fla, x, cu)) if cfg is None else (lambda x: ours_fn(x, cu))
             out = grads_of(fn, ins, do, dS)
             errs = [rel(out[0], ref[0]), rel(out[1], ref[1])] + [rel(a, r) for a, r in zip(out[2], ref[2])]
@@ -203,8 +203,8 @@ def accuracy_table(configs, fla, device, quick):
             rows.append({"case": "dense" if lengths is None else "varlen", "impl": label, **dict(zip(names, errs))})
             print(f"[accuracy] {rows[-1]['case']} {label}: " + ", ".join(f"{n} {e:.1e}" for n, e in zip(names, errs)),
                   flush=True)
-    triton_chunk.TUNING.clear()
-    triton_chunk.TUNING.update(base)
+    kda_chunk.TUNING.clear()
+    kda_chunk.TUNING.update(base)
     print(f"relative RMSE vs fp64 at T={T} H={H} (limits: o, S 5e-3; q, k, v, h0, dt_bias 8e-3; z, b, A_log 2e-2)")
     width = max(len(r["impl"]) for r in rows) + 8
     print("case/impl".ljust(width) + "".join(n.rjust(9) for n in names))
@@ -288,7 +288,7 @@ def main() -> int:
     ap.add_argument("--fla-cases", default="", help="comma-separated case names: run fla only on these cases")
     ap.add_argument("--tuning", default="", metavar="JSON",
                     help='launch-config overrides for every k3 case, e.g. \'{"prep_intra_maxnreg": 168}\' (keys of '
-                         'k3.ops.kda.triton_chunk.TUNING)')
+                         'k3.ops.kda.tuning.TUNING)')
     ap.add_argument("--compare", default="", metavar="JSON",
                     help='a JSON list of TUNING overrides, e.g. \'[{}, {"bwd_k_maxnreg": 168}]\': each one is gated '
                          'and timed at B=1 T=8192 H=96 (fwd, fwd+bwd, per kernel) in this process; one table')
@@ -300,11 +300,11 @@ def main() -> int:
     if not isinstance(compare, list) or not all(isinstance(c, dict) for c in compare):
         ap.error("--compare takes a JSON list of objects")
     for overrides in [json.loads(args.tuning) if args.tuning else {}] + compare:
-        unknown = set(overrides) - set(triton_chunk.TUNING)
+        unknown = set(overrides) - set(kda_chunk.TUNING)
         if unknown:
-            ap.error(f"unknown TUNING keys {sorted(unknown)}; known: {', '.join(triton_chunk.TUNING)}")
+            ap.error(f"unknown TUNING keys {sorted(unknown)}; known: {', '.join(kda_chunk.TUNING)}")
     if args.tuning:
-        triton_chunk.TUNING.update(json.loads(args.tuning))
+        kda_chunk.TUNING.update(json.loads(args.tuning))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fla_all = load_fla(args.fla_configs) if device == "cuda" else None
     if fla_all is not None and not args.fla_configs:
@@ -369,7 +369,7 @@ def main() -> int:
                 "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                 "FLA_FLASH_KDA": os.environ.get("FLA_FLASH_KDA")},
         "config": {"bandwidth": BANDWIDTH, "peak_flops": PEAK_FLOPS, "quick": args.quick,
-                   "fla_configs_per_autotuner": args.fla_configs or "all", "tuning": dict(triton_chunk.TUNING)},
+                   "fla_configs_per_autotuner": args.fla_configs or "all", "tuning": dict(kda_chunk.TUNING)},
         "gate": errs, "cases": rows, "compare": compared, "accuracy": accuracy,
     }
     text = json.dumps(result, indent=1)
@@ -548,13 +548,13 @@ def compare_tunings(configs, device, quick, shape=(1, 8192, 96)):
     from benchmarks.kernel_profile import kernel_times
 
     B, T, H = (1, 128, 2) if quick else shape
-    base = dict(triton_chunk.TUNING)
+    base = dict(kda_chunk.TUNING)
     fwd, fwd_bwd = forward_steps(B, T, H, device)
     rows = []
     try:
         for cfg in configs:
-            triton_chunk.TUNING.clear()
-            triton_chunk.TUNING.update(base, **cfg)
+            kda_chunk.TUNING.clear()
+            kda_chunk.TUNING.update(base, **cfg)
             try:
                 errs, ok = small_gate(device)
             except (ValueError, OutOfResources) as e:
@@ -580,8 +580,8 @@ def compare_tunings(configs, device, quick, shape=(1, 8192, 96)):
             print(f"[compare] B={B} T={T} H={H} {json.dumps(cfg)}: " + ("gate FAILED " + str(errs) if not ok else
                   f"fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwd_bwd_ms']:.3f} ms; {top}"), flush=True)
     finally:
-        triton_chunk.TUNING.clear()
-        triton_chunk.TUNING.update(base)
+        kda_chunk.TUNING.clear()
+        kda_chunk.TUNING.update(base)
     kernels = []
     for r in rows:
         kernels += [k for k, ms in r.get("kernels_ms", {}).items() if ms >= 0.05 and k not in kernels]
@@ -602,7 +602,7 @@ def tuning_sweep():
     """Per-stage times at B=1, T=8192, H=96 under alternative launch configs (`TUNING` overrides)."""
     import triton
 
-    from k3.ops.kda import triton_chunk as tc
+    from k3.ops.kda import chunk as tc
 
     base = dict(tc.TUNING)
     q, k, v, z, b, A_log, dt_bias, h0 = raw_inputs(1, 8192, 96, seed=5, h0=True)

@@ -5,8 +5,8 @@ sees exactly those launches (the warm-up and Triton's compilation run before).
     ncu --clock-control none --profile-from-start off --set full -k regex:'^_(prep|state|bwd)' \
         --kernel-name-base function -o kda python3 -m benchmarks.kda_ncu --shape 1,8192,96
 
-docs/kda-kernels.md §6 reads the report: per kernel DRAM bytes, L2 hit rate, issue-slot use, occupancy and the
-warp stall reasons (the hypotheses of §8 were untested until a counter run)."""
+The report gives per kernel DRAM bytes, L2 hit rate, issue-slot use, occupancy and the warp stall reasons
+(docs/kda-kernels.md, "Measurements")."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ def main() -> int:
     if args.tuning:
         import json
 
-        from k3.ops.kda import triton_chunk
+        from k3.ops.kda.tuning import TUNING
 
-        triton_chunk.TUNING.update(json.loads(args.tuning))
+        TUNING.update(json.loads(args.tuning))
     forward, forward_backward = forward_steps(B, T, H, "cuda")
     for _ in range(2):  # compile every specialisation, warm the allocator
         forward()

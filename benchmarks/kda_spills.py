@@ -1,11 +1,10 @@
 """Registers, spill bytes and shared memory of the KDA chunk kernels for an H100/H200 (sm_90), compiled offline.
 
-No GPU needed: each kernel of `k3/ops/kda/triton_chunk.py` and `triton_prefill.py` is compiled by `triton.compile` for
-GPUTarget("cuda", 90, 64) with the launch settings of `TUNING` (or the ones given), bf16 inputs,
-K = V = 128, C = 64 (16 for the prefill kernels), divisibility 16 on pointers and H like the real JIT; the PTX then goes through the
-ptxas bundled with Triton (`-v -arch=sm_90a`), whose report gives registers and spills. A proxy for
-speed, not a measurement of it: spills were not the main cost of the old fused prepare kernel
-(docs/kda-kernels.md §7).
+No GPU needed: each kernel of `k3/ops/kda/chunk_*.py` (`chunk_prefill.py` included) is compiled by
+`triton.compile` for GPUTarget("cuda", 90, 64) with the launch settings of `TUNING` (or the ones given), bf16
+inputs, K = V = 128, C = 64 (16 for the prefill kernels), divisibility 16 on pointers and H like the real JIT; the
+PTX then goes through the ptxas bundled with Triton (`-v -arch=sm_90a`), whose report gives registers and spills. A
+proxy for speed, not a measurement of it (docs/kda-kernels.md, "Variants tried").
 
     python benchmarks/kda_spills.py                       # every kernel at its TUNING settings
     python benchmarks/kda_spills.py _bwd_k_block --warps 2 4   # one kernel, several warp counts
@@ -36,9 +35,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-import k3.ops.kda.triton_chunk as chunk  # noqa: E402
-import k3.ops.kda.triton_prefill as prefill  # noqa: E402
-from k3.ops.kda.triton_common import _launch_options  # noqa: E402
+from k3.ops.kda import chunk_bwd, chunk_output, chunk_prefill, chunk_prepare, chunk_state  # noqa: E402
+from k3.ops.kda.tuning import TUNING, _launch_options  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 FP32_ARGS = {"A_log", "dt_bias", "t_in", "t_out", "hs", "dse", "du", "dqh_in", "dkh_in", "dg_in", "daqk_in",
@@ -49,15 +47,14 @@ FP32_ARGS = {"A_log", "dt_bias", "t_in", "t_out", "hs", "dse", "du", "dqh_in", "
 INT32_ARGS = {"cu", "chunk_idx", "chunk_off", "hs_off", "done"}
 CONSTEXPRS = dict(K=128, V=128, C=64, BC=16, G_MIN=-5.0, INTERP=False, SCORES_BF16=True, BF16=False,
                   USE_H0=True, STORE_HT=False, STORE_HS=True, WRITE_O=False, USE_DHT=False, SK=64, SV=64,
-                  STORE_UT=False, SPLIT=chunk.TUNING["state_split_inference"], STORE_QN=False, HALF=0,
-                  INVERSE=chunk.TUNING["prefill_inverse"],  # the prefill's, for bf16 inputs (`_prep_intra`: below)
+                  STORE_UT=False, SPLIT=TUNING["state_split_inference"], STORE_QN=False, HALF=0,
+                  INVERSE=TUNING["prefill_inverse"],  # the prefill's, for bf16 inputs (`_prep_intra`: below)
                   SEGMENT=False, QPRIME=False, LOOP=False, STORE_AT=False, ROW_DOTS=False, NORMS=False, GATE=False,
                   VV=False, BVV=64)
 # kernel -> its TUNING key prefix, in launch order; "_state_ut" is `_state` when it also stores Ũ (the backward's
-# recompute launch, and the training forward's since session 28, `state_o_apart`, which then writes o in `_fwd_o`),
+# recompute launch, and the training forward's with `state_o_apart`, which then writes o in `_fwd_o`),
 # "_state_ut_o" the training forward's that also writes o (more shared memory: 216 KB at 3 stages against 128, and
-# 288 KB at 4, which the H200 refused in session 25; fp32 inputs, or `state_o_apart` off), both with the state_ut
-# settings
+# 288 KB at 4, more than an H200's SM has; fp32 inputs, or `state_o_apart` off), both with the state_ut settings
 TUNING_PREFIX = {"_prep_gate": "prep_gate", "_prep_intra": "prep_intra", "_prep_solve": "prep_solve",
                  "_prep_wu": "prep_wu", "_state": "state", "_state_ut": "state_ut", "_state_ut_o": "state_ut",
                  "_fwd_o": "fwd_o", "_state_bwd": "state_bwd", "_prep_wu_qp": "prep_wu", "_state_bwd_qp": "state_bwd",
@@ -76,55 +73,59 @@ STORED_FOR_BACKWARD = {"_state_ut", "_state_ut_o", "_fwd_o", "_fwd_o_loop", "_st
 # pointers that are bf16 in one specialisation only (`_bwd_vv` writes the β logit's gradient, b's dtype, with NORMS)
 KERNEL_BF16_ARGS = {"_bwd_vv_nd": ("db_out",)}
 # per-kernel constexprs on top of CONSTEXPRS
-_SK = chunk.TUNING["bwd_k_cols"]
-_SKV = chunk.TUNING["bwd_vk_cols"]
-KERNEL_CONSTEXPRS = {"_prep_intra": dict(INVERSE=chunk.TUNING["prep_inverse"]),
-                     "_state_ut": dict(STORE_UT=True, SPLIT=chunk.TUNING["state_split"]),
-                     "_state_ut_o": dict(STORE_UT=True, WRITE_O=True, SPLIT=chunk.TUNING["state_split"]),
-                     "_state_bwd": dict(SPLIT=chunk.TUNING["state_bwd_products"] == "split",
-                                        BF16=chunk.TUNING["state_bwd_products"] == "bf16"),
-                     "_state_bwd_qp": dict(SPLIT=chunk.TUNING["state_bwd_products"] == "split",
-                                           BF16=chunk.TUNING["state_bwd_products"] == "bf16", QPRIME=True),
-                     "_fwd_o": dict(SPLIT=chunk.TUNING["state_split"]),
-                     "_fwd_o_loop": dict(SPLIT=chunk.TUNING["state_split"], LOOP=True),
+_SK = TUNING["bwd_k_cols"]
+_SKV = TUNING["bwd_vk_cols"]
+KERNEL_CONSTEXPRS = {"_prep_intra": dict(INVERSE=TUNING["prep_inverse"]),
+                     "_state_ut": dict(STORE_UT=True, SPLIT=TUNING["state_split"]),
+                     "_state_ut_o": dict(STORE_UT=True, WRITE_O=True, SPLIT=TUNING["state_split"]),
+                     "_state_bwd": dict(SPLIT=TUNING["state_bwd_products"] == "split",
+                                        BF16=TUNING["state_bwd_products"] == "bf16"),
+                     "_state_bwd_qp": dict(SPLIT=TUNING["state_bwd_products"] == "split",
+                                           BF16=TUNING["state_bwd_products"] == "bf16", QPRIME=True),
+                     "_fwd_o": dict(SPLIT=TUNING["state_split"]),
+                     "_fwd_o_loop": dict(SPLIT=TUNING["state_split"], LOOP=True),
                      "_bwd_vk": dict(SK=_SKV), "_bwd_vv": dict(NS=128 // _SKV), "_bwd_k_block": dict(SK=_SK),
-                     # the 32-row score backward (`bwd_k_rows`, docs/kda-kernels.md §7 item 67)
+                     # the variants' specialisations (`TUNING`'s last section): the 32-row score backward
+                     # (`bwd_k_rows`)
                      "_bwd_k_block32": dict(SK=64, BC=32),
-                     # `TUNING["state_bwd_qprime"]`'s specialisations (§7 item 65)
+                     # `TUNING["state_bwd_qprime"]`'s
                      "_prep_wu_qp": dict(QPRIME=True), "_bwd_vk_qp": dict(SK=_SKV, QPRIME=True),
                      "_bwd_vv_qp": dict(NS=128 // _SKV, QPRIME=True),
-                     # `TUNING["norms_from_scores"]`'s (§7 item 69)
-                     "_prep_intra_at": dict(INVERSE=chunk.TUNING["prep_inverse"], STORE_AT=True, STORE_QN=True),
+                     # `TUNING["norms_from_scores"]`'s
+                     "_prep_intra_at": dict(INVERSE=TUNING["prep_inverse"], STORE_AT=True, STORE_QN=True),
                      "_bwd_vk_nd": dict(SK=_SKV, ROW_DOTS=True), "_bwd_vv_nd": dict(NS=128 // _SKV, NORMS=True),
                      "_bwd_k_block_nd": dict(SK=_SK, NORMS=True),
-                     # `TUNING["bwd_gate_fused"]`'s (§7 item 70)
+                     # `TUNING["bwd_gate_fused"]`'s
                      "_bwd_k_block_gate": dict(SK=_SK, GATE=True),
-                     # `TUNING["bwd_vv_fused"]`'s (§7 item 71)
-                     "_bwd_vk_vv": dict(SK=_SKV, VV=True, BVV=chunk.TUNING["bwd_vv_bv"]),
-                     "_bwd_gate": dict(SK=chunk.TUNING["bwd_gate_cols"]),
-                     "_bwd_norms": dict(NS=128 // _SK, BT=chunk.TUNING["bwd_norms_rows"]),
+                     # `TUNING["bwd_vv_fused"]`'s
+                     "_bwd_vk_vv": dict(SK=_SKV, VV=True, BVV=TUNING["bwd_vv_bv"]),
+                     "_bwd_gate": dict(SK=TUNING["bwd_gate_cols"]),
+                     "_bwd_norms": dict(NS=128 // _SK, BT=TUNING["bwd_norms_rows"]),
                      "_prefill_prepare": dict(HALF=0),
                      "_prefill_prepare_half1": dict(HALF=1), "_prefill_prepare_half2": dict(HALF=2),
                      # the K3 shape's (192 programs: 16-token chunks, `prefill_chunk_for`, in a pipeline's segments)
                      "_prefill_state": dict(C=16, STORE_HS=False, EVERY=64 // 16, SEGMENT=True,
-                                            BF16=chunk.TUNING["prefill_state_bf16"],
-                                            SPLIT=not chunk.TUNING["prefill_state_bf16"])}
+                                            BF16=TUNING["prefill_state_bf16"],
+                                            SPLIT=not TUNING["prefill_state_bf16"])}
 
 
-# launch settings of the variants that TUNING's shared prefix does not describe: the 32-row score backward at the
-# 64-column, 8-warp launch `benchmarks/sessions/s30_run2.sh` times (at the 16-row kernel's 4 warps and 64-register cap
-# it spills 1.4 KB)
+# launch settings of the variants that TUNING's shared prefix does not describe: the 32-row score backward at a
+# 64-column, 8-warp launch (at the 16-row kernel's 4 warps and 64-register cap it spills 1.4 KB)
 VARIANT_SETTINGS = {"_bwd_k_block32": dict(num_warps=8, maxnreg=128)}
 
 
+KERNEL_MODULES = (chunk_prepare, chunk_state, chunk_output, chunk_bwd, chunk_prefill)
+
+
 def kernel_fn(name: str):
-    aliases = {"_state_ut": chunk._state, "_state_ut_o": chunk._state, "_prep_wu_qp": chunk._prep_wu,
-               "_state_bwd_qp": chunk._state_bwd, "_bwd_vk_qp": chunk._bwd_vk, "_bwd_vv_qp": chunk._bwd_vv,
-               "_fwd_o_loop": chunk._fwd_o, "_bwd_k_block32": chunk._bwd_k_block, "_prep_intra_at": chunk._prep_intra,
-               "_bwd_vk_nd": chunk._bwd_vk, "_bwd_vv_nd": chunk._bwd_vv, "_bwd_k_block_nd": chunk._bwd_k_block,
-               "_bwd_k_block_gate": chunk._bwd_k_block, "_bwd_vk_vv": chunk._bwd_vk,
-               "_prefill_prepare_half1": prefill._prefill_prepare, "_prefill_prepare_half2": prefill._prefill_prepare}
-    return aliases.get(name) or getattr(chunk, name, None) or getattr(prefill, name)
+    aliases = {"_state_ut": "_state", "_state_ut_o": "_state", "_prep_wu_qp": "_prep_wu", "_state_bwd_qp": "_state_bwd",
+               "_bwd_vk_qp": "_bwd_vk", "_bwd_vv_qp": "_bwd_vv", "_fwd_o_loop": "_fwd_o",
+               "_bwd_k_block32": "_bwd_k_block", "_prep_intra_at": "_prep_intra", "_bwd_vk_nd": "_bwd_vk",
+               "_bwd_vv_nd": "_bwd_vv", "_bwd_k_block_nd": "_bwd_k_block", "_bwd_k_block_gate": "_bwd_k_block",
+               "_bwd_vk_vv": "_bwd_vk", "_prefill_prepare_half1": "_prefill_prepare",
+               "_prefill_prepare_half2": "_prefill_prepare"}
+    name = aliases.get(name, name)
+    return next(getattr(m, name) for m in KERNEL_MODULES if hasattr(m, name))
 
 
 def compile_report(fn, num_warps: int, num_stages: int = 3, maxnreg: int | None = None, sass: bool = False,
@@ -195,8 +196,8 @@ def tuned_settings(name: str, bv: int | None = None) -> dict:
     prefix = TUNING_PREFIX[name]
     bv_key = f"{prefix}_bv"
     settings = {}
-    if bv_key in chunk.TUNING:
-        settings["BV"] = min(bv if bv is not None else chunk.TUNING[bv_key], CONSTEXPRS["V"])
+    if bv_key in TUNING:
+        settings["BV"] = min(bv if bv is not None else TUNING[bv_key], CONSTEXPRS["V"])
     settings.update(_launch_options(prefix, settings.get("BV")))
     return settings
 
@@ -213,10 +214,10 @@ def main() -> None:
                    help="the backward intermediates compiled as bf16 (default: TUNING['bwd_storage_bf16']; none: "
                         "all fp32)")
     args = p.parse_args()
-    stored_bf16 = chunk.TUNING["bwd_storage_bf16"] if args.bf16_storage is None else args.bf16_storage
+    stored_bf16 = TUNING["bwd_storage_bf16"] if args.bf16_storage is None else args.bf16_storage
     # the backward's other bf16 switches, as `_bwd` allocates for bf16 inputs (the names are the kernels' arguments)
-    switched_bf16 = ((["daqk_out", "dakk_out", "daqk_in", "dakk_in"] if chunk.TUNING["bwd_da_bf16"] else [])
-                     + (["dqh_out", "dkh_out", "dqh_in", "dkh_in", "dqh", "dkh"] if chunk.TUNING["bwd_scratch_bf16"]
+    switched_bf16 = ((["daqk_out", "dakk_out", "daqk_in", "dakk_in"] if TUNING["bwd_da_bf16"] else [])
+                     + (["dqh_out", "dkh_out", "dqh_in", "dkh_in", "dqh", "dkh"] if TUNING["bwd_scratch_bf16"]
                         else []))
 
     unknown = set(args.kernels) - set(TUNING_PREFIX)
@@ -227,8 +228,8 @@ def main() -> None:
         base = {**tuned_settings(name, args.bv), **VARIANT_SETTINGS.get(name, {})}
         # as `_bwd` launches it
         if name in ("_bwd_vk", "_bwd_vk_qp", "_bwd_vk_nd", "_bwd_vk_vv") and len(set(stored_bf16)) < 4:
-            base["num_stages"] = chunk.TUNING["bwd_vk_fp32_stages"]
-            base["BV"] = args.bv or chunk.TUNING["bwd_vk_fp32_bv"]
+            base["num_stages"] = TUNING["bwd_vk_fp32_stages"]
+            base["BV"] = args.bv or TUNING["bwd_vk_fp32_bv"]
         for warps, stages, cap in itertools.product(args.warps or [base["num_warps"]],
                                                     args.stages or [base.get("num_stages")],
                                                     args.maxnreg or [base.get("maxnreg")]):

@@ -121,8 +121,8 @@ def main() -> None:
          dict(K=16, BLOCK_N=2, BLOCK_E=1024), 4),
         ("qb histogram (E=64)", router._qb_histogram_kernel, QB_ARGS, dict(BLOCK_N=64, BLOCK_E=64), 4),
     ]
-    # the AttnRes read's backward at the small preset (D = 768): one row on one warp (the launch since session 18)
-    # and session 17's 2 rows on 4 warps, 3 and 8 sources, the last adding
+    # the AttnRes read's backward at the small preset (D = 768): one row on one warp (the launch) and the earlier
+    # 2 rows on 4 warps, 3 and 8 sources, the last adding
     for ns in (3, 8):
         common = dict(NS=ns, NS_PAD=triton_next_pow2(ns), ITERS=64, ACCUMULATE=(1 << (ns - 1)) - 1, BLOCK_D=1024)
         cases.append((f"attn_res bwd, {ns} sources", attn_res._ar_bwd_kernel, attn_res_bwd_args(ns),

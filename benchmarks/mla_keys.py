@@ -3,7 +3,7 @@ replaces (`naive_expand_keys` under autograd), forward and forward + backward, a
 preset (H = 8, N = 64, P = 64, Vd = 128) and of K3's width (H = 96 heads at 8K tokens). Checked first: k, v and
 d(kv) bit for bit, dk_pe within 1e-2 relative of the fp64 sum.
 
-    python -m benchmarks.mla_keys          # one GPU
+    python -m benchmarks.mla_keys          # one GPU: table "keys" of benchmarks/results/mla-keys-<device>.json
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.provenance import save_result, table  # noqa: E402
 from k3.ops.mla_keys import expand_keys, naive_expand_keys  # noqa: E402
+
+ROWS: list[list] = []  # the rows of the results file, as measured
 
 SHAPES = [("small 64K", 65536, 8), ("K3 8K", 8192, 96)]
 N, P, VD, C = 64, 64, 128, 512
@@ -57,6 +60,8 @@ def case(label: str, R: int, H: int) -> bool:
               f"bwd {bwd * 1e3:7.1f} us", flush=True)
     (tf, tb), (rf, rb) = times["triton"], times["torch"]
     print(f"[mla_keys] {label}: torch / triton = fwd {rf / tf:.2f}x, bwd {rb / tb:.2f}x", flush=True)
+    ROWS.append([label, R, H, round(rf * 1e3, 1), round(tf * 1e3, 1), round(gb / tf * 1e3), f"{rf / tf:.2f}×",
+                 round(rb * 1e3, 1), round(tb * 1e3, 1), f"{rb / tb:.2f}×"])
     return True
 
 
@@ -64,7 +69,12 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (tests/ops/test_mla_keys.py checks the kernels in the interpreter)")
         return 0
-    return 0 if all([case(*s) for s in SHAPES]) else 1
+    ok = all([case(*s) for s in SHAPES])
+    save_result("mla-keys", "MLA's keys and values from the latent (`k3.ops.mla_keys.expand_keys`): one Triton pass "
+                "each way against torch's concatenations", {"keys": table(
+                    ["case", "rows", "heads", "torch fwd µs", "Triton fwd µs", "Triton fwd GB/s", "fwd speed-up",
+                     "torch bwd µs", "Triton bwd µs", "bwd speed-up"], ROWS)})
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

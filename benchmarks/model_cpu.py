@@ -1,21 +1,28 @@
 """Forward and forward+backward tokens/s of the debug and tiny presets on this CPU.
 
 A baseline for later work (not a test). Correctness gate first: the model's loss must be finite and
-close to ln(V) at init. Run: `python benchmarks/model_cpu.py [--presets debug tiny] [--seq-len 256]`.
+close to ln(V) at init. Run: `python benchmarks/model_cpu.py [--presets debug tiny] [--seq-len 256]`; the table
+goes to benchmarks/results/model-<device>.json.
 """
 
 import argparse
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from k3.config import get_preset
-from k3.model.accounting import account
-from k3.model.model import build_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from benchmarks.provenance import save_result  # noqa: E402
+from benchmarks.provenance import table as result_table  # noqa: E402
+from k3.config import get_preset  # noqa: E402
+from k3.model.accounting import account  # noqa: E402
+from k3.model.model import build_model  # noqa: E402
 
 
 def timed(fn, warmup: int, iters: int) -> float:
@@ -40,6 +47,7 @@ def main():
     table = Table(title=f"k3 model on CPU ({args.threads} threads, batch {args.batch_size} × {args.seq_len} tokens, fp32)")
     for col in ("preset", "kda impl", "attn_res impl", "params total / active", "fwd tok/s", "fwd+bwd tok/s", "fwd+bwd GFLOP/s (6·N_act)"):
         table.add_column(col, justify="right")
+    rows = []
     for name in args.presets:
         # the defaults first, then each reference path swapped in one at a time
         for kda_impl, attn_res_impl in (("torch", "two_phase"), ("naive", "two_phase"), ("recurrent", "two_phase"),
@@ -72,7 +80,13 @@ def main():
             flops = 6 * acc.active_params * tokens / t_fb
             table.add_row(name, kda_impl, attn_res_impl, f"{acc.total_params / 1e6:.1f}M / {acc.active_params / 1e6:.1f}M",
                           f"{tokens / t_fwd:,.0f}", f"{tokens / t_fb:,.0f}", f"{flops / 1e9:.1f}")
+            rows.append([name, kda_impl, attn_res_impl, f"{acc.total_params / 1e6:.1f}M / {acc.active_params / 1e6:.1f}M",
+                         round(tokens / t_fwd), round(tokens / t_fb), round(flops / 1e9, 1)])
     Console(width=160).print(table)
+    save_result("model", f"Forward and forward+backward tokens/s of the model on this CPU ({args.threads} threads, "
+                f"batch {args.batch_size} × {args.seq_len} tokens, fp32), reference paths swapped in one at a time",
+                {"tokens-per-second": result_table(["preset", "kda impl", "attn_res impl", "params total / active",
+                                                    "fwd tok/s", "fwd+bwd tok/s", "fwd+bwd GFLOP/s (6·N_act)"], rows)})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""MoE grouped GEMM throughput (performance.md B4): the expert block as grouped GEMMs vs its ceiling and baselines.
+"""MoE grouped GEMM throughput: the expert block as grouped GEMMs vs its ceiling and baselines.
 
 Cases: the routed-expert shapes of the `small` preset (64 experts, L=384 → 2×320 → 384, top-8) and of K3
 (L=3584 → 2×3072 → 3584, top-16; 32 and 128 local experts, as on an expert-parallel rank), each with
@@ -20,14 +20,15 @@ Correctness gate before timing: grouped vs an fp32 reference of the same routing
     python -m benchmarks.moe_grouped_gemm            # one H200
     python -m benchmarks.moe_grouped_gemm --quick    # tiny shapes, correctness gate only (any device)
     python -m benchmarks.moe_grouped_gemm --wgrad torch auto   # the weight-gradient GEMMs on torch vs "auto"
+
+Results: table "experts" of benchmarks/results/moe-grouped-gemm-<device>.json (not written by --quick unless
+--out names a folder).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 
@@ -36,10 +37,35 @@ from k3.ops import moe
 from k3.ops.moe import dispatch_plan, grouped_latent_experts
 from k3.ops.situ import naive_situ_glu
 
-from benchmarks.provenance import git_sha
+from benchmarks.provenance import save_result, table
 
+CLAIM = ("The routed experts' function (plan, dispatch, grouped GEMMs, SiTU-GLU, combine) against the padded "
+         "reference and a per-expert loop, with the raw grouped GEMMs and the dense cuBLAS matmul of the same shapes "
+         "as ceilings; bf16")
 PEAK_DENSE = 989e12
-ANCHOR = 775e12  # performance.md §1: torch._grouped_mm, 32 experts × 1024 tokens, 7168→2048
+ANCHOR = 775e12  # the grouped-GEMM anchor: torch._grouped_mm, 32 experts × 1024 tokens, 7168→2048
+
+
+IMPLS = ["raw grouped_mm (fwd GEMMs)", "dense mm, same shapes (fwd GEMMs)", "grouped fwd", "grouped fwd+bwd",
+         "padded fwd+bwd", "loop fwd+bwd"]
+
+
+def experts_table(cases: list[dict]) -> dict:
+    """One row per (shape, routing), one "ms (TFLOP/s)" cell per implementation."""
+    by_case: dict[tuple, dict] = {}
+    for c in cases:
+        s = c["shape"]
+        key = (s["name"], s["E"], s["L"], s["I"], s["tokens"], s["k"], c["routing"])
+        by_case.setdefault(key, {"load": c["max_over_mean"]})[c["impl"]] = c
+    impls = IMPLS + sorted({c["impl"] for c in cases} - set(IMPLS))
+    rows = []
+    for (name, E, L, I, tokens, k, routing), cs in by_case.items():
+        rows.append([f"{name}: {E} × ({L} → {2 * I} → {L}), {tokens // 1024}K tokens × {k}",
+                     f"{routing} ({cs['load']:.2f})"]
+                    + [f"{cs[i]['ms_median']:.3f} ({cs[i]['tflop_s']:.0f})" if i in cs else None for i in impls])
+    columns = ["experts (L → 2I → L), tokens × top-k", "routing (max/mean load)", "raw `_grouped_mm` fwd",
+               "dense mm, same shapes", "grouped fwd", "grouped fwd+bwd", "padded fwd+bwd", "loop fwd+bwd"]
+    return table(columns + impls[len(IMPLS):], rows)
 
 
 def zipf_routes(N, k, E, s, generator, device):
@@ -87,7 +113,7 @@ def loop_experts(z, idx, w, experts):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny shapes: correctness gate and a smoke timing")
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default=None, help="results folder (default benchmarks/results; --quick: none)")
     parser.add_argument("--wgrad", nargs="+", choices=("auto", "torch", "triton"), default=["auto"],
                         help="k3.ops.moe.GROUPED_WGRAD settings to time the grouped path under (one row each)")
     parser.add_argument("--shapes", nargs="+", choices=("small", "k3"), default=["small", "k3"])
@@ -209,13 +235,12 @@ def main():
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for r in [header] + rows:
         print("  ".join(str(v).rjust(wd) for v, wd in zip(r, widths)))
-    sha = git_sha(7)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    env = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu"}
-    path = out / f"moe_grouped_gemm-{sha}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    path.write_text(json.dumps({"benchmark": "moe_grouped_gemm", "env": env, "cases": cases}, indent=1))
-    print(f"wrote {path}")
+    if args.quick and not args.out:
+        return
+    experts_tab = experts_table(cases)
+    experts_tab["note"] = ("ms (TFLOP/s), median of `triton.testing.do_bench`; every case passed the gate against the "
+                           "fp32 reference (relative error ≤ 2e-2).")
+    save_result("moe-grouped-gemm", CLAIM, {"experts": experts_tab}, raw={"cases": cases}, out=args.out)
 
 
 if __name__ == "__main__":

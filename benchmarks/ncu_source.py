@@ -1,11 +1,10 @@
 """Warp-stall samples of one kernel in an Nsight Compute source export, by SASS opcode and by instruction.
 
     ncu -i kda.ncu-rep --page source --csv --print-source sass | gzip > kda_source.csv.gz
-    python benchmarks/ncu_source.py benchmarks/results/ncu/s9-run1-kda_source.csv.gz 10 --top 30
+    python benchmarks/ncu_source.py kda_source.csv.gz 10 --top 30
 
 The export holds one section per profiled kernel launch (`"Kernel Name","<name>",` then a CSV table); `section` is
-its 1-based index (session 9 run 1: 1-5 the inference forward's five kernels, 6-15 the forward + backward's ten).
-docs/kda-ncu-session9.md maps such rows to Triton source lines."""
+its 1-based index, in launch order (`benchmarks/kda_ncu.py` profiles one forward, then one forward + backward)."""
 
 from __future__ import annotations
 

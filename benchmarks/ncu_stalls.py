@@ -7,8 +7,7 @@ instructions that hold the most samples, per kernel.
 
 ncu charges a stall to the instruction that cannot issue: a `long_sb` stall sits on the first consumer of a late
 global load (or on a write to a register that an in-flight memory instruction still reads), a `short_sb` one on the
-consumer of a shared-memory load or an MUFU result. docs/kda-ncu-session9.md describes the method; session 23's
-exports are in benchmarks/results/s23/.
+consumer of a shared-memory load or an MUFU result.
 """
 
 from __future__ import annotations

@@ -22,17 +22,18 @@ inside it Newton–Schulz (`_orthogonalize`); Muon elementwise = Muon group − 
     python -m benchmarks.optimizer_step --profile            # also the top kernels of each step
     python -m benchmarks.optimizer_step --quick              # debug preset, gate and a smoke timing (any device;
                                                              # CPU runs the Triton kernels in the interpreter)
+
+Results: table "step" of benchmarks/results/optimizer-step-<device>.json (not written by --quick unless --out
+names a folder).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -46,7 +47,8 @@ from k3.config import get_preset  # noqa: E402
 from k3.model.model import build_model  # noqa: E402
 from k3.optim import MuonAdamW  # noqa: E402
 
-from benchmarks.provenance import git_sha  # noqa: E402
+from benchmarks.provenance import save_result  # noqa: E402
+from benchmarks.provenance import table as result_table  # noqa: E402
 
 IMPLS = ("reference", "fused")
 
@@ -141,7 +143,7 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--quick", action="store_true", help="debug preset, 2 timed steps: gate and smoke timing")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of each impl's step")
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default=None, help="results folder (default benchmarks/results; --quick: none)")
     args = parser.parse_args()
     if args.quick:
         args.preset, args.steps, args.warmup, args.gate_steps = "debug", 2, 1, 2
@@ -205,16 +207,23 @@ def main():
     console.print("step ms: between CUDA events, median of the timed steps; wall ms: a synchronised step; kernel ms: "
                   "summed kernel time of one step (profiler); parts: events around each part of the step")
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    env = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if clock.cuda else "cpu"}
-    path = out / f"optimizer_step-{args.preset}-{git_sha(7)}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    path.write_text(json.dumps({"benchmark": "optimizer_step", "env": env, "preset": args.preset,
-                                "muon_params": n_muon, "adamw_params": n_adamw, "ns_dtype": str(ns_dtype),
-                                "gate": {"muon_max_rel": muon_rel, "muon_bitwise": muon_bitwise,
-                                         "adamw_max_rel": adamw_rel, "threshold": 1e-6},
-                                "results": results, "speedup": ref["ms"] / results["fused"]["ms"]}, indent=1))
-    print(f"wrote {path}")
+    if args.quick and not args.out:
+        return
+    names = {"reference": "reference (foreach)", "fused": "fused"}
+    rows = [[names.get(impl, impl), round(r["ms"], 2), round(r["split"]["adamw"], 2),
+             round(r["split"]["muon_elementwise"], 2), round(r["split"]["ns"], 2), f"{ref['ms'] / r['ms']:.2f}×"]
+            for impl, r in results.items()]
+    save_result("optimizer-step",
+                f"One MuonAdamW step of the {args.preset} preset ({n_muon:,} Muon + {n_adamw:,} AdamW fp32 "
+                f"parameters, {str(ns_dtype)[6:]} Newton–Schulz): the foreach reference against the fused kernels",
+                {"step": result_table(["impl", "step ms", "AdamW ms", "Muon elementwise ms", "Newton–Schulz ms",
+                                       "speed-up"], rows,
+                                      note=f"Gate: Muon bitwise equal to the reference ({muon_bitwise}), AdamW "
+                                           f"{adamw_rel:.1e} relative (bound 1e-06).")},
+                raw={"preset": args.preset, "muon_params": n_muon, "adamw_params": n_adamw, "ns_dtype": str(ns_dtype),
+                     "gate": {"muon_max_rel": muon_rel, "muon_bitwise": muon_bitwise, "adamw_max_rel": adamw_rel,
+                              "threshold": 1e-6}, "results": results},
+                out=args.out)
 
 
 if __name__ == "__main__":

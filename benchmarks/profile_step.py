@@ -10,6 +10,8 @@ whose device-busy share is far below 100% is bound by the host (kernel launches,
         --set kda_impl=triton attention_backend=sdpa --activation-checkpointing      # one H200
     python benchmarks/profile_step.py --preset debug --rows 2 --seq-len 256 --device cpu
     ... --by-line    # and the device time of one more step by the k3 function that launched it
+
+The phases (and with --by-line the 15 largest k3 functions) go to benchmarks/results/profile-step-<device>.json.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.provenance import save_result, table  # noqa: E402
 from benchmarks.train_throughput import Batch  # noqa: E402
 from k3.config import get_preset  # noqa: E402
 from k3.model.checkpointing import apply_activation_checkpointing  # noqa: E402
@@ -69,7 +72,7 @@ def sync_sites(model, optimizer, scheduler, batch, cfg, device, top: int = 12) -
     sites: dict[str, int] = {}
 
     def record(message, category, filename, lineno, file=None, line=None):
-        # [:-1]: not this function's own frame (session 8 run 4 put all 71 syncs here)
+        # [:-1]: not this function's own frame (which would otherwise collect every sync)
         frames = [f for f in traceback.extract_stack()[:-1] if "/k3/" in f.filename or "/benchmarks/" in f.filename]
         where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno} ({frames[-1].name})" if frames else "?"
         sites[where] = sites.get(where, 0) + 1
@@ -90,12 +93,12 @@ def sync_sites(model, optimizer, scheduler, batch, cfg, device, top: int = 12) -
     return "\n".join(lines)
 
 
-def time_by_line(model, optimizer, scheduler, batch, cfg, device, top: int = 25) -> str:
+def time_by_line(model, optimizer, scheduler, batch, cfg, device, top: int = 25) -> tuple[str, list[list]]:
     """One more profiled train_step, with Python stacks: each op's own device time (CPU time without a GPU)
     summed by the innermost k3 function that issued it (the profiler's Python tracer names a function by
     its file and first line), and by (function, op). Ops without a k3 frame (the C++
     autograd engine's backward kernels, the optimizer's foreach ops) are grouped by op name. Stacks slow
-    the host, so this step is not the timed one."""
+    the host, so this step is not the timed one. Returns the report and its rows [function, ms, share]."""
     import collections
 
     cuda = device.type == "cuda"
@@ -126,7 +129,8 @@ def time_by_line(model, optimizer, scheduler, batch, cfg, device, top: int = 25)
     lines.append(f"  {unit} time by k3 function and op:")
     for (where, name), t in by_line_op.most_common(top):
         lines.append(f"    {t / 1e3:9.2f} ms  {name:32s} {where}")
-    return "\n".join(lines)
+    rows = [[f"`{where}`", round(t / 1e3, 2), f"{100 * t / total:.1f}%"] for where, t in by_line.most_common(top)]
+    return "\n".join(lines), rows
 
 
 def main() -> None:
@@ -157,8 +161,8 @@ def main() -> None:
 
     for _ in range(2):  # warm-up: kernel compilation, autotuning, allocator
         train_step(model, optimizer, scheduler, [batch], cfg, device)
-    # the direct forward/backward calls compile once more than train_step did (session 8 run 4: a 3.3 s first
-    # forward made the two-step median 1.66 s), so they get their own warm-up
+    # the direct forward/backward calls compile once more than train_step did (a 3.3 s first forward once made the
+    # two-step median 1.66 s), so they get their own warm-up
     phase_times(model, optimizer, batch, device)
     phases = [phase_times(model, optimizer, batch, device) for _ in range(args.steps)]
     steps = []
@@ -188,6 +192,9 @@ def main() -> None:
     medians["other"] = max(0.0, step - sum(medians.values()))
     for name, t in medians.items():
         print(f"  {name:10s} {t * 1e3:9,.1f} ms  ({100 * t / step:4.1f}% of the step)")
+    phase_rows = [["whole step", round(step * 1e3), "100%"]]
+    phase_rows += [[name, round(t * 1e3, 1), f"{100 * t / step:.1f}%"] for name, t in medians.items()]
+    tables = {"phases": table(["part", "ms", "share of the step"], phase_rows)}
     if device.type == "cuda":
         # device time of kernels only (the profiler's top-level CUDA events), against the profiled wall time
         busy = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -197,14 +204,21 @@ def main() -> None:
               f"{100 * busy / 1e3 / (step * 1e3):.0f}% of the unprofiled one)")
         runtime = {e.key: e.count for e in events if e.key.startswith("cuda")}
         syncs = {k: v for k, v in runtime.items() if "Synchronize" in k}
-        print(f"  kernel launches {sum(v for k, v in runtime.items() if 'Launch' in k):,}; host waits "
+        launches = sum(v for k, v in runtime.items() if 'Launch' in k)
+        tables["phases"]["note"] = (f"Kernels busy {busy / 1e3:,.0f} ms of the profiled step "
+                                    f"({100 * busy / 1e3 / (profiled * 1e3):.0f}%); {launches:,} kernel launches.")
+        print(f"  kernel launches {launches:,}; host waits "
               f"{', '.join(f'{k} {v:,}' for k, v in sorted(syncs.items())) or 'none'}; "
               f"copies {sum(v for k, v in runtime.items() if 'Memcpy' in k):,}")
         print(sync_sites(model, optimizer, scheduler, batch, cfg, device))
         print(events.table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
     if args.by_line:
-        print(time_by_line(model, optimizer, scheduler, batch, cfg, device, args.top))
+        text, rows = time_by_line(model, optimizer, scheduler, batch, cfg, device, args.top)
+        print(text)
+        tables["by-function"] = table(["k3 function", "ms", "share"], rows[:15])
+    save_result("profile-step", f"Where one training step of the {args.preset} preset goes ({args.rows} × "
+                f"{args.seq_len} tokens): phases, and device time by the k3 function that launched the kernels", tables)
     if args.trace:
         prof.export_chrome_trace(args.trace)
 

@@ -10,22 +10,29 @@ Random weights (`--preset`, default tiny), fp32 on CPU (or `--device cuda`), ref
    depend on the values, and a 128K-token reference prefill would take far longer than the measurement.
 
 Correctness gate first: the engine's greedy tokens equal the model's own argmax decoding, and a
-prefix-cache hit gives the cold run's tokens. Run: `python benchmarks/serve.py [--quick]`.
+prefix-cache hit gives the cold run's tokens. Run: `python benchmarks/serve.py [--quick]`; the three tables go to
+benchmarks/results/serve-<device>.json (not with --quick).
 """
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from k3.config import get_preset
-from k3.infer.api import SamplingParams
-from k3.infer.config import EngineConfig
-from k3.infer.engine import Engine
-from k3.infer.scheduler import Batch
-from k3.model.model import build_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from benchmarks.provenance import save_result  # noqa: E402
+from benchmarks.provenance import table as result_table  # noqa: E402
+from k3.config import get_preset  # noqa: E402
+from k3.infer.api import SamplingParams  # noqa: E402
+from k3.infer.config import EngineConfig  # noqa: E402
+from k3.infer.engine import Engine  # noqa: E402
+from k3.infer.scheduler import Batch  # noqa: E402
+from k3.model.model import build_model  # noqa: E402
 
 
 def greedy(n: int) -> SamplingParams:
@@ -178,9 +185,11 @@ def main():
                         f"greedy tokens each; budget {config.max_step_tokens} tokens/step)")
     for col in ("batch", "prefill tok/s", "decode tok/s", "decode ms/step"):
         table.add_column(col, justify="right")
+    rows = {"throughput": [], "prefix-ttft": [], "decode-vs-context": []}
     for b in args.batches:
         pre, dec = throughput(model, config, b, args.prompt_len, args.decode_tokens)
         table.add_row(str(b), f"{pre:,.0f}", f"{dec:,.1f}", f"{b / dec * 1e3:.1f}")
+        rows["throughput"].append([b, round(pre), round(dec, 1), round(b / dec * 1e3, 1)])
     console.print(table)
 
     V = model_config.vocab_size
@@ -198,6 +207,9 @@ def main():
     host, cached_cpu = ttft(engine, prefix + random_prompt(32, V, 14))
     table.add_row("prefix in the CPU pool", f"{host * 1e3:.1f}", str(cached_cpu), f"{cold / host:.1f}x")
     console.print(table)
+    rows["prefix-ttft"] = [["cold", round(cold * 1e3, 1), 0, "1.0×"],
+                           ["prefix in the device pool", round(warm * 1e3, 1), cached, f"{cold / warm:.1f}×"],
+                           ["prefix in the CPU pool (reloaded)", round(host * 1e3, 1), cached_cpu, f"{cold / host:.1f}×"]]
 
     baseline = build_model(all_mla(model_config), seed=0, device=device, dtype=dtype).eval()
     probe = Engine(model, config)
@@ -214,7 +226,18 @@ def main():
             probe.spec.kda_layers) * (probe.spec.kda_state_bytes + probe.spec.kda_conv_bytes)
         ab = ctx * len(probe_mla.spec.mla_layers) * probe_mla.spec.latent_dim * probe_mla.spec.elt
         table.add_row(f"{ctx:,}", f"{h:.1f}", f"{a:.1f}", f"{a / h:.2f}x", f"{hb / 2**20:.1f}", f"{ab / 2**20:.1f}")
+        rows["decode-vs-context"].append([ctx, round(h, 1), round(a, 1), f"{a / h:.2f}×", round(hb / 2**20, 1),
+                                          round(ab / 2**20, 1)])
     console.print(table)
+    if args.quick:
+        return
+    columns = {"throughput": ["batch", "prefill tok/s", "decode tok/s", "decode ms/step"],
+               "prefix-ttft": ["run", "TTFT ms", "cached tokens", "speed-up"],
+               "decode-vs-context": ["context", "hybrid ms/token", "all-MLA ms/token", "all-MLA / hybrid",
+                                     "hybrid cache MiB", "all-MLA cache MiB"]}
+    save_result("serve", f"The inference engine on the {args.preset} preset with random weights ({where}): "
+                "throughput by batch, time to first token with a cached prefix, decode cost against context length",
+                {k: result_table(columns[k], v) for k, v in rows.items()})
 
 
 if __name__ == "__main__":

@@ -12,9 +12,12 @@ per 8,192 tokens. Times: median of `triton.testing.do_bench` (ms); GB/s counts t
     python -m benchmarks.short_conv --profile  # also the CUDA kernels of one fused forward+backward, by time
     python -m benchmarks.short_conv --row-widths 4232 4240  # x sliced from rows of these widths (alignment)
     python -m benchmarks.short_conv --bwd-tiles 32x64x4 64x64x8  # kernel times at other backward tiles
-    python -m benchmarks.short_conv --stream 128x512x2x3 256x1024x4x3  # the streaming kernels (session 18)
+    python -m benchmarks.short_conv --stream 128x512x2x3 256x1024x4x3  # the streaming kernels' settings
     python -m benchmarks.short_conv --bwd-tiles 16x64x8x8 16x64x8x8x2  # backward kernel 1 over several token
                                    # blocks per program (BTxBCxWARPSxBLOCKS[xSTAGES]; kernel 2 at its tiles)
+
+On a GPU the default run writes table "vs-unfused" and --stream table "stream" of
+benchmarks/results/short-conv-<device>.json.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ import torch.nn.functional as F  # noqa: E402
 
 from k3.ops import short_conv as short_conv_module  # noqa: E402
 from k3.ops.short_conv import causal_conv1d, naive_short_conv_silu, short_conv_silu  # noqa: E402
+
+from benchmarks.provenance import save_result, table  # noqa: E402
+
+CLAIM = ("KDA's short convolution + SiLU: the fused Triton kernels against the unfused torch form, and the streaming "
+         "kernels' launch settings; bf16, packed documents")
 
 DOCS = [1300, 547, 2048, 963, 271, 3063]
 
@@ -131,7 +139,7 @@ def backward_tilings(device, tilings, iters=10, shapes=((32768, 1024, 4240), (81
 
 def stream_settings(device, settings, iters=10, shapes=((65536, 1024, 4240), (8192, 12288, None))):
     """GPU kernel time (the profiler's sum) of the fused forward and forward + backward with the tile kernels (the
-    baseline) and with the streaming kernels at each setting "SEGxBCxWARPSxSTAGES" (both directions; session 18),
+    baseline) and with the streaming kernels at each setting "SEGxBCxWARPSxSTAGES" (both directions),
     at a 64K-token step's small-preset conv (x a slice of the 4240-wide projection rows) and 8K tokens at K3's
     width. Each setting passes the fp64 gate first; GB/s counts the unavoidable bytes (forward: read x, write y;
     backward: read x and dy, write dx)."""
@@ -173,9 +181,16 @@ def stream_settings(device, settings, iters=10, shapes=((65536, 1024, 4240), (81
     base = {(T, C): (f, b) for label, T, C, f, _, b, _ in rows if label == "tiles"}
     print(f"{'setting':>16} {'T':>6} {'C':>6} {'fwd us':>8} {'GB/s':>6} {'x tiles':>7} {'bwd us':>8} {'GB/s':>6} "
           f"{'x tiles':>7}")
+    out = []
     for label, T, C, f, fg, b, bg in rows:
         f0, b0 = base.get((T, C), (f, b))
         print(f"{label:>16} {T:>6} {C:>6} {f:>8.0f} {fg:>6,.0f} {f0 / f:>6.2f}x {b:>8.0f} {bg:>6,.0f} {b0 / b:>6.2f}x")
+        out.append([label, T, C, round(f), round(fg), f"{f0 / f:.2f}×", round(b), round(bg), f"{b0 / b:.2f}×"])
+    if out:
+        save_result("short-conv", CLAIM, {"stream": table(
+            ["setting (SEG×BC×warps×stages)", "T", "C", "fwd µs", "fwd GB/s", "fwd vs tiles", "bwd µs", "bwd GB/s",
+             "bwd vs tiles"], out, note="Kernel time per call (the profiler's sum); `tiles` is the earlier tile "
+                                        "form. Every setting passed the fp64 gate first.")})
 
 
 def main() -> int:
@@ -209,8 +224,8 @@ def main() -> int:
 
     rows = []
     shapes = [("small", 8192, 1024, None), ("small", 32768, 1024, None), ("k3", 8192, 12288, None)]
-    # the small preset's KDA projection rows: 4·1024 + 8 + 128 = 4232 elements (not a multiple of 16, as before
-    # session 11) and padded to 4240 (k3.model.kda.KimiDeltaAttention.input_projections)
+    # the small preset's KDA projection rows: 4·1024 + 8 + 128 = 4232 elements (not a multiple of 16) and padded to
+    # 4240 as the model pads them (k3.model.kda.KimiDeltaAttention.input_projections)
     shapes += [("small", 32768, 1024, width) for width in args.row_widths]
     for preset, T, C, width in shapes:
         wide, w, cu = inputs(T, C, device, torch.bfloat16, width=width)
@@ -258,6 +273,10 @@ def main() -> int:
         print(header)
         for r in rows:
             print(r)
+    save_result("short-conv", CLAIM, {"vs-unfused": table(
+        ["preset", "T", "C", "impl", "fwd ms", "fwd speed-up", "fwd+bwd ms", "fwd+bwd speed-up"],
+        [[r[0], r[1], r[2], r[3], round(r[4], 3), f"{r[5]:.2f}×", round(r[7], 3), f"{r[8]:.2f}×"] for r in rows],
+        note="ms = median of `do_bench`, host time included.")})
     return 0
 
 

@@ -5,15 +5,16 @@ warm-up and clock drift; differences of 0.2% (what the last MFU points are made 
 one model trains under every setting in turn, round after round (the order rotates each round), so a
 setting's paired difference to the first one is measured a few seconds apart, many times.
 
-Each setting is a `;`-separated list of `module.DICT.key=value` for dicts in `k3.ops.<module>` (as
-`benchmarks/sessions/with_settings.py`); "" is the defaults. The settings must be ones the code reads at
+Each setting is a `;`-separated list of `module.DICT.key=value` for dicts in `k3.ops.<module>`; "" is the
+defaults. The settings must be ones the code reads at
 call time (launch tables, `weight_grads.OPTIONS`), not at model build.
 
     python -m benchmarks.step_ab --seq-len 4096 --tokens 65536 --micro-batches 4 --rounds 6 \\
         --settings "" "weight_grads.OPTIONS.in_place=False" "attn_res.READ_TILES.bwd_per_sm=8"
 
 Prints per setting the median step, the median paired difference to the first setting with its
-interquartile range, and MFU against the GEMM peak measured in the same run.
+interquartile range, and MFU against the GEMM peak measured in the same run; the table goes to `--result-table`
+of benchmarks/results/step-ab-<device>.json.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
-import json
 import statistics
 import sys
 import time
@@ -33,6 +33,8 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.provenance import save_result  # noqa: E402
+from benchmarks.provenance import table as result_table  # noqa: E402
 from benchmarks.train_throughput import (Batch, build, flops_per_token, measured_gemm_peak, sync,  # noqa: E402
                                          variant_overrides)
 from k3.train.loop import TrainConfig, train_step  # noqa: E402
@@ -89,7 +91,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=6, help="timed steps per setting, after one warm-up each")
     parser.add_argument("--settings", nargs="+", default=[""], help='the first is the baseline; "" = defaults')
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--result-table", default="settings", help="the table of the results file this run writes")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -148,9 +150,16 @@ def main():
     Console(width=200).print(table)
     if device.type == "cuda":
         print(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(args=vars(args), peak_tflop_s=peak / 1e12, results=results),
-                                              indent=1))
+    rows = [[r["setting"] or "defaults", round(r["median_s"], 4),
+             None if i == 0 else f"{1e3 * r['paired_delta_median_s']:+.1f}",
+             None if i == 0 else "[{:+.1f}, {:+.1f}]".format(*(1e3 * x for x in r["paired_delta_iqr_s"]))]
+            for i, r in enumerate(results)]
+    save_result("step-ab", f"Settings compared inside one training step of the {args.preset} preset ({args.tokens} "
+                f"tokens × {args.micro_batches} micro-batches, T = {args.seq_len}), interleaved in one process: each "
+                "setting's paired difference to the first",
+                {args.result_table: result_table(["setting", "median step s", "paired Δ ms (median)", "Δ IQR ms"],
+                                                 rows)},
+                raw={args.result_table: {"args": vars(args), "peak_tflop_s": peak / 1e12, "results": results}})
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ KDA runs `kda_impl` (default the torch chunked form) in every variant: its kerne
 A large GEMM measures the machine's practical peak in the same run, so MFU is reported against it and
 (on CUDA) against the H200's 989 TFLOP/s bf16 datasheet number.
 
-FLOPs per token (performance.md §3.5): training = 3 × forward, forward = 2 × active matmul parameters
+FLOPs per token: training = 3 × forward, forward = 2 × active matmul parameters
 (lm_head included, embedding excluded, routed experts at top-k/E) + per MLA layer 2·H·(d_qk + d_v)·L_ctx
 (L_ctx = mean attended length inside each document) + per KDA layer H·(6d² + 3Cd + C²).
 
@@ -30,9 +30,12 @@ Correctness gate: the loss at init is within 1 nat of ln V and finite after the 
 `--loss-steps N`, `reference` and `fast` also train N steps from the same init on the same batches and
 the largest loss difference is reported (`docs/fast-paths.md` states the tolerance).
 
+Results: table `--result-table` (default "mfu") of `benchmarks/results/train-throughput-<device>.json`, the loss
+curves in `loss-curves-<device>.json` (`benchmarks/provenance.py`).
+
     python benchmarks/train_throughput.py --presets tiny                                  # CPU
-    python benchmarks/train_throughput.py --presets small --device cuda --seq-lens 4096 8192 \\
-        --tokens 16384 --variants reference fast --ablate-at 4096                         # one GPU
+    python benchmarks/train_throughput.py --presets small --kda-impl triton --variants fast --tokens 65536 \\
+        --micro-batches 4 --steps 3 --seq-lens 4096 8192                                  # the MFU table, one GPU
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere, as profile_step.py
 
+from benchmarks.provenance import save_result, table as result_table  # noqa: E402
 from k3.config import get_preset  # noqa: E402
 from k3.model.accounting import account  # noqa: E402
 from k3.model.checkpointing import apply_activation_checkpointing  # noqa: E402
@@ -66,6 +70,32 @@ FAST = dict(moe_impl="auto", attention_backend="auto", attn_res_impl="auto", sit
             loss_impl="auto")
 PATHS = {"moe": "moe_impl", "attn": "attention_backend", "attnres": "attn_res_impl", "situ": "situ_impl",
          "norm": "norm_impl", "loss": "loss_impl"}
+
+
+RESULT_COLUMNS = ["preset", "variant", "T", "rows × micro-batches", "tokens per step", "step s", "back to back s",
+                  "tokens/s", "TFLOP/s", "MFU", "GEMM peak TFLOP/s", "optimizer share", "peak GiB"]
+
+
+def result_rows(results: list[dict], peak: float) -> list[list]:
+    """One row of the results file per timed case."""
+    rows = []
+    for r in results:
+        if "step_s" not in r:
+            continue
+        mem = r["peak_mem_gib"]
+        rows.append([r["preset"], r["variant"], r["seq_len"], f"{r['rows']} × {r['micro_batches']}",
+                     r["rows"] * r["seq_len"] * r["micro_batches"], round(r["step_s"], 3), round(r["back_to_back_s"], 3),
+                     round(r["tokens_per_s"]), round(r["tflop_s"], 1), f"{100 * r['mfu_measured']:.1f}%",
+                     round(peak / 1e12, 1), f"{100 * r['optimizer_share']:.1f}%",
+                     round(mem, 1) if math.isfinite(mem) else None])
+    return rows
+
+
+def loss_curve_row(curves: dict) -> list:
+    diffs = [abs(a - b) for a, b in zip(curves["fast"], curves["reference"])]
+    return ["fast vs reference", round(max(diffs), 4), round(statistics.mean(diffs), 4),
+            round(abs(statistics.mean(curves["fast"]) - statistics.mean(curves["reference"])), 4),
+            f"{curves['fast'][-1]:.4f} vs {curves['reference'][-1]:.4f}"]
 
 
 def variant_overrides(name: str) -> tuple[dict, bool]:
@@ -185,6 +215,12 @@ def free(device):
         torch.cuda.empty_cache()
 
 
+CLAIM = ("Training step time and MFU with every fast path: MFU = model FLOPs (6 × active parameters + attention) per "
+         "second over the bf16 GEMM peak measured in the same process")
+LOSS_CLAIM = ("Training losses of the fast paths against the reference ops from the same initialisation on the same "
+              "batches (uniform random tokens: numerical agreement, not learning)")
+
+
 def run_variant(name, preset, seq_len, rows, steps, base, device, peak, micro_batches=1):
     """Time one variant: `micro_batches` forward+backward passes of rows × seq_len tokens per optimizer step.
     Returns a result dict (with "error" on failure)."""
@@ -299,7 +335,9 @@ def main():
     parser.add_argument("--micro-batches", type=int, default=1,
                         help="forward+backward passes of --tokens each per optimizer step (gradient accumulation)")
     parser.add_argument("--time-budget", type=float, default=None, help="seconds; later cases are skipped")
-    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--json", default=None, help="also write the raw records here")
+    parser.add_argument("--result-table", default="mfu",
+                        help="the table of benchmarks/results/train-throughput-<device>.json this run writes")
     args = parser.parse_args()
     if args.micro_batches < 1:
         parser.error(f"--micro-batches must be at least 1, got {args.micro_batches}")
@@ -331,7 +369,14 @@ def main():
     curves = None
 
     def save():
-        # after every case too, so a run stopped by a time limit keeps what it measured (session 8, run 4)
+        # after every case too, so a run stopped by a time limit keeps what it measured
+        if any("step_s" in r for r in results):
+            save_result("train-throughput", CLAIM, {args.result_table: result_table(RESULT_COLUMNS, result_rows(results, peak))},
+                        raw={args.result_table: results})
+        if curves is not None and "error" not in curves:
+            save_result("loss-curves", LOSS_CLAIM, {"fast-vs-reference": result_table(
+                ["pair", "max |Δloss|", "mean |Δloss|", "|Δ mean loss|", "final loss"], [loss_curve_row(curves)])},
+                raw={"fast-vs-reference": curves})
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps({"benchmark": "train_throughput", "peak_tflop_s": peak / 1e12,
