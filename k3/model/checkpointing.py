@@ -1,4 +1,4 @@
-"""Activation checkpointing per decoder layer, applied to a built model (style.md: transforms live outside
+"""Activation checkpointing per decoder layer, applied to a built model (like every transform, outside
 the model code).
 
 `apply_activation_checkpointing(model)` wraps every `DecoderLayer.forward` (one layer of the direct
