@@ -1,7 +1,8 @@
-"""The OpenAI-compatible HTTP server: a FastAPI app over the inference engine (systems.md §9).
+"""The OpenAI-compatible HTTP server: a FastAPI app over the inference engine (docs/serving.md).
 
 `create_app(engine, tokenizer, model_name)` serves `POST /v1/chat/completions`, `POST /v1/completions`,
-`GET /v1/models`, `GET /health` and `GET /metrics`. The app talks to the engine only through its
+`GET /v1/models`, `GET /health` and `GET /metrics`, and (`pages.py`) the chat page at `/`, the dashboard at
+`/dashboard` and the JSON they read under `/ui/`. The app talks to the engine only through its
 token-level API (`k3.infer.api`): it renders chats with `ChatTemplate`, submits token ids with
 `SamplingParams`, and turns the `RequestOutput` stream back into OpenAI responses or SSE chunks.
 
@@ -22,7 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k3.serve import handlers
+from k3.serve import handlers, pages
 from k3.serve.errors import APIError, engine_error
 from k3.serve.state import ADMISSION_WAIT_SECONDS, PING_SECONDS, AppState
 from k3.tokenizer import Tokenizer
@@ -103,6 +104,6 @@ def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, api_key: str 
                             ping_seconds=ping_seconds, admission_wait=admission_wait)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    for method, path, handler in ROUTES:
+    for method, path, handler in ROUTES + pages.ROUTES:
         app.add_api_route(path, handler, methods=[method])
     return app
