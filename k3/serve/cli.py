@@ -111,8 +111,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = create_app(engine, tokenizer, args.model_name or name, api_key=args.api_key,
                          default_max_tokens=args.default_max_tokens or None, medium_effort=args.medium_effort)
         print(f"# serving {args.model_name or name} at http://{args.host}:{args.port}/v1 "
-              f"(context {engine.max_context} tokens{', API key required' if args.api_key else ''})",
-              file=sys.stderr)
+              f"(context {engine.max_context} tokens{', API key required' if args.api_key else ''}); "
+              f"chat page http://{args.host}:{args.port}/, dashboard /dashboard", file=sys.stderr)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.shutdown()
