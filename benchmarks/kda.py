@@ -1,15 +1,22 @@
 """KDA kernels: ours (`k3.ops.kda.chunk_kda`, `fused_recurrent_kda`) against fla-core's on one GPU.
 
-The baseline (fla-core 0.6.0 with the K3 settings: in-kernel gate with
-lower bound −5 and safe gate, in-kernel L2 norm and β sigmoid, FLA_FLASH_KDA=0) runs in the same process
-on the same inputs, alternating with ours; a correctness gate runs first (small shape against the fp64
-recurrence with the test tolerances, and every timed shape against fla); times are medians of
-`triton.testing.do_bench` samples (L2 flushed) over 5 alternating repeats. Reports ms, IQR, ratio
-(fla ÷ ours), achieved TB/s of unavoidable bytes, fraction of the memory floor at 4.25 TB/s, TFLOP/s,
-peak memory; prints a table and writes benchmarks/results/kda-<sha>-<utc>.json.
+The baseline (fla-core 0.6.0 with the K3 settings: in-kernel gate with lower bound −5 and safe gate, in-kernel L2
+norm and β sigmoid, FLA_FLASH_KDA=0) runs in the same process on the same inputs, alternating with ours; a
+correctness gate runs first (small shape against the fp64 recurrence with the test tolerances, and every timed
+shape against fla); times are medians of `triton.testing.do_bench` samples (L2 flushed) over 5 alternating
+repeats. Reports ms, IQR, ratio (fla ÷ ours), achieved TB/s of unavoidable bytes, fraction of the memory floor at
+4.25 TB/s, TFLOP/s, peak memory.
 
     python -m benchmarks.kda            # all cases on the GPU (fla optional: ours alone without it)
+    python -m benchmarks.kda --fla-configs 1 --accuracy \\
+        --fla-cases 'fwd B=1 T=8192 H=96,fwd+bwd B=1 T=8192 H=96,decode B=64 T=1 H=96'   # the headline run
+    python -m benchmarks.kda --cases none --compare '[{}, {"bwd_k_maxnreg": 168}]'   # TUNING alternatives
     python -m benchmarks.kda --quick    # tiny shapes; on CPU through the Triton interpreter
+
+Results: benchmarks/results/kda-<device>.json (`provenance.save_result`; --quick writes only with --out), whose
+tables a run replaces where it measures them: "cases" and "targets" (the timed cases), "accuracy" (--accuracy),
+"compare", "compare-accuracy" and "kernels" (--compare; the kernel split of its first config). The file's
+"variants" and "pipeline" tables are kept from the runs that measured them.
 
 Legend: B batch, T tokens, H heads, K = V = 128 head dims.
 """
@@ -18,9 +25,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -36,7 +43,8 @@ import torch.nn.functional as F  # noqa: E402
 from k3.ops.kda import chunk_kda, fused_recurrent_kda, naive_kda_gate, naive_recurrent_kda  # noqa: E402
 from k3.ops.kda import chunk as kda_chunk  # noqa: E402
 
-from benchmarks.provenance import git_sha  # noqa: E402
+from benchmarks.provenance import RESULTS, device_slug, save_result  # noqa: E402
+from benchmarks.provenance import table as result_table  # noqa: E402
 
 BANDWIDTH = 4.25e12  # measured device copy bandwidth of an H200
 PEAK_FLOPS = 807e12
@@ -46,6 +54,25 @@ VARIANTS = {"k3 state-bf16": {"state_bf16": True}, "k3 all-bf16": {"all_bf16": T
             "k3 recompute": {"save_intermediates": False}}  # the backward recomputes the prepare and _state
 TOL = {"o": 5e-3, "S": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "h0": 8e-3, "dt_bias": 8e-3,
        "z": 2e-2, "A_log": 2e-2, "b": 2e-2}
+CLAIM = ("KDA Triton kernels (chunk_kda forward, forward + backward, fused_recurrent_kda decode) against fla-core at "
+         "the K3 layer shape on one GPU: times, errors against the fp64 recurrence, the per-kernel split, and the "
+         "kernel variants tried")
+# the targets at the K3 shape: 2x and 1.5x the fully autotuned fla times, as limits on our ms; decode as a ratio
+TARGETS = [("forward ≥ 2× fla", "fwd B=1 T=8192 H=96", "ms", 1.3),
+           ("forward + backward ≥ 1.5× fla", "fwd+bwd B=1 T=8192 H=96", "ms", 8.8),
+           ("decode ≥ 1.2× fla", "decode B=64 T=1 H=96", "ratio", 1.2)]
+# the rows of the "accuracy" tables, by `accuracy_table`'s names
+ERROR_NAMES = {"o": "o", "S": "final state S", "q": "dq", "k": "dk", "v": "dv", "z": "dz (gate logits)",
+               "b": "dβ (logits)", "A_log": "dA_log", "dt_bias": "ddt_bias", "h0": "dh0",
+               "o_inf": "o, inference forward", "S_inf": "S, inference forward"}
+# the KDA kernels of the "kernels" table, in launch order, with the stage each belongs to
+KERNEL_STAGES = {"_prep_gate": "prepare", "_prep_intra": "prepare", "_prep_solve": "prepare", "_prep_wu": "prepare",
+                 "_state": "training forward: state pass", "_fwd_o": "training forward: output",
+                 "_state_bwd": "backward: state pass", "_bwd_vk": "backward: key slices",
+                 "_bwd_vv": "backward: value side", "_bwd_k_block": "backward: scores", "_bwd_gate": "backward: gate",
+                 "_bwd_norms": "backward: norms and β",
+                 "_prefill_prepare": "inference forward: prepare (all segments)",
+                 "_prefill_state": "inference forward: state pass (all segments)"}
 
 
 def load_fla(max_configs: int = 0):
@@ -88,29 +115,6 @@ def raw_inputs(B, T, H, K=128, V=128, N=None, seed=0, device="cuda", h0=False):
     dt_bias = dt + torch.log(-torch.expm1(-dt))
     state = randn(B if N is None else N, H, K, V) if h0 else None
     return [x.bfloat16() for x in (q, k, v, z, b)] + [A_log, dt_bias, state]
-
-
-def chunk_operands(B, T, H, seed=5, device="cuda", qprime=False):
-    """What the training forward's prepare hands the state passes, for timing them alone: (plan, h0 [B, H, K, V],
-    `chunk_prepare.Prepared` with T, the norms, G and Q′ if qprime) on `raw_inputs` at (B, T, H), K = V = 128, bf16."""
-    q, k, v, z, b, A_log, dt_bias, h0 = raw_inputs(B, T, H, seed=seed, device=device, h0=True)
-    flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, z, b)]
-    plan = kda_chunk.make_plan(B, T, None, q.device)
-    ops = kda_chunk._fwd_prepare(*flat, A_log, dt_bias, -5.0, 128 ** -0.5, plan,
-                                 kda_chunk.inter_dtypes(torch.bfloat16), store_t=True, store_norms=True,
-                                 qprime="apart" if qprime else None)
-    return plan, h0, ops
-
-
-def probe_setup(quick_help: str):
-    """A probe's command line and shape: (args with --out and --quick, (B, T, H), device). --quick is
-    T=128 H=2 (the interpreter on CPU, `quick_help` says what else it skips), otherwise the K3 shape."""
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="", help="write the rows as JSON here")
-    ap.add_argument("--quick", action="store_true", help=f"T=128 H=2, {quick_help} (the interpreter on CPU)")
-    args = ap.parse_args()
-    shape = (1, 128, 2) if args.quick else (1, 8192, 96)
-    return args, shape, "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def ours_fn(ins, cu, **kw):
@@ -277,7 +281,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of the script and its gates")
     ap.add_argument("--cases", default="", help="comma-separated substrings of case names to run")
-    ap.add_argument("--out", default="", help="also write the JSON here")
+    ap.add_argument("--out", default="", help="results folder (default benchmarks/results; --quick: none)")
     ap.add_argument("--sweep", action="store_true", help="per-stage times under alternative launch configs")
     ap.add_argument("--variants", action="store_true",
                     help="also time chunk_kda's state_bf16 and all_bf16 variants (main shape)")
@@ -361,27 +365,25 @@ def main() -> int:
     compared = [row for shape in shapes for row in compare_tunings(compare, device, args.quick, shape)] \
         if compare else None
     accuracy = accuracy_table(compare or [{}], fla_all, device, args.quick) if args.accuracy else None
-    result = {
-        "benchmark": "kda", "command": " ".join([sys.executable, "-m", "benchmarks.kda"] + sys.argv[1:]),
-        "git": {"sha": git_sha(), "dirty": None},
-        "env": {"torch": torch.__version__, "triton": __import__("triton").__version__,
-                "fla": _fla_version(), "cuda": torch.version.cuda,
-                "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                "FLA_FLASH_KDA": os.environ.get("FLA_FLASH_KDA")},
-        "config": {"bandwidth": BANDWIDTH, "peak_flops": PEAK_FLOPS, "quick": args.quick,
-                   "fla_configs_per_autotuner": args.fla_configs or "all", "tuning": dict(kda_chunk.TUNING)},
-        "gate": errs, "cases": rows, "compare": compared, "accuracy": accuracy,
-    }
-    text = json.dumps(result, indent=1)
-    if not args.quick:
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        path = Path(__file__).resolve().parent / "results" / f"kda-{result['git']['sha']}-{stamp}.json"
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text)
-        print(f"wrote {path}")
-    if args.out:
-        Path(args.out).write_text(text)
-    return 0 if all(r["correctness"]["ok"] for r in rows) else 1
+    ok = all(r["correctness"]["ok"] for r in rows)
+    tables = result_tables(rows, accuracy, compared, fla_configs=args.fla_configs, fla_version=_fla_version(),
+                           quick=args.quick)
+    if not ok:
+        print("a timed case differs from its baseline beyond the tolerance: no results written")
+    elif tables and (args.out or not args.quick):
+        config = {"bandwidth": BANDWIDTH, "peak_flops": PEAK_FLOPS, "fla": _fla_version(),
+                  "fla_configs_per_autotuner": args.fla_configs or "all",
+                  "FLA_FLASH_KDA": os.environ.get("FLA_FLASH_KDA"), "tuning": dict(kda_chunk.TUNING)}
+        # the full records (without the timing samples), each with the settings and gate of this run; the file's
+        # records of what this run did not measure stay
+        records = {"cases": [{k: v for k, v in r.items() if k != "samples_ms"} for r in rows] or None,
+                   "compare-accuracy" if compared else "accuracy": accuracy, "compare": compared}
+        raw = kept_raw(args.out) | {k: {"config": config, "gate": errs, "records": v}
+                                    for k, v in records.items() if v is not None}
+        save_result("kda", CLAIM, tables, raw=raw, out=args.out or None)
+    elif args.quick:
+        print("--quick: no results written (--out DIR writes them there)")
+    return 0 if ok else 1
 
 
 def _fla_version():
@@ -522,7 +524,7 @@ def profile_breakdown(fla, iters=5):
 
 def forward_steps(B, T, H, device):
     """(forward, forward + backward) of `chunk_kda` at dense B×T×H (K = V = 128) on fixed random inputs and
-    cotangents: zero-argument callables for timing and profiling (`compare_tunings`, `benchmarks.kda_ncu`)."""
+    cotangents: zero-argument callables for timing and profiling (`compare_tunings`, `benchmarks/ncu.py kda`)."""
     ins = raw_inputs(B, T, H, seed=4, device=device, h0=True)
     live = [x.detach().requires_grad_() for x in ins]
     gen = torch.Generator(device=device).manual_seed(5)
@@ -677,6 +679,131 @@ def print_table(rows):
         print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
         for row in table:
             print("  ".join(x.ljust(w) for x, w in zip(row, widths)))
+
+
+# ---- the results file's tables --------------------------------------------------------------------------------
+
+def sci(x: float, digits: int = 1) -> str:
+    """3.8e-3 (not 3.8e-03), as the docs write errors."""
+    return re.sub(r"e([+-])0*(\d)", r"e\1\2", f"{x:.{digits}e}").replace("e+", "e")
+
+
+def cases_tables(rows: list[dict], fla_configs: int, fla_version: str | None) -> dict[str, dict]:
+    """The "cases" table (one row per timed case and k3 variant, fla beside it) and, where its cases ran, the
+    "targets" table, from `run_chunk` / `run_decode` records."""
+    fla = {r["case"]: r for r in rows if r["impl"] == "fla"}
+    out, lengths = [], {}
+    for r in rows:
+        if r["impl"] == "fla":
+            continue
+        case = r["case"] + (f" ({r['dtype'].removeprefix('bf16, ')})" if r["dtype"] != "bf16" else "")
+        case += f" ({r['impl']})" if r["impl"] != "k3" else ""
+        base = fla.get(r["case"])
+        out.append([case, round(r["ms_median"], 3), round(base["ms_median"], 3) if base else "",
+                    f"{r['ratio_vs_baseline']:.2f}x" if base else "", round(r["tb_s"], 2),
+                    f"{100 * r['floor_fraction']:.1f}%"])
+        if r["shape"].get("lengths"):
+            lengths[f"varlen{len(r['shape']['lengths'])}"] = r["shape"]["lengths"]
+    if fla:
+        configs = "every config" if not fla_configs else "one config" if fla_configs == 1 else f"{fla_configs} configs"
+        note = (f"fla: fla-core {fla_version} with {configs} per autotuner (--fla-configs {fla_configs}), "
+                f"FLA_FLASH_KDA={os.environ.get('FLA_FLASH_KDA')}, in the same process")
+    else:
+        note = "k3 alone (fla-core not installed, or not asked for by --fla-cases)"
+    note += (f"; medians of triton.testing.do_bench; memory floor: unavoidable bytes at {BANDWIDTH / 1e12:g} TB/s"
+             + "".join(f"; {name}: documents of {', '.join(map(str, docs))} tokens" for name, docs in lengths.items()))
+    tables = {"cases": result_table(["case (bf16, K = V = 128)", "k3 ms", "fla ms", "speed-up", "TB/s",
+                                     "of the memory floor"], out, note)}
+    ours = {r["case"]: r for r in rows if r["impl"] == "k3"}
+    targets = []
+    for target, case, kind, limit in TARGETS:
+        r = ours.get(case)
+        if r is None or (kind == "ratio" and r["ratio_vs_baseline"] is None):
+            continue
+        ratio = r["ratio_vs_baseline"]
+        if kind == "ms":
+            targets.append([target, f"≤ {limit} ms", f"{r['ms_median']:.3f} ms"
+                            + (f" ({ratio:.2f}x fla)" if ratio is not None else ""), r["ms_median"] <= limit])
+        else:
+            targets.append([target, f"≥ {limit}x", f"{ratio:.2f}x", ratio >= limit])
+    if targets:
+        tables["targets"] = result_table(
+            ["target", "required", "measured", "met"], [[*t[:3], "yes" if t[3] else "no"] for t in targets],
+            "B=1 T=8192 H=96 (decode: B=64 H=96); the required times are 2× and 1.5× the fully tuned fla anchors")
+    return tables
+
+
+def errors_table(rows: list[dict], quick: bool) -> dict:
+    """`accuracy_table`'s records as one table: a row per output or gradient, a column per implementation and
+    case (dense, varlen), the limit last."""
+    dense = [r for r in rows if r["case"] == "dense"]
+    varlen = [r for r in rows if r["case"] == "varlen"]
+    labels = []
+    for r in dense:
+        label = "fla" if r["impl"] == "fla" else "k3" if r["impl"] == "{}" else f"k3 {r['impl']}"
+        while label in labels:  # the same config twice (a check for drift): the second one marked
+            label += " (again)"
+        labels.append(label)
+    columns = ["output"] + [f"{label} {case}" for label in labels for case in ("dense", "varlen")] + ["limit"]
+    out = [[shown] + [sci(rs[name]) for d, v in zip(dense, varlen) for rs in (d, v)]
+           + [sci(TOL[name.removesuffix("_inf")], 0)] for name, shown in ERROR_NAMES.items()]
+    T, H = (300, 2) if quick else (8192, 4)
+    return result_table(columns, out, f"relative RMSE against the fp64 token recurrence on the same bf16 inputs, "
+                                      f"T={T} H={H} (dense, and the packed-document mix)")
+
+
+def compare_table(rows: list[dict]) -> dict:
+    """`compare_tunings`'s records: per config and shape, its gate and times."""
+    out = []
+    for r in rows:
+        shape = r["shape"]
+        gate = "ok" if r["gate_ok"] else "refused" if "refused" in r["gate"] else "over tolerance"
+        out.append([f"B={shape['B']} T={shape['T']} H={shape['H']}", json.dumps(r["tuning"]), gate,
+                    round(r["fwd_ms"], 3) if "fwd_ms" in r else None,
+                    round(r["fwd_bwd_ms"], 3) if "fwd_bwd_ms" in r else None])
+    return result_table(["shape", "TUNING overrides", "gate", "fwd ms", "fwd+bwd ms"], out,
+                        "each config on top of TUNING, gated against the fp64 recurrence at T=300 H=2 before it is "
+                        "timed; medians of triton.testing.do_bench; kernel times per call in the raw records")
+
+
+def kernels_table(row: dict) -> dict:
+    """One `compare_tunings` record's kernel time per call: the KDA kernels of forward + backward in launch order,
+    the rest summed, then those of the inference forward."""
+    out = []
+    for times, prefix in ((row["kernels_ms"], ""), (row["fwd_kernels_ms"], "inference forward: ")):
+        named = {k.split("(")[0]: ms for k, ms in times.items()}
+        ours = [k for k in KERNEL_STAGES if k in named] + [k for k in named if k.startswith("_")
+                                                             and k not in KERNEL_STAGES]
+        for k in ours:
+            stage = KERNEL_STAGES.get(k, "")
+            out.append([f"`{k}`", stage if stage.startswith(prefix) else prefix + stage, round(named[k], 3)])
+        rest = sum(ms for k, ms in named.items() if k not in ours)
+        if rest >= 5e-4:
+            out.append(["other kernels (PyTorch)", prefix + "other", round(rest, 3)])
+    shape, tuning = row["shape"], row["tuning"]
+    return result_table(["kernel", "stage", "ms per call"], out,
+                        f"torch.profiler kernel times at B={shape['B']} T={shape['T']} H={shape['H']}: forward + "
+                        f"backward at TUNING{' with ' + json.dumps(tuning) if tuning else ''} (fwd+bwd "
+                        f"{row['fwd_bwd_ms']:.3f} ms), then the inference forward (fwd {row['fwd_ms']:.3f} ms)")
+
+
+def result_tables(rows, accuracy, compared, fla_configs=0, fla_version=None, quick=False) -> dict[str, dict]:
+    """The tables of a run's results file: "cases" and "targets" from the timed cases, "accuracy" from --accuracy
+    alone, and with --compare "compare", "compare-accuracy" and "kernels" (the first config's split)."""
+    tables = cases_tables(rows, fla_configs, fla_version) if rows else {}
+    if accuracy:
+        tables["compare-accuracy" if compared else "accuracy"] = errors_table(accuracy, quick)
+    if compared:
+        tables["compare"] = compare_table(compared)
+        if "kernels_ms" in compared[0]:
+            tables["kernels"] = kernels_table(compared[0])
+    return tables
+
+
+def kept_raw(out: str) -> dict:
+    """The raw records of the results file this run updates: those of tables it does not measure stay."""
+    path = Path(out or os.environ.get("K3_RESULTS") or RESULTS) / f"kda-{device_slug()}.json"
+    return json.loads(path.read_text()).get("raw", {}) if path.exists() else {}
 
 
 if __name__ == "__main__":

@@ -7,11 +7,14 @@ Random weights (`--preset`, default tiny), fp32 on CPU (or `--device cuda`), ref
 3. decode time per token at several context lengths, batch 1, for the hybrid model and for the same
    model with every layer Gated MLA (its cache grows 3-4x faster and every layer reads it). The cache is
    filled with random contents instead of a prefill (`fast_forward`): a decode step's cost does not
-   depend on the values, and a 128K-token reference prefill would take far longer than the measurement.
+   depend on the values, and a 128K-token reference prefill would take far longer than the measurement;
+4. grammar-constrained decoding (`--constrained-batches`): decode tokens/s with a JSON-schema mask on vs off
+   (greedy, the byte tokenizer of the preset's vocabulary), and the grammar compile time of a schema at first
+   use vs from the cache. Gate: every constrained token is one the grammar accepts.
 
 Correctness gate first: the engine's greedy tokens equal the model's own argmax decoding, and a
-prefix-cache hit gives the cold run's tokens. Run: `python benchmarks/serve.py [--quick]`; the three tables go to
-benchmarks/results/serve-<device>.json (not with --quick).
+prefix-cache hit gives the cold run's tokens. Run: `python benchmarks/serve.py [--quick] [--constrained-only]`;
+the tables go to benchmarks/results/serve-<device>.json (not with --quick).
 """
 
 import argparse
@@ -27,12 +30,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from benchmarks.provenance import save_result  # noqa: E402
 from benchmarks.provenance import table as result_table  # noqa: E402
+from k3.chat.constrain import grammar_vocabulary, reply_grammar  # noqa: E402
+from k3.chat.template import ChatTemplate  # noqa: E402
 from k3.config import get_preset  # noqa: E402
 from k3.infer.api import SamplingParams  # noqa: E402
 from k3.infer.config import EngineConfig  # noqa: E402
 from k3.infer.engine import Engine  # noqa: E402
+from k3.infer.grammar import GrammarCompiler  # noqa: E402
 from k3.infer.scheduler import Batch  # noqa: E402
 from k3.model.model import build_model  # noqa: E402
+from k3.tokenizer import byte_tokenizer  # noqa: E402
+
+CLAIM = ("The inference engine on the {preset} preset with random weights ({where}): throughput by batch, time to "
+         "first token with a cached prefix, decode cost against context length, and the cost of grammar-constrained "
+         "decoding (JSON-schema mask on vs off, grammar compile time)")
+SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 14},
+    "unit": {"enum": ["C", "F"]}, "alerts": {"type": "array", "items": {"type": "string"}},
+    "where": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+              "required": ["lat", "lon"], "additionalProperties": False}},
+    "required": ["city", "days", "unit", "alerts", "where"], "additionalProperties": False}
 
 
 def greedy(n: int) -> SamplingParams:
@@ -155,6 +172,78 @@ def decode_ms(model, config: EngineConfig, context: int, steps: int) -> float:
     return (time.perf_counter() - t0) / n * 1e3
 
 
+def constrained_decode(model, config: EngineConfig, grammar, batch: int, prompt_len: int, decode: int) -> float:
+    """Decode tokens/s of `batch` greedy requests submitted together, each under `grammar` (None: unconstrained).
+    Checks that every constrained output is accepted by a fresh matcher of the grammar."""
+    engine = Engine(model, config.replace(enable_prefix_caching=False, max_running=max(batch, 1)))
+    V = model.config.vocab_size
+    engine.generate(random_prompt(16, V, 99), greedy(2))  # warm-up
+    sp = SamplingParams(max_tokens=decode, temperature=0.0, grammar=grammar)
+    for i in range(batch):
+        engine.add_request(f"r{i}", random_prompt(prompt_len, V, 1000 + i), sp)
+    outputs = {f"r{i}": [] for i in range(batch)}
+    started, generated, t1 = set(), 0, None
+    while engine.has_unfinished():
+        outs = engine.step()
+        if t1 is not None:
+            generated += sum(len(o.new_token_ids) for o in outs)
+        for o in outs:
+            started.add(o.request_id)
+            outputs[o.request_id] += o.new_token_ids
+        if t1 is None and len(started) == batch:
+            sync(engine.pool.device)
+            t1 = time.perf_counter()
+    sync(engine.pool.device)
+    t2 = time.perf_counter()
+    if grammar is not None:
+        for rid, ids in outputs.items():
+            if not grammar.matcher().consume_tokens(ids):
+                raise SystemExit(f"correctness gate failed: {rid}'s constrained output breaks its grammar")
+    return generated / (t2 - t1)
+
+
+def constrained_tables(model, config: EngineConfig, batches: list[int], prompt_len: int, decode: int, where: str,
+                       console: Console) -> dict[str, list]:
+    """Mask on vs off by batch, and compile times; -> rows of the two tables."""
+    tokenizer = byte_tokenizer(model.config.vocab_size)
+    template = ChatTemplate(tokenizer)
+    t0 = time.perf_counter()
+    compiler = GrammarCompiler(**grammar_vocabulary(tokenizer))
+    vocab_ms = (time.perf_counter() - t0) * 1e3
+    lark = reply_grammar(template, thinking=False, response_format={
+        "type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}})
+    t0 = time.perf_counter()
+    grammar = compiler.compile(lark)
+    first_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    assert compiler.compile(lark) is grammar
+    cached_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    grammar.matcher()
+    matcher_ms = (time.perf_counter() - t0) * 1e3
+    table = Table(title=f"grammar-constrained decoding ({where}; prompts of {prompt_len}, {decode} greedy tokens, "
+                        "JSON-schema response format)")
+    for col in ("batch", "decode tok/s (no mask)", "decode tok/s (mask)", "mask cost"):
+        table.add_column(col, justify="right")
+    rows = {"constrained-decoding": [], "grammar-compile": []}
+    for b in batches:
+        off = constrained_decode(model, config, None, b, prompt_len, decode)
+        on = constrained_decode(model, config, grammar, b, prompt_len, decode)
+        cost = f"{(off / on - 1) * 100:+.1f}%"
+        table.add_row(str(b), f"{off:,.1f}", f"{on:,.1f}", cost)
+        rows["constrained-decoding"].append([b, round(off, 1), round(on, 1), cost])
+    console.print(table)
+    table = Table(title=f"grammar compile time (llguidance, {model.config.vocab_size}-token vocabulary)")
+    for col in ("step", "ms"):
+        table.add_column(col, justify="right")
+    for name, ms in (("vocabulary (once per tokenizer)", vocab_ms), ("schema, first use", first_ms),
+                     ("schema, cached", cached_ms), ("matcher per request", matcher_ms)):
+        table.add_row(name, f"{ms:.3f}")
+        rows["grammar-compile"].append([name, round(ms, 3)])
+    console.print(table)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--preset", default="tiny")
@@ -167,10 +256,14 @@ def main():
     parser.add_argument("--prefix-len", type=int, default=2048)
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
     parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--constrained-batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--constrained-tokens", type=int, default=48)
+    parser.add_argument("--constrained-only", action="store_true", help="only the constrained-decoding tables")
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     args = parser.parse_args()
     if args.quick:
         args.batches, args.prefix_len, args.contexts, args.decode_tokens = [1, 8], 512, [256, 1024], 4
+        args.constrained_tokens = 8
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -180,12 +273,25 @@ def main():
     correctness_gate(model, config)
     console = Console()
     where = f"{args.preset}, {args.dtype}, {device}" + (f", {args.threads} threads" if device.type == "cpu" else "")
+    columns = {"throughput": ["batch", "prefill tok/s", "decode tok/s", "decode ms/step"],
+               "prefix-ttft": ["run", "TTFT ms", "cached tokens", "speed-up"],
+               "decode-vs-context": ["context", "hybrid ms/token", "all-MLA ms/token", "all-MLA / hybrid",
+                                     "hybrid cache MiB", "all-MLA cache MiB"],
+               "constrained-decoding": ["batch", "decode tok/s (no mask)", "decode tok/s (mask)", "mask cost"],
+               "grammar-compile": ["step", "ms"]}
+    claim = CLAIM.format(preset=args.preset, where=where)
+    constrained = constrained_tables(model, config, args.constrained_batches, args.prompt_len,
+                                     args.constrained_tokens, where, console)
+    if args.constrained_only:
+        if not args.quick:
+            save_result("serve", claim, {k: result_table(columns[k], v) for k, v in constrained.items()})
+        return
 
     table = Table(title=f"engine throughput ({where}; prompts of {args.prompt_len}, {args.decode_tokens} "
                         f"greedy tokens each; budget {config.max_step_tokens} tokens/step)")
     for col in ("batch", "prefill tok/s", "decode tok/s", "decode ms/step"):
         table.add_column(col, justify="right")
-    rows = {"throughput": [], "prefix-ttft": [], "decode-vs-context": []}
+    rows = {"throughput": [], "prefix-ttft": [], "decode-vs-context": [], **constrained}
     for b in args.batches:
         pre, dec = throughput(model, config, b, args.prompt_len, args.decode_tokens)
         table.add_row(str(b), f"{pre:,.0f}", f"{dec:,.1f}", f"{b / dec * 1e3:.1f}")
@@ -231,13 +337,7 @@ def main():
     console.print(table)
     if args.quick:
         return
-    columns = {"throughput": ["batch", "prefill tok/s", "decode tok/s", "decode ms/step"],
-               "prefix-ttft": ["run", "TTFT ms", "cached tokens", "speed-up"],
-               "decode-vs-context": ["context", "hybrid ms/token", "all-MLA ms/token", "all-MLA / hybrid",
-                                     "hybrid cache MiB", "all-MLA cache MiB"]}
-    save_result("serve", f"The inference engine on the {args.preset} preset with random weights ({where}): "
-                "throughput by batch, time to first token with a cached prefix, decode cost against context length",
-                {k: result_table(columns[k], v) for k, v in rows.items()})
+    save_result("serve", claim, {k: result_table(columns[k], v) for k, v in rows.items()})
 
 
 if __name__ == "__main__":

@@ -425,7 +425,7 @@ if triton is not None:
             tl.store(row - 3, acc3, mask=in_c)
 
 
-# Tiles, from the offline sm_90 compile (benchmarks/kernel_spills.py) at the model's shapes, where the JIT
+# Tiles, from the offline sm_90 compile (benchmarks/spills.py) at the model's shapes, where the JIT
 # specialises C, R and the strides as multiples of 16 (so masked loads are 16-byte vectors). Forward: 88
 # registers. The backward is two memory-bound passes (kernel 1 reads x and dy and writes g; kernel 2 reads g
 # and writes dx; the W − 1 shifted re-reads of each tile come from L1): 64 × 64 tiles with 4 warps (32

@@ -16,7 +16,8 @@ def test_settings_apply_for_the_block_and_restore():
     assert parse_setting("") == []
 
 
-@pytest.mark.parametrize("text", ["attn_res.READ_TILES.no_such_key=256", "attn_res.READ_TILES=1", "weight_grads.OPTIONS"])
+@pytest.mark.parametrize("text", ["attn_res.READ_TILES.no_such_key=256", "attn_res.READ_TILES=1",
+                                  "weight_grads.OPTIONS"])
 def test_bad_settings_are_refused(text):
     with pytest.raises(SystemExit):
         parse_setting(text)

@@ -435,7 +435,7 @@ def test_sealed_source_is_the_identity_for_any_consumer():
     """`seal_source` (the fused reads' gradient sink) changes nothing for readers that return their gradients
     to autograd (the torch reads, any other op): values, gradients and a second backward are exact; without a
     gradient to follow it hands back the tensor itself. The fused kernels' side runs in the interpreter checks
-    (tests/ops/triton_interpreter_checks.py: attn_res_sealed, model_sealed_reads)."""
+    (tests/ops/triton_interpreter_checks.py: test_attn_res_sealed, test_model_sealed_reads)."""
     from k3.ops.attn_res import seal_source
 
     g = torch.Generator().manual_seed(0)

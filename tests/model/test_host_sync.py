@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from k3.config import get_preset
 from k3.model.checkpointing import apply_activation_checkpointing
 from k3.model.model import build_model
-from tests.interpreter import INTERPRETING, run_module_in_interpreter
+from tests.interpreter import INTERPRETING, rerun_in_interpreter
 
 ROOT = Path(__file__).resolve().parents[2]
 K3 = str(ROOT / "k3") + os.sep
@@ -100,10 +100,7 @@ def _gpu_config():
                                        attn_res_impl="triton", situ_impl="triton", norm_impl="triton")
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or INTERPRETING, reason="runs directly in this process")
-def test_in_triton_interpreter():
-    pytest.importorskip("triton")
-    run_module_in_interpreter(__file__)
+test_in_triton_interpreter = rerun_in_interpreter(__file__)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the interpreter subprocess (test_in_triton_interpreter)")

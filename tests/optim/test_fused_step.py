@@ -18,18 +18,15 @@ import torch
 from k3.config import get_preset
 from k3.model.model import build_model
 from k3.optim import MuonAdamW, param_rule
-from tests.interpreter import INTERPRETING, run_module_in_interpreter
+from tests.interpreter import kernel_device, rerun_in_interpreter
 
-ON_GPU = torch.cuda.is_available()
 CONFIG = get_preset("debug")
 BF16_ULP = 2.0 ** -7  # relative spacing of bf16 values, at most
 
 
 @pytest.fixture
 def dev():
-    if not (ON_GPU or INTERPRETING):
-        pytest.skip("runs in the interpreter subprocess (test_in_triton_interpreter)")
-    return "cuda" if ON_GPU else "cpu"
+    return kernel_device()
 
 
 def same(got, want, exact):
@@ -92,10 +89,7 @@ def test_impl_is_validated_and_not_saved():
 
 # ---- Muon kernels: on a GPU, or in the interpreter ------------------------------------------------------
 
-@pytest.mark.skipif(ON_GPU or INTERPRETING, reason="kernels run directly in this process")
-def test_in_triton_interpreter():
-    pytest.importorskip("triton")
-    run_module_in_interpreter(__file__)
+test_in_triton_interpreter = rerun_in_interpreter(__file__)
 
 
 SIZES = [(3, 5), (4100,), (2, 70, 33), (0, 8), (8193,)]  # odd, > BLOCK, 3-D, empty, 2·BLOCK + 1
