@@ -19,10 +19,12 @@ $(BIN)/k3: pyproject.toml
 setup: $(BIN)/k3
 
 # The main job: train the tiny preset on this Python's standard library (~8 min on 2 CPU cores), write
-# plots to runs/tiny/plots, then complete a Python prompt. Re-running continues or reuses the same run.
+# plots to runs/tiny/plots, then complete a Python prompt. Re-running continues the run after a stop (Ctrl-C
+# saves a checkpoint) or, once it is complete, goes straight to the prompt: --auto-resume starts the run if
+# runs/tiny holds none and resumes it otherwise.
 demo: setup
 	$(BIN)/k3 info --preset tiny
-	$(BIN)/k3 train --preset tiny --out runs/tiny --time-budget 8 --resume
+	$(BIN)/k3 train --preset tiny --out runs/tiny --time-budget 8 --auto-resume
 	$(BIN)/k3 generate runs/tiny --escapes --prompt 'import os\n\n\ndef read_config(path):\n    ' --max-new-tokens 120
 
 # two workers (pytest-xdist), a test file per worker: on 2 cores the suite takes about two thirds of one worker's time

@@ -9,9 +9,12 @@ A checkpoint is a directory `step_000123/` holding:
 
 Writing goes to `step_000123.tmp/`, every file is fsynced, then the directory is renamed into place and
 the parent directory fsynced, so a crash at any point leaves either the complete checkpoint or a `.tmp`
-directory that loading ignores (and the next save removes). Loading verifies the manifest, so a
-truncated or corrupted file is reported with a clear error instead of being loaded. The newest `keep`
-committed checkpoints are kept.
+directory that loading ignores. Anything without its `COMMITTED` marker (a `.tmp` directory, or a
+`step_N/` that lost it) is unfinished: `clean_uncommitted` removes it when a run starts, and a save over
+it replaces it, so it never blocks a step. Loading verifies the manifest, so a truncated or corrupted file
+is reported with a clear error instead of being loaded. The newest `keep` committed checkpoints are kept.
+A write that fails for lack of space raises an OSError with errno ENOSPC (torch.save's own stream error is
+traced back to it), so callers can say so.
 """
 
 from __future__ import annotations
@@ -74,6 +77,35 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def clean_uncommitted(root: str | Path) -> list[str]:
+    """Remove the unfinished checkpoints under `root` (`.tmp` directories, `step_N/` without COMMITTED);
+    returns their names. Call it only while no process writes there (the run folder's lock)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = []
+    for d in sorted(root.iterdir()):
+        if d.name.startswith("step_") and d.is_dir() and (d.name.endswith(".tmp") or not (d / COMMITTED).exists()):
+            shutil.rmtree(d)
+            removed.append(d.name)
+    return removed
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Replace `path` with `text` in one step (temporary file, fsync, rename): a crash leaves the old file or
+    the new one, never a truncated one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def save_checkpoint(root: str | Path, step: int, state_dict: dict[str, torch.Tensor], train_state: dict[str, Any],
                     extra_files: dict[str, Path | str] | None = None, extra_dirs: dict[str, Path] | None = None,
                     keep: int = 3) -> Path:
@@ -103,7 +135,15 @@ def read_model(path: str | Path) -> dict[str, torch.Tensor]:
 def write_train_state(tmp: Path, train_state: dict[str, Any], extra_files: dict[str, Path | str] | None = None,
                       extra_dirs: dict[str, Path] | None = None) -> None:
     """train_state.pt plus the extra files and directories of a checkpoint being written in `tmp`."""
-    torch.save(train_state, tmp / "train_state.pt")
+    with open(tmp / "train_state.pt", "wb") as f:
+        stream = _RecordingWriter(f)
+        try:
+            torch.save(train_state, stream)
+        except RuntimeError as e:
+            # torch's C++ writer reports a failed write as "unexpected pos"; raise the OSError behind it
+            if stream.error is not None:
+                raise stream.error from e
+            raise
     for name, source in (extra_files or {}).items():
         if isinstance(source, Path):
             shutil.copyfile(source, tmp / name)
@@ -113,13 +153,33 @@ def write_train_state(tmp: Path, train_state: dict[str, Any], extra_files: dict[
         shutil.copytree(source, tmp / name)
 
 
+class _RecordingWriter:
+    """A file for torch.save that keeps the OSError of a failed write (torch replaces it with its own error)."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def new_checkpoint_dir(root: str | Path, step: int) -> Path:
-    """An empty `<root>/step_N.tmp` to write checkpoint `step` into before `commit_checkpoint`."""
+    """An empty `<root>/step_N.tmp` to write checkpoint `step` into before `commit_checkpoint`. An unfinished
+    `step_N/` (no COMMITTED) is replaced; a committed one is never overwritten."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
-    if final.exists():
+    if final.exists() and (final / COMMITTED).exists():
         raise CheckpointError(f"{final} already exists; refusing to overwrite a checkpoint")
+    if final.exists():
+        shutil.rmtree(final)
     tmp = root / (final.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -90,35 +90,73 @@ def cmd_forward(args) -> int:
 
 
 def cmd_train(args) -> int:
+    """Train or resume a run. A stop by signal, a refusal or a failure ends in one line and the exit code that
+    k3.runfolder documents (0 done, 1 system, 2 refused, 3 diverged, 128+N signal N); a stop says how to resume."""
     import dataclasses
+    import signal
+    from pathlib import Path
 
-    from k3.train.loop import ContextStage, TrainConfig, TrainingError, train
+    from k3.runfolder import Interrupted, StopSignals, failure, resume_command
 
-    cfg = TrainConfig(preset=args.preset, data=args.data, out=args.out or f"runs/{args.preset}")
-    overrides = {"max_steps": args.max_steps, "max_tokens": args.max_tokens, "time_budget_min": args.time_budget,
-                 "lr": args.lr, "tokens_per_step": args.tokens_per_step, "micro_batches": args.micro_batches,
-                 "seed": args.seed, "eval_every": args.eval_every, "checkpoint_every": args.checkpoint_every,
-                 "device": args.device, "vocab_size": args.vocab_size, "context_parallel": args.context_parallel,
-                 "expert_parallel": args.expert_parallel or None, "moonep": False if args.no_moonep else None,
-                 "activation_checkpointing": args.activation_checkpointing or None}
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
-    if args.seq_len:
-        cfg.stages = [ContextStage(args.seq_len, 1.0)]
-    if not (cfg.max_steps or cfg.max_tokens or cfg.time_budget_min):
-        cfg.time_budget_min = 8.0
-    try:
-        summary = train(cfg, resume=args.resume)
-    except TrainingError as e:
-        print(f"k3 train: {e}", file=sys.stderr)
-        return 3
-    finally:
-        import torch.distributed as dist
+    out = Path(args.out or f"runs/{args.preset}")
+    main_rank = os.environ.get("RANK", "0") == "0"
+    resume_with = "resume with: " + resume_command("k3 train", args)
+    # installed before torch is imported: a Ctrl-C while it loads is a clean stop too, not a traceback
+    with StopSignals() as stop:
+        try:
+            from k3.train.loop import ContextStage, TrainConfig, train
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if os.environ.get("RANK", "0") != "0":
+            cfg = TrainConfig(preset=args.preset, data=args.data, out=str(out))
+            overrides = {"max_steps": args.max_steps, "max_tokens": args.max_tokens,
+                         "time_budget_min": args.time_budget, "lr": args.lr, "tokens_per_step": args.tokens_per_step,
+                         "micro_batches": args.micro_batches, "seed": args.seed, "eval_every": args.eval_every,
+                         "checkpoint_every": args.checkpoint_every, "device": args.device,
+                         "vocab_size": args.vocab_size, "context_parallel": args.context_parallel,
+                         "expert_parallel": args.expert_parallel or None, "moonep": False if args.no_moonep else None,
+                         "activation_checkpointing": args.activation_checkpointing or None}
+            cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+            if args.seq_len:
+                cfg.stages = [ContextStage(args.seq_len, 1.0)]
+            # the default length is for a new run; a resumed one keeps its own unless a length is given
+            if not (cfg.max_steps or cfg.max_tokens or cfg.time_budget_min) and not (out / "run.json").exists():
+                cfg.time_budget_min = 8.0
+            summary = train(cfg, resume="auto" if args.auto_resume else args.resume, stop=stop)
+        except BaseException as e:
+            outcome = failure(e)
+            if outcome is None:
+                raise
+            code, line = outcome
+            exists = (out / "run.json").exists()
+            if isinstance(e, Interrupted):
+                if not main_rank:
+                    return code
+                # committed checkpoints, found without importing torch (the stop may have come while it loaded)
+                last = max((p.parent for p in (out / "checkpoints").glob("step_*/COMMITTED")), default=None)
+                line += (f" at once; the last checkpoint is {last or 'not written yet'}" if exists
+                         else " before the run started (nothing to save)")
+            elif os.environ.get("WORLD_SIZE", "1") != "1":
+                line = f"rank {os.environ.get('RANK')}: {line}"
+            print(f"k3 train: {line}", file=sys.stderr)
+            if exists and main_rank and isinstance(e, (Interrupted, OSError)):
+                print(resume_with, file=sys.stderr)
+            return code
+        finally:
+            dist = sys.modules.get("torch.distributed")  # not imported again if a stop came while torch loaded
+            if dist is not None and dist.is_initialized():
+                dist.destroy_process_group()
+    if not main_rank:
         return 0
-    print(f"trained {summary.steps} steps, {summary.tokens:,} tokens in {summary.seconds / 60:.1f} min: "
+    if summary.stopped:
+        print(f"k3 train: stopped by {summary.stopped} at step {summary.steps} of {summary.total_steps}; checkpoint "
+              f"{summary.checkpoint}; plots in {out / 'plots'}", file=sys.stderr)
+        print(resume_with, file=sys.stderr)
+        return 128 + signal.Signals[summary.stopped]
+    if summary.steps == summary.start_step:
+        print(f"the run in {out} is complete ({summary.steps} of {summary.total_steps} steps, checkpoint "
+              f"{summary.checkpoint}); to train on, resume it with a larger --max-steps or --max-tokens")
+        return 0
+    resumed = f" (resumed at step {summary.start_step})" if summary.start_step else ""
+    print(f"trained {summary.steps} steps{resumed}, {summary.tokens:,} tokens in {summary.seconds / 60:.1f} min: "
           f"train loss {summary.final_train_loss:.3f}, held-out loss {summary.final_eval_loss:.3f} nats/token "
           f"(unigram entropy of the corpus {summary.unigram_entropy:.3f}); "
           f"checkpoint {summary.checkpoint}; plots in {summary.out / 'plots'}")
@@ -182,24 +220,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_forward)
 
-    p = sub.add_parser("train", help="train a preset (default data: this Python's standard library sources)")
+    from k3.runfolder import positive
+
+    p = sub.add_parser("train", help="train a preset (default data: this Python's standard library sources)",
+                       epilog="Ctrl-C or SIGTERM: stop after the current step with a checkpoint and plots (exit 130 / "
+                              "143); a second one stops at once. Exit codes: 0 done, 1 system failure (e.g. disk "
+                              "full), 2 refused (bad arguments or data, folder in use), 3 diverged.")
     p.add_argument("--preset", default="tiny", help="debug | tiny | small | k3 (default tiny)")
     p.add_argument("--data", help="a text/JSONL/Parquet file, a folder of them, or a saved HF dataset")
     p.add_argument("--out", help="run folder (default runs/PRESET)")
-    p.add_argument("--max-steps", type=int)
-    p.add_argument("--max-tokens", type=int)
-    p.add_argument("--time-budget", type=float, help="minutes; the step count is measured to fit (default 8)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    p.add_argument("--lr", type=float)
-    p.add_argument("--tokens-per-step", type=int)
-    p.add_argument("--micro-batches", type=int, help="gradient accumulation steps")
-    p.add_argument("--seq-len", type=int, help="one fixed context length instead of the preset's stages")
-    p.add_argument("--vocab-size", type=int, help="tokenizer vocabulary (default: the preset's)")
-    p.add_argument("--eval-every", type=int)
-    p.add_argument("--checkpoint-every", type=int)
+    p.add_argument("--max-steps", type=positive(int))
+    p.add_argument("--max-tokens", type=positive(int))
+    p.add_argument("--time-budget", type=positive(float), help="minutes; the step count is measured to fit "
+                                                               "(default 8 for a new run)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint "
+                                                           "(an error if there is none); a new length trains on")
+    how.add_argument("--auto-resume", action="store_true", help="continue the run in --out if there is one, else "
+                                                                "start it (for commands re-run until done)")
+    p.add_argument("--lr", type=positive(float))
+    p.add_argument("--tokens-per-step", type=positive(int))
+    p.add_argument("--micro-batches", type=positive(int), help="gradient accumulation steps")
+    p.add_argument("--seq-len", type=positive(int), help="one fixed context length instead of the preset's stages")
+    p.add_argument("--vocab-size", type=positive(int), help="tokenizer vocabulary (default: the preset's)")
+    p.add_argument("--eval-every", type=positive(int))
+    p.add_argument("--checkpoint-every", type=positive(int))
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="cpu | cuda | auto")
-    p.add_argument("--context-parallel", type=int, help="under torchrun: ranks sharing each sequence (default 1)")
+    p.add_argument("--context-parallel", type=positive(int),
+                   help="under torchrun: ranks sharing each sequence (default 1)")
     p.add_argument("--expert-parallel", action="store_true", help="under torchrun: shard routed experts over all ranks")
     p.add_argument("--no-moonep", action="store_true", help="with --expert-parallel: plain EP, without the planner")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute decoder layers in backward")

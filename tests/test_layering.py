@@ -3,7 +3,7 @@ included, and never another package's private names. `cli` and `hf` are front en
 
     cli, hf                                   front ends
     train        serve          convert       sandbox       services
-    parallel     infer   chat   checkpoint
+    parallel     infer   chat   checkpoint    runfolder
     optim                tokenizer
     model
     ops          config                       core
@@ -30,7 +30,8 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"config", "model", "tokenizer"},
     "infer": {"config", "model", "ops"},
     "parallel": {"config", "model", "ops", "optim"},
-    "train": {"config", "model", "ops", "optim", "parallel", "checkpoint", "tokenizer"},
+    "runfolder": set(),  # run-folder lock, stop signals, one-line failures: shared by the long-running commands
+    "train": {"config", "model", "ops", "optim", "parallel", "checkpoint", "tokenizer", "runfolder"},
     "convert": {"config", "model", "ops", "checkpoint"},
     "serve": {"config", "model", "checkpoint", "infer", "tokenizer", "chat"},
     "sandbox": set(),  # stands alone: agents' execution environment, also usable without the model

@@ -118,8 +118,12 @@ def _read_file(file: Path, name: str, strict: bool) -> list[Document]:
     suffix = file.suffix.lower()
     if suffix == ".jsonl":
         docs = []
-        with open(file, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with open(file, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{file}:{lineno}: not valid UTF-8 (byte {e.start} of the line)") from e
                 if not line.strip():
                     continue
                 try:
@@ -137,15 +141,36 @@ def _read_file(file: Path, name: str, strict: bool) -> list[Document]:
             import pyarrow.parquet as pq
         except ImportError as e:
             raise ValueError(f"reading {file} needs pyarrow: pip install 'k3[data]'") from e
-        schema = pq.read_schema(file)
-        if "text" not in schema.names:
-            raise ValueError(f"{file} has no 'text' column (columns: {schema.names})")
-        column = pq.read_table(file, columns=["text"]).column("text").to_pylist()
-        return [(f"{name}:{row}", text) for row, text in enumerate(column) if text]
+        return _read_parquet(file, name, pq)
     text = _read_text(file)
     if text is None and strict:
         raise ValueError(f"{file} is not UTF-8 text")
     return [(name, text)] if text else []
+
+
+def _read_parquet(file: Path, name: str, pq) -> list[Document]:
+    """The `text` column, row group by row group, so that a damaged file is reported with the group that fails."""
+    try:
+        parquet = pq.ParquetFile(file)
+    except Exception as e:  # pyarrow raises its own error types for a damaged file
+        raise ValueError(f"{file}: not a readable Parquet file ({e})") from e
+    names = parquet.schema_arrow.names
+    if "text" not in names:
+        raise ValueError(f"{file} has no 'text' column (columns: {names})")
+    docs, row = [], 0
+    for group in range(parquet.num_row_groups):
+        try:
+            column = parquet.read_row_group(group, columns=["text"]).column("text").to_pylist()
+        except Exception as e:
+            raise ValueError(f"{file}: row group {group} cannot be read ({e})") from e
+        for text in column:
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"{file}: row {row} (row group {group}): 'text' must be a string, "
+                                 f"got {type(text).__name__}")
+            if text:
+                docs.append((f"{name}:{row}", text))
+            row += 1
+    return docs
 
 
 def _read_text(file: Path) -> str | None:
@@ -200,8 +225,6 @@ def prepare_corpus(documents: Sequence[Document | str], tokenizer, directory: st
     tokens[offsets[i]:offsets[i+1]]) and `meta.json`, into a temporary folder that is then renamed.
     `tokenizer`: a `k3.tokenizer.Tokenizer`. Empty texts are skipped.
     """
-    from tqdm.auto import tqdm
-
     texts = [doc[1] if isinstance(doc, tuple) else doc for doc in documents]
     texts = [t for t in texts if t]
     if not texts:
@@ -211,6 +234,32 @@ def prepare_corpus(documents: Sequence[Document | str], tokenizer, directory: st
     tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    try:
+        _write_corpus(texts, tokenizer, tmp, show_progress)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # an error or a stop: leave nothing half-written
+        raise
+    old = directory.parent / f".{directory.name}.old-{os.getpid()}"
+    if directory.exists():
+        os.replace(directory, old)
+    os.replace(tmp, directory)
+    fsync_dir(directory.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    return TokenizedCorpus.open(directory)
+
+
+def remove_unfinished_corpora(folder: str | os.PathLike) -> list[str]:
+    """Remove what a killed `prepare_corpus` left in `folder` (its `.NAME.tmp-PID` / `.NAME.old-PID` folders);
+    returns their names. Only while no other process prepares there."""
+    folder = Path(folder)
+    found = sorted(folder.glob(".*.tmp-*")) + sorted(folder.glob(".*.old-*")) if folder.is_dir() else []
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True)
+    return [p.name for p in found]
+
+
+def _write_corpus(texts: list[str], tokenizer, tmp: Path, show_progress: bool) -> None:
+    from tqdm.auto import tqdm
 
     bos, eos = tokenizer.bos_id, tokenizer.document_end_id
     lengths = np.empty(len(texts), dtype=np.int64)
@@ -258,14 +307,6 @@ def prepare_corpus(documents: Sequence[Document | str], tokenizer, directory: st
         f.flush()
         os.fsync(f.fileno())
 
-    old = directory.parent / f".{directory.name}.old-{os.getpid()}"
-    if directory.exists():
-        os.replace(directory, old)
-    os.replace(tmp, directory)
-    fsync_dir(directory.parent)
-    shutil.rmtree(old, ignore_errors=True)
-    return TokenizedCorpus.open(directory)
-
 
 class TokenizedCorpus:
     """A prepared corpus: `tokens` (uint32 memmap [num_tokens]), `offsets` (int64 [N+1]), `meta` (dict)."""
@@ -282,8 +323,11 @@ class TokenizedCorpus:
         files = [directory / n for n in ("meta.json", "offsets.npy", "tokens.bin")]
         if not all(f.is_file() for f in files):
             raise ValueError(f"{directory} is not a prepared corpus (needs meta.json, offsets.npy, tokens.bin)")
-        meta = json.loads(files[0].read_text())
-        offsets = np.load(files[1])
+        try:
+            meta = json.loads(files[0].read_text())
+            offsets = np.load(files[1])
+        except ValueError as e:  # JSONDecodeError, or a damaged .npy header
+            raise ValueError(f"{directory}: unreadable meta.json / offsets.npy ({e}); corrupted corpus?") from e
         size = files[2].stat().st_size
         n = meta["num_tokens"]
         if (offsets.ndim != 1 or len(offsets) != meta["num_documents"] + 1 or offsets[0] != 0

@@ -14,6 +14,12 @@ One process or the ranks of a torchrun launch run the same code: the loop asks i
 wrap the model and optimizer, reduce metrics, wait for the other processes, and write or read checkpoints.
 `train` reads top to bottom; the pieces it calls follow it (setting up, one step, checkpoints). A `Run`
 holds everything between two steps, so `save(run)` checkpoints it wherever the loop stands between steps.
+
+What users do to a run (`k3.runfolder`, shared with the other long-running commands): the main process locks
+the run folder for the whole call; every refusal comes before anything is written, and a start that fails
+removes what it added. SIGINT/SIGTERM are honoured at the next step boundary: the ranks agree through the step's
+own all-reduce (no extra collective), then checkpoint and draw the plots. A step with any non-finite value
+(loss, gradient norm, router scores, MLA max logits) is skipped, never half-applied.
 """
 
 from __future__ import annotations
@@ -22,19 +28,23 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import random
+import shutil
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from k3.checkpoint import (CheckpointError, commit_checkpoint, latest_checkpoint, new_checkpoint_dir, step_dir_name,
-                           verify_checkpoint, write_train_state)
+from k3.checkpoint import (CheckpointError, clean_uncommitted, commit_checkpoint, latest_checkpoint, new_checkpoint_dir,
+                           step_dir_name, verify_checkpoint, write_text_atomic, write_train_state)
 from k3.config import ModelConfig, get_preset
 from k3.model.model import K3ForCausalLM, build_model
 from k3.model.moe import StableLatentMoE
@@ -43,15 +53,17 @@ from k3.ops.weight_grads import accumulating_weight_grads
 from k3.optim import MuonAdamW, cosine_schedule, qk_clip_, qk_clip_stats
 from k3.parallel.parallelize import DCP_MARKER, ParallelTraining
 from k3.parallel.runtime import ParallelRuntime
+from k3.runfolder import (LOCK_FILE, DiskFull, RunError, RunFolder, RunLock, StopSignals, check_writable_folder,
+                          disk_full)
 from k3.tokenizer import Tokenizer, train_bpe
 from k3.train.data import (PackedBatches, TokenizedCorpus, documents_fingerprint, prepare_corpus, read_documents,
-                           split_documents, stdlib_documents)
+                           remove_unfinished_corpora, split_documents, stdlib_documents)
 from k3.train.metrics import MetricsLog, plot_run
-from k3.train.runtime import SingleProcess, start_runtime
+from k3.train.runtime import SingleProcess, resolve_device, start_runtime
 
 
-class TrainingError(RuntimeError):
-    """The run cannot continue (e.g. repeated non-finite losses); the last checkpoint is usable."""
+class TrainingError(RunError):
+    """The run cannot continue (e.g. repeated non-finite steps); the last checkpoint is usable."""
 
 
 @dataclass
@@ -107,26 +119,38 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (memory for time)
 
     def validate(self) -> None:
+        """Raise ValueError for any setting that cannot run: called before anything is written."""
+        for name in ("max_steps", "max_tokens", "tokens_per_step", "micro_batches", "eval_every", "eval_tokens",
+                     "checkpoint_every", "keep_checkpoints", "log_every", "max_bad_steps", "qb_bins",
+                     "data_streams", "context_parallel"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("time_budget_min", "lr", "grad_clip"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
         if not self.stages:
             raise ValueError("at least one context stage is needed")
         if abs(sum(s.fraction for s in self.stages) - 1.0) > 1e-6:
             raise ValueError(f"stage fractions must sum to 1, got {[s.fraction for s in self.stages]}")
         for s in self.stages:
-            if s.seq_len < 2 or self.tokens_per_step % (s.seq_len * self.micro_batches):
+            if not s.fraction > 0 or s.seq_len < 2:
+                raise ValueError(f"a stage needs seq_len >= 2 and a positive fraction, got {s}")
+            if self.tokens_per_step % (s.seq_len * self.micro_batches):
                 raise ValueError(f"tokens_per_step ({self.tokens_per_step}) must be a multiple of seq_len × "
                                  f"micro_batches ({s.seq_len} × {self.micro_batches})")
-        for name in ("max_steps", "max_tokens"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ValueError(f"{name} must be positive, got {v}")
-        if self.time_budget_min is not None and self.time_budget_min <= 0:
-            raise ValueError("time_budget_min must be positive")
-        if self.lr <= 0:
-            raise ValueError("lr must be positive")
-        if self.data_streams < 1:
-            raise ValueError(f"data_streams must be >= 1, got {self.data_streams}")
-        if self.context_parallel < 1:
-            raise ValueError(f"context_parallel must be >= 1, got {self.context_parallel}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0) or not self.qk_clip_tau >= 0:
+            raise ValueError(f"weight_decay and qk_clip_tau must be >= 0, got {self.weight_decay}, {self.qk_clip_tau}")
+        if not 0 <= self.warmup_frac < 1 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"warmup_frac must be in [0, 1) and min_lr_ratio in [0, 1], got {self.warmup_frac}, "
+                             f"{self.min_lr_ratio}")
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+        if self.vocab_size is not None and self.vocab_size < 512:
+            raise ValueError(f"vocab_size must be at least 512 (256 bytes + 256 special tokens), got {self.vocab_size}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.muon_ns_dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"muon_ns_dtype must be auto, bfloat16 or float32, got {self.muon_ns_dtype!r}")
         if self.optimizer_impl not in ("auto", "reference", "fused"):
@@ -150,6 +174,15 @@ class TrainConfig:
 RESUMABLE_OVERRIDES = {"max_steps", "max_tokens", "time_budget_min", "eval_every", "checkpoint_every",
                        "keep_checkpoints", "log_every", "device", "max_bad_steps", "context_parallel",
                        "expert_parallel", "moonep", "activation_checkpointing", "optimizer_impl"}
+# Where the run folder and the data are: not part of a run's identity (a moved folder, or a path spelled another
+# way, is the same run). The data is compared by content instead (`prepare_data`).
+LOCATIONS = {"out", "data"}
+# The settings that decide the run's length; a resume that gives none keeps the run's own.
+LENGTH = ("max_steps", "max_tokens", "time_budget_min")
+# What a start writes before run.json: a folder holding only these (and no run.json) is a start that never finished.
+STARTING_ENTRIES = {LOCK_FILE, "tokenizer", "tokenizer.tmp", "data", "config.json", "git.diff", "run.json.tmp"}
+# A run's temporary files, left only by a process that was killed while writing them.
+TEMPORARY = ("run.json.tmp", "metrics.jsonl.tmp", "tokenizer.tmp", "plots/*.png.tmp", "data/*/meta.json.tmp")
 
 
 def git_state() -> dict[str, str]:
@@ -165,7 +198,8 @@ def git_state() -> dict[str, str]:
 
 def prepare_data(cfg: TrainConfig, vocab_size: int, out: Path, log) -> tuple[Tokenizer, TokenizedCorpus,
                                                                                TokenizedCorpus]:
-    """Tokenizer and tokenized train/held-out corpora under `out/`, reused when already built."""
+    """Tokenizer and tokenized train/held-out corpora under `out/`, reused when already built. Once the run
+    exists (run.json), data whose content differs from what its corpus was prepared from is refused."""
     docs = stdlib_documents() if cfg.data is None else read_documents(cfg.data)
     if not docs:
         raise ValueError(f"no documents found in {cfg.data!r}")
@@ -178,17 +212,31 @@ def prepare_data(cfg: TrainConfig, vocab_size: int, out: Path, log) -> tuple[Tok
     else:
         log(f"training a {vocab_size}-token byte-level BPE on {len(train_docs):,} documents")
         tokenizer = train_bpe((text for _, text in train_docs), vocab_size)
-        tokenizer.save(tok_dir)
+        # saved whole or not at all: a start killed here must not leave a tokenizer to reuse half-written
+        tmp = out / "tokenizer.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tokenizer.save(tmp)
+        shutil.rmtree(tok_dir, ignore_errors=True)
+        tmp.replace(tok_dir)
     corpora = []
     for split, split_docs in (("train", train_docs), ("heldout", heldout_docs)):
         directory = out / "data" / split
         fingerprint = documents_fingerprint(split_docs) + tokenizer.fingerprint()
         meta_path = directory / "meta.json"
-        if not (meta_path.exists() and json.loads(meta_path.read_text()).get("run_fingerprint") == fingerprint):
+        try:
+            prepared = json.loads(meta_path.read_text()).get("run_fingerprint") if meta_path.exists() else None
+        except (OSError, ValueError):
+            prepared = None  # damaged: rebuilt below
+        if prepared is not None and prepared != fingerprint and (out / "run.json").exists():
+            started = json.loads((out / "run.json").read_text())["train_config"].get("data")
+            raise ValueError(f"the data ({cfg.data or 'the standard library'}) differs from the data this run was "
+                             f"prepared from ({started or 'the standard library'}); resume with that data, or start "
+                             f"a new run in another folder")
+        if prepared != fingerprint:
             prepare_corpus(split_docs, tokenizer, directory)
             meta = json.loads(meta_path.read_text())
             meta["run_fingerprint"] = fingerprint
-            meta_path.write_text(json.dumps(meta))
+            write_text_atomic(meta_path, json.dumps(meta))
         corpora.append(TokenizedCorpus.open(directory))
     return tokenizer, corpora[0], corpora[1]
 
@@ -215,12 +263,16 @@ def autocast_context(device: torch.device):
 
 
 def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: TrainConfig, device: torch.device,
-               parallel: SingleProcess | ParallelTraining | None = None) -> dict[str, Any]:
+               parallel: SingleProcess | ParallelTraining | None = None,
+               stop_signal: Callable[[], int | None] | None = None) -> dict[str, Any]:
     """One optimizer step over `batches` (micro-batches). Returns the step's metrics.
 
     `parallel`: the runtime bound to the model (None: one process, `SingleProcess`). Distributed, every rank gets
     the same global micro-batches and keeps its piece; losses, QB histograms, expert loads and MLA max logits are
     reduced over all ranks, so the metrics and the update equal the single-process step on the global batch.
+    `stop_signal`: asked once, just before the step's reduction, for the signal number of a pending stop request
+    (None or 0: none); `metrics["stop"]` is that signal if any rank has one (else 0), the same on every rank, so
+    all of them stop at the same step boundary.
     """
     parallel = parallel if parallel is not None else SingleProcess(device, model)
     model.train()
@@ -231,6 +283,7 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
     max_logits = None
     total_tokens = sum(b.num_tokens for b in batches)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # stays on the device until the step's one read
+    score_sum = torch.zeros((), dtype=torch.float64, device=device)  # not finite iff a router score is not
     for batch in batches:
         # cut on the host; a rank moves only its piece, one process passes host tensors the model copies
         input_ids, labels, cu_seqlens = parallel.shard(batch.input_ids, batch.labels, batch.cu_seqlens)
@@ -245,12 +298,17 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
             raise TrainingError(f"the forward reported {len(out.router_infos)} router statistics for "
                                 f"{len(moes)} MoE layers (a wrapper dropped them)")
         for hist, layer_loads, info in zip(histograms, loads, out.router_infos):
-            hist.add(info.scores, info.cutoff)
+            score_sum += info.scores.sum(dtype=torch.float64)
+            # a NaN score would index outside the histogram's bins; such a step is skipped below, so zeros will do
+            hist.add(torch.nan_to_num(info.scores, 0.0, 0.0, 0.0), torch.nan_to_num(info.cutoff, 0.0, 0.0, 0.0))
             layer_loads += expert_loads(info.topk_idx, layer_loads.numel())
         if out.mla_max_logits is not None:
             max_logits = out.mla_max_logits if max_logits is None else torch.maximum(max_logits, out.mla_max_logits)
     parallel.finish_gradients()
-    parallel.sum_(loss_sum)
+    # a stop request rides on the loss's all-reduce: every rank learns the others' answer without a collective
+    signum = (stop_signal() or 0) if stop_signal is not None else 0
+    stopping, signums = loss_sum.new_full((), float(signum > 0)), loss_sum.new_full((), float(signum))
+    control = parallel.sum_(torch.stack([loss_sum, score_sum, stopping, signums]))  # [4]
     for hist, layer_loads in zip(histograms, loads):
         parallel.sum_(hist.counts)
         parallel.sum_(layer_loads)
@@ -262,21 +320,29 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
     # optimizer step waits, so the next step's launches can overlap the optimizer's kernels.
     clipping = max_logits is not None and cfg.qk_clip_tau > 0
     n_moe = len(moes)
-    head = [loss_sum.reshape(1), grad_norm.to(loss_sum.device, torch.float64).reshape(1)]
+    head = [control, grad_norm.to(loss_sum.device, torch.float64).reshape(1)]
     tail = ([layer_load_stats(torch.stack(loads)).reshape(-1),  # [2·n_moe]: mean and max load per layer
              torch.stack([hist.counts[0].sum() for hist in histograms]).double()]  # [n_moe]: QB's token counts
             if moes else []) + ([qk_clip_stats(max_logits, cfg.qk_clip_tau)] if clipping else [])
-    loss_sum, grad_norm, *read = torch.cat([t.to(loss_sum.device) for t in head + tail]).tolist()
+    loss_sum, score_sum, stopping, signums, grad_norm, *read = torch.cat(
+        [t.to(loss_sum.device) for t in head + tail]).tolist()
     load_means, load_maxes, qb_tokens = read[:n_moe], read[n_moe:2 * n_moe], read[2 * n_moe:3 * n_moe]
     clip_stats = read[3 * n_moe:]
     loss_value = loss_sum / total_tokens
     lr = optimizer.param_groups[0]["lr"]
-    metrics: dict[str, Any] = {"loss": loss_value, "grad_norm": grad_norm, "lr": lr, "tokens": total_tokens}
-    if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-        # a bad step changes nothing: no update, no bias update; the schedule still advances
+    # ranks stopped by different signals (rare) report SIGTERM
+    stop = 0 if not stopping else int(signums // stopping) if signums % stopping == 0 else int(signal.SIGTERM)
+    metrics: dict[str, Any] = {"loss": loss_value, "grad_norm": grad_norm, "lr": lr, "tokens": total_tokens,
+                               "stop": stop}
+    nonfinite = [name for name, value in (("loss", loss_value), ("gradient norm", grad_norm),
+                                          ("router scores", score_sum)) if not math.isfinite(value)]
+    if clipping and clip_stats[0]:
+        nonfinite.append("MLA max logits")
+    if nonfinite:
+        # a bad step changes nothing: no update, no QK-Clip, no bias update; the schedule still advances
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        metrics["skipped"] = True
+        metrics["skipped"], metrics["nonfinite"] = True, nonfinite
         return metrics
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -347,101 +413,206 @@ class Run:
     last_eval: float = float("nan")
     last_checkpoint: Path | None = None
     bad_steps: int = 0  # non-finite steps in a row
+    stopping: int = 0  # the signal on which the ranks agreed to stop at this step boundary (0: none)
 
 
 @dataclass
 class RunSummary:
     out: Path
-    steps: int
+    steps: int  # the step the run reached
     tokens: int
     final_train_loss: float
     final_eval_loss: float
     unigram_entropy: float
     seconds: float
     checkpoint: Path | None
+    total_steps: int = 0
+    start_step: int = 0  # where this call started (the checkpoint it resumed from; 0 for a new run)
+    stopped: str | None = None  # the signal that stopped the run before its end ("SIGINT", "SIGTERM")
 
 
-def train(cfg: TrainConfig, resume: bool = False, log=print, progress: bool = True) -> RunSummary:
-    """Run (or resume) training as configured; returns a summary. Raises ValueError on bad settings."""
+def train(cfg: TrainConfig, resume: bool | Literal["auto"] = False, log=print, progress: bool = True,
+          stop: StopSignals | None = None) -> RunSummary:
+    """Run (or resume) training as configured; returns a summary.
+
+    resume: False starts a run in `cfg.out` (refused if one is there); True continues the run there (refused if
+    there is none); "auto" continues it if there is one, else starts it. A folder left by a start that never
+    finished (no run.json) is started again. On resume, settings not given keep the run's own length, and a new
+    length (max_steps, max_tokens, time_budget_min) retargets the schedule. SIGINT/SIGTERM stop the run at the next
+    step boundary with a checkpoint and plots (`RunSummary.stopped`); a second signal raises
+    `k3.runfolder.Interrupted` at once; `stop`: the caller's handlers, when it installed them already (the CLI does,
+    before importing torch). Raises ValueError on bad settings or data (before anything is written), TrainingError
+    when the run diverges, `k3.runfolder.DiskFull` when a checkpoint does not fit.
+    """
     cfg.validate()
-    runtime = start_runtime(cfg.device, cfg.context_parallel, cfg.expert_parallel)
-    if not runtime.is_main:
-        log, progress = _silent, False
+    get_preset(cfg.preset)
+    check_writable_folder(cfg.out)
+    if cfg.data is not None and not Path(cfg.data).exists():
+        raise ValueError(f"data path {cfg.data!r} does not exist")
+    if "RANK" not in os.environ:
+        resolve_device(cfg.device)
     out = Path(cfg.out)
-    fresh = not (out / "run.json").exists()  # decided before the main process may start writing it
-    if runtime.is_main:
-        cfg = _check_out_dir(out, cfg, resume)
-    runtime.barrier()
-    for stage in cfg.stages:
-        runtime.check_batch_layout(_rows(cfg, stage), stage.seq_len)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    started = time.perf_counter()
-    run = _start_run(cfg, out, runtime, fresh, log)
-    data_state = _resume(run, log) if resume else None
-    unigram = run.train_corpus.unigram_entropy()
-    if run.step == 0:
-        run.metrics_log.write({"kind": "event", "step": 0, "event": "start", "unigram_entropy": unigram,
-                               "train_tokens": run.train_corpus.num_tokens,
-                               "heldout_tokens": run.heldout_corpus.num_tokens, "total_steps": run.total_steps,
-                               "params": sum(p.numel() for p in run.model.parameters())})
-    run.batches = _make_batches(run.train_corpus, cfg, stage_at(cfg, run.step, run.total_steps), data_state)
-    _restore_standing(run)
+    with stop if stop is not None else StopSignals() as stop:
+        runtime = start_runtime(cfg.device, cfg.context_parallel, cfg.expert_parallel)
+        if not runtime.is_main:
+            log, progress = _silent, False
+        with _own_folder(out, cfg, resume, runtime, log) as (folder, cfg, fresh):
+            for stage in cfg.stages:
+                runtime.check_batch_layout(_rows(cfg, stage), stage.seq_len)
+            torch.manual_seed(cfg.seed)
+            random.seed(cfg.seed)
+            np.random.seed(cfg.seed)
+            started = time.perf_counter()
+            run = _start_run(cfg, out, runtime, fresh, log)
+            folder.started()  # run.json exists: from here a failure keeps the folder, to be resumed
+            data_state = None
+            if not fresh:
+                data_state = _resume(run, log)
+                _retarget_length(run, log)
+            unigram = run.train_corpus.unigram_entropy()
+            if run.step == 0:
+                run.metrics_log.write({"kind": "event", "step": 0, "event": "start", "unigram_entropy": unigram,
+                                       "train_tokens": run.train_corpus.num_tokens,
+                                       "heldout_tokens": run.heldout_corpus.num_tokens,
+                                       "total_steps": run.total_steps,
+                                       "params": sum(p.numel() for p in run.model.parameters())})
+            run.batches = _make_batches(run.train_corpus, cfg, stage_at(cfg, run.step, run.total_steps), data_state)
+            _restore_standing(run)
+            start_step = run.step
 
-    from tqdm.auto import tqdm
+            from tqdm.auto import tqdm
 
-    bar = tqdm(total=run.total_steps, initial=run.step, desc=f"train {cfg.preset}", unit="step",
-               disable=not progress, dynamic_ncols=True)
-    since = time.perf_counter()
-    try:
-        while run.step < run.total_steps:
-            record = _step(run, since, log)
-            if run.step % cfg.eval_every == 0 or run.step == run.total_steps:
-                _evaluate(run)
-            if run.step % cfg.checkpoint_every == 0 or run.step == run.total_steps:
-                run.last_checkpoint = save(run)
-            bar.set_postfix(loss=f"{run.last_loss:.3f}", eval=f"{run.last_eval:.3f}",
-                            tok_s=f"{record['tokens_per_s']:,.0f}", lr=f"{record['lr']:.2e}")
-            bar.update(1)
+            bar = tqdm(total=run.total_steps, initial=run.step, desc=f"train {cfg.preset}", unit="step",
+                       disable=not progress, dynamic_ncols=True)
             since = time.perf_counter()
-    finally:
-        bar.close()
-    if runtime.is_main:
-        plot_run(out / "metrics.jsonl", out / "plots", title=f"k3 {cfg.preset}")
+            try:
+                with stop.at_boundaries():
+                    while run.step < run.total_steps and not run.stopping:
+                        record = _step(run, since, log, lambda: stop.signum)
+                        if run.step % cfg.eval_every == 0 or run.step == run.total_steps:
+                            _evaluate(run)
+                        if run.step % cfg.checkpoint_every == 0 or run.step == run.total_steps or run.stopping:
+                            _checkpoint(run)
+                        bar.set_postfix(loss=f"{run.last_loss:.3f}", eval=f"{run.last_eval:.3f}",
+                                        tok_s=f"{record['tokens_per_s']:,.0f}", lr=f"{record['lr']:.2e}")
+                        bar.update(1)
+                        since = time.perf_counter()
+                    if run.step == start_step and runtime.is_main:
+                        _plot(run)  # nothing trained in this call: the plots still reflect the whole run
+            except TrainingError:
+                if runtime.is_main:
+                    _plot(run)  # show the divergence
+                raise
+            finally:
+                bar.close()
+    stopped = signal.Signals(run.stopping).name if run.stopping and run.step < run.total_steps else None
     return RunSummary(out, run.step, run.tokens, run.last_loss, run.last_eval, unigram,
-                      time.perf_counter() - started, run.last_checkpoint)
+                      time.perf_counter() - started, run.last_checkpoint, run.total_steps, start_step, stopped)
 
 
-def _check_out_dir(out: Path, cfg: TrainConfig, resume: bool) -> TrainConfig:
-    """Refuse to mix runs; on resume, return the stored configuration (with allowed overrides applied)."""
-    run_file = out / "run.json"
-    if run_file.exists():
-        stored = TrainConfig.from_dict(json.loads(run_file.read_text())["train_config"])
-        if not resume:
+@contextlib.contextmanager
+def _own_folder(out: Path, cfg: TrainConfig, resume: bool | str, runtime: SingleProcess | ParallelRuntime, log):
+    """The run folder for the block: checked by every process (reading only, so refusals come before any write),
+    then locked and tidied by the main one. Yields (folder, settings, fresh); `folder.started()` marks the point
+    after which a failure keeps what was made (`k3.runfolder.RunFolder`)."""
+    if runtime.is_main:
+        RunLock(out).check_free()  # a folder in use is the first thing to say about it
+    cfg, fresh = _check_out_dir(out, cfg, resume)
+    with RunFolder(out, log) if runtime.is_main else _NoFolder() as folder:
+        if runtime.is_main:
+            cfg, fresh = _check_out_dir(out, cfg, resume)  # again, now that no other process can change it
+            _tidy(out, fresh, log)
+        runtime.barrier()
+        yield folder, cfg, fresh
+
+
+def _check_out_dir(out: Path, cfg: TrainConfig, resume: bool | str) -> tuple[TrainConfig, bool]:
+    """(settings, fresh): whether `out` holds no run yet, and what to run with (a resumed run keeps its own length
+    unless `cfg` gives one). Refuses (ValueError) to mix runs, to resume nothing, to write into a folder holding
+    something else, and a new length that ends before the run's last checkpoint. Reads only."""
+    if (out / "run.json").exists():
+        if resume is False:
             raise ValueError(f"{out} already holds a training run; pass --resume to continue it, "
                              f"or choose another --out")
+        stored = TrainConfig.from_dict(_read_run_info(out)["train_config"])
+        if all(getattr(cfg, k) is None for k in LENGTH):
+            cfg = dataclasses.replace(cfg, **{k: getattr(stored, k) for k in LENGTH})
         new, old = cfg.as_dict(), stored.as_dict()
-        differing = sorted(k for k in new if new[k] != old[k] and k not in RESUMABLE_OVERRIDES)
+        differing = sorted(k for k in new if new[k] != old[k] and k not in RESUMABLE_OVERRIDES | LOCATIONS)
         if differing:
             raise ValueError(f"{out} holds a run with different settings ({', '.join(differing)}); "
                              f"resume it with its own settings or choose another --out")
-        return cfg
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"{out} exists and is not a k3 training run (no run.json); choose another --out")
-    return cfg
+        if _length(cfg) != _length(stored) and (cfg.max_steps or cfg.max_tokens):
+            total = cfg.max_steps or max(1, cfg.max_tokens // cfg.tokens_per_step)
+            ckpt = latest_checkpoint(out / "checkpoints")
+            at = int(ckpt.name.split("_")[1]) if ckpt is not None else 0
+            if total < at:
+                raise ValueError(f"{out} has a checkpoint at step {at}; a length of {total} steps would end "
+                                 f"before it (pass a larger --max-steps or --max-tokens)")
+        return cfg, False
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not entries:
+        if resume is True:
+            why = "it does not exist" if not out.exists() else "it is empty"
+            raise ValueError(f"there is no run to resume in {out} ({why}); start one without --resume "
+                             f"(or with --auto-resume)")
+        return cfg, True
+    if LOCK_FILE in entries and set(entries) <= STARTING_ENTRIES:
+        return cfg, True  # a start that never finished: begun again
+    if "checkpoints" in entries:
+        raise ValueError(f"{out} holds checkpoints but no run.json (a damaged run folder?); k3 leaves it as it is: "
+                         f"choose another --out")
+    raise ValueError(f"{out} exists and is not a k3 training run (no run.json; it holds "
+                     f"{', '.join(entries[:4])}{', …' if len(entries) > 4 else ''}); choose another --out")
+
+
+def _length(cfg: TrainConfig) -> tuple:
+    return tuple(getattr(cfg, k) for k in LENGTH)
+
+
+def _read_run_info(out: Path) -> dict[str, Any]:
+    try:
+        return json.loads((out / "run.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{out / 'run.json'} cannot be read ({e}); the run folder is damaged") from e
+
+
+def _tidy(out: Path, fresh: bool, log) -> None:
+    """What a killed process left, removed by the main process under the folder's lock. A start that never
+    finished is rebuilt from nothing; a run loses its unfinished checkpoints, corpora and temporary files."""
+    if fresh:
+        leftovers = sorted(p for p in out.iterdir() if p.name != LOCK_FILE)
+        if leftovers:
+            log(f"{out} holds a run that never finished starting; starting it again")
+        _remove(leftovers)
+        return
+    temporary = sorted(p for pattern in TEMPORARY for p in out.glob(pattern))
+    _remove(temporary)
+    removed = (clean_uncommitted(out / "checkpoints") + remove_unfinished_corpora(out / "data")
+               + [p.name for p in temporary])
+    if removed:
+        log(f"{out}: removed what an interrupted process left unfinished: {', '.join(removed)}")
+
+
+def _remove(paths: list[Path]) -> None:
+    for p in paths:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 def _start_run(cfg: TrainConfig, out: Path, runtime: SingleProcess | ParallelRuntime, fresh: bool, log) -> Run:
     """Data and tokenizer, the model with its parallelism, the optimizer and schedule; a fresh run's run.json."""
     preset = get_preset(cfg.preset)
-    out.mkdir(parents=True, exist_ok=True)
     vocab_size = cfg.vocab_size or preset.vocab_size
     if runtime.is_main:  # the others read what the main process built
         tokenizer, train_corpus, heldout_corpus = prepare_data(cfg, vocab_size, out, log)
     runtime.barrier()
     if not runtime.is_main:
         tokenizer, train_corpus, heldout_corpus = prepare_data(cfg, vocab_size, out, log)
+    for stage in cfg.stages:
+        _make_batches(train_corpus, cfg, stage)  # a corpus smaller than one batch is refused before run.json
     model_config = preset.replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
                                   eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
                                   media_placeholder_token_id=tokenizer.special_id("<|media_pad|>"))
@@ -451,12 +622,13 @@ def _start_run(cfg: TrainConfig, out: Path, runtime: SingleProcess | ParallelRun
                                          ns_dtype=ns_dtype_for(cfg.muon_ns_dtype, runtime.device),
                                          impl=cfg.optimizer_impl)
     metrics_log = MetricsLog(out / "metrics.jsonl") if runtime.is_main else _NoLog()
-    if not fresh:
-        total_steps = json.loads((out / "run.json").read_text())["total_steps"]
+    stored = None if fresh else _read_run_info(out)
+    if stored is not None and _length(cfg) == _length(TrainConfig.from_dict(stored["train_config"])):
+        total_steps = stored["total_steps"]
     else:
         total_steps = _resolve_total_steps(cfg, model, train_corpus, runtime.device, log, parallel)
-        if runtime.is_main:
-            _write_run_info(cfg, out, model_config, total_steps, runtime.world_size)
+    if runtime.is_main and fresh:
+        _write_run_info(cfg, out, model_config, total_steps, runtime.world_size)
     runtime.barrier()
     scheduler = cosine_schedule(optimizer, total_steps, cfg.warmup_frac, cfg.min_lr_ratio)
     return Run(cfg, out, runtime, parallel, model, model_config, optimizer, scheduler, total_steps, train_corpus,
@@ -464,13 +636,33 @@ def _start_run(cfg: TrainConfig, out: Path, runtime: SingleProcess | ParallelRun
 
 
 def _write_run_info(cfg: TrainConfig, out: Path, model_config: ModelConfig, total_steps: int, world_size: int) -> None:
-    """run.json (the resolved settings, step count, revision and versions), config.json and git.diff."""
+    """run.json (the resolved settings, step count, revision and versions), config.json and git.diff. run.json is
+    written last and whole: its presence means the run exists."""
     git = git_state()
-    run_info = {"train_config": cfg.as_dict(), "total_steps": total_steps, "git_revision": git["revision"],
-                "python": sys.version, "torch": torch.__version__, "world_size": world_size}
+    where = {k: str(Path(getattr(cfg, k)).resolve()) for k in LOCATIONS if getattr(cfg, k) is not None}
+    run_info = {"train_config": dataclasses.replace(cfg, **where).as_dict(), "total_steps": total_steps,
+                "git_revision": git["revision"], "python": sys.version, "torch": torch.__version__,
+                "world_size": world_size}
     model_config.save(out / "config.json")
     (out / "git.diff").write_text(git["diff"])
-    (out / "run.json").write_text(json.dumps(run_info, indent=2))
+    write_text_atomic(out / "run.json", json.dumps(run_info, indent=2))
+
+
+def _retarget_length(run: Run, log) -> None:
+    """A resume that gives a new length: the run now ends at `run.total_steps` (run.json updated, logged)."""
+    info = _read_run_info(run.out)
+    if info["total_steps"] == run.total_steps and _length(run.cfg) == _length(
+            TrainConfig.from_dict(info["train_config"])):
+        return
+    if run.total_steps < run.step:
+        raise ValueError(f"{run.out} is at step {run.step}; a length of {run.total_steps} steps would end before "
+                         f"it (give a longer time budget, or a larger --max-steps or --max-tokens)")
+    if run.runtime.is_main:
+        log(f"the run's length is now {run.total_steps} steps (was {info['total_steps']})")
+        info["train_config"].update({k: getattr(run.cfg, k) for k in LENGTH})
+        info["total_steps"] = run.total_steps
+        write_text_atomic(run.out / "run.json", json.dumps(info, indent=2))
+        run.metrics_log.write({"kind": "event", "step": run.step, "event": "length", "total_steps": run.total_steps})
 
 
 def _resolve_total_steps(cfg: TrainConfig, model: K3ForCausalLM, corpus: TokenizedCorpus, device: torch.device,
@@ -524,28 +716,32 @@ def _make_batches(corpus: TokenizedCorpus, cfg: TrainConfig, stage: ContextStage
     return batches
 
 
-def _step(run: Run, since: float, log) -> dict[str, Any]:
+def _step(run: Run, since: float, log, stop_signal: Callable[[], int | None] | None = None) -> dict[str, Any]:
     """Advance `run` by one optimizer step (switching context stage when due) and log it; returns its record.
-    `since`: when the previous step's bookkeeping ended (the step's throughput is measured from there)."""
+    `since`: when the previous step's bookkeeping ended (the step's throughput is measured from there).
+    `stop_signal`: this process's pending stop request; `run.stopping` becomes the ranks' common one."""
     cfg = run.cfg
     stage = stage_at(cfg, run.step, run.total_steps)
     if stage.seq_len != run.batches.seq_len:
         run.batches = _make_batches(run.train_corpus, cfg, stage, run.batches.state_dict())
         run.metrics_log.write({"kind": "event", "step": run.step, "event": "stage", "seq_len": stage.seq_len})
     micro = [next(run.batches) for _ in range(cfg.micro_batches)]
-    metrics = train_step(run.model, run.optimizer, run.scheduler, micro, cfg, run.runtime.device, run.parallel)
+    metrics = train_step(run.model, run.optimizer, run.scheduler, micro, cfg, run.runtime.device, run.parallel,
+                         stop_signal)
+    run.stopping = metrics.pop("stop")
     run.step += 1
     run.tokens += metrics["tokens"]
     record = {"kind": "train", "step": run.step, "tokens_seen": run.tokens, "seq_len": run.batches.seq_len,
               **metrics}
     if metrics.get("skipped"):
         run.bad_steps += 1
-        log(f"step {run.step}: non-finite loss or gradient (loss {metrics['loss']}, grad norm "
+        log(f"step {run.step}: non-finite {', '.join(metrics['nonfinite'])} (loss {metrics['loss']}, grad norm "
             f"{metrics['grad_norm']}); update skipped ({run.bad_steps} in a row)")
         if run.bad_steps >= cfg.max_bad_steps:
             run.metrics_log.write(record)
+            last = run.last_checkpoint or "not written yet (no step was checkpointed)"
             raise TrainingError(f"{run.bad_steps} non-finite steps in a row at step {run.step}; stopping. "
-                                f"The last good checkpoint is {run.last_checkpoint}")
+                                f"The last good checkpoint is {last}")
     else:
         run.bad_steps = 0
         run.last_loss = metrics["loss"]
@@ -589,23 +785,59 @@ def _silent(*args, **kwargs) -> None:
     pass
 
 
+class _NoFolder:
+    """The run folder as ranks other than 0 see it: the main process locks it and tidies it."""
+
+    def __enter__(self) -> _NoFolder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def started(self) -> None:
+        pass
+
+
+def _checkpoint(run: Run) -> None:
+    """Save `run` (unless this step is saved already) and redraw the plots, so a stopped run has both."""
+    if run.last_checkpoint is None or run.last_checkpoint.name != step_dir_name(run.step):
+        run.last_checkpoint = save(run)
+    if run.runtime.is_main:
+        _plot(run)
+
+
+def _plot(run: Run) -> None:
+    plot_run(run.out / "metrics.jsonl", run.out / "plots", title=f"k3 {run.cfg.preset}")
+
+
 def save(run: Run) -> Path:
     """Checkpoint `run` at its current step; every process calls it. The runtime writes the model and optimizer
-    (model.safetensors, or every rank's DCP shards), then the main process adds the rest and commits atomically."""
+    (model.safetensors, or every rank's DCP shards), then the main process adds the rest and commits atomically.
+    A save that fails or is interrupted removes its `.tmp` folder, keeping the last good checkpoint; a full disk
+    raises DiskFull, which says so."""
     root, step = run.out / "checkpoints", run.step
     state = {"scheduler": run.scheduler.state_dict(), "rng": _rng_state(), "step": step, "tokens": run.tokens,
              "data": run.batches.state_dict()}
     extra_files = {"config.json": json.dumps(run.model_config.to_config_json(), indent=2)}
     extra_dirs = {"tokenizer": run.out / "tokenizer"}
     tmp = root / (step_dir_name(step) + ".tmp")
-    if run.runtime.is_main:
-        new_checkpoint_dir(root, step)
-    run.runtime.barrier()
-    state.update(run.parallel.save(tmp, run.optimizer))
-    run.runtime.barrier()
-    if run.runtime.is_main:
-        write_train_state(tmp, state, extra_files, extra_dirs)
-        commit_checkpoint(root, step, tmp, run.cfg.keep_checkpoints)
+    try:
+        if run.runtime.is_main:
+            new_checkpoint_dir(root, step)
+        run.runtime.barrier()
+        state.update(run.parallel.save(tmp, run.optimizer))
+        run.runtime.barrier()
+        if run.runtime.is_main:
+            write_train_state(tmp, state, extra_files, extra_dirs)
+            commit_checkpoint(root, step, tmp, run.cfg.keep_checkpoints)
+    except BaseException as e:
+        if run.runtime.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if disk_full(e):
+            raise DiskFull(f"no space left on device for the step-{step} checkpoint in {root}: the partial "
+                           f"checkpoint was removed and the last good one ({run.last_checkpoint or 'none yet'}) "
+                           f"kept; free some space, then resume") from e
+        raise
     run.runtime.barrier()
     return root / step_dir_name(step)
 
@@ -626,16 +858,34 @@ def _resume(run: Run, log) -> dict[str, Any] | None:
         raise CheckpointError(f"{ckpt} is a {'distributed' if distributed_ckpt else 'single-process'} checkpoint: "
                               f"resume it {how}")
     if run.runtime.is_main:
-        verify_checkpoint(ckpt)
+        try:
+            verify_checkpoint(ckpt)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}; to resume from the checkpoint before it, move {ckpt.name} out of "
+                                  f"{ckpt.parent}") from e
     run.runtime.barrier()
     state = torch.load(ckpt / "train_state.pt", weights_only=True)
     run.parallel.load(ckpt, run.optimizer, state)
-    run.scheduler.load_state_dict(state["scheduler"])
+    _load_schedule(run, state["scheduler"])
     _set_rng_state(state["rng"])
     run.step, run.tokens = state["step"], state["tokens"]
     log(f"resumed from {ckpt} (step {run.step})")
     run.metrics_log.truncate_after(run.step)
     return state["data"]
+
+
+def _load_schedule(run: Run, state: dict[str, Any]) -> None:
+    """The checkpoint's schedule position, on the run's current length: a resume with a new length continues
+    on the cosine of that length (the checkpoint records the length it was written under)."""
+    saved = [f.get("total_steps") for f in state.get("lr_lambdas", []) if f]
+    for fields in state.get("lr_lambdas", []):
+        if fields and "total_steps" in fields:
+            fields["total_steps"] = run.total_steps
+    run.scheduler.load_state_dict(state)
+    if any(total != run.total_steps for total in saved):
+        sched = run.scheduler
+        for group, base, multiplier in zip(run.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * multiplier(sched.last_epoch)
 
 
 def _rng_state() -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 Records carry a `kind` ("train", "eval", "event"), the optimizer `step` and their values. On resume the
 file is cut back to the checkpoint's step, so the log of a resumed run equals an uninterrupted one.
+The loop redraws the plots at every checkpoint; each PNG is replaced in one step, so a stopped run keeps a
+complete set.
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ class MetricsLog:
     def truncate_after(self, step: int) -> None:
         """Keep only records up to and including optimizer step `step` (resume from that checkpoint)."""
         kept = [r for r in self.read() if r.get("step", 0) <= step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.path)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def plot_run(metrics_path: str | Path, out_dir: str | Path, title: str = "") -> list[Path]:
@@ -59,8 +64,13 @@ def plot_run(metrics_path: str | Path, out_dir: str | Path, title: str = "") -> 
     def finish(fig, name):
         fig.tight_layout()
         path = out_dir / name
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        tmp = out_dir / (name + ".tmp")
+        try:
+            fig.savefig(tmp, dpi=110, format="png")
+            os.replace(tmp, path)
+        finally:
+            plt.close(fig)
+            tmp.unlink(missing_ok=True)
         paths.append(path)
 
     fig, ax = plt.subplots(figsize=(7, 4.2))

@@ -30,9 +30,18 @@ from k3.parallel.runtime import ParallelDims, ParallelRuntime
 
 
 def resolve_device(name: str) -> torch.device:
+    """"auto" (CUDA if present, else CPU), or a device this machine has. Raises ValueError."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {name!r} (auto, cpu, cuda or cuda:N)") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def start_runtime(device: str = "auto", context_parallel: int = 1,
