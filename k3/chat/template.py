@@ -58,6 +58,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # The trained effort levels (K3 report §4.1); `medium` exists only in the schema and maps by config.
 EFFORT_LEVELS = ("low", "high", "max")
 _EFFORT_ALIASES = {"minimal": "low", "xhigh": "max"}
+LONG_TEXT_CHARS = 65_536  # texts longer than this are tokenized without holding the GIL (`ChatTemplate.text`)
 _HEADER = re.compile(r'\s*([A-Za-z_][\w.-]*)((?:\s+[\w.-]+="[^"]*")*)\s*$')
 _ATTR = re.compile(r'([\w.-]+)="([^"]*)"')
 
@@ -106,7 +107,7 @@ def content_text(content: Any, param: str) -> str:
     raise TemplateError("content must be a string or a list of text parts", param)
 
 
-def _attrs(attrs: Mapping[str, Any]) -> str:
+def header_attrs(attrs: Mapping[str, Any]) -> str:
     return "".join(f' {k}="{html.escape(str(v), quote=True)}"' for k, v in attrs.items())
 
 
@@ -127,12 +128,15 @@ class ChatTemplate:
         self._encode_header = lru_cache(maxsize=4096)(lambda text: tuple(tok.encode(text)))
 
     def open_tag(self, tag: str, /, **attrs: Any) -> list[int]:
-        return [self.open_id, *self._encode_header(tag + _attrs(attrs)), self.sep_id]
+        return [self.open_id, *self._encode_header(tag + header_attrs(attrs)), self.sep_id]
 
     def close_tag(self, tag: str) -> list[int]:
         return [self.close_id, *self._encode_header(tag), self.sep_id]
 
     def text(self, s: str) -> list[int]:
+        if len(s) > LONG_TEXT_CHARS:
+            # the batch call releases the GIL while it runs, so a server's event loop keeps answering
+            return self.tokenizer.encode_batch([s])[0]
         return self.tokenizer.encode(s) if s else []
 
     def option(self, name: str, body: str) -> list[int]:

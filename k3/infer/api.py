@@ -8,6 +8,7 @@ logprobs out: text (detokenization, stop strings) is `k3.chat.detokenize`'s.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -25,6 +26,9 @@ class SamplingParams:
     seed: int | None = None  # same seed, same output
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob plus the top-k alternatives
+    # a compiled `k3.infer.grammar.Grammar` (anything with `matcher()`): every generated token obeys it, and the
+    # request finishes ("stop") when it is complete
+    grammar: Any = None
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError (with the offending field name first) on out-of-range values."""
@@ -77,3 +81,7 @@ class AdmissionError(RuntimeError):
 
 class ContextLengthError(ValueError):
     """prompt + max_tokens exceeds the engine's context limit."""
+
+
+class RequestTooLargeError(ValueError):
+    """Requests that the engine can never admit together (over a class budget even when idle): a 400, not a retry."""

@@ -7,6 +7,10 @@
                    ▼
     Scheduler.after_forward (index hash blocks, save KDA checkpoints) ─► sampling ─► stop checks ─► RequestOutput
 
+Grammar-constrained requests (`SamplingParams.grammar`, `k3.infer.grammar`) keep a matcher per sequence; the
+bitmask of the rows that sample this step is filled in a worker thread while the forward pass runs, applied
+by the sampler, and each matcher then consumes its accepted token.
+
 The engine knows no text: token ids in, token ids and logprobs out. Detokenization and stop strings live
 above it (`k3.chat.detokenize`), shared by the server, the CLI and evaluation.
 
@@ -24,12 +28,20 @@ import random
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from k3.infer.api import AdmissionError, ContextLengthError, RequestOutput, SamplingParams
+from k3.infer.api import (
+    AdmissionError,
+    ContextLengthError,
+    RequestOutput,
+    RequestTooLargeError,
+    SamplingParams,
+)
 from k3.infer.cache import CacheSpec, PagePool, gather, scatter
 from k3.infer.config import EngineConfig
+from k3.infer.grammar import fill_bitmask, unpack_bitmask
 from k3.infer.kv_pool import HostKVPool
 from k3.infer.metrics import EngineMetrics
 from k3.infer.prefix_cache import PrefixCache
@@ -115,6 +127,7 @@ class Engine:
         self._count = {False: 0, True: 0}
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
+        self._mask_worker: ThreadPoolExecutor | None = None
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams | None = None) -> None:
         """Queue a request. Raises ValueError (bad input), ContextLengthError (prompt + max_tokens over the
@@ -133,6 +146,7 @@ class Engine:
             raise ContextLengthError(
                 f"this engine's context limit is {self.max_context} tokens, but the request needs "
                 f"{total} ({len(prompt_ids)} prompt + {sampling.max_tokens} max_tokens)")
+        self.check_admissible([total])
         long = total >= self.config.long_request_tokens
         budget = self.config.long_budget_tokens if long else self.config.short_budget_tokens
         max_requests = self.config.long_max_requests if long else self.config.short_max_requests
@@ -149,6 +163,23 @@ class Engine:
         self._outstanding[long] += total
         self._count[long] += 1
         self.scheduler.add(seq)
+
+    def check_admissible(self, totals: list[int]) -> None:
+        """Raise RequestTooLargeError when requests of these budgets (prompt + max_tokens each; the n choices of
+        one API call) could not all be admitted even by an idle engine, so that retrying is pointless."""
+        cfg = self.config
+        for long in (False, True):
+            mine = [t for t in totals if (t >= cfg.long_request_tokens) == long]
+            budget = cfg.long_budget_tokens if long else cfg.short_budget_tokens
+            max_requests = cfg.long_max_requests if long else cfg.short_max_requests
+            kind = "long" if long else "short"
+            if sum(mine) > budget:
+                raise RequestTooLargeError(
+                    f"these {len(mine)} {kind} requests need {sum(mine)} tokens (prompt + max_tokens each) but the "
+                    f"engine admits at most {budget} tokens of {kind} requests at once; lower n or max_tokens")
+            if len(mine) > max_requests:
+                raise RequestTooLargeError(f"{len(mine)} {kind} requests at once exceed the engine's limit of "
+                                           f"{max_requests}; lower n")
 
     def _retry_after(self, excess_tokens: int) -> float:
         rate, _ = self.metrics_state.rates()
@@ -189,19 +220,28 @@ class Engine:
                 seq.admit_time = now
                 m.observe("queue_time_seconds", now - seq.arrival)
                 m.inc("prompt_tokens_total", seq.num_prompt)
+        # the rows that sample this step are known before the forward: their grammar masks fill meanwhile
+        ready = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.counts))
+                 if seq.num_computed + n == len(seq.tokens)]
+        masks = None
+        if any(batch.seqs[i].matcher is not None for i in ready):
+            if self._mask_worker is None:
+                self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="k3-grammar")
+            masks = self._mask_worker.submit(fill_bitmask, [batch.seqs[i].matcher for i in ready], self.vocab_size)
         logits = self.runner.run(batch)
-        ready = []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.counts)):
+        for seq, n in zip(batch.seqs, batch.counts):
             self.scheduler.after_forward(seq, n)
-            if seq.num_computed == len(seq.tokens):
-                ready.append(i)
         outputs = []
         if ready:
             seqs = [batch.seqs[i] for i in ready]
+            allowed = None if masks is None else unpack_bitmask(masks.result().to(logits.device), self.vocab_size)
             tokens, logprobs = sample(logits[ready], [s.sampling for s in seqs], [s.generator for s in seqs],
-                                      [s.prompt_ids for s in seqs], [s.output_ids for s in seqs])
+                                      [s.prompt_ids for s in seqs], [s.output_ids for s in seqs], allowed)
             now = time.monotonic()
             for seq, tok, lp in zip(seqs, tokens, logprobs):
+                if seq.matcher is not None:
+                    accepted = seq.matcher.consume_token(tok)
+                    assert accepted, f"the grammar refused a token its own mask allowed: {seq.matcher.get_error()}"
                 outputs.append(self._append(seq, tok, lp, now))
         m.inc("steps_total")
         m.inc("forward_tokens_total", batch.num_tokens)
@@ -225,6 +265,8 @@ class Engine:
         reason = None
         if token in sp.stop_token_ids or token in self.config.eos_token_ids:
             reason = "stop"
+        elif seq.matcher is not None and seq.matcher.is_stopped():
+            reason = "stop"  # the grammar is complete: nothing more may follow
         elif len(seq.output_ids) >= sp.max_tokens or len(seq.tokens) >= self.max_context:
             reason = "length"
         out = RequestOutput(
@@ -365,6 +407,10 @@ class AsyncEngine:
     @property
     def max_context(self) -> int:
         return self.engine.max_context
+
+    def check_admissible(self, totals: list[int]) -> None:
+        """`Engine.check_admissible` (reads the engine's fixed config only, so it takes no lock)."""
+        self.engine.check_admissible(totals)
 
     def idle(self) -> bool:
         """No request queued or running, and no abort pending."""

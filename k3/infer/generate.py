@@ -5,6 +5,8 @@ This is the engine-free reference (tests compare the engine and the server with 
 the transformers wrapper (`k3.hf`) and of the server tests' fake engine. Token choice is the engine's
 sampler (`k3.infer.sampling.sample`, penalties included), so there is one implementation of temperature /
 top-k / top-p / min-p / penalties. Prompts in a batch have equal length: a KDA state cannot skip pad tokens.
+A grammar (`params.grammar`) gets one matcher per row and the bit-by-bit reference unpacking of its mask
+(`naive_unpack_bitmask`), so the engine's constrained path is tested against this loop.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from k3.infer.api import SamplingParams, TokenLogprob
+from k3.infer.grammar import fill_bitmask, naive_unpack_bitmask
 from k3.infer.sampling import sample
 from k3.model.model import K3ForCausalLM
 
@@ -33,7 +36,8 @@ def generate_steps(model: K3ForCausalLM, prompts: torch.Tensor, params: Sampling
                    generator: torch.Generator | None = None, pad_id: int = 0) -> Iterator[Step]:
     """Decode `params.max_tokens` steps after prompts [B, T] (long), all rows with the same `params`.
 
-    A row stops at any of `params.stop_token_ids` (the stop token is in that step's `tokens`); afterwards
+    A row stops at any of `params.stop_token_ids`, or when its grammar is complete (the stop token is in that
+    step's `tokens`); afterwards
     it gets `pad_id`, which is also what the model reads for it. The loop ends when every row has stopped.
     Sampled rows draw from `generator` one after another (default: seeded 0, on the model's device).
     """
@@ -50,13 +54,24 @@ def generate_steps(model: K3ForCausalLM, prompts: torch.Tensor, params: Sampling
     stopped = torch.zeros(B, dtype=torch.bool, device=device)
     cache = model.new_cache(B)
     logits = model(prompts, cache=cache).logits[:, -1]  # [B, V]
+    matchers = [params.grammar.matcher() for _ in range(B)] if params.grammar is not None else None
     for step in range(params.max_tokens):
-        ids, logprobs = sample(logits, [params] * B, [generator] * B, prompt_ids, output_ids)
+        allowed = None
+        if matchers is not None:
+            live = [None if done else m for m, done in zip(matchers, stopped.tolist())]
+            allowed = naive_unpack_bitmask(fill_bitmask(live, logits.shape[-1]), logits.shape[-1]).to(device)
+        ids, logprobs = sample(logits, [params] * B, [generator] * B, prompt_ids, output_ids, allowed)
         tokens = torch.where(stopped, pad_id, torch.tensor(ids, device=device))  # [B]
         logprobs = [None if done else lp for done, lp in zip(stopped.tolist(), logprobs)]
         for row, token in zip(output_ids, ids):
             row.append(token)
-        stopped = stopped | torch.isin(tokens, stop_ids)
+        done_now = torch.isin(tokens, stop_ids)
+        if matchers is not None:
+            for b, (m, token, done) in enumerate(zip(matchers, ids, stopped.tolist())):
+                if not done:
+                    assert m.consume_token(token), m.get_error()
+                    done_now[b] |= m.is_stopped()
+        stopped = stopped | done_now
         yield Step(tokens, logprobs, stopped)
         if bool(stopped.all()) or step + 1 == params.max_tokens:
             return

@@ -3,7 +3,8 @@
 Legend: N requests in the step, V vocabulary.
 
 Order of operations per row (vLLM's): penalties on the raw logits (repetition over prompt + output,
-then frequency and presence over the output) → greedy argmax when temperature = 0 → otherwise divide by
+then frequency and presence over the output) → the grammar mask (`k3.infer.grammar`: disallowed tokens
+get -inf) → greedy argmax when temperature = 0 → otherwise divide by
 the temperature → top-k → top-p (on the renormalized top-k distribution; the most likely token always
 stays) → min-p (relative to the most likely token's probability) → draw. The draw is an exponential
 race, argmax(p / E) with E ~ Exp(1) from the request's own `torch.Generator`, which samples exactly
@@ -48,9 +49,12 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_i
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-           prompt_ids: list[list[int]] | None = None,
-           output_ids: list[list[int]] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits [N, V] (any float dtype) -> (next token per row, logprobs per row or None)."""
+           prompt_ids: list[list[int]] | None = None, output_ids: list[list[int]] | None = None,
+           allowed: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits [N, V] (any float dtype) -> (next token per row, logprobs per row or None).
+
+    `allowed`: bool [N, V] on the logits' device, the grammar mask (every row must allow a token); the
+    logprobs stay those of the unmasked distribution."""
     N, V = logits.shape
     logits = logits.float()
     prompt_ids = prompt_ids or [[] for _ in range(N)]
@@ -59,6 +63,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     if any(p.logprobs is not None for p in params):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     x = apply_penalties(logits, params, prompt_ids, output_ids)
+    if allowed is not None:
+        x = x.masked_fill(~allowed, float("-inf"))
     tokens = x.argmax(dim=-1)  # greedy rows keep this
     sampled = [i for i, p in enumerate(params) if p.temperature > 0]
     if sampled:

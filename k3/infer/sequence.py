@@ -57,10 +57,15 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     admit_time: float | None = None
+    # the grammar's matcher (`SamplingParams.grammar`), advanced on every accepted output token; recompute after
+    # preemption replays cached work only, never sampling, so it stays in step with `output_ids`
+    matcher: object | None = None
 
     def __post_init__(self):
         if not self.tokens:
             self.tokens = list(self.prompt_ids)
+        if self.matcher is None and self.sampling.grammar is not None:
+            self.matcher = self.sampling.grammar.matcher()
 
     @property
     def num_prompt(self) -> int:

@@ -17,6 +17,8 @@ import os
 import sys
 import uuid
 
+from k3.serve.state import MAX_REQUEST_BYTES
+
 SKIP_ENGINE_FIELDS = {"eos_token_ids"}  # set from the model config
 _TYPES = {"int": int, "float": float, "str": str}
 
@@ -109,7 +111,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = build_engine(model, args)
     try:
         app = create_app(engine, tokenizer, args.model_name or name, api_key=args.api_key,
-                         default_max_tokens=args.default_max_tokens or None, medium_effort=args.medium_effort)
+                         default_max_tokens=args.default_max_tokens or None, medium_effort=args.medium_effort,
+                         max_request_bytes=args.max_request_bytes)
         print(f"# serving {args.model_name or name} at http://{args.host}:{args.port}/v1 "
               f"(context {engine.max_context} tokens{', API key required' if args.api_key else ''}); "
               f"chat page http://{args.host}:{args.port}/, dashboard /dashboard", file=sys.stderr)
@@ -218,6 +221,8 @@ def add_serve_parser(subparsers) -> None:
                         "which admission then reserves in full)")
     p.add_argument("--medium-effort", choices=["low", "high", "max"], default="high",
                    help="trained level that reasoning_effort 'medium' maps to (default high)")
+    p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                   help=f"larger request bodies get 413 before they are parsed (default {MAX_REQUEST_BYTES})")
     p.add_argument("--log-level", default="info", help="uvicorn log level")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)

@@ -12,20 +12,40 @@ import math
 import time
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import PlainTextResponse
 
+from k3.chat.constrain import forced_tools, reply_grammar
 from k3.chat.detokenize import TextStream, TokenText
-from k3.chat.template import ReplyAccumulator, ReplyStream, TemplateError, normalize_effort
+from k3.chat.template import (
+    ReplyAccumulator,
+    ReplyStream,
+    TemplateError,
+    content_text,
+    normalize_effort,
+)
 from k3.infer.api import RequestOutput, TokenLogprob
+from k3.infer.grammar import GrammarError
 from k3.infer.metrics import render_prometheus
 from k3.serve import protocol as P
 from k3.serve.errors import bad_request
 from k3.serve.state import AppState
 from k3.serve.stream import Choice, Run, respond
-from k3.serve.validate import (authorize, check_chat, check_completion, check_model, completion_budget,
-                               completion_prompts, read_body, sampling_params)
+from k3.serve.validate import (
+    authorize,
+    check_admissible,
+    check_chat,
+    check_completion,
+    check_model,
+    check_schemas,
+    completion_budget,
+    completion_prompts,
+    parse_body,
+    read_raw,
+    sampling_params,
+)
 
 
 def _state(request: Request) -> AppState:
@@ -165,27 +185,59 @@ class TextChoice(Choice):
                                   logprobs=self.lps if self.logprobs is not None else None)
 
 
-async def chat_completions(request: Request):
-    state = _state(request)
-    authorize(state, request)
-    req, body = await read_body(request, P.ChatCompletionRequest)
+def prepare_chat(state: AppState, raw: bytes) -> tuple[P.ChatCompletionRequest, list[int], bool, list]:
+    """A chat request's body → (request, prompt ids, thinking, SamplingParams per choice): parsing, checks,
+    rendering, tokenizing and the reply's grammar. Runs in the worker pool (`AppState.offload`)."""
+    req, body = parse_body(raw, P.ChatCompletionRequest)
+    return prepare_chat_request(state, req, body)
+
+
+def prepare_chat_request(state: AppState, req: P.ChatCompletionRequest, body: dict[str, Any]
+                         ) -> tuple[P.ChatCompletionRequest, list[int], bool, list]:
+    """`prepare_chat` after parsing (the Responses endpoint comes here with the chat request it maps to)."""
     check_model(state, req.model)
     check_chat(req)
+    check_schemas(body)
+    tools, tool_choice, response_format = body.get("tools"), body.get("tool_choice"), body.get("response_format")
     try:
         thinking = normalize_effort(req.reasoning_effort, state.medium_effort) is not None
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        prompt = state.template.render(messages, tools=body.get("tools"), reasoning_effort=req.reasoning_effort,
-                                       tool_choice=body.get("tool_choice"),
-                                       response_format=body.get("response_format"))
+        # no token is longer than `max_token_bytes`: text over context × that cannot fit, whatever it tokenizes to
+        size = sum(len(content_text(m.get("content"), f"messages[{i}].content").encode())
+                   for i, m in enumerate(messages))
+        if size > state.max_context * state.max_token_bytes:
+            raise bad_request(f"this model's context is {state.max_context} tokens, and the messages hold {size} "
+                              f"bytes of text: more than that whatever they tokenize to (a token holds at most "
+                              f"{state.max_token_bytes} bytes)", "messages", "context_length_exceeded")
+        prompt = state.template.render(messages, tools=tools, reasoning_effort=req.reasoning_effort,
+                                       tool_choice=tool_choice, response_format=response_format)
     except TemplateError as e:
         raise bad_request(str(e), e.param) from None
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = completion_budget(state, len(prompt), requested, param, "messages")
+    check_admissible(state, [len(prompt) + max_tokens] * req.n)
+    grammar = None
+    lark = reply_grammar(state.template, thinking=thinking, tools=tools, tool_choice=tool_choice,
+                         parallel_tool_calls=req.parallel_tool_calls, response_format=response_format)
+    if lark is not None:
+        try:
+            grammar = state.grammars.compile(lark)
+        except GrammarError as e:
+            param = "tools" if forced_tools(tools, tool_choice) else "response_format"
+            raise bad_request(f"the schema cannot be used for constrained decoding: {e}", param) from None
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = [sampling_params(state, req, max_tokens, i, logprobs, grammar) for i in range(req.n)]
+    return req, prompt, thinking, params
+
+
+async def chat_completions(request: Request):
+    state = _state(request)
+    authorize(state, request)
+    raw = await read_raw(request, state.max_request_bytes)
+    req, prompt, thinking, params = await state.offload(prepare_chat, state, raw)
     response_id = "chatcmpl-" + uuid.uuid4().hex
-    run = Run(state.engine, [(f"{response_id}-{i}", prompt, sampling_params(state, req, max_tokens, i, logprobs))
-                             for i in range(req.n)])
+    run = Run(state.engine, [(f"{response_id}-{i}", prompt, params[i]) for i in range(req.n)])
     tools_on = bool(req.tools) and req.tool_choice != "none"
     choices = [ChatChoice(i, run, ReplyStream(state.tokenizer, thinking, req.stop_list()), thinking, tools_on,
                           req.parallel_tool_calls, req.logprobs, state.token_text) for i in range(req.n)]
@@ -200,14 +252,23 @@ async def chat_completions(request: Request):
                          opening=opening)
 
 
-async def completions(request: Request):
-    state = _state(request)
-    authorize(state, request)
-    req, _ = await read_body(request, P.CompletionRequest)
+def prepare_completion(state: AppState, raw: bytes) -> tuple[P.CompletionRequest, list, list, list[int]]:
+    """A completion request's body → (request, token ids per prompt, text per prompt, max_tokens per prompt);
+    runs in the worker pool."""
+    req, _ = parse_body(raw, P.CompletionRequest)
     check_model(state, req.model)
     check_completion(req)
     ids_list, texts = completion_prompts(state, req)
     max_tokens = [completion_budget(state, len(ids), req.max_tokens, "max_tokens", "prompt") for ids in ids_list]
+    check_admissible(state, [len(ids) + m for ids, m in zip(ids_list, max_tokens) for _ in range(req.n)])
+    return req, ids_list, texts, max_tokens
+
+
+async def completions(request: Request):
+    state = _state(request)
+    authorize(state, request)
+    raw = await read_raw(request, state.max_request_bytes)
+    req, ids_list, texts, max_tokens = await state.offload(prepare_completion, state, raw)
     response_id = "cmpl-" + uuid.uuid4().hex
     items = []
     for p_index, ids in enumerate(ids_list):

@@ -150,6 +150,28 @@ class ChatCompletionRequest(_Sampling):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
 
+class ResponsesRequest(_Request):
+    """`POST /v1/responses` (the fields k3 reads; k3/serve/responses.py maps them onto a chat request)."""
+
+    model: str | None = None
+    input: str | Annotated[list[dict[str, Any]], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=MAX_SEED)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    stream: bool = False
+    store: bool = False  # state lives for the request only unless asked for
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+
 class ChatLogprobTop(_Response):
     token: str
     logprob: float

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from k3.infer.api import SamplingParams
+from k3.infer.api import RequestTooLargeError, SamplingParams
 from k3.serve import protocol as P
 from k3.serve.errors import APIError, bad_request
 from k3.serve.state import AppState
@@ -56,9 +56,32 @@ def check_json(body: Any) -> None:
             stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
 
 
-async def read_body(request: Request, model: type[BaseModel]) -> tuple[Any, dict[str, Any]]:
+async def read_raw(request: Request, limit: int) -> bytes:
+    """The body's bytes, or a 413 naming the limit as soon as it is passed (before any parsing or tokenizing)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"the request body holds {size} bytes or more; this server accepts at most {limit} bytes "
+                    "per request (k3 serve --max-request-bytes)", code="request_too_large")
+
+
+async def read_body(request: Request, model: type[BaseModel], limit: int) -> tuple[Any, dict[str, Any]]:
+    """`read_raw` then `parse_body` (on the event loop: for small bodies only; the handlers parse in a worker)."""
+    return parse_body(await read_raw(request, limit), model)
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> tuple[Any, dict[str, Any]]:
     """Parse and validate a JSON request body → (the model, the raw dict); every failure is a 400 naming its field."""
-    raw = await request.body()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -111,6 +134,34 @@ def check_chat(req: P.ChatCompletionRequest) -> None:
                               "tool_choice")
 
 
+def check_schemas(body: dict[str, Any]) -> None:
+    """Tool and response schemas must be valid JSON Schema (checked against the meta-schema of the draft they
+    name, 2020-12 by default): otherwise a 400 naming the parameter."""
+    import jsonschema
+
+    found = []
+    for i, tool in enumerate(body.get("tools") or []):
+        params = (tool.get("function") or {}).get("parameters")
+        if params is not None:
+            found.append((params, f"tools[{i}].function.parameters"))
+    fmt = body.get("response_format") or {}
+    if fmt.get("type") == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise bad_request("response_format json_schema needs json_schema: {name, schema, strict}",
+                              "response_format.json_schema")
+        if "schema" in spec:
+            found.append((spec["schema"], "response_format.json_schema.schema"))
+    for schema, param in found:
+        if not isinstance(schema, dict):
+            raise bad_request("a JSON schema must be an object", param)
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as e:
+            where = "/".join(str(p) for p in e.absolute_path) or "(root)"
+            raise bad_request(f"not a valid JSON Schema at {where}: {e.message}", param) from None
+
+
 def check_completion(req: P.CompletionRequest) -> None:
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
@@ -127,12 +178,14 @@ def completion_prompts(state: AppState, req: P.CompletionRequest) -> tuple[list[
     else:
         prompts = list(raw)
     ids_list, texts = [], []
+    # one batch call: it releases the GIL while it tokenizes, so the event loop keeps answering
+    encoded = iter(tokenizer.encode_batch([p for p in prompts if isinstance(p, str)]))
     for p_index, p in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{p_index}]"
         if isinstance(p, str):
             if not p:
                 raise bad_request("the prompt is empty", param)
-            ids_list.append([tokenizer.bos_id] + tokenizer.encode(p))
+            ids_list.append([tokenizer.bos_id] + next(encoded))
             texts.append(p)
         else:
             if any(t < 0 or t >= tokenizer.vocab_size for t in p):
@@ -156,8 +209,20 @@ def completion_budget(state: AppState, prompt_len: int, requested: int | None, p
     return requested
 
 
+def check_admissible(state: AppState, totals: list[int]) -> None:
+    """A 400 when the engine could never admit these requests together (n choices × prompt + max_tokens), so
+    that a client is not told to retry (503) what can never run."""
+    check = getattr(state.engine, "check_admissible", None)
+    if check is None:
+        return
+    try:
+        check(totals)
+    except RequestTooLargeError as e:
+        raise bad_request(str(e), "n", "request_too_large") from None
+
+
 def sampling_params(state: AppState, req: P._Sampling, max_tokens: int, seed_offset: int,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, grammar: Any = None) -> SamplingParams:
     """The engine's `SamplingParams` of choice `seed_offset` (its seed is the request's + the offset)."""
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
@@ -170,7 +235,7 @@ def sampling_params(state: AppState, req: P._Sampling, max_tokens: int, seed_off
         max_tokens=max_tokens, temperature=temperature, top_k=req.top_k or 0, top_p=top_p,
         min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty, seed=seed,
-        stop_token_ids=tuple(state.tokenizer.stop_ids), logprobs=logprobs)
+        stop_token_ids=tuple(state.tokenizer.stop_ids), logprobs=logprobs, grammar=grammar)
     try:
         params.validate(state.tokenizer.vocab_size)
     except ValueError as e:
