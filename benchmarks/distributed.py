@@ -175,7 +175,8 @@ def worker(args) -> None:
     from k3.parallel.runtime import ParallelRuntime
     from k3.model.model import build_model
     from k3.optim import cosine_schedule
-    from k3.train.loop import TrainConfig, train_step
+    from k3.train.config import TrainConfig
+    from k3.train.loop import train_step
 
     world = int(os.environ["WORLD_SIZE"])
     counter = CollectiveCounter(world)

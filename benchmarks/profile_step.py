@@ -32,7 +32,8 @@ from k3.config import get_preset  # noqa: E402
 from k3.model.checkpointing import apply_activation_checkpointing  # noqa: E402
 from k3.model.model import build_model  # noqa: E402
 from k3.optim import MuonAdamW, cosine_schedule  # noqa: E402
-from k3.train.loop import TrainConfig, autocast_context, train_step  # noqa: E402
+from k3.train.config import TrainConfig  # noqa: E402
+from k3.train.loop import autocast_context, train_step  # noqa: E402
 
 
 def sync(device: torch.device) -> None:

@@ -37,7 +37,8 @@ from benchmarks.provenance import save_result  # noqa: E402
 from benchmarks.provenance import table as result_table  # noqa: E402
 from benchmarks.train_throughput import (Batch, build, flops_per_token, measured_gemm_peak, sync,  # noqa: E402
                                          variant_overrides)
-from k3.train.loop import TrainConfig, train_step  # noqa: E402
+from k3.train.config import TrainConfig  # noqa: E402
+from k3.train.loop import train_step  # noqa: E402
 
 
 def parse_setting(text: str) -> list[tuple[dict, str, object]]:

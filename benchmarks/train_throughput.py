@@ -61,7 +61,8 @@ from k3.model.accounting import account  # noqa: E402
 from k3.model.checkpointing import apply_activation_checkpointing  # noqa: E402
 from k3.model.model import build_model  # noqa: E402
 from k3.optim import MuonAdamW, cosine_schedule  # noqa: E402
-from k3.train.loop import TrainConfig, train_step  # noqa: E402
+from k3.train.config import TrainConfig  # noqa: E402
+from k3.train.loop import train_step  # noqa: E402
 
 H200_BF16_PEAK = 989e12
 REFERENCE = dict(moe_impl="reference", attention_backend="reference", attn_res_impl="direct",

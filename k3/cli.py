@@ -104,7 +104,8 @@ def cmd_train(args) -> int:
     # installed before torch is imported: a Ctrl-C while it loads is a clean stop too, not a traceback
     with StopSignals() as stop:
         try:
-            from k3.train.loop import ContextStage, TrainConfig, train
+            from k3.train.config import ContextStage, TrainConfig
+            from k3.train.loop import train
 
             cfg = TrainConfig(preset=args.preset, data=args.data, out=str(out))
             overrides = {"max_steps": args.max_steps, "max_tokens": args.max_tokens,

@@ -1,4 +1,4 @@
-"""Training data: documents in, packed `[B, T]` batches with `cu_seqlens` out (systems.md §3).
+"""Training data: documents in, packed `[B, T]` batches with `cu_seqlens` out (docs/data.md).
 
 Legend: B rows per batch, T tokens per row, N documents (fragments in `cu_seqlens`), W data-parallel ranks.
 

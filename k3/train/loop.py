@@ -14,37 +14,33 @@ One process or the ranks of a torchrun launch run the same code: the loop asks i
 wrap the model and optimizer, reduce metrics, wait for the other processes, and write or read checkpoints.
 `train` reads top to bottom; the pieces it calls follow it (setting up, one step, checkpoints). A `Run`
 holds everything between two steps, so `save(run)` checkpoints it wherever the loop stands between steps.
+The settings are `config.py`; which folder a run may start or resume in, and run.json, are `run_info.py`.
 
-What users do to a run (`k3.runfolder`, shared with the other long-running commands): the main process locks
-the run folder for the whole call; every refusal comes before anything is written, and a start that fails
-removes what it added. SIGINT/SIGTERM are honoured at the next step boundary: the ranks agree through the step's
-own all-reduce (no extra collective), then checkpoint and draw the plots. A step with any non-finite value
-(loss, gradient norm, router scores, MLA max logits) is skipped, never half-applied.
+SIGINT/SIGTERM are honoured at the next step boundary: the ranks agree through the step's own all-reduce (no
+extra collective), then checkpoint and draw the plots. A step with any non-finite value (loss, gradient norm,
+router scores, MLA max logits) is skipped, never half-applied.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from k3.checkpoint import (CheckpointError, clean_uncommitted, commit_checkpoint, latest_checkpoint, new_checkpoint_dir,
-                           step_dir_name, verify_checkpoint, write_text_atomic, write_train_state)
+from k3.checkpoint import (CheckpointError, commit_checkpoint, latest_checkpoint, new_checkpoint_dir, step_dir_name,
+                           verify_checkpoint, write_text_atomic, write_train_state)
 from k3.config import ModelConfig, get_preset
 from k3.model.model import K3ForCausalLM, build_model
 from k3.model.moe import StableLatentMoE
@@ -53,147 +49,18 @@ from k3.ops.weight_grads import accumulating_weight_grads
 from k3.optim import MuonAdamW, cosine_schedule, qk_clip_, qk_clip_stats
 from k3.parallel.parallelize import DCP_MARKER, ParallelTraining
 from k3.parallel.runtime import ParallelRuntime
-from k3.runfolder import (LOCK_FILE, DiskFull, RunError, RunFolder, RunLock, StopSignals, check_writable_folder,
-                          disk_full)
+from k3.runfolder import DiskFull, RunError, StopSignals, check_writable_folder, disk_full
 from k3.tokenizer import Tokenizer, train_bpe
+from k3.train.config import ContextStage, TrainConfig, stage_at
 from k3.train.data import (PackedBatches, TokenizedCorpus, documents_fingerprint, prepare_corpus, read_documents,
-                           remove_unfinished_corpora, split_documents, stdlib_documents)
+                           split_documents, stdlib_documents)
 from k3.train.metrics import MetricsLog, plot_run
+from k3.train.run_info import own_folder, retarget_length, stored_total_steps, write_run_info
 from k3.train.runtime import SingleProcess, resolve_device, start_runtime
 
 
 class TrainingError(RunError):
     """The run cannot continue (e.g. repeated non-finite steps); the last checkpoint is usable."""
-
-
-@dataclass
-class ContextStage:
-    """Train at `seq_len` for this `fraction` of the optimizer steps (progressive context extension)."""
-
-    seq_len: int
-    fraction: float
-
-
-@dataclass
-class TrainConfig:
-    preset: str = "tiny"
-    data: str | None = None  # None: the running Python's standard library sources
-    out: str = "runs/tiny"
-    # batch: tokens per optimizer step = batch_rows × seq_len of the current stage (constant across stages)
-    tokens_per_step: int = 2048
-    micro_batches: int = 1  # gradient accumulation
-    stages: list[ContextStage] = field(default_factory=lambda: [ContextStage(256, 0.8), ContextStage(512, 0.2)])
-    data_streams: int = 16  # rows of a batch come from this many interleaved document streams (data.py)
-    # length of the run: the first of these that is set
-    max_steps: int | None = None
-    max_tokens: int | None = None
-    time_budget_min: float | None = None
-    # optimizer (systems.md §1): one learning rate for Muon (RMS-matched) and AdamW
-    lr: float = 6e-3
-    min_lr_ratio: float = 0.1
-    warmup_frac: float = 0.01
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    qk_clip_tau: float = 100.0
-    # Newton–Schulz precision: "auto" = bf16 as in the K3 report on CUDA and on CPUs that multiply bf16 natively
-    # (AVX512-BF16 / AMX, where it is faster than fp32), fp32 on other CPUs (`ns_dtype_for`); or "bfloat16", "float32"
-    muon_ns_dtype: str = "auto"
-    # the optimizer step: "auto" = fused kernels on CUDA (docs/optimizer.md, "Fused step"), "reference" = foreach
-    optimizer_impl: str = "auto"
-    qb_bins: int = 1000
-    # evaluation, checkpoints, logging
-    eval_every: int = 50
-    eval_tokens: int = 32768
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 3
-    log_every: int = 1
-    max_bad_steps: int = 5
-    seed: int = 0
-    heldout_fraction: float = 0.02
-    vocab_size: int | None = None  # default: the preset's
-    device: str = "auto"
-    # distributed (under torchrun; docs/distributed.md): FSDP2 over all ranks, with these on top
-    context_parallel: int = 1  # ranks sharing each sequence (contiguous slices)
-    expert_parallel: bool = False  # routed experts sharded over all ranks
-    moonep: bool = True  # with expert_parallel: balance ranks exactly with the MoonEP planner
-    activation_checkpointing: bool = False  # recompute each decoder layer in backward (memory for time)
-
-    def validate(self) -> None:
-        """Raise ValueError for any setting that cannot run: called before anything is written."""
-        for name in ("max_steps", "max_tokens", "tokens_per_step", "micro_batches", "eval_every", "eval_tokens",
-                     "checkpoint_every", "keep_checkpoints", "log_every", "max_bad_steps", "qb_bins",
-                     "data_streams", "context_parallel"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("time_budget_min", "lr", "grad_clip"):
-            v = getattr(self, name)
-            if v is not None and not (math.isfinite(v) and v > 0):
-                raise ValueError(f"{name} must be a positive number, got {v!r}")
-        if not self.stages:
-            raise ValueError("at least one context stage is needed")
-        if abs(sum(s.fraction for s in self.stages) - 1.0) > 1e-6:
-            raise ValueError(f"stage fractions must sum to 1, got {[s.fraction for s in self.stages]}")
-        for s in self.stages:
-            if not s.fraction > 0 or s.seq_len < 2:
-                raise ValueError(f"a stage needs seq_len >= 2 and a positive fraction, got {s}")
-            if self.tokens_per_step % (s.seq_len * self.micro_batches):
-                raise ValueError(f"tokens_per_step ({self.tokens_per_step}) must be a multiple of seq_len × "
-                                 f"micro_batches ({s.seq_len} × {self.micro_batches})")
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0) or not self.qk_clip_tau >= 0:
-            raise ValueError(f"weight_decay and qk_clip_tau must be >= 0, got {self.weight_decay}, {self.qk_clip_tau}")
-        if not 0 <= self.warmup_frac < 1 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"warmup_frac must be in [0, 1) and min_lr_ratio in [0, 1], got {self.warmup_frac}, "
-                             f"{self.min_lr_ratio}")
-        if not 0 < self.heldout_fraction < 1:
-            raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
-        if self.vocab_size is not None and self.vocab_size < 512:
-            raise ValueError(f"vocab_size must be at least 512 (256 bytes + 256 special tokens), got {self.vocab_size}")
-        if self.seed < 0:
-            raise ValueError(f"seed must be >= 0, got {self.seed}")
-        if self.muon_ns_dtype not in ("auto", "bfloat16", "float32"):
-            raise ValueError(f"muon_ns_dtype must be auto, bfloat16 or float32, got {self.muon_ns_dtype!r}")
-        if self.optimizer_impl not in ("auto", "reference", "fused"):
-            raise ValueError(f"optimizer_impl must be auto, reference or fused, got {self.optimizer_impl!r}")
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        data = dict(data)
-        data["stages"] = [ContextStage(**s) for s in data["stages"]]
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown training settings: {sorted(unknown)}")
-        return cls(**data)
-
-
-# Settings that may differ between a run and its resumption (they do not change what is computed).
-RESUMABLE_OVERRIDES = {"max_steps", "max_tokens", "time_budget_min", "eval_every", "checkpoint_every",
-                       "keep_checkpoints", "log_every", "device", "max_bad_steps", "context_parallel",
-                       "expert_parallel", "moonep", "activation_checkpointing", "optimizer_impl"}
-# Where the run folder and the data are: not part of a run's identity (a moved folder, or a path spelled another
-# way, is the same run). The data is compared by content instead (`prepare_data`).
-LOCATIONS = {"out", "data"}
-# The settings that decide the run's length; a resume that gives none keeps the run's own.
-LENGTH = ("max_steps", "max_tokens", "time_budget_min")
-# What a start writes before run.json: a folder holding only these (and no run.json) is a start that never finished.
-STARTING_ENTRIES = {LOCK_FILE, "tokenizer", "tokenizer.tmp", "data", "config.json", "git.diff", "run.json.tmp"}
-# A run's temporary files, left only by a process that was killed while writing them.
-TEMPORARY = ("run.json.tmp", "metrics.jsonl.tmp", "tokenizer.tmp", "plots/*.png.tmp", "data/*/meta.json.tmp")
-
-
-def git_state() -> dict[str, str]:
-    """The source revision and the diff of uncommitted changes, when running from a git checkout."""
-    root = Path(__file__).resolve().parents[2]
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        diff = subprocess.run(["git", "diff", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return {"revision": "unknown", "diff": ""}
-    return {"revision": rev.stdout.strip() or "unknown", "diff": diff.stdout}
 
 
 def prepare_data(cfg: TrainConfig, vocab_size: int, out: Path, log) -> tuple[Tokenizer, TokenizedCorpus,
@@ -381,15 +248,6 @@ def evaluate(model: K3ForCausalLM, corpus: TokenizedCorpus, seq_len: int, max_to
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
 
 
-def stage_at(cfg: TrainConfig, step: int, total_steps: int) -> ContextStage:
-    boundary = 0.0
-    for stage in cfg.stages:
-        boundary += stage.fraction * total_steps
-        if step < round(boundary):
-            return stage
-    return cfg.stages[-1]
-
-
 @dataclass
 class Run:
     """A run between two steps: what a checkpoint saves (`save`) and `resume` restores, and what is reported."""
@@ -456,7 +314,7 @@ def train(cfg: TrainConfig, resume: bool | Literal["auto"] = False, log=print, p
         runtime = start_runtime(cfg.device, cfg.context_parallel, cfg.expert_parallel)
         if not runtime.is_main:
             log, progress = _silent, False
-        with _own_folder(out, cfg, resume, runtime, log) as (folder, cfg, fresh):
+        with own_folder(out, cfg, resume, runtime, log) as (folder, cfg, fresh):
             for stage in cfg.stages:
                 runtime.check_batch_layout(_rows(cfg, stage), stage.seq_len)
             torch.manual_seed(cfg.seed)
@@ -468,7 +326,9 @@ def train(cfg: TrainConfig, resume: bool | Literal["auto"] = False, log=print, p
             data_state = None
             if not fresh:
                 data_state = _resume(run, log)
-                _retarget_length(run, log)
+                if retarget_length(out, cfg, run.step, run.total_steps, runtime.is_main, log):
+                    run.metrics_log.write({"kind": "event", "step": run.step, "event": "length",
+                                           "total_steps": run.total_steps})
             unigram = run.train_corpus.unigram_entropy()
             if run.step == 0:
                 run.metrics_log.write({"kind": "event", "step": 0, "event": "start", "unigram_entropy": unigram,
@@ -510,98 +370,6 @@ def train(cfg: TrainConfig, resume: bool | Literal["auto"] = False, log=print, p
                       time.perf_counter() - started, run.last_checkpoint, run.total_steps, start_step, stopped)
 
 
-@contextlib.contextmanager
-def _own_folder(out: Path, cfg: TrainConfig, resume: bool | str, runtime: SingleProcess | ParallelRuntime, log):
-    """The run folder for the block: checked by every process (reading only, so refusals come before any write),
-    then locked and tidied by the main one. Yields (folder, settings, fresh); `folder.started()` marks the point
-    after which a failure keeps what was made (`k3.runfolder.RunFolder`)."""
-    if runtime.is_main:
-        RunLock(out).check_free()  # a folder in use is the first thing to say about it
-    cfg, fresh = _check_out_dir(out, cfg, resume)
-    with RunFolder(out, log) if runtime.is_main else _NoFolder() as folder:
-        if runtime.is_main:
-            cfg, fresh = _check_out_dir(out, cfg, resume)  # again, now that no other process can change it
-            _tidy(out, fresh, log)
-        runtime.barrier()
-        yield folder, cfg, fresh
-
-
-def _check_out_dir(out: Path, cfg: TrainConfig, resume: bool | str) -> tuple[TrainConfig, bool]:
-    """(settings, fresh): whether `out` holds no run yet, and what to run with (a resumed run keeps its own length
-    unless `cfg` gives one). Refuses (ValueError) to mix runs, to resume nothing, to write into a folder holding
-    something else, and a new length that ends before the run's last checkpoint. Reads only."""
-    if (out / "run.json").exists():
-        if resume is False:
-            raise ValueError(f"{out} already holds a training run; pass --resume to continue it, "
-                             f"or choose another --out")
-        stored = TrainConfig.from_dict(_read_run_info(out)["train_config"])
-        if all(getattr(cfg, k) is None for k in LENGTH):
-            cfg = dataclasses.replace(cfg, **{k: getattr(stored, k) for k in LENGTH})
-        new, old = cfg.as_dict(), stored.as_dict()
-        differing = sorted(k for k in new if new[k] != old[k] and k not in RESUMABLE_OVERRIDES | LOCATIONS)
-        if differing:
-            raise ValueError(f"{out} holds a run with different settings ({', '.join(differing)}); "
-                             f"resume it with its own settings or choose another --out")
-        if _length(cfg) != _length(stored) and (cfg.max_steps or cfg.max_tokens):
-            total = cfg.max_steps or max(1, cfg.max_tokens // cfg.tokens_per_step)
-            ckpt = latest_checkpoint(out / "checkpoints")
-            at = int(ckpt.name.split("_")[1]) if ckpt is not None else 0
-            if total < at:
-                raise ValueError(f"{out} has a checkpoint at step {at}; a length of {total} steps would end "
-                                 f"before it (pass a larger --max-steps or --max-tokens)")
-        return cfg, False
-    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if not entries:
-        if resume is True:
-            why = "it does not exist" if not out.exists() else "it is empty"
-            raise ValueError(f"there is no run to resume in {out} ({why}); start one without --resume "
-                             f"(or with --auto-resume)")
-        return cfg, True
-    if LOCK_FILE in entries and set(entries) <= STARTING_ENTRIES:
-        return cfg, True  # a start that never finished: begun again
-    if "checkpoints" in entries:
-        raise ValueError(f"{out} holds checkpoints but no run.json (a damaged run folder?); k3 leaves it as it is: "
-                         f"choose another --out")
-    raise ValueError(f"{out} exists and is not a k3 training run (no run.json; it holds "
-                     f"{', '.join(entries[:4])}{', …' if len(entries) > 4 else ''}); choose another --out")
-
-
-def _length(cfg: TrainConfig) -> tuple:
-    return tuple(getattr(cfg, k) for k in LENGTH)
-
-
-def _read_run_info(out: Path) -> dict[str, Any]:
-    try:
-        return json.loads((out / "run.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{out / 'run.json'} cannot be read ({e}); the run folder is damaged") from e
-
-
-def _tidy(out: Path, fresh: bool, log) -> None:
-    """What a killed process left, removed by the main process under the folder's lock. A start that never
-    finished is rebuilt from nothing; a run loses its unfinished checkpoints, corpora and temporary files."""
-    if fresh:
-        leftovers = sorted(p for p in out.iterdir() if p.name != LOCK_FILE)
-        if leftovers:
-            log(f"{out} holds a run that never finished starting; starting it again")
-        _remove(leftovers)
-        return
-    temporary = sorted(p for pattern in TEMPORARY for p in out.glob(pattern))
-    _remove(temporary)
-    removed = (clean_uncommitted(out / "checkpoints") + remove_unfinished_corpora(out / "data")
-               + [p.name for p in temporary])
-    if removed:
-        log(f"{out}: removed what an interrupted process left unfinished: {', '.join(removed)}")
-
-
-def _remove(paths: list[Path]) -> None:
-    for p in paths:
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        else:
-            p.unlink()
-
-
 def _start_run(cfg: TrainConfig, out: Path, runtime: SingleProcess | ParallelRuntime, fresh: bool, log) -> Run:
     """Data and tokenizer, the model with its parallelism, the optimizer and schedule; a fresh run's run.json."""
     preset = get_preset(cfg.preset)
@@ -622,47 +390,15 @@ def _start_run(cfg: TrainConfig, out: Path, runtime: SingleProcess | ParallelRun
                                          ns_dtype=ns_dtype_for(cfg.muon_ns_dtype, runtime.device),
                                          impl=cfg.optimizer_impl)
     metrics_log = MetricsLog(out / "metrics.jsonl") if runtime.is_main else _NoLog()
-    stored = None if fresh else _read_run_info(out)
-    if stored is not None and _length(cfg) == _length(TrainConfig.from_dict(stored["train_config"])):
-        total_steps = stored["total_steps"]
-    else:
+    total_steps = None if fresh else stored_total_steps(out, cfg)
+    if total_steps is None:
         total_steps = _resolve_total_steps(cfg, model, train_corpus, runtime.device, log, parallel)
     if runtime.is_main and fresh:
-        _write_run_info(cfg, out, model_config, total_steps, runtime.world_size)
+        write_run_info(cfg, out, model_config, total_steps, runtime.world_size)
     runtime.barrier()
     scheduler = cosine_schedule(optimizer, total_steps, cfg.warmup_frac, cfg.min_lr_ratio)
     return Run(cfg, out, runtime, parallel, model, model_config, optimizer, scheduler, total_steps, train_corpus,
                heldout_corpus, metrics_log)
-
-
-def _write_run_info(cfg: TrainConfig, out: Path, model_config: ModelConfig, total_steps: int, world_size: int) -> None:
-    """run.json (the resolved settings, step count, revision and versions), config.json and git.diff. run.json is
-    written last and whole: its presence means the run exists."""
-    git = git_state()
-    where = {k: str(Path(getattr(cfg, k)).resolve()) for k in LOCATIONS if getattr(cfg, k) is not None}
-    run_info = {"train_config": dataclasses.replace(cfg, **where).as_dict(), "total_steps": total_steps,
-                "git_revision": git["revision"], "python": sys.version, "torch": torch.__version__,
-                "world_size": world_size}
-    model_config.save(out / "config.json")
-    (out / "git.diff").write_text(git["diff"])
-    write_text_atomic(out / "run.json", json.dumps(run_info, indent=2))
-
-
-def _retarget_length(run: Run, log) -> None:
-    """A resume that gives a new length: the run now ends at `run.total_steps` (run.json updated, logged)."""
-    info = _read_run_info(run.out)
-    if info["total_steps"] == run.total_steps and _length(run.cfg) == _length(
-            TrainConfig.from_dict(info["train_config"])):
-        return
-    if run.total_steps < run.step:
-        raise ValueError(f"{run.out} is at step {run.step}; a length of {run.total_steps} steps would end before "
-                         f"it (give a longer time budget, or a larger --max-steps or --max-tokens)")
-    if run.runtime.is_main:
-        log(f"the run's length is now {run.total_steps} steps (was {info['total_steps']})")
-        info["train_config"].update({k: getattr(run.cfg, k) for k in LENGTH})
-        info["total_steps"] = run.total_steps
-        write_text_atomic(run.out / "run.json", json.dumps(info, indent=2))
-        run.metrics_log.write({"kind": "event", "step": run.step, "event": "length", "total_steps": run.total_steps})
 
 
 def _resolve_total_steps(cfg: TrainConfig, model: K3ForCausalLM, corpus: TokenizedCorpus, device: torch.device,
@@ -783,19 +519,6 @@ class _NoLog:
 
 def _silent(*args, **kwargs) -> None:
     pass
-
-
-class _NoFolder:
-    """The run folder as ranks other than 0 see it: the main process locks it and tidies it."""
-
-    def __enter__(self) -> _NoFolder:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    def started(self) -> None:
-        pass
 
 
 def _checkpoint(run: Run) -> None:

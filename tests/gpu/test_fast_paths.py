@@ -435,7 +435,8 @@ def test_host_token_ids_and_a_train_step_without_host_waits_after_the_update():
     (torch's sync debug mode set to "error" from the update on)."""
     from k3.optim import MuonAdamW, cosine_schedule
     from k3.train.data import Batch
-    from k3.train.loop import TrainConfig, train_step
+    from k3.train.config import TrainConfig
+    from k3.train.loop import train_step
 
     model = build_model(get_preset("debug"), seed=0, device="cuda")
     g = torch.Generator().manual_seed(0)

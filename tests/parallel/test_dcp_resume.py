@@ -7,7 +7,8 @@ import shutil
 import pytest
 
 from k3.checkpoint import committed_checkpoints, verify_checkpoint
-from k3.train.loop import ContextStage, TrainConfig, train
+from k3.train.config import ContextStage, TrainConfig
+from k3.train.loop import train
 from tests.parallel.spawn import run_workers
 
 

@@ -18,7 +18,8 @@ from k3.parallel.runtime import ParallelRuntime
 from k3.model.model import build_model
 from k3.optim import MuonAdamW, cosine_schedule
 from k3.train.data import Batch
-from k3.train.loop import TrainConfig, train_step
+from k3.train.config import TrainConfig
+from k3.train.loop import train_step
 from tests.parallel.spawn import run_workers
 
 STEPS = 3

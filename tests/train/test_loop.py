@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from k3.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from k3.train.loop import ContextStage, TrainConfig, TrainingError, train
+from k3.train.config import ContextStage, TrainConfig
+from k3.train.loop import TrainingError, train
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,7 +66,7 @@ def test_training_learns_and_writes_a_complete_run(tmp_path):
 
 
 def _train_cmd(cfg: TrainConfig, resume: bool) -> list[str]:
-    code = (f"import json, sys; from k3.train.loop import TrainConfig, train; "
+    code = (f"import json, sys; from k3.train.config import TrainConfig; from k3.train.loop import train; "
             f"cfg = TrainConfig.from_dict(json.loads(sys.argv[1])); train(cfg, resume={resume}, progress=False)")
     return [sys.executable, "-c", code, json.dumps(cfg.as_dict())]
 

@@ -481,7 +481,8 @@ def test_torch_save_reports_the_full_disk_behind_its_stream_error(tmp_path):
 def _stop_one_rank(rank, world, data, out):
     """A distributed run where only rank 1 gets SIGINT (during step 2): every rank must stop after that step."""
     import k3.train.loop as loop
-    from k3.train.loop import ContextStage, TrainConfig, train
+    from k3.train.config import ContextStage, TrainConfig
+    from k3.train.loop import train
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     real, calls = loop.train_step, []
