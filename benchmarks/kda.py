@@ -181,8 +181,8 @@ def small_gate(device, **kw):
 
 def accuracy_table(configs, fla, device, quick):
     """Relative RMSE against the fp64 recurrence, forward and every gradient, at T = 8192, H = 4 (dense, and the
-    issue's varlen mix; the fp64 autograd reference must fit), for each TUNING override set and for fla on the same
-    inputs: the issue's "never worse than 1.5× fla" beside the absolute limits. Prints one table, returns the rows."""
+    varlen mix of long, short and one-token documents; the fp64 autograd reference must fit), for each TUNING override set and for fla on the same
+    inputs: the target "never worse than 1.5× fla" beside the absolute limits. Prints one table, returns the rows."""
     names = ("o", "S", "q", "k", "v", "z", "b", "A_log", "dt_bias", "h0", "o_inf", "S_inf")
     T, H = (300, 2) if quick else (8192, 4)
     base = dict(kda_chunk.TUNING)

@@ -5,7 +5,7 @@ Legend: b hash block tokens, pt page tokens (a multiple of b), m = pt / b hash b
 - **Hashes.** h_k = blake2b(h_{k-1} ‖ model id ‖ tokens of block k), one per complete hash block, so a
   hash names a whole prefix. Never Python's `hash`.
 - **MLA blocks.** A sequence's MLA cache is a list of `MLABlock`s, one per page of tokens, each holding one
-  page per MLA layer. A block is indexed under the hash of every complete hash block it holds (the spec
+  page per MLA layer. A block is indexed under the hash of every complete hash block it holds (the plain rule
   registers a page under its last complete block, advancing as it fills; indexing every endpoint is a
   superset that also finds a shorter prefix inside a full page). The per-layer index is one dict per MLA
   layer (cache group); a block enters and leaves all of them together.

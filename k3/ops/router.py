@@ -12,7 +12,7 @@ so h W^T = h W0^T + h W1^T + h W2^T with every product exact, from one bf16 GEMM
 with fp32 output. The sums are the tensor cores' fp32 accumulation, which on the H200 is not the CUDA cores'
 (it aligns and truncates within each MMA): relative error 7e-7 to 8e-6 against fp64 at the small and K3 router
 shapes, where the CUDA-core fp32 GEMM gives 5-6e-7 and bf16 weights ~2e-3 (tests/gpu/test_fast_paths.py). The
-fp32 GEMMs (no TF32: it would round W to 10 bits) ran on the CUDA cores, about 3× slower than the split
+fp32 GEMMs (no TF32: it would round W to 10 bits) ran on the CUDA cores, slower than the split
 (docs/fast-paths.md).
 `router_impl="reference"` keeps the CUDA-core fp32 GEMM.
 

@@ -1,8 +1,8 @@
 """Weight gradients added into `.grad` where they are computed: gradient accumulation without the engine's passes.
 
 With micro-batches, autograd delivers each 16-bit weight gradient by casting it to the fp32 master's dtype and
-then `AccumulateGrad` adds it into `.grad`: for the small preset's 854M parameters about 1% of a 64K-token step on
-an H200, half of it the casts (docs/fast-paths.md). Megatron-LM calls the remedy "gradient accumulation fusion":
+then `AccumulateGrad` adds it into `.grad`: two passes over every weight gradient per micro-batch, half of
+them the casts (docs/fast-paths.md). Megatron-LM calls the remedy "gradient accumulation fusion":
 the weight-gradient GEMM writes fp32 and adds into the accumulator in its epilogue (beta = 1), so the gradient is
 never rounded to 16 bits, never cast, never re-read.
 
@@ -67,7 +67,7 @@ def accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> N
     """acc += a @ b, acc in fp32 (or fp64) and a, b in a 16-bit GEMM dtype (or acc's). On CUDA the sum happens in
     cuBLAS's epilogue (beta = 1, fp32 output): one pass over acc instead of a 16-bit product and then an fp32
     read-modify-write, and the product skips the rounding to 16 bits (the loss's head sums its chunks' products this
-    way: separate adds cost about 2% of a small-preset step). Elsewhere (CPU has no mixed-dtype GEMM) the product
+    way, for the same reason). Elsewhere (CPU has no mixed-dtype GEMM) the product
     is rounded and added."""
     if acc.dtype == torch.float32 and _fp32_epilogue_gemm(a, b):
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)

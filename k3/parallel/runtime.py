@@ -10,7 +10,7 @@ node. Quantile Balancing, the loss token count and QK-Clip's max reduce over
 the whole world: every rank holds distinct tokens.
 
 The data layout does not depend on W: every rank builds the same global batch and keeps its piece, so a
-run resumed on another number of ranks sees the same tokens in the same order (DCP resharding, §4).
+run resumed on another number of ranks sees the same tokens in the same order (DCP resharding).
 dp rank d keeps rows [d·B/dp, (d+1)·B/dp); cp rank c keeps the contiguous tokens [c·T/cp, (c+1)·T/cp)
 of each of those rows (no head-tail layout: KDA needs contiguous segments).
 """

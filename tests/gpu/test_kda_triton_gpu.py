@@ -73,7 +73,7 @@ def test_forward_full_shape():
 
 @pytest.mark.parametrize("cu", [None, [0, 1300, 1847, 3895, 4858, 5129, 8192]])
 def test_forward_backward_long(cu):
-    """T=8192 at H=4 (the fp64 autograd reference must fit), dense and the issue's varlen mix."""
+    """T=8192 at H=4 (the fp64 autograd reference must fit), dense and a varlen mix of long, short and one-token documents."""
     N = 1 if cu is None else len(cu) - 1
     inputs = make_raw(1, 8192, 4, 128, 128, seed=1, bias=2.0, N=N)
     cu_t = None if cu is None else torch.tensor(cu, device="cuda", dtype=torch.int32)

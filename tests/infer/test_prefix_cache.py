@@ -1,4 +1,4 @@
-"""State-aware prefix caching and the CPU pool (docs/inference.md, §8.4) on the debug preset in fp32.
+"""State-aware prefix caching and the CPU pool (docs/inference.md) on the debug preset in fp32.
 
 "Bitwise" below means the warm run does exactly the cold run's arithmetic after the hit: the hit lands on a
 boundary where the cold run also split its prefill (pieces end on absolute positions), the copied KDA

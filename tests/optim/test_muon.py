@@ -163,7 +163,7 @@ def test_block_views_match_the_attention_reshapes():
 
 def test_single_matrix_equals_torch_muon_bf16():
     """Whole-matrix blocks (one wide, one tall: transposed inside NS) with bf16 NS, 5 steps, against
-    torch.optim.Muon(adjust_lr_fn="match_rms_adamw"). Same op order, so bitwise on the Xeons of earlier sessions;
+    torch.optim.Muon(adjust_lr_fn="match_rms_adamw"). Same op order, so bitwise on Intel Xeons;
     on an AMD EPYC the tall matrix's transposed bf16 GEMMs take another CPU kernel and the parameter change
     differs by 2.9e-3 relative (bf16 rounding of the NS iterations). Hence: the change within 1e-2 relative
     (a wrong step, e.g. without Nesterov momentum or another lr scale, is off by far more), bitwise where the
@@ -223,7 +223,7 @@ def test_per_head_update_rms_and_no_cross_head_coupling():
     """Update RMS per head = 0.2·η·ρ, ρ = RMS(NS(G))·√max(rows, cols), whatever the head's gradient scale.
 
     ρ is 1 for an exact orthogonalisation; the 5-step quintic leaves singular values in ~[0.68, 1.13], which
-    on full-rank Gaussian gradients gives ρ ≈ 0.87–0.89 (the spec's '0.2·η ± 5%' holds for exact polar
+    on full-rank Gaussian gradients gives ρ ≈ 0.87–0.89 (the '0.2·η ± 5%' rule of thumb holds for exact polar
     factors only), so we assert ρ ∈ [0.85, 1.0] and equal RMS across heads within 5%. Whole-matrix Muon on
     the same gradient gives the small-gradient heads almost nothing: the coupling per-head Muon removes."""
     torch.manual_seed(2)

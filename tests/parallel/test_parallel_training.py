@@ -116,7 +116,7 @@ def test_training_steps_match_single_process(reference, world, cp, ep, checkpoin
             assert got.get("qk_clip_heads") == want.get("qk_clip_heads")
             if ep == 0:
                 assert all(x == 1.0 for x in got["ep_load_max_over_mean"])  # MoonEP: exact balance
-        # clipped gradients, as the optimizer saw them, by the spec's ratio RMS(a − b) / RMS(b). Step 1 starts
+        # clipped gradients, as the optimizer saw them, by the ratio RMS(a − b) / RMS(b). Step 1 starts
         # from identical weights; later steps inherit the few AdamW elements flipped by noise (below).
         for i, (got_step, want_step) in enumerate(zip(r["grads"], ref_grads)):
             assert got_step.keys() == want_step.keys()

@@ -1,5 +1,5 @@
 """The official `e2b` SDK, unmodified, against `k3 sandbox serve` on loopback (pointed at it with
-E2B_API_URL and E2B_SANDBOX_URL): every call the issue lists, sync and async, and its error mapping."""
+E2B_API_URL and E2B_SANDBOX_URL): every call docs/sandbox.md lists as served, sync and async, and its error mapping."""
 
 from __future__ import annotations
 
