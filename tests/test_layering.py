@@ -52,6 +52,8 @@ def _imports(path: Path) -> list[tuple[str, int]]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module] if node.module != "k3" else [f"k3.{a.name}" for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            raise AssertionError(f"{path}:{node.lineno}: use absolute imports (from k3.… import …)")
         else:
             continue
         found += [(n.split(".")[1], node.lineno) for n in names if n.startswith("k3.")]
@@ -64,7 +66,7 @@ def test_every_package_is_placed():
 
 
 def test_allowed_layering_has_no_cycle():
-    TopologicalSorter(ALLOWED).static_order()  # raises CycleError
+    tuple(TopologicalSorter(ALLOWED).static_order())  # raises CycleError
 
 
 def test_packages_import_only_below_them():
@@ -77,6 +79,37 @@ def test_packages_import_only_below_them():
             if dst != src and dst not in ALLOWED[src]:
                 wrong.append(f"{path.relative_to(ROOT.parent)}:{line}: {src} imports {dst}")
     assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _eager_imports(path: Path) -> set[str]:
+    """k3 modules imported when `path` is imported: top-level statements only (no function bodies, no
+    `if TYPE_CHECKING:`), relative imports resolved; `from pkg import mod` counts as `pkg.mod` when it is one."""
+    found = set()
+    package = _module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" else _module_name(path)
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}
+    modules = {_module_name(p) for p in ROOT.rglob("*.py")}
+    return {m for m in found if m in modules}
+
+
+def test_no_import_cycle_between_modules():
+    graph = {_module_name(p): _eager_imports(p) for p in ROOT.rglob("*.py")}
+    for module, deps in graph.items():
+        # a package imports its own submodules from __init__: not a cycle through the package
+        graph[module] = {d for d in deps if not module.startswith(d + ".")} if module != "k3" else set()
+    tuple(TopologicalSorter(graph).static_order())  # raises CycleError naming the cycle
 
 
 def test_no_private_names_across_packages():

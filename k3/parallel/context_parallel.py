@@ -28,13 +28,29 @@ by the training step before each forward. Caching (inference) is not supported u
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from k3.parallel.runtime import BatchShard
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
+
+
+@dataclass
+class BatchShard:
+    """Where a rank's piece sits in the global batch; what context-parallel layers need to know.
+
+    global_segment_ids: [B_local, T] document index of every token of this rank's rows (all cp pieces).
+    offset: first global position of this rank's tokens within each row (c·T/cp); seq_len: T.
+    """
+
+    global_segment_ids: torch.Tensor
+    offset: int
+    seq_len: int
+    cp: int
+    cp_rank: int
 
 
 class CPContext:

@@ -25,6 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -37,10 +38,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from k3.parallel.context_parallel import CPContext, apply_context_parallel
 from k3.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
-from k3.parallel.runtime import ParallelRuntime
 from k3.model.checkpointing import apply_activation_checkpointing
 from k3.optim.muon import local_tensor
 from k3.parallel.muon import DistributedMuonAdamW
+
+if TYPE_CHECKING:  # annotations only: runtime.py builds on this module
+    from k3.parallel.runtime import ParallelRuntime
 
 DCP_MARKER = ".metadata"  # written by dcp.save: a checkpoint directory with it is a distributed one
 

@@ -25,6 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from k3.parallel.context_parallel import BatchShard
+from k3.parallel.parallelize import parallelize
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -108,27 +111,10 @@ class ParallelRuntime:
 
     def parallelize(self, model, moonep: bool = True, activation_checkpointing: bool = False):
         """EP → CP → activation checkpointing → FSDP2 on `model` (in place); returns its `ParallelTraining`."""
-        from k3.parallel.parallelize import parallelize  # parallelize.py builds on this module
-
         return parallelize(model, self, moonep=moonep, activation_checkpointing=activation_checkpointing)
 
     def shard_batch(self, input_ids: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor):
         return shard_batch(input_ids, labels, cu_seqlens, self.dims.dp, self.dp_rank, self.dims.cp, self.cp_rank)
-
-
-@dataclass
-class BatchShard:
-    """Where a rank's piece sits in the global batch; what context-parallel layers need to know.
-
-    global_segment_ids: [B_local, T] document index of every token of this rank's rows (all cp pieces).
-    offset: first global position of this rank's tokens within each row (c·T/cp); seq_len: T.
-    """
-
-    global_segment_ids: torch.Tensor
-    offset: int
-    seq_len: int
-    cp: int
-    cp_rank: int
 
 
 def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor, dp: int, dp_rank: int,
