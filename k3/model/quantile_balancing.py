@@ -1,7 +1,8 @@
 """Quantile Balancing (QB): the auxiliary-loss-free router bias update of K3.
 
 Follows the K3 report §2.3.3, App. C (exact rule, Algorithm 1) and App. D (distributed
-histogram estimator); docs/architecture.md §5.1 and §6, docs/quantile-balancing.md. Derivation: docs/quantile-balancing.md.
+histogram estimator); the rule: docs/architecture.md §5.1 and §6; k3's choices and the estimator's error
+bound: docs/quantile-balancing.md.
 
 The router selects top-k of s + b; b only selects, never weights. Each step, every token's
 cutoff α_i (the (k+1)-th largest biased score) turns expert j's admission into a threshold on b_j:
