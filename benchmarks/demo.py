@@ -28,7 +28,7 @@ def run_table(run: Path) -> dict:
     if not train or not evals:
         raise SystemExit(f"{run}: no training steps or evaluations in metrics.jsonl")
     seconds = sum(r["tokens"] / r["tokens_per_s"] for r in train)
-    return {"columns": ["steps", "tokens", "training min", "train loss", "held-out loss (nats/token)",
+    return {"columns": ["steps", "tokens", "minutes in steps (evaluations, checkpoints apart)", "train loss", "held-out loss (nats/token)",
                         "unigram entropy (nats/token)"],
             "rows": [[train[-1]["step"], train[-1]["tokens_seen"], round(seconds / 60, 1),
                       round(train[-1]["loss"], 3), round(evals[-1]["loss"], 3), round(unigram, 3)]],
