@@ -51,12 +51,15 @@ def main() -> None:
     p.add_argument("--suite-log", type=Path, help="the output of bash .ci/run (its pytest summary line)")
     args = p.parse_args()
     tables = {"demo": run_table(args.run)}
+    # the commit measured is the run's own (run.json), not this checkout's
+    commit = json.loads((args.run / "run.json").read_text()).get("git_revision", "unknown")[:7]
     if args.suite_log:
         tables["suite"] = suite_table(args.suite_log)
     save_result("demo", "`make demo` and `make test` from a fresh clone on a CPU machine: the tiny preset trained on "
                 "the Python standard library's sources for an 8-minute budget, its held-out loss against the "
                 "corpus's unigram entropy; the default test suite", tables,
-                command="git clone <repository> fresh && cd fresh && bash .ci/run && make demo", slug="cpu")
+                command="git clone <repository> fresh && cd fresh && bash .ci/run && make demo", slug="cpu",
+                commit=commit)
     for name, t in tables.items():
         print(name, dict(zip(t["columns"], t["rows"][0])))
 
