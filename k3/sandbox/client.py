@@ -112,13 +112,8 @@ class RemoteSandbox:
         return [RemoteSandbox(self.client, s) for s in r["sandboxes"]]
 
     def pause(self) -> bool:
-        try:
-            self.client.request("POST", f"/sandboxes/{self.id}/pause")
-            return True
-        except SandboxAPIError as e:
-            if e.status == 409:
-                return False
-            raise
+        """False when it was already paused (409)."""
+        return self._done_unless("POST", f"/sandboxes/{self.id}/pause", 409)
 
     def resume(self, timeout: float | None = None) -> None:
         self.client.connect(self.id, timeout)
@@ -133,10 +128,14 @@ class RemoteSandbox:
         return self.client.request("GET", f"/sandboxes/{self.id}/tree-hash", params={"path": path}).json()["sha256"]
 
     def kill(self) -> bool:
+        """False when it was already gone (404)."""
+        return self._done_unless("DELETE", f"/sandboxes/{self.id}", 404)
+
+    def _done_unless(self, method: str, path: str, status: int) -> bool:
         try:
-            self.client.request("DELETE", f"/sandboxes/{self.id}")
+            self.client.request(method, path)
             return True
         except SandboxAPIError as e:
-            if e.status == 404:
+            if e.status == status:
                 return False
             raise

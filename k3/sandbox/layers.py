@@ -104,9 +104,10 @@ def flatten(layers: list[Path], dest: Path) -> None:
                     os.link(src, dst, follow_symlinks=False)
 
 
-def tree_hash(root: Path) -> str:
-    """sha256 over every entry under `root`: path, type, mode, owner, size and content or link target."""
-    h = hashlib.sha256()
+def tree_digest(root: Path) -> tuple[str, int, int]:
+    """(sha256, regular files, their bytes) over every entry under `root`: path, type, mode, owner, and the
+    content's digest or the link target. Snapshots compare trees by it; templates are addressed by it."""
+    h, files, size = hashlib.sha256(), 0, 0
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         for name in sorted(dirnames + filenames):
@@ -114,10 +115,13 @@ def tree_hash(root: Path) -> str:
             st = os.lstat(p)
             h.update(f"{os.path.relpath(p, root)}\0{st.st_mode:o}\0{st.st_uid}\0{st.st_gid}\0".encode())
             if stat.S_ISREG(st.st_mode):
-                h.update(f"{st.st_size}\0".encode())
+                files, size = files + 1, size + st.st_size
                 with open(p, "rb") as f:
-                    while chunk := f.read(1 << 20):
-                        h.update(chunk)
+                    h.update(hashlib.file_digest(f, "sha256").digest())
             elif stat.S_ISLNK(st.st_mode):
                 h.update(os.readlink(p).encode())
-    return h.hexdigest()
+    return h.hexdigest(), files, size
+
+
+def tree_hash(root: Path) -> str:
+    return tree_digest(root)[0]

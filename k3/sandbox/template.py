@@ -10,18 +10,18 @@ tree: path, type, mode, owner and content of every entry. `build_dir_template` t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import shutil
-import stat
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import uuid
 from pathlib import Path
+
+from k3.sandbox.layers import tree_digest
 
 # what a code task needs: a shell (bash for E2B's `bash -l -c`), coreutils, text tools, Python
 PROGRAMS = """bash dash sh env ls cat cp mv rm mkdir rmdir ln chmod chown touch echo printf head tail wc sort uniq cut
@@ -79,7 +79,7 @@ class Templates:
 
     def add(self, staging: Path, name: str, source: str) -> str:
         """Hash `staging`, move it into the cache (or drop it when that id is cached) and alias it `name`."""
-        digest, files, size = _hash_tree(staging)
+        digest, files, size = tree_digest(staging)
         template_id = digest[:16]
         dest = self.folder / template_id
         if (dest / "manifest.json").exists():
@@ -97,23 +97,6 @@ class Templates:
 
     def staging(self) -> Path:
         return Path(tempfile.mkdtemp(prefix=".build-", dir=self.folder))
-
-
-def _hash_tree(root: Path) -> tuple[str, int, int]:
-    h, files, size = hashlib.sha256(), 0, 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in sorted(dirnames + filenames):
-            p = os.path.join(dirpath, name)
-            st = os.lstat(p)
-            h.update(f"{os.path.relpath(p, root)}\0{st.st_mode:o}\0{st.st_uid}\0{st.st_gid}\0".encode())
-            if stat.S_ISREG(st.st_mode):
-                files, size = files + 1, size + st.st_size
-                with open(p, "rb") as f:
-                    h.update(hashlib.file_digest(f, "sha256").digest())
-            elif stat.S_ISLNK(st.st_mode):
-                h.update(os.readlink(p).encode())
-    return h.hexdigest(), files, size
 
 
 def _add_host_path(root: Path, path: str) -> None:
