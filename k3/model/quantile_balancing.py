@@ -171,7 +171,8 @@ class QuantileHistogram:
             qb_histogram_add_triton(self.counts, scores, cutoff, self.lo, self._width)
             return
         r = required_bias(scores, cutoff).float()  # [N, E]
-        bins = ((r - self.lo) / self._width).floor().clamp(0, self.num_bins - 1).long()  # [N, E]
+        # NaN (a broken step, which the loop then skips) into bin 0, never out of range: as the fused kernel does
+        bins = ((r - self.lo) / self._width).floor().nan_to_num(0.0).clamp(0, self.num_bins - 1).long()  # [N, E]
         # flatten (expert, bin) so one bincount fills the whole [E, B] matrix
         offsets = torch.arange(self.num_experts, device=bins.device) * self.num_bins
         flat = (bins + offsets).reshape(-1)

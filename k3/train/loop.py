@@ -166,8 +166,8 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
                                 f"{len(moes)} MoE layers (a wrapper dropped them)")
         for hist, layer_loads, info in zip(histograms, loads, out.router_infos):
             score_sum += info.scores.sum(dtype=torch.float64)
-            # a NaN score would index outside the histogram's bins; such a step is skipped below, so zeros will do
-            hist.add(torch.nan_to_num(info.scores, 0.0, 0.0, 0.0), torch.nan_to_num(info.cutoff, 0.0, 0.0, 0.0))
+            # the histogram bins a NaN score into bin 0; such a step is skipped below (score_sum)
+            hist.add(info.scores, info.cutoff)
             layer_loads += expert_loads(info.topk_idx, layer_loads.numel())
         if out.mla_max_logits is not None:
             max_logits = out.mla_max_logits if max_logits is None else torch.maximum(max_logits, out.mla_max_logits)
