@@ -19,9 +19,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import save_result  # noqa: E402
 
+from k3.train.metrics import MetricsLog  # noqa: E402
+
 
 def run_table(run: Path) -> dict:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = MetricsLog(run / "metrics.jsonl").read()
     train = [r for r in records if r.get("kind") == "train" and not r.get("skipped")]
     evals = [r for r in records if r.get("kind") == "eval"]
     unigram = next(r["unigram_entropy"] for r in records if "unigram_entropy" in r)
