@@ -74,6 +74,9 @@ TIKTOKEN_CHUNK_CHARS = 100_000
 # A newline followed by a printable ASCII character: no pre-token of the Kimi regex contains this pair
 # (newlines only end pieces, and a letter prefix may not be a newline), so cutting between them is exact.
 _SAFE_CUT = re.compile(r"\n(?=[!-~])")
+# texts longer than this go through the batch call, which releases the GIL while it runs: a server's event loop
+# keeps answering while a huge prompt is tokenized
+LONG_TEXT_CHARS = 65_536
 
 
 class Tokenizer:
@@ -120,6 +123,8 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Ordinary text → ids (no BOS/EOS added; special-token spellings stay text)."""
         if self.kind == "bpe":
+            if len(text) > LONG_TEXT_CHARS:
+                return self.encode_batch([text])[0]
             return self._backend.encode(text, add_special_tokens=False).ids
         chunks = _safe_chunks(text, TIKTOKEN_CHUNK_CHARS)
         if len(chunks) == 1:

@@ -58,7 +58,6 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # The trained effort levels (K3 report §4.1); `medium` exists only in the schema and maps by config.
 EFFORT_LEVELS = ("low", "high", "max")
 _EFFORT_ALIASES = {"minimal": "low", "xhigh": "max"}
-LONG_TEXT_CHARS = 65_536  # texts longer than this are tokenized without holding the GIL (`ChatTemplate.text`)
 _HEADER = re.compile(r'\s*([A-Za-z_][\w.-]*)((?:\s+[\w.-]+="[^"]*")*)\s*$')
 _ATTR = re.compile(r'([\w.-]+)="([^"]*)"')
 
@@ -134,9 +133,6 @@ class ChatTemplate:
         return [self.close_id, *self._encode_header(tag), self.sep_id]
 
     def text(self, s: str) -> list[int]:
-        if len(s) > LONG_TEXT_CHARS:
-            # the batch call releases the GIL while it runs, so a server's event loop keeps answering
-            return self.tokenizer.encode_batch([s])[0]
         return self.tokenizer.encode(s) if s else []
 
     def option(self, name: str, body: str) -> list[int]:
