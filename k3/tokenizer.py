@@ -74,6 +74,7 @@ TIKTOKEN_CHUNK_CHARS = 100_000
 # A newline followed by a printable ASCII character: no pre-token of the Kimi regex contains this pair
 # (newlines only end pieces, and a letter prefix may not be a newline), so cutting between them is exact.
 _SAFE_CUT = re.compile(r"\n(?=[!-~])")
+
 # texts longer than this go through the batch call, which releases the GIL while it runs: a server's event loop
 # keeps answering while a huge prompt is tokenized
 LONG_TEXT_CHARS = 65_536
