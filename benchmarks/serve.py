@@ -30,13 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from benchmarks.provenance import save_result  # noqa: E402
 from benchmarks.provenance import table as result_table  # noqa: E402
-from k3.chat.constrain import grammar_vocabulary, reply_grammar  # noqa: E402
 from k3.chat.template import ChatTemplate  # noqa: E402
 from k3.config import get_preset  # noqa: E402
 from k3.infer.api import SamplingParams  # noqa: E402
 from k3.infer.config import EngineConfig  # noqa: E402
 from k3.infer.engine import Engine  # noqa: E402
-from k3.infer.grammar import GrammarCompiler  # noqa: E402
 from k3.infer.scheduler import Batch  # noqa: E402
 from k3.model.model import build_model  # noqa: E402
 from k3.tokenizer import byte_tokenizer  # noqa: E402
@@ -98,7 +96,10 @@ def throughput(model, config: EngineConfig, batch: int, prompt_len: int, decode:
     """-> (prefill tok/s, decode tok/s) for `batch` requests submitted together."""
     engine = Engine(model, config.replace(enable_prefix_caching=False, max_running=max(batch, 1)))
     V = model.config.vocab_size
-    engine.generate(random_prompt(16, V, 99), greedy(2))  # warm-up
+    for i in range(batch):  # warm-up at this batch size (compiles kernels, captures its decode graph)
+        engine.add_request(f"w{i}", random_prompt(16, V, 99 + i), greedy(3))
+    while engine.has_unfinished():
+        engine.step()
     for i in range(batch):
         engine.add_request(f"r{i}", random_prompt(prompt_len, V, 1000 + i), greedy(decode))
     started = set()
@@ -159,7 +160,7 @@ def decode_ms(model, config: EngineConfig, context: int, steps: int) -> float:
     """Batch-1 decode time per token with `context` tokens in the cache."""
     spec = Engine(model, config.replace(num_pages=64)).spec
     need = (context // spec.page_tokens + 2) * len(spec.mla_layers) + 2 * len(spec.kda_layers) + 4
-    engine = Engine(model, config.replace(enable_prefix_caching=False, max_running=1, num_pages=need))
+    engine = Engine(model, config.replace(enable_prefix_caching=False, max_running=1, num_pages=need + 1))
     engine.add_request("d", random_prompt(context + 1, model.config.vocab_size, 7), greedy(steps + 1))
     fast_forward(engine, "d")
     engine.step()  # warm-up: the first token
@@ -205,6 +206,9 @@ def constrained_decode(model, config: EngineConfig, grammar, batch: int, prompt_
 def constrained_tables(model, config: EngineConfig, batches: list[int], prompt_len: int, decode: int, where: str,
                        console: Console, repeats: int = 3) -> dict[str, list]:
     """Mask on vs off by batch, and compile times; -> rows of the two tables."""
+    from k3.chat.constrain import grammar_vocabulary, reply_grammar
+    from k3.infer.grammar import GrammarCompiler
+
     tokenizer = byte_tokenizer(model.config.vocab_size)
     template = ChatTemplate(tokenizer)
     t0 = time.perf_counter()
@@ -263,7 +267,10 @@ def main():
     parser.add_argument("--constrained-tokens", type=int, default=48)
     parser.add_argument("--constrained-only", action="store_true", help="only the constrained-decoding tables")
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    parser.add_argument("--profile", action="store_true", help="GPU: where the fast engine's time goes (no tables)")
     args = parser.parse_args()
+    if args.device.startswith("cuda"):
+        return gpu_main(args)
     if args.quick:
         args.batches, args.prefix_len, args.contexts, args.decode_tokens = [1, 8], 512, [256, 1024], 4
         args.constrained_tokens = 8
@@ -341,6 +348,177 @@ def main():
     if args.quick:
         return
     save_result("serve", claim, {k: result_table(columns[k], v) for k, v in rows.items()})
+
+
+# ---- the GPU run: the fast engine (bf16, paged decode, CUDA graphs) beside the reference engine ----------------
+
+GPU_CLAIM = ("The inference engine on one GPU, {preset} preset, random weights: the fast engine (bf16 weights, fused "
+             "KDA decode in pool slots, paged absorbed-MLA decode kernel, decode steps captured as CUDA graphs) beside "
+             "the reference engine (the same bf16 weights through the gather/scatter data path and the torch KDA "
+             "recurrence) in the same run: batch-1 decode against the memory roofline, throughput by batch, time to "
+             "first token of an 8K prompt, and the hybrid model against an all-MLA twin by context length")
+
+
+def gpu_engines(preset: str):
+    """name -> (model config, weights dtype, engine config)."""
+    base = get_preset(preset)
+    block = 256 if base.vocab_size > 10_000 else 64
+    common = EngineConfig(eos_token_ids=(), hash_block_size=block, max_step_tokens=8192, prefill_chunk_tokens=2048,
+                          pool_bytes=16 << 30)
+    return {"fast": (base.replace(kda_impl="triton"), torch.bfloat16, common.replace(decode_path="paged")),
+            "reference": (base, torch.bfloat16, common.replace(decode_path="gather"))}
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (median of 20)."""
+    x = torch.randn(2**28, device=device)  # 1 GiB
+    y = torch.empty_like(x)
+    times = []
+    for _ in range(23):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    t = sorted(times[3:])[len(times[3:]) // 2]
+    return 2 * x.numel() * x.element_size() / t
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one batch-1 decode step reads: every parameter except the embedding table (one row) and
+    the routed experts outside the top-k (docs/architecture.md's active count), at its stored dtype."""
+    cfg = model.config
+    total = 0
+    for name, p in model.named_parameters():
+        n = p.numel() * p.element_size()
+        if name.startswith("model.embed_tokens"):
+            n = cfg.hidden_size * p.element_size()
+        elif ".experts.w" in name:
+            n = n * cfg.num_experts_per_token // cfg.num_experts
+        total += n
+    return total
+
+
+def cache_bytes_per_token(engine: Engine, context: int) -> int:
+    """Cache bytes a decode step at `context` tokens reads: every MLA latent row, every KDA state and conv tail."""
+    s = engine.spec
+    return context * len(s.mla_layers) * s.latent_dim * s.elt + len(s.kda_layers) * (s.kda_state_bytes + s.kda_conv_bytes)
+
+
+def greedy_outputs(model, config: EngineConfig, prompts: list[list[int]], n: int) -> list[list[int]]:
+    engine = Engine(model, config)
+    return [engine.generate(p, greedy(n)).new_token_ids for p in prompts]
+
+
+def gpu_profile(model, config: EngineConfig, V: int, console: Console) -> None:
+    """Where the fast engine's time goes: a batch-1 engine step against its graph replay alone, the kernels of one
+    eager paged decode step, and the ops of an 8K prefill (torch.profiler tables)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = Engine(model, config)
+    engine.add_request("p", random_prompt(128, V, 3), greedy(400))
+    for _ in range(8):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        engine.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t0) / 50 * 1e3
+    graph, _ = engine.decoder.graphs[1]
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(50):
+        graph.replay()
+    b.record()
+    b.synchronize()
+    console.print(f"batch-1 engine step {step_ms:.3f} ms; graph replay alone {a.elapsed_time(b) / 50:.3f} ms")
+    eager = Engine(model, config.replace(cuda_graphs=False))
+    eager.add_request("p", random_prompt(128, V, 3), greedy(400))
+    for _ in range(8):
+        eager.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            eager.step()
+        torch.cuda.synchronize()
+    console.print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+    cold = Engine(model, config)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        ttft(cold, random_prompt(8192, V, 11))
+    console.print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    console.print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+
+
+def gpu_main(args):
+    device = torch.device(args.device)
+    console = Console()
+    preset = args.preset if args.preset != "tiny" else "small"
+    engines = gpu_engines(preset)
+    bw = copy_bandwidth(device)
+    console.print(f"device-to-device copy: {bw / 1e12:.2f} TB/s (read + write)")
+    columns = {"gpu-decode": ["engine", "batch", "decode tok/s", "ms/step", "bytes/token (MB)", "roofline"],
+               "gpu-ttft": ["engine", "8K prompt cold ms", "8K prefix cached ms", "cached tokens"],
+               "gpu-decode-vs-context": ["engine", "context", "hybrid ms/token", "all-MLA ms/token",
+                                         "all-MLA / hybrid"],
+               "gpu-greedy": ["check", "result"]}
+    rows = {k: [] for k in columns}
+    models = {}
+    for name, (mcfg, dtype, ecfg) in engines.items():
+        models[name] = build_model(mcfg, seed=0, device=device, dtype=dtype).eval()
+    V = models["fast"].config.vocab_size
+    # correctness first, in fp32 (random bf16 weights give near-tied logits, where any rounding flips an argmax):
+    # the same greedy tokens from both engines
+    prompts = [random_prompt(n, V, 50 + i) for i, n in enumerate((17, 300, 1200, 64))]
+    outs = {}
+    for name, (mcfg, _, ecfg) in engines.items():
+        fp32 = build_model(mcfg, seed=0, device=device, dtype=torch.float32).eval()
+        outs[name] = greedy_outputs(fp32, ecfg.replace(pool_bytes=4 << 30), prompts, 32)
+        del fp32
+    same = sum(a == b for a, b in zip(outs["fast"], outs["reference"]))
+    agree = sum(x == y for a, b in zip(outs["fast"], outs["reference"]) for x, y in zip(a, b))
+    rows["gpu-greedy"] += [["fp32 prompts with identical greedy output", f"{same} / {len(prompts)}"],
+                           ["fp32 tokens equal", f"{agree} / {sum(len(a) for a in outs['reference'])}"]]
+    console.print(f"greedy outputs equal (fp32): {same}/{len(prompts)} prompts, {agree} tokens")
+    if args.profile:
+        return gpu_profile(models["fast"], engines["fast"][2], V, console)
+    for name, (mcfg, dtype, ecfg) in engines.items():
+        model = models[name]
+        wbytes = weight_bytes_per_token(model)
+        for b in args.batches:
+            _, dec = throughput(model, ecfg.replace(max_running=max(b, 8)), b, args.prompt_len, args.decode_tokens)
+            ms = b / dec * 1e3
+            probe = Engine(model, ecfg.replace(num_pages=64, decode_path="gather"))
+            per_token = wbytes + cache_bytes_per_token(probe, args.prompt_len + args.decode_tokens // 2)
+            roof = f"{per_token / bw / (ms / 1e3) * 100:.1f}%" if b == 1 else ""
+            rows["gpu-decode"].append([name, b, round(dec, 1), round(ms, 3), round(per_token / 1e6, 1), roof])
+            console.print(rows["gpu-decode"][-1])
+        engine = Engine(model, ecfg)
+        prefix = random_prompt(8192, V, 11)
+        cold, _ = ttft(engine, prefix + random_prompt(32, V, 12))
+        warm, cached = ttft(engine, prefix + random_prompt(32, V, 13))
+        rows["gpu-ttft"].append([name, round(cold * 1e3, 1), round(warm * 1e3, 1), cached])
+        console.print(rows["gpu-ttft"][-1])
+        del engine
+        twin = build_model(all_mla(mcfg), seed=0, device=device, dtype=dtype).eval()
+        for ctx in args.contexts:
+            h = decode_ms(model, ecfg.replace(pool_bytes=None), ctx, args.decode_steps)
+            a = decode_ms(twin, ecfg.replace(pool_bytes=None), ctx, args.decode_steps)
+            rows["gpu-decode-vs-context"].append([name, ctx, round(h, 3), round(a, 3), f"{a / h:.2f}×"])
+            console.print(rows["gpu-decode-vs-context"][-1])
+        del twin
+        torch.cuda.empty_cache()
+    for key, cols in columns.items():
+        table = Table(title=key)
+        for c in cols:
+            table.add_column(c, justify="right")
+        for r in rows[key]:
+            table.add_row(*map(str, r))
+        console.print(table)
+    if not args.quick:
+        claim = GPU_CLAIM.format(preset=preset)
+        save_result("serve", claim, {k: result_table(columns[k], v) for k, v in rows.items()},
+                    raw={"copy_bandwidth_bytes_per_s": bw})
 
 
 if __name__ == "__main__":

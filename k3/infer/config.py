@@ -39,6 +39,13 @@ class EngineConfig:
     short_max_requests: int = 1024
     long_max_requests: int = 64
 
+    # decode-only steps: "paged" runs them in place on the pool (k3.infer.decode), "gather" through the copy-in /
+    # copy-out reference path like every other step; "auto": paged on CUDA
+    decode_path: str = "auto"
+    # capture paged decode steps as CUDA graphs, one per padded batch size (those up to max_running)
+    cuda_graphs: bool = True
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
     eos_token_ids: tuple[int, ...] | None = None  # always stop on these; None: the model config's eos
     seed: int = 0  # seeds the generators of requests that give no seed
 
@@ -60,6 +67,8 @@ class EngineConfig:
             ("long_budget_tokens", self.long_budget_tokens is None or self.long_budget_tokens >= 1),
             ("short_max_requests", self.short_max_requests >= 1),
             ("long_max_requests", self.long_max_requests >= 1),
+            ("decode_path", self.decode_path in ("auto", "paged", "gather")),
+            ("graph_batch_sizes", bool(self.graph_batch_sizes) and all(b >= 1 for b in self.graph_batch_sizes)),
         ]
         bad = [name for name, ok in checks if not ok]
         if bad:

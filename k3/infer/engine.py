@@ -41,6 +41,7 @@ from k3.infer.api import (
 )
 from k3.infer.cache import CacheSpec, PagePool, gather, scatter
 from k3.infer.config import EngineConfig
+from k3.infer.decode import PagedDecoder
 from k3.infer.grammar import fill_bitmask, unpack_bitmask
 from k3.infer.kv_pool import HostKVPool
 from k3.infer.metrics import EngineMetrics
@@ -58,6 +59,9 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.device = pool.device
+        # RL routing replay (k3.posttrain.replay) sets this: called after each forward with (batch, cu_seqlens,
+        # router_infos), the experts every MoE layer chose for each token of the step
+        self.route_sink = None
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:
@@ -72,8 +76,10 @@ class ModelRunner:
         cache = gather(self.pool, blocks, kda, lengths)
         cu_t = torch.tensor(cu, device=self.device)
         out = self.model(torch.tensor(ids, device=self.device)[None], cu_seqlens=cu_t, cache=cache,
-                         logits_at=cu_t[1:] - 1)
+                         logits_at=cu_t[1:] - 1, return_router_infos=self.route_sink is not None)
         scatter(self.pool, cache, blocks, kda, lengths, batch.counts)
+        if self.route_sink is not None:
+            self.route_sink(batch, cu, out.router_infos)
         return out.logits
 
 
@@ -90,13 +96,14 @@ class Engine:
         dtype = model.model.embed_tokens.weight.dtype
         self.spec = spec = CacheSpec.build(mcfg, config.hash_block_size, dtype, config.page_tokens)
         n_mla, n_kda = len(spec.mla_layers), len(spec.kda_layers)
+        paged = config.decode_path == "paged" or (config.decode_path == "auto" and device.type == "cuda")
         pool_bytes = config.pool_bytes
         if pool_bytes is None:
             pool_bytes = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else 256 * 2**20
         num_pages = config.num_pages or pool_bytes // spec.page_bytes
         # the pool must hold one request of the context limit (plus a copy-on-write page): then preemption
         # can always make room and no request that passed the context check ever fails
-        fit = (num_pages - n_kda - n_mla) // n_mla * spec.page_tokens
+        fit = (num_pages - paged - n_kda - n_mla) // n_mla * spec.page_tokens  # paged: minus its scratch page
         if fit < 2:
             raise ValueError(f"a pool of {num_pages} pages of {spec.page_bytes} B cannot hold one request "
                              f"(needs {n_kda + 2 * n_mla} pages at least); raise pool_bytes / num_pages")
@@ -122,6 +129,10 @@ class Engine:
                                   config.model_id, host)
         self.scheduler = Scheduler(self.config, spec, self.pool, self.prefix, self.metrics_state)
         self.runner = ModelRunner(model, self.pool)
+        # decode-only steps in place on the pool (k3.infer.decode); built after the pool so its scratch page
+        # is the pool's first
+        self.decoder = PagedDecoder(model, self.pool, config.max_running, max_context, config.graph_batch_sizes,
+                                    config.cuda_graphs) if paged else None
         self.requests: dict[str, Sequence] = {}
         self._outstanding = {False: 0, True: 0}  # admitted budget tokens per class (long?)
         self._count = {False: 0, True: 0}
@@ -198,6 +209,8 @@ class Engine:
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
         self.scheduler.remove(seq)
+        if self.decoder is not None:
+            self.decoder.release(seq)
         del self.requests[seq.request_id]
         self._outstanding[seq.long] -= seq.budget_tokens
         self._count[seq.long] -= 1
@@ -228,7 +241,13 @@ class Engine:
             if self._mask_worker is None:
                 self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="k3-grammar")
             masks = self._mask_worker.submit(fill_bitmask, [batch.seqs[i].matcher for i in ready], self.vocab_size)
-        logits = self.runner.run(batch)
+        # recording routes (RL routing replay) takes the runner, which reports them
+        if (self.decoder is not None and self.runner.route_sink is None and len(ready) == len(batch.seqs)
+                and max(batch.counts) == 1):
+            self.decoder.release_finished(self.scheduler.running)
+            logits = self.decoder.run(batch.seqs)
+        else:
+            logits = self.runner.run(batch)
         for seq, n in zip(batch.seqs, batch.counts):
             self.scheduler.after_forward(seq, n)
         outputs = []

@@ -52,3 +52,24 @@ class K3Cache:
     def check_batch(self, batch_size: int) -> None:
         if batch_size != self.batch_size:
             raise ValueError(f"this cache holds {self.batch_size} sequences but the input has {batch_size} rows")
+
+
+@dataclass
+class PagedKDAState:
+    """A decode step's view of KDA states kept in place in a pool of slots (the inference engine's pages):
+    row n of the batch reads and advances slot `slots[n]`. Padding rows point at a scratch slot."""
+
+    recurrent: torch.Tensor  # [slots, H, K, V] fp32 (inner dims contiguous; the slot stride may be larger)
+    conv: torch.Tensor  # [slots, 3, W-1, P]: the q, k, v conv tails
+    slots: torch.Tensor  # [B] int64
+
+
+@dataclass
+class PagedMLALatent:
+    """A decode step's view of MLA latents kept in place in pages of `page_tokens` rows: row n's cached tokens
+    0 … lengths[n]-1 live in pages block_table[n, 0], block_table[n, 1], …; the step writes its new latent at
+    position lengths[n] (that page must exist) and attends over lengths[n] + 1 rows."""
+
+    pages: torch.Tensor  # [P, page_tokens, C + R]
+    block_table: torch.Tensor  # [B, max_blocks] int32 page ids (padding entries: any valid page)
+    lengths: torch.Tensor  # [B] int32, cached tokens before this step

@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import ModelConfig
-from k3.model.cache import KDAState
+from k3.model.cache import KDAState, PagedKDAState
 from k3.model.norm import RMSNorm
 from k3.model.projections import fused_linears
 from k3.model.sequence import SequenceLayout
 from k3.ops import triton_runs_on
 from k3.ops.kda import naive_chunk_kda, naive_kda_gate, naive_recurrent_kda, torch_chunk_kda
-from k3.ops.short_conv import causal_conv1d, short_conv_silu, short_conv_silu_available
+from k3.ops.short_conv import causal_conv1d, conv_decode_step, short_conv_silu, short_conv_silu_available
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -160,6 +160,8 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.num_heads, self.head_dim
         cu = layout.cu_seqlens
 
+        if isinstance(state, PagedKDAState):
+            return self.paged_decode(x, state), state
         q_pre, k_pre, v_pre, g_pre, beta_logits, f_a = self.input_projections(x)
 
         def conv_path(pre: torch.Tensor, conv: nn.Conv1d, conv_state):
@@ -197,3 +199,32 @@ class KimiDeltaAttention(nn.Module):
         y = self.o_proj(o.reshape(B, T, H * K))
         new_state = KDAState(tail_q, tail_k, tail_v, final) if use_cache else None
         return y, new_state
+
+    def paged_decode(self, x: torch.Tensor, state: PagedKDAState) -> torch.Tensor:
+        """One token per row (x [B, 1, D]) against states kept in place in a slot pool: the engine's decode step.
+
+        Same math as `forward` with a `KDAState` (the conv tails and the recurrence advance by one token), with
+        no copy of the states in or out and no host sync: on CUDA (or in the interpreter) the fused decode
+        kernel updates the slots in place; elsewhere the states are gathered, advanced and written back.
+        """
+        B = x.shape[0]
+        H, K = self.num_heads, self.head_dim
+        slots = state.slots
+        q_pre, k_pre, v_pre, g_pre, beta_logits, f_a = self.input_projections(x)
+        pre = torch.stack([q_pre[:, 0], k_pre[:, 0], v_pre[:, 0]], dim=1)  # [B, 3, P]
+        weights = torch.stack([self.q_conv1d.weight[:, 0], self.k_conv1d.weight[:, 0], self.v_conv1d.weight[:, 0]])
+        y, tails = conv_decode_step(pre, weights, state.conv[slots])
+        state.conv[slots] = tails.to(state.conv.dtype)
+        q, k, v = F.silu(y).view(B, 3, 1, H, K).unbind(1)
+        z = self.f_b_proj(f_a).view(B, 1, H, K)
+        beta_logits = beta_logits.reshape(B, 1, H)
+        if self.impl == "triton" and triton_runs_on(q):
+            from k3.ops.kda import fused_recurrent_kda
+
+            o, _ = fused_recurrent_kda(q, k, v, z, beta_logits, self.A_log, self.dt_bias, state.recurrent, slots,
+                                       gate_lower_bound=self.gate_lower_bound)
+        else:
+            o, final = self.recurrence(q, k, v, z, beta_logits, state.recurrent[slots], True, None)
+            state.recurrent[slots] = final.to(state.recurrent.dtype)
+        o = self.o_norm.gated(o.view(B, 1, H, K), g_pre.view(B, 1, H, K))
+        return self.o_proj(o.reshape(B, 1, H * K))

@@ -25,10 +25,12 @@ import torch
 from torch import nn
 
 from k3.config import ModelConfig
-from k3.model.cache import MLALatent
+from k3.model.cache import MLALatent, PagedMLALatent
 from k3.model.norm import RMSNorm
 from k3.model.sequence import SequenceLayout
+from k3.ops import triton_runs_on
 from k3.ops.attention import document_attention, document_mask, resolve_backend
+from k3.ops.mla_decode import kernel_supports, paged_latent_attention, paged_latent_attention_reference
 from k3.ops.mla_keys import expand_keys, expand_keys_available, naive_expand_keys
 
 
@@ -80,6 +82,8 @@ class GatedMLA(nn.Module):
         If `max_logits` is a list, the per-head max of the scaled logits over unmasked pairs ([H] fp32,
         for QK-Clip) is appended to it.
         """
+        if isinstance(state, PagedMLALatent):
+            return self.paged_decode(x, state), state
         B, T, _ = x.shape
         H = self.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, -1)  # [B, T, H, N + R]
@@ -116,12 +120,18 @@ class GatedMLA(nn.Module):
         """Each document attends to its own sequence's past latents plus its new ones (causal)."""
         cu = layout.host_offsets()
         past = layout.past_lengths
+        # prefill chunks go through the training attention backend (SDPA: lengths vary call to call, so flex
+        # would compile per length); single tokens and CPU stay on the reference
+        backend = resolve_backend(self.backend, q.device)
+        backend = "sdpa" if backend == "flex" else backend
         outs, rows = [], []
         for n, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
             old = state.latent[n, : past[n]] if state is not None else new_latent.new_zeros(0, new_latent.shape[-1])
             latent = torch.cat([old, new_latent[0, a:b].to(old.dtype)])[None]  # [1, S_n, C + R]
             rows.append(latent[0])
-            if b > a:
+            if b - a > 1 and backend != "reference" and impl != "absorb":
+                outs.append(self.attention(q[:, a:b], latent, past[n], None, None, None, backend).float())
+            elif b > a:
                 mask = attention_mask(SequenceLayout(1, b - a), b - a, past[n], q.device)
                 outs.append(self.attend(q[:, a:b], latent, mask, impl, None))
         S = max(r.shape[0] for r in rows)
@@ -194,3 +204,29 @@ class GatedMLA(nn.Module):
             return torch.einsum("bhts,bshv->bthv", probs, v.to(compute))  # [B, T, H, Vd]
         o_lat = torch.einsum("bhts,bsc->bthc", probs, c.to(compute))  # [B, T, H, C]
         return torch.einsum("bthc,hvc->bthv", o_lat, w_uv.to(compute))  # [B, T, H, Vd]
+
+    def paged_decode(self, x: torch.Tensor, state: PagedMLALatent) -> torch.Tensor:
+        """One token per row (x [B, 1, D]) against latents kept in place in pages: the engine's decode step.
+
+        Writes the new latent at row lengths[b] of its page, then attends in absorbed form over rows
+        0 … lengths[b] (the paged kernel on CUDA, `paged_latent_attention_reference` elsewhere). Same math as
+        `attend(..., "absorb")`: fp32 scores and softmax, W_UK folded into the query, W_UV applied after.
+        """
+        B = x.shape[0]
+        H, C = self.num_heads, self.kv_lora_rank
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, H, -1)  # [B, H, N + R]
+        pages, table, lengths = state.pages, state.block_table, state.lengths
+        pt = pages.shape[1]
+        page = table.gather(1, (lengths // pt).long()[:, None])[:, 0].long()
+        pages[page, (lengths % pt).long()] = self.latent(x)[:, 0].to(pages.dtype)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+        w_kv = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, C)
+        w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)  # [H, N, C], [H, Vd, C]
+        q_lat = torch.einsum("bhn,hnc->bhc", q_nope.to(compute), w_uk.to(compute))
+        q_full = torch.cat([q_lat, q_pe.to(compute)], dim=-1)  # [B, H, C + R]
+        fused = triton_runs_on(q) and compute == torch.float32 and kernel_supports(C, self.rope_dim, pt)
+        attend = paged_latent_attention if fused else paged_latent_attention_reference
+        o_lat = attend(q_full, pages, table, lengths + 1, self.softmax_scale, C)  # [B, H, C]
+        o = torch.einsum("bhc,hvc->bhv", o_lat, w_uv.to(compute)).reshape(B, 1, H * self.v_dim).to(x.dtype)
+        return self.o_proj(torch.sigmoid(self.g_proj(x)) * o)

@@ -568,3 +568,17 @@ def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Ten
     pos = _token_positions(cu_seqlens, B, T, x.device)
     with torch.autocast(x.device.type, enabled=False):
         return _ShortConvSiLU.apply(x, weight, pos)
+
+
+def conv_decode_step(x: torch.Tensor, weights: torch.Tensor, tails: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token of several causal depthwise convs at once: what `causal_conv1d` computes for T = 1 with a
+    state, in a few elementwise ops instead of a convolution per conv (a decode step is launch-bound).
+
+    x [B, G, C] (G convs, one new token each); weights [G, C, W]; tails [B, G, W-1, C] (the previous W-1 inputs).
+    Returns (y [B, G, C] in x's dtype, the new tails [B, G, W-1, C] in x's dtype). Accumulates in fp32 (fp64 for
+    fp64), as `causal_conv1d` does.
+    """
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    window = torch.cat([tails.to(x.dtype), x[:, :, None]], dim=2)  # [B, G, W, C]
+    y = (window.to(compute) * weights.to(compute).transpose(1, 2)[None]).sum(2)
+    return y.to(x.dtype), window[:, :, 1:]

@@ -22,7 +22,7 @@ from k3.ops.kda.tuning import TUNING
 
 
 @triton.jit
-def _recurrent(q, k, v, z, b, A_log, dt_bias, state, idx, o, all_states, scale,
+def _recurrent(q, k, v, z, b, A_log, dt_bias, state, idx, o, all_states, scale, slot_stride,
                T: tl.constexpr, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                G_MIN: tl.constexpr, KEEP_ALL: tl.constexpr, INTERP: tl.constexpr):
     """One (value block, sequence, head): T recurrence steps with S [K, BV] in registers."""
@@ -38,7 +38,7 @@ def _recurrent(q, k, v, z, b, A_log, dt_bias, state, idx, o, all_states, scale,
             tl.store(o + ((n * T + t) * H + i_h) * V + cv, tl.zeros([BV], dtype=o.dtype.element_ty))
         return
     off_s = ck[:, None] * V + cv[None, :]
-    p_s = state + (slot * H + i_h) * K * V + off_s
+    p_s = state + slot * slot_stride + i_h * K * V + off_s
     S = tl.load(p_s).to(tl.float32)  # [K, BV]
     a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     bias = tl.load(dt_bias + i_h * K + ck).to(tl.float32)
@@ -79,7 +79,7 @@ def fused_recurrent_kda(
 
     q, k, z: [N, T, H, K] (q, k after conv + SiLU, not normalised; z before dt_bias); v: [N, T, H, V];
     beta_logits: [N, T, H]; A_log: [H]; dt_bias: [H*K] or [H, K]. state: the pool [slots, H, K, V]
-    (fp32 or bf16), row state_indices[n] ([N] int, default arange(N)) is sequence n's state; it is read,
+    (fp32 or bf16; each slot contiguous, slots at any stride, e.g. views into the engine's pages), row state_indices[n] ([N] int, default arange(N)) is sequence n's state; it is read,
     advanced by the T tokens and written back. A negative index skips the sequence (its o is 0).
     Returns o [N, T, H, V] in v's dtype and, with return_all_states, the fp32 state after every token
     [N, T, H, K, V] (for rolling back rejected speculative tokens). Inference only: no autograd.
@@ -92,8 +92,8 @@ def fused_recurrent_kda(
         raise ValueError("k, z must match q [N, T, H, K]; v must be [N, T, H, V]; beta_logits [N, T, H]")
     if state.dim() != 4 or state.shape[1:] != (H, K, V):
         raise ValueError(f"state must be [slots, {H}, {K}, {V}], got {tuple(state.shape)}")
-    if not state.is_contiguous():
-        raise ValueError("state must be contiguous (it is updated in place)")
+    if state.stride()[1:] != (K * V, V, 1):
+        raise ValueError("each state slot must be contiguous (it is updated in place); slots may be strided")
     if A_log.numel() != H or dt_bias.numel() != H * K:
         raise ValueError(f"A_log must have {H} and dt_bias {H * K} entries")
     for name, d in (("K", K), ("V", V)):
@@ -115,7 +115,7 @@ def fused_recurrent_kda(
     if N * T > 0:
         _recurrent[(V // BV, N * H)](q.contiguous(), k.contiguous(), v.contiguous(), z.contiguous(),
                                      beta_logits.contiguous(), A_log.contiguous(), dt_bias.reshape(-1).contiguous(),
-                                     state, state_indices, o, all_states, scale, T=T, H=H, K=K, V=V, BV=BV,
+                                     state, state_indices, o, all_states, scale, state.stride(0), T=T, H=H, K=K, V=V, BV=BV,
                                      G_MIN=float(gate_lower_bound), KEEP_ALL=return_all_states,
                                      INTERP=interpreting(), num_warps=TUNING["decode_warps"])
     return o, (all_states if return_all_states else None)
