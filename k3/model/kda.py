@@ -215,7 +215,7 @@ class KimiDeltaAttention(nn.Module):
         weights = torch.stack([self.q_conv1d.weight[:, 0], self.k_conv1d.weight[:, 0], self.v_conv1d.weight[:, 0]])
         y, tails = conv_decode_step(pre, weights, state.conv[slots])
         state.conv[slots] = tails.to(state.conv.dtype)
-        q, k, v = F.silu(y).view(B, 3, 1, H, K).unbind(1)
+        q, k, v = F.silu(y).transpose(0, 1).contiguous().view(3, B, 1, H, K)  # each contiguous, as the kernel reads
         z = self.f_b_proj(f_a).view(B, 1, H, K)
         beta_logits = beta_logits.reshape(B, 1, H)
         if self.impl == "triton" and triton_runs_on(q):

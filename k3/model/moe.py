@@ -11,7 +11,8 @@ which removes the scale of the routed sum), one up-projection L → D. Shared ex
 
 Fast paths beside the references (config `moe_impl`, `situ_impl`, `router_impl`; "auto" = fast on CUDA):
 - routed experts as grouped GEMMs with the MoE gradient transform (`k3.ops.moe.grouped_latent_experts`)
-  instead of the padded-batch dispatch of `LatentExperts.forward_reference`;
+  instead of the padded-batch dispatch of `LatentExperts.forward_reference`; a decode step's few (token,
+  expert) pairs (N·k ≤ E/2) gather their experts instead (`gathered_latent_experts`), reading no other expert;
 - SiTU-GLU as fused Triton kernels (`k3.ops.situ.situ_glu`) instead of the autograd formula;
 - routing (`router_impl`): the fp32 router logits from bf16 GEMMs on the weight split in three, the top-k and
   QB cutoff in one Triton kernel (`k3.ops.router`) instead of one fp32 GEMM and `torch.topk`.
@@ -30,7 +31,7 @@ from k3.config import ModelConfig
 from k3.model.norm import RMSNorm
 from k3.model.projections import fused_linears
 from k3.model.quantile_balancing import route_topk_with_cutoff
-from k3.ops.moe import grouped_latent_experts
+from k3.ops.moe import gathered_latent_experts, grouped_latent_experts
 from k3.ops.router import router_logits_reference, split_router_applies, split_router_logits
 from k3.ops.situ import naive_situ_glu, situ_glu
 
@@ -101,7 +102,10 @@ class LatentExperts(nn.Module):
         The grouped-GEMM path (`k3.ops.moe`, no host sync) or `forward_reference`, by `self.impl`.
         """
         if use_fast(self.impl, "grouped", z):
-            return grouped_latent_experts(z, topk_idx, weights, self.w1, self.w3, self.w2, self.beta1, self.beta2)
+            # a decode step's few pairs: read only the selected experts (the grouped GEMMs would run every expert)
+            few = topk_idx.numel() * 2 <= self.w1.shape[0]
+            experts = gathered_latent_experts if few else grouped_latent_experts
+            return experts(z, topk_idx, weights, self.w1, self.w3, self.w2, self.beta1, self.beta2)
         return self.forward_reference(z, topk_idx, weights)
 
     def forward_reference(self, z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 
 from k3.ops import grouped_gemm, triton_runs_on
 from k3.ops.weight_grads import accumulates, add_gradient
-from k3.ops.situ import (naive_situ_glu, situ_glu_backward, situ_glu_forward, weighted_situ_glu_backward,
+from k3.ops.situ import (naive_situ_glu, situ_glu, situ_glu_backward, situ_glu_forward, weighted_situ_glu_backward,
                          weighted_situ_glu_forward)
 
 try:
@@ -356,6 +356,27 @@ def grouped_latent_experts(z: torch.Tensor, topk_idx: torch.Tensor, weights: tor
     probs = weights.new_zeros(rows, dtype=accum).index_put((dest,), weights.reshape(-1).to(accum))
     y = _GroupedSituGLU.apply(x, offs, w1, w3, w2, probs, beta1, beta2, native)  # [M_pad, L]
     return _GatherRows.apply(y, dest, src, k, accum)
+
+
+def gathered_latent_experts(z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                            w3: torch.Tensor, w2: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    """Same contract as `grouped_latent_experts`, for a few (token, expert) pairs: each pair's three expert
+    matrices are gathered and applied as batched matrix-vector products.
+
+    The grouped path gives every expert at least `align` padded rows and restacks all gate/up weights per call, so
+    on a decode step (N·k pairs far fewer than E·align rows) it reads every expert; this path reads the selected
+    ones only (a copy each, then the product). `LatentExperts` takes it when N·k ≤ E/2.
+    """
+    N, k = topk_idx.shape
+    flat = topk_idx.reshape(-1)
+    dtype = _compute_dtype(z)
+    accum = torch.float64 if z.dtype == torch.float64 else torch.float32
+    x = z.to(dtype)[:, None, :].expand(N, k, z.shape[1]).reshape(N * k, z.shape[1], 1)  # [N·k, L, 1]
+    gate = torch.bmm(w1.index_select(0, flat).to(dtype), x)[..., 0]  # [N·k, I]
+    up = torch.bmm(w3.index_select(0, flat).to(dtype), x)[..., 0]
+    act = (situ_glu if gate.is_cuda else naive_situ_glu)(gate, up, beta1, beta2)
+    y = torch.bmm(w2.index_select(0, flat).to(dtype), act[..., None])[..., 0]  # [N·k, L]
+    return (y.to(accum) * weights.reshape(-1, 1).to(accum)).view(N, k, -1).sum(1)
 
 
 def grouped_situ_glu(x: torch.Tensor, group_sizes: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
