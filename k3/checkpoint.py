@@ -255,16 +255,17 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return ckpt
 
 
-def load_trained(path: str | Path, device: str | torch.device = "cpu"):
+def load_trained(path: str | Path, device: str | torch.device = "cpu", runtime: dict | None = None):
     """(model in eval mode, tokenizer, checkpoint folder) from a run folder (its newest committed checkpoint)
-    or a checkpoint folder. Every front end that loads trained weights (generate, serve, chat, convert) uses this."""
+    or a checkpoint folder. Every front end that loads trained weights (generate, serve, chat, convert) uses this.
+    `runtime`: runtime switches to run it with (`kda_impl`, …; never stored), e.g. the GPU kernels for serving."""
     from k3.config import ModelConfig
     from k3.model.model import K3ForCausalLM
     from k3.tokenizer import Tokenizer
 
     ckpt = resolve_checkpoint(path)
     tensors, _ = load_checkpoint(ckpt)
-    config = ModelConfig.load(ckpt / "config.json")
+    config = ModelConfig.load(ckpt / "config.json").replace(**(runtime or {}))
     with torch.device("meta"):
         model = K3ForCausalLM(config)
     # assign: the model takes the loaded tensors without a second copy (every buffer is persistent)

@@ -59,6 +59,12 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(**given)
 
 
+def serving_runtime(device: str) -> dict:
+    """Runtime switches for serving on `device`: the fused KDA kernels on CUDA (the engine's paged decode step
+    advances states in place with them; the torch recurrence would gather and write back every state)."""
+    return {"kda_impl": "triton"} if str(device).startswith("cuda") else {}
+
+
 def load_model(args: argparse.Namespace):
     """(model, tokenizer, name) from --checkpoint or --preset, on --device in --dtype."""
     import torch
@@ -74,14 +80,14 @@ def load_model(args: argparse.Namespace):
 
         from k3.checkpoint import load_trained
 
-        model, tokenizer, ckpt = load_trained(args.checkpoint)
+        model, tokenizer, ckpt = load_trained(args.checkpoint, runtime=serving_runtime(device))
         name = Path(args.checkpoint).resolve().name
         model = model.to(device)
     else:
         from k3.config import get_preset
         from k3.model.model import build_model
 
-        config = get_preset(args.preset)
+        config = get_preset(args.preset).replace(**serving_runtime(device))
         model = build_model(config, seed=args.weights_seed, device=device)
         tokenizer = None
         name = f"k3-{args.preset}"
