@@ -472,16 +472,18 @@ def gpu_main(args):
         models[name] = build_model(mcfg, seed=0, device=device, dtype=dtype).eval()
     V = models["fast"].config.vocab_size
     # correctness first, in fp32 (random bf16 weights give near-tied logits, where any rounding flips an argmax):
-    # the same greedy tokens from both engines
-    prompts = [random_prompt(n, V, 50 + i) for i, n in enumerate((17, 300, 1200, 64))]
+    # the same greedy tokens from both engines. On the tiny preset: the chunked KDA kernels are tiled for bf16, and
+    # fp32 operands at head dim 128 overflow the 228 KB of shared memory an SM has.
+    checked = gpu_engines("tiny")
+    prompts = [random_prompt(n, checked["fast"][0].vocab_size, 50 + i) for i, n in enumerate((17, 300, 1200, 64))]
     outs = {}
-    for name, (mcfg, _, ecfg) in engines.items():
+    for name, (mcfg, _, ecfg) in checked.items():
         fp32 = build_model(mcfg, seed=0, device=device, dtype=torch.float32).eval()
         outs[name] = greedy_outputs(fp32, ecfg.replace(pool_bytes=4 << 30), prompts, 32)
         del fp32
     same = sum(a == b for a, b in zip(outs["fast"], outs["reference"]))
     agree = sum(x == y for a, b in zip(outs["fast"], outs["reference"]) for x, y in zip(a, b))
-    rows["gpu-greedy"] += [["fp32 prompts with identical greedy output", f"{same} / {len(prompts)}"],
+    rows["gpu-greedy"] += [["tiny preset, fp32: prompts with identical greedy output", f"{same} / {len(prompts)}"],
                            ["fp32 tokens equal", f"{agree} / {sum(len(a) for a in outs['reference'])}"]]
     console.print(f"greedy outputs equal (fp32): {same}/{len(prompts)} prompts, {agree} tokens")
     if args.profile:
