@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from k3.convert.cli import add_convert_parser
+from k3.posttrain.cli import add_make_sft_parser, add_sft_parser
+from k3.posttrain.rl_cli import add_rl_parser
 from k3.sandbox.cli import add_sandbox_parser
 from k3.serve.cli import add_serve_parser
+from k3.vision.cli import add_make_vision_parser
 
 
 def _human(n: float, unit: str = "") -> str:
@@ -62,6 +64,10 @@ def cmd_info(args) -> int:
                   f"= {_bytes(acc.mla_cache_bytes_per_token * 2**20)} at 1M tokens")
     console.print(f"KDA state: {_bytes(acc.kda_state_bytes_per_sequence)} per sequence (fp32) "
                   f"+ conv tails {_bytes(acc.kda_conv_bytes_per_sequence)} (bf16)")
+    if acc.vision:
+        console.print(f"vision (per image token, not in the totals): MoonViT-V2 tower {acc.vision['vision_tower']:,} "
+                      f"({_human(acc.vision['vision_tower'])}) + projector {acc.vision['mm_projector']:,} "
+                      f"({_human(acc.vision['mm_projector'])})")
     return 0
 
 
@@ -93,75 +99,33 @@ def cmd_train(args) -> int:
     """Train or resume a run. A stop by signal, a refusal or a failure ends in one line and the exit code that
     k3.runfolder documents (0 done, 1 system, 2 refused, 3 diverged, 128+N signal N); a stop says how to resume."""
     import dataclasses
-    import signal
     from pathlib import Path
 
-    from k3.runfolder import Interrupted, StopSignals, failure, resume_command
+    from k3.train.command import run_training_command
 
     out = Path(args.out or f"runs/{args.preset}")
-    main_rank = os.environ.get("RANK", "0") == "0"
-    resume_with = "resume with: " + resume_command("k3 train", args)
-    # installed before torch is imported: a Ctrl-C while it loads is a clean stop too, not a traceback
-    with StopSignals() as stop:
-        try:
-            from k3.train.config import ContextStage, TrainConfig
-            from k3.train.loop import train
 
-            cfg = TrainConfig(preset=args.preset, data=args.data, out=str(out))
-            overrides = {"max_steps": args.max_steps, "max_tokens": args.max_tokens,
-                         "time_budget_min": args.time_budget, "lr": args.lr, "tokens_per_step": args.tokens_per_step,
-                         "micro_batches": args.micro_batches, "seed": args.seed, "eval_every": args.eval_every,
-                         "checkpoint_every": args.checkpoint_every, "device": args.device,
-                         "vocab_size": args.vocab_size, "context_parallel": args.context_parallel,
-                         "expert_parallel": args.expert_parallel or None, "moonep": False if args.no_moonep else None,
-                         "activation_checkpointing": args.activation_checkpointing or None}
-            cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
-            if args.seq_len:
-                cfg.stages = [ContextStage(args.seq_len, 1.0)]
-            # the default length is for a new run; a resumed one keeps its own unless a length is given
-            if not (cfg.max_steps or cfg.max_tokens or cfg.time_budget_min) and not (out / "run.json").exists():
-                cfg.time_budget_min = 8.0
-            summary = train(cfg, resume="auto" if args.auto_resume else args.resume, stop=stop)
-        except BaseException as e:
-            outcome = failure(e)
-            if outcome is None:
-                raise
-            code, line = outcome
-            exists = (out / "run.json").exists()
-            if isinstance(e, Interrupted):
-                if not main_rank:
-                    return code
-                # committed checkpoints, found without importing torch (the stop may have come while it loaded)
-                last = max((p.parent for p in (out / "checkpoints").glob("step_*/COMMITTED")), default=None)
-                line += (f" at once; the last checkpoint is {last or 'not written yet'}" if exists
-                         else " before the run started (nothing to save)")
-            elif os.environ.get("WORLD_SIZE", "1") != "1":
-                line = f"rank {os.environ.get('RANK')}: {line}"
-            print(f"k3 train: {line}", file=sys.stderr)
-            if exists and main_rank and isinstance(e, (Interrupted, OSError)):
-                print(resume_with, file=sys.stderr)
-            return code
-        finally:
-            dist = sys.modules.get("torch.distributed")  # not imported again if a stop came while torch loaded
-            if dist is not None and dist.is_initialized():
-                dist.destroy_process_group()
-    if not main_rank:
-        return 0
-    if summary.stopped:
-        print(f"k3 train: stopped by {summary.stopped} at step {summary.steps} of {summary.total_steps}; checkpoint "
-              f"{summary.checkpoint}; plots in {out / 'plots'}", file=sys.stderr)
-        print(resume_with, file=sys.stderr)
-        return 128 + signal.Signals[summary.stopped]
-    if summary.steps == summary.start_step:
-        print(f"the run in {out} is complete ({summary.steps} of {summary.total_steps} steps, checkpoint "
-              f"{summary.checkpoint}); to train on, resume it with a larger --max-steps or --max-tokens")
-        return 0
-    resumed = f" (resumed at step {summary.start_step})" if summary.start_step else ""
-    print(f"trained {summary.steps} steps{resumed}, {summary.tokens:,} tokens in {summary.seconds / 60:.1f} min: "
-          f"train loss {summary.final_train_loss:.3f}, held-out loss {summary.final_eval_loss:.3f} nats/token "
-          f"(unigram entropy of the corpus {summary.unigram_entropy:.3f}); "
-          f"checkpoint {summary.checkpoint}; plots in {summary.out / 'plots'}")
-    return 0
+    def start(stop):
+        from k3.train.config import ContextStage, TrainConfig
+        from k3.train.loop import train
+
+        cfg = TrainConfig(preset=args.preset, data=args.data, out=str(out))
+        overrides = {"max_steps": args.max_steps, "max_tokens": args.max_tokens,
+                     "time_budget_min": args.time_budget, "lr": args.lr, "tokens_per_step": args.tokens_per_step,
+                     "micro_batches": args.micro_batches, "seed": args.seed, "eval_every": args.eval_every,
+                     "checkpoint_every": args.checkpoint_every, "device": args.device,
+                     "vocab_size": args.vocab_size, "context_parallel": args.context_parallel,
+                     "expert_parallel": args.expert_parallel or None, "moonep": False if args.no_moonep else None,
+                     "activation_checkpointing": args.activation_checkpointing or None}
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+        if args.seq_len:
+            cfg.stages = [ContextStage(args.seq_len, 1.0)]
+        # the default length is for a new run; a resumed one keeps its own unless a length is given
+        if not (cfg.max_steps or cfg.max_tokens or cfg.time_budget_min) and not (out / "run.json").exists():
+            cfg.time_budget_min = 8.0
+        return train(cfg, resume="auto" if args.auto_resume else args.resume, stop=stop)
+
+    return run_training_command("k3 train", args, out, start)
 
 
 def cmd_generate(args) -> int:
@@ -277,6 +241,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_parser(sub)
     add_serve_parser(sub)
     add_sandbox_parser(sub)
+    from k3.eval.cli import add_ablate_parser, add_eval_parser
+
+    add_eval_parser(sub)
+    add_ablate_parser(sub)
+    add_sft_parser(sub)
+    add_rl_parser(sub)
+    from k3.spec.cli import add_train_draft_parser
+
+    add_train_draft_parser(sub)
+
+    p = sub.add_parser("data", help="write generated data sets (no download)")
+    dsub = p.add_subparsers(dest="data_command", required=True)
+    add_make_sft_parser(dsub)
+    add_make_vision_parser(dsub)
     return parser
 
 

@@ -27,6 +27,13 @@ FusedOpImpl = Literal["auto", "reference", "triton"]
 RouterImpl = Literal["auto", "reference", "fast"]
 LossImpl = Literal["auto", "reference", "chunked", "triton"]
 ResidualDtype = Literal["activation", "float32"]
+# The baselines K3's choices replaced, for `k3 ablate` (docs/ablations.md): written to config.json only when set
+Residual = Literal["block_attn_res", "plain"]
+KDAGate = Literal["lower_bounded", "unbounded"]
+ABLATION_FIELDS = {"residual": "block_attn_res", "kda_gate": "lower_bounded"}
+# Quantization-aware training of the routed experts (k3.ops.qat, docs/qat.md) and the E8M0 scale rounding it uses
+QATFormat = Literal["none", "mxfp4"]
+MXScaleMode = Literal["floor", "ceil", "even", "rceil"]
 
 # Fields of ModelConfig that are k3 runtime choices, not part of the released schema.
 RUNTIME_FIELDS = ("kda_impl", "kda_chunk_size", "kda_save_intermediates", "mla_impl", "attn_res_impl", "moe_impl",
@@ -93,6 +100,9 @@ class VisionConfig:
     projector_ln_eps: float = 1e-5
     text_hidden_size: int = 7168
     mlp_type: str = "mlp2"
+    # ε of the tower's RMSNorms; None (not written to config.json) is the activation dtype's epsilon, the default
+    # of torch.nn.RMSNorm that the release's tower uses (docs/vision.md); unverified on the real weights
+    norm_eps: float | None = None
     # Keys of the file we do not model (e.g. `_attn_implementation`), preserved verbatim.
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -174,6 +184,15 @@ class ModelConfig:
     # AttnRes block representations and the partial sum (docs/architecture.md §4.3): in the activation dtype (autocast's
     # under autocast, else the embedding's), as the released code keeps them, or in fp32 (the embedding upcast)
     residual_dtype: ResidualDtype = "activation"
+    # ablation baselines (ABLATION_FIELDS): plain residuals instead of Block AttnRes (the read becomes the sum of its
+    # sources); the unbounded KDA gate g = -exp(A)·softplus(z + dt_bias) instead of the lower-bounded one
+    residual: Residual = "block_attn_res"
+    kda_gate: KDAGate = "lower_bounded"
+    # "mxfp4": the routed experts' GEMMs run on MXFP4 weights and MXFP8 (E4M3) inputs in training and inference,
+    # straight-through gradients; scales rounded by `qat_scale_mode` (the report does not say which: RCEIL, the
+    # cuBLAS/Blackwell rule, is ours), also the export's. Both written to config.json only when QAT is on
+    qat: QATFormat = "none"
+    qat_scale_mode: MXScaleMode = "rceil"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -242,16 +261,14 @@ class ModelConfig:
             problems.append("moe_layer_freq != 1 is not supported (K3 uses 1)")
         if self.moe_router_activation_func != "sigmoid":
             problems.append("only the sigmoid router is supported")
-        if self.hidden_act != "situ":
-            problems.append(f"hidden_act {self.hidden_act!r} is not supported (K3 uses 'situ')")
+        if self.hidden_act not in ("situ", "silu"):
+            problems.append(f"hidden_act {self.hidden_act!r} is not supported (K3 uses 'situ'; 'silu' is SwiGLU)")
         if self.num_expert_group != 1 or self.topk_group != 1:
             problems.append("grouped top-k with more than one group is not supported (K3 uses 1)")
         if not self.mla_use_nope:
             problems.append("mla_use_nope=false (rotary MLA) is not supported; K3 is NoPE")
         if not self.mla_use_output_gate:
             problems.append("mla_use_output_gate=false is not supported")
-        if not self.latent_moe_use_norm:
-            problems.append("latent_moe_use_norm=false is not supported")
         if self.tie_word_embeddings:
             problems.append("tie_word_embeddings=true is not supported (K3's head is untied)")
         if self.num_nextn_predict_layers != 0:
@@ -275,6 +292,19 @@ class ModelConfig:
                 problems.append(f"kda_impl 'triton' needs a power-of-two head_dim in [16, 256], got {d}")
         if self.mla_impl not in ("auto", "naive", "absorb"):
             problems.append(f"mla_impl must be auto|naive|absorb, got {self.mla_impl!r}")
+        if self.residual not in ("block_attn_res", "plain"):
+            problems.append(f"residual must be block_attn_res|plain, got {self.residual!r}")
+        if self.kda_gate not in ("lower_bounded", "unbounded"):
+            problems.append(f"kda_gate must be lower_bounded|unbounded, got {self.kda_gate!r}")
+        if self.kda_gate == "unbounded" and self.kda_impl not in ("naive", "recurrent"):
+            problems.append("kda_gate 'unbounded' needs kda_impl 'naive' or 'recurrent' (the other forms rely on the "
+                            "lower bound to keep factorised decays finite)")
+        if self.qat not in ("none", "mxfp4") or self.qat_scale_mode not in ("floor", "ceil", "even", "rceil"):
+            problems.append(f"qat must be none|mxfp4 and qat_scale_mode floor|ceil|even|rceil, got {self.qat!r}, "
+                            f"{self.qat_scale_mode!r}")
+        if self.qat == "mxfp4" and (self.routed_expert_hidden_size % 32 or self.moe_intermediate_size % 32):
+            problems.append("qat 'mxfp4' needs routed_expert_hidden_size and moe_intermediate_size to be multiples "
+                            "of 32 (the MX block runs along both GEMMs' reduction dims)")
         for name, choices in RUNTIME_CHOICES.items():
             if getattr(self, name) not in choices:
                 problems.append(f"{name} must be {'|'.join(choices)}, got {getattr(self, name)!r}")
@@ -295,6 +325,10 @@ class ModelConfig:
             if f.name == "linear_attn_config":
                 value = dataclasses.asdict(value)
             if f.name == "quantization_config" and value is None:
+                continue
+            if f.name in ABLATION_FIELDS and value == ABLATION_FIELDS[f.name]:
+                continue
+            if f.name in ("qat", "qat_scale_mode") and self.qat == "none":
                 continue
             text[f.name] = value
         out: dict[str, Any] = {
@@ -318,6 +352,8 @@ class ModelConfig:
         if self.vision_config is not None:
             vision = dataclasses.asdict(self.vision_config)
             vision.update(vision.pop("extra"))
+            if vision["norm_eps"] is None:
+                del vision["norm_eps"]
             out["vision_config"] = vision
         return out
 

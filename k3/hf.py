@@ -37,6 +37,7 @@ from k3.convert.release import load_release, read_release_config, save_release
 from k3.infer.api import SamplingParams
 from k3.infer.generate import generate_steps
 from k3.model.model import build_model
+from k3.vision.model import K3VisionLanguageModel
 
 MODEL_TYPE = "kimi_k3"
 
@@ -127,8 +128,10 @@ def _classes() -> dict[str, type]:
             if not isinstance(config, KimiK3Config):
                 config = KimiK3Config.from_pretrained(path)
             ckpt = load_release(path, dtype=dtype, experts=experts)
-            model = cls(config, k3_model=ckpt.model)
-            model.k3_packed_experts, model.k3_vision, model.k3_source = ckpt.packed_experts, ckpt.vision, path
+            # with a tower and projector the wrapped model is the multimodal one (k3.vision; the text model shared)
+            k3_model = K3VisionLanguageModel.from_parts(ckpt.model, ckpt.vision) if ckpt.vision else ckpt.model
+            model = cls(config, k3_model=k3_model)
+            model.k3_packed_experts, model.k3_source = ckpt.packed_experts, path
             model.k3_source_packed = experts_are_packed(read_release_config(path))
             return model.eval()
 
@@ -140,8 +143,21 @@ def _classes() -> dict[str, type]:
                 raise ValueError("push_to_hub is not supported; save to a directory and upload it yourself")
             mxfp4 = self.k3_source_packed if mxfp4 is None else mxfp4
             save_release(self.k3, save_directory, mxfp4=mxfp4 and not self.k3_packed_experts,
-                         packed_experts=self.k3_packed_experts or None, vision=self.k3_vision or None,
+                         packed_experts=self.k3_packed_experts or None, vision=self._vision_tensors() or None,
                          shard_size=max_shard_size, copy_files_from=self.k3_source)
+
+        def _vision_tensors(self) -> dict[str, torch.Tensor]:
+            return self.k3.vision_state_dict() if isinstance(self.k3, K3VisionLanguageModel) else self.k3_vision
+
+        def _media_rows(self, pixel_values: torch.Tensor | None, grid_thw: torch.Tensor | None):
+            """The projector's rows for `pixel_values` [N, 3, 14, 14] / `grid_thw` [n, 3] (k3.vision.preprocess)."""
+            if pixel_values is None and grid_thw is None:
+                return None
+            if not isinstance(self.k3, K3VisionLanguageModel):
+                raise ValueError("this checkpoint has no vision tower (no vision_tower.* tensors): text input only")
+            if pixel_values is None or grid_thw is None:
+                raise ValueError("pixel_values and grid_thw come together")
+            return self.k3.encode_media(pixel_values, grid_thw)
 
         def get_input_embeddings(self):
             return self.k3.model.embed_tokens
@@ -151,14 +167,18 @@ def _classes() -> dict[str, type]:
 
         def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                     past_key_values=None, use_cache: bool | None = None, labels: torch.Tensor | None = None,
-                    cache=None, **kwargs) -> CausalLMOutputWithPast:
+                    cache=None, pixel_values: torch.Tensor | None = None, grid_thw: torch.Tensor | None = None,
+                    **kwargs) -> CausalLMOutputWithPast:
             """input_ids [B, T]; cache (or past_key_values): a `K3Cache`, updated in place, or None;
-            labels [B, T] (shifted inside, -100 ignored). The cache comes back in the output's cache field."""
+            labels [B, T] (shifted inside, -100 ignored). The cache comes back in the output's cache field.
+            pixel_values [N, 3, 14, 14] and grid_thw [n, 3]: the images of the prompt's `<|media_pad|>` runs, in
+            order (each pad expanded to its image's token count, docs/vision.md)."""
             _no_padding(attention_mask)
             cache = cache if cache is not None else past_key_values
             if cache is None and use_cache:
                 cache = self.k3.new_cache(input_ids.shape[0])
-            logits = self.k3(input_ids, cache=cache).logits
+            rows = self._media_rows(pixel_values, grid_thw)
+            logits = self.k3(input_ids, cache=cache, **({"media_rows": rows} if rows is not None else {})).logits
             loss = None
             if labels is not None:
                 loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
@@ -172,7 +192,9 @@ def _classes() -> dict[str, type]:
                      do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
                      top_p: float | None = None, eos_token_id: int | list[int] | None = None,
                      pad_token_id: int | None = None, **kwargs) -> torch.LongTensor:
-            """input_ids [B, T] -> [B, T + generated] (k3's cache; greedy unless do_sample)."""
+            """input_ids [B, T] -> [B, T + generated] (k3's cache; greedy unless do_sample). `pixel_values` /
+            `grid_thw` as in `forward`: the images enter with the prompt's prefill."""
+            rows = self._media_rows(kwargs.pop("pixel_values", None), kwargs.pop("grid_thw", None))
             if input_ids is None:
                 raise ValueError("generate needs input_ids [B, T]")
             if kwargs.get("num_beams", 1) != 1 or kwargs.get("return_dict_in_generate"):
@@ -205,10 +227,29 @@ def _classes() -> dict[str, type]:
             params = SamplingParams(max_tokens=new, temperature=temperature, top_k=top_k or 0,
                                     top_p=top_p if top_p is not None else 1.0, stop_token_ids=eos)
             generator = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,))))
-            steps = generate_steps(self.k3, ids, params, generator, pad_id=pad)
+            model = self.k3 if rows is None else _PrefillWithMedia(self.k3, rows)
+            steps = generate_steps(model, ids, params, generator, pad_id=pad)
             return torch.cat([ids] + [step.tokens[:, None] for step in steps], dim=1)
 
     return {"KimiK3Config": KimiK3Config, "KimiK3ForCausalLM": KimiK3ForCausalLM}
+
+
+class _PrefillWithMedia:
+    """The model for `generate_steps` with the prompt's media rows bound to its first call (the prefill, which
+    holds the `<|media_pad|>` tokens); the decode steps after it are plain calls."""
+
+    def __init__(self, model: K3VisionLanguageModel, rows: torch.Tensor):
+        self.model, self.rows, self.config = model, rows, model.config
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def new_cache(self, batch_size: int):
+        return self.model.new_cache(batch_size)
+
+    def __call__(self, input_ids: torch.Tensor, **kwargs):
+        rows, self.rows = self.rows, None
+        return self.model(input_ids, media_rows=rows, **kwargs) if rows is not None else self.model(input_ids, **kwargs)
 
 
 def _no_padding(attention_mask: torch.Tensor | None) -> None:

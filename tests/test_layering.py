@@ -2,7 +2,8 @@
 included, and never another package's private names. `cli` and `hf` are front ends and may import anything.
 
     cli, hf                                   front ends
-    train        serve          convert       sandbox       services
+    posttrain (over train, infer, chat)                     services
+    train        serve          convert       sandbox
     parallel     infer   chat   checkpoint    runfolder
     optim                tokenizer
     model
@@ -33,8 +34,17 @@ ALLOWED: dict[str, set[str]] = {
     "runfolder": set(),  # run-folder lock, stop signals, one-line failures: shared by the long-running commands
     "train": {"config", "model", "ops", "optim", "parallel", "checkpoint", "tokenizer", "runfolder"},
     "convert": {"config", "model", "ops", "checkpoint"},
+    "vision": {"config", "model", "ops", "tokenizer", "chat", "runfolder"},  # composes the text model, one way
     "serve": {"config", "model", "checkpoint", "infer", "tokenizer", "chat"},
+    "posttrain": {"config", "model", "ops", "optim", "parallel", "checkpoint", "tokenizer", "runfolder", "train",
+                  "infer", "chat"},
     "sandbox": set(),  # stands alone: agents' execution environment, also usable without the model
+    # speculative decoding's draft and its training: a frozen target, the training pieces, the plain generation loop
+    "spec": {"config", "model", "ops", "optim", "checkpoint", "tokenizer", "runfolder", "train", "infer"},
+    # evaluation and ablations: models through the server or the engine, programs in the sandbox, ablation runs
+    # through the training loop
+    "eval": {"config", "model", "ops", "optim", "infer", "serve", "chat", "checkpoint", "tokenizer", "sandbox",
+             "train", "runfolder"},
 }
 FRONT_ENDS = {"cli", "hf"}
 

@@ -34,6 +34,10 @@ Design rules (each one is a test):
 - Tool calls carry `tool` and `index`; a tool result repeats the pair. String arguments are raw text, other
   JSON values compact JSON (`type="json"`); arguments that are not a JSON object fall back to one
   `<|open|>json<|sep|>…<|close|>json<|sep|>` block (input only; the parser reads it too).
+- `render_spans` is `render` cut into spans that say who writes each token: the model writes an assistant
+  turn after its generation prompt (its channels, tool calls and `<|end_of_msg|>`), everything else is
+  input. Supervised fine-tuning builds its loss mask from these spans (docs/post-training.md), so training
+  sees exactly the tokens the server renders.
 - The reply parser is a token-level state machine fed incrementally (`OutputParser`), so streaming and
   non-streaming share one code path: think → `reasoning_content`, response → `content`, calls → OpenAI
   `tool_calls` whose arguments stream as pieces of one JSON object string. `ReplyStream` adds stop strings
@@ -111,6 +115,34 @@ def header_attrs(attrs: Mapping[str, Any]) -> str:
 
 
 @dataclass
+class Span:
+    """Consecutive rendered tokens of one part of a conversation (`ChatTemplate.render_spans`).
+
+    `role`: "bos", "option", "generation-prompt", or the role of the message the tokens belong to.
+    `written`: the model writes these tokens itself: an assistant turn after its generation prompt (think and
+    response channels, tool calls, the closing `<|end_of_msg|>`), except a raw-JSON arguments block (input only).
+    """
+
+    role: str
+    ids: list[int]
+    written: bool = False
+
+
+def _add_span(spans: list[Span], role: str, ids: list[int], written: bool = False) -> None:
+    """Append `ids`, merged into the last span when it has the same role and writer."""
+    if not ids:
+        return
+    if spans and spans[-1].role == role and spans[-1].written == written:
+        spans[-1].ids.extend(ids)
+    else:
+        spans.append(Span(role, list(ids), written))
+
+
+def _join(spans: Iterable[Span]) -> list[int]:
+    return [t for span in spans for t in span.ids]
+
+
+@dataclass
 class ChatTemplate:
     """Renders OpenAI-shaped conversations (plain dicts) into K3 token ids. See the module docstring."""
 
@@ -150,36 +182,53 @@ class ChatTemplate:
         `tools` and `response_format` are rendered as given (pass the client's own JSON objects so key
         order is theirs); `tool_choice` is "none" | "auto" | "required" | {"type": "function", ...}.
         """
+        return _join(self.render_spans(messages, tools=tools, reasoning_effort=reasoning_effort,
+                                       tool_choice=tool_choice, response_format=response_format,
+                                       add_generation_prompt=add_generation_prompt))
+
+    def render_spans(self, messages: Sequence[Mapping[str, Any]], *,
+                     tools: Sequence[Mapping[str, Any]] | None = None, reasoning_effort: str | None = None,
+                     tool_choice: Any = None, response_format: Mapping[str, Any] | None = None,
+                     add_generation_prompt: bool = True) -> list[Span]:
+        """`render`'s tokens as `Span`s, in order: joined, they are exactly `render(...)` with the same arguments."""
         if not messages:
             raise TemplateError("messages must hold at least one message", "messages")
         effort = normalize_effort(reasoning_effort, self.medium_effort)
         thinking = effort is not None
-        ids = [self.tokenizer.bos_id] if self.add_bos else []
+        spans: list[Span] = []
+        if self.add_bos:
+            _add_span(spans, "bos", [self.tokenizer.bos_id])
         if tools:
-            ids += self.option("tool-declare", compact_json(list(tools)))
+            _add_span(spans, "option", self.option("tool-declare", compact_json(list(tools))))
         if thinking:
-            ids += self.option("thinking-effort", effort)
+            _add_span(spans, "option", self.option("thinking-effort", effort))
         calls: dict[str, tuple[str, int]] = {}  # tool_call_id → (tool name, index) of the latest assistant turn
         for i, message in enumerate(messages):
-            ids += self.render_message(message, thinking=thinking, calls=calls, param=f"messages[{i}]")
+            for span in self.message_spans(message, thinking=thinking, calls=calls, param=f"messages[{i}]"):
+                _add_span(spans, span.role, span.ids, span.written)
         if tool_choice is not None and tool_choice != "auto" and tools:
             body = tool_choice if isinstance(tool_choice, str) else compact_json(tool_choice)
-            ids += self.option("tool-choice", body)
+            _add_span(spans, "option", self.option("tool-choice", body))
         if response_format is not None and response_format.get("type", "text") != "text":
-            ids += self.option("response-format", compact_json(dict(response_format)))
+            _add_span(spans, "option", self.option("response-format", compact_json(dict(response_format))))
         if add_generation_prompt:
-            ids += self.generation_prompt(thinking)
-        return ids
+            _add_span(spans, "generation-prompt", self.generation_prompt(thinking))
+        return spans
 
     def render_message(self, message: Mapping[str, Any], *, thinking: bool,
                        calls: dict[str, tuple[str, int]] | None = None, param: str = "messages[0]") -> list[int]:
         """One message, `<|open|>message role=…<|sep|>` … `<|end_of_msg|>`."""
+        return _join(self.message_spans(message, thinking=thinking, calls=calls, param=param))
+
+    def message_spans(self, message: Mapping[str, Any], *, thinking: bool,
+                      calls: dict[str, tuple[str, int]] | None = None, param: str = "messages[0]") -> list[Span]:
+        """`render_message` as `Span`s."""
         calls = {} if calls is None else calls
         role = message.get("role")
         if role not in ROLES:
             raise TemplateError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}", f"{param}.role")
         if role == "assistant":
-            return self.render_assistant(message, thinking=thinking, calls=calls, param=param)
+            return self.assistant_message_spans(message, thinking=thinking, calls=calls, param=param)
         text = content_text(message.get("content"), f"{param}.content")
         if role == "tool":
             call_id = message.get("tool_call_id")
@@ -187,36 +236,54 @@ class ChatTemplate:
                 raise TemplateError(f"tool message answers unknown tool_call_id {call_id!r}: it must follow an "
                                     "assistant message with that tool call", f"{param}.tool_call_id")
             name, index = calls[call_id]
-            return self.open_tag("message", role="tool", tool=name, index=index) + self.text(text) + [self.end_id]
+            header = self.open_tag("message", role="tool", tool=name, index=index)
+            return [Span(role, header + self.text(text) + [self.end_id])]
         attrs = {"role": role}
         if message.get("name"):
             attrs["name"] = message["name"]
-        return self.open_tag("message", **attrs) + self.text(text) + [self.end_id]
+        return [Span(role, self.open_tag("message", **attrs) + self.text(text) + [self.end_id])]
 
     def render_assistant(self, message: Mapping[str, Any], *, thinking: bool,
                          calls: dict[str, tuple[str, int]] | None = None, param: str = "messages[0]") -> list[int]:
-        calls = {} if calls is None else calls
-        ids = self.open_tag("message", role="assistant")
-        ids += self.assistant_body(message, thinking=thinking, calls=calls, param=param)
-        return ids + [self.end_id]
+        return _join(self.assistant_message_spans(message, thinking=thinking, calls=calls, param=param))
+
+    def assistant_message_spans(self, message: Mapping[str, Any], *, thinking: bool,
+                                calls: dict[str, tuple[str, int]] | None = None,
+                                param: str = "messages[0]") -> list[Span]:
+        """`render_assistant` as `Span`s: the generation prompt, then what the model writes."""
+        spans = [Span("assistant", self.open_tag("message", role="assistant"))]
+        for span in self.assistant_spans(message, thinking=thinking, calls=calls, param=param):
+            _add_span(spans, span.role, span.ids, span.written)
+        _add_span(spans, "assistant", [self.end_id], written=True)
+        return spans
 
     def assistant_body(self, message: Mapping[str, Any], *, thinking: bool,
                        calls: dict[str, tuple[str, int]] | None = None, param: str = "messages[0]") -> list[int]:
         """The channels of an assistant message (what the model writes after the generation prompt's tag)."""
+        return _join(self.assistant_spans(message, thinking=thinking, calls=calls, param=param))
+
+    def assistant_spans(self, message: Mapping[str, Any], *, thinking: bool,
+                        calls: dict[str, tuple[str, int]] | None = None, param: str = "messages[0]") -> list[Span]:
+        """`assistant_body` as `Span`s: the first channel's opening tag (part of the generation prompt) is not
+        written by the model, nor is a raw-JSON arguments block; everything else is."""
         calls = {} if calls is None else calls
         reasoning = message.get("reasoning_content") or ""
         if not isinstance(reasoning, str):
             raise TemplateError("reasoning_content must be a string", f"{param}.reasoning_content")
         content = content_text(message.get("content"), f"{param}.content")
         tool_calls = message.get("tool_calls") or []
-        ids: list[int] = []
+        spans: list[Span] = []
         if thinking or reasoning:
-            ids += self.open_tag("think") + self.text(reasoning) + self.close_tag("think")
-        # always a response channel (maybe empty), so a reply written after the instruct prompt renders back as is
-        ids += self.open_tag("response") + self.text(content) + self.close_tag("response")
+            _add_span(spans, "assistant", self.open_tag("think"))
+            _add_span(spans, "assistant", self.text(reasoning) + self.close_tag("think"), written=True)
+            # always a response channel (maybe empty), so a reply written after the instruct prompt renders back as is
+            _add_span(spans, "assistant", self.open_tag("response"), written=True)
+        else:
+            _add_span(spans, "assistant", self.open_tag("response"))
+        _add_span(spans, "assistant", self.text(content) + self.close_tag("response"), written=True)
         if tool_calls:
             calls.clear()
-            ids += self.open_tag("tools")
+            _add_span(spans, "assistant", self.open_tag("tools"), written=True)
             for index, call in enumerate(tool_calls):
                 cparam = f"{param}.tool_calls[{index}]"
                 function = call.get("function") or {}
@@ -224,14 +291,19 @@ class ChatTemplate:
                 if not isinstance(name, str) or not name:
                     raise TemplateError("a tool call needs function.name", f"{cparam}.function.name")
                 calls[call.get("id") or f"call_{index}"] = (name, index)
-                ids += self.open_tag("call", tool=name, index=index)
-                ids += self.arguments(function.get("arguments", "{}"), f"{cparam}.function.arguments")
-                ids += self.close_tag("call")
-            ids += self.close_tag("tools")
-        return ids
+                _add_span(spans, "assistant", self.open_tag("call", tool=name, index=index), written=True)
+                for span in self.argument_spans(function.get("arguments", "{}"), f"{cparam}.function.arguments"):
+                    _add_span(spans, span.role, span.ids, span.written)
+                _add_span(spans, "assistant", self.close_tag("call"), written=True)
+            _add_span(spans, "assistant", self.close_tag("tools"), written=True)
+        return spans
 
     def arguments(self, arguments: Any, param: str) -> list[int]:
         """A JSON-object argument string → typed `argument` blocks; anything else → one `json` block."""
+        return _join(self.argument_spans(arguments, param))
+
+    def argument_spans(self, arguments: Any, param: str) -> list[Span]:
+        """`arguments` as one `Span`: typed blocks are written by the model, a raw `json` block is input only."""
         if not isinstance(arguments, str):
             raise TemplateError("function.arguments must be a JSON string", param)
         try:
@@ -239,7 +311,7 @@ class ChatTemplate:
         except ValueError:
             parsed = None
         if not isinstance(parsed, dict):
-            return self.open_tag("json") + self.text(arguments) + self.close_tag("json")
+            return [Span("assistant", self.open_tag("json") + self.text(arguments) + self.close_tag("json"))]
         ids = []
         for key, value in parsed.items():
             if isinstance(value, str):
@@ -247,7 +319,7 @@ class ChatTemplate:
             else:
                 ids += self.open_tag("argument", name=key, type="json") + self.text(compact_json(value))
             ids += self.close_tag("argument")
-        return ids
+        return [Span("assistant", ids, written=True)]
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """`k3 convert`: release layout <-> k3 training checkpoints. Thin front-ends over `k3.convert.release`.
 
-    k3 convert to-release RUN_OR_CKPT OUT [--mxfp4] [--shard-size 5GB]
+    k3 convert to-release RUN_OR_CKPT OUT [--mxfp4 [--scale-mode floor|ceil|even|rceil]] [--shard-size 5GB]
     k3 convert from-release RELEASE_DIR OUT [--dtype bfloat16|float32]
 
 `to-release` reads a run folder (its newest committed checkpoint) or one checkpoint folder
@@ -27,10 +27,16 @@ def cmd_to_release(args) -> int:
 
     model, _, ckpt = load_trained(args.source)
     tokenizer = ckpt / "tokenizer"
+    if args.scale_mode is not None and not args.mxfp4:
+        raise ValueError("--scale-mode applies to --mxfp4 exports only")
     out = save_release(model, args.out, mxfp4=args.mxfp4, shard_size=args.shard_size,
-                       copy_files_from=tokenizer if tokenizer.is_dir() else None)
+                       copy_files_from=tokenizer if tokenizer.is_dir() else None, scale_mode=args.scale_mode)
     shards = len(list(out.glob("model-*.safetensors")))
-    print(f"wrote {out}: {shards} shard(s), experts {'MXFP4' if args.mxfp4 else 'bf16'}, from {ckpt}")
+    config = model.config
+    mode = args.scale_mode or (config.qat_scale_mode if config.qat == "mxfp4" else "floor")
+    experts = f"MXFP4 (scales {mode})" if args.mxfp4 else "bf16"
+    qat = f", trained with QAT ({config.qat}, {config.qat_scale_mode})" if config.qat != "none" else ""
+    print(f"wrote {out}: {shards} shard(s), experts {experts}, from {ckpt}{qat}")
     return 0
 
 
@@ -57,7 +63,8 @@ def cmd_from_release(args) -> int:
         config_json = json.dumps(model.config.to_config_json(), indent=2)
         path = save_checkpoint(Path(args.out) / "checkpoints", 0, model.state_dict(), train_state,
                                extra_files={"config.json": config_json}, extra_dirs={"tokenizer": tok})
-    note = f"; {len(ckpt.vision)} vision tensors not carried (k3 has no vision module yet)" if ckpt.vision else ""
+    note = f"; {len(ckpt.vision)} vision tensors not carried (a k3 checkpoint holds the text model)" \
+        if ckpt.vision else ""
     print(f"wrote {path} (k3 generate {args.out}){note}")
     return 0
 
@@ -70,6 +77,8 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     t.add_argument("source", help="a run folder (its newest checkpoint) or a checkpoint folder")
     t.add_argument("out", help="output directory")
     t.add_argument("--mxfp4", action="store_true", help="routed experts as packed MXFP4 (default bf16)")
+    t.add_argument("--scale-mode", choices=("floor", "ceil", "even", "rceil"), default=None,
+                   help="E8M0 scale rounding of --mxfp4 (default: a QAT run's qat_scale_mode, else floor)")
     t.add_argument("--shard-size", default="5GB", help="max shard size, e.g. 5GB, 500MB (default 5GB)")
     t.set_defaults(func=cmd_to_release)
     f = sub.add_parser("from-release", help="a released-layout directory -> a k3 checkpoint (for k3 generate)")

@@ -10,7 +10,7 @@ k3 (`K3ForCausalLM.state_dict()`)                  -> release
       or, packed (MXFP4, group 32), `….{e}.w1.weight_packed` [I, L/2] + `….{e}.w1.weight_scale` [I, L/32] uint8
 - `….experts.w2` [E, L, I]                          -> `….experts.{e}.w2.weight` [L, I] (packed [L, I/2], [L, I/32])
 - `model.layers.ℓ.self_attn.A_log` [H]              -> `language_model.….A_log` [max(H, K)], zero tail
-- (no vision module yet)                             -> `vision_tower.…`, `mm_projector.…` (`vision_layout`)
+- `vision_tower.…`, `mm_projector.…` (k3.vision)     -> the same names and shapes (`vision_layout`)
 
 So every name k3 has is `language_model.` + the k3 name, except that the stacked routed experts split
 into one tensor per expert and kind (`w1` = gate, `w3` = up, `w2` = down). Router
@@ -104,6 +104,8 @@ def is_expert_name(k3_name: str) -> bool:
 
 def to_release(k3_name: str, num_experts: int = 0, packed: bool = False) -> list[str]:
     """k3 name -> its release name(s): one, or E × (1 or 2) per-expert names for a stacked expert tensor."""
+    if is_vision_name(k3_name):  # k3.vision's modules carry the release names
+        return [k3_name]
     m = _K3_EXPERT.match(k3_name)
     if m is None:
         return [TEXT_PREFIX + k3_name]
@@ -113,7 +115,8 @@ def to_release(k3_name: str, num_experts: int = 0, packed: bool = False) -> list
 
 
 def from_release(release_name: str) -> ReleaseName | None:
-    """Release name -> ReleaseName; None for vision tower / projector names (k3 has no vision module yet).
+    """Release name -> ReleaseName; None for vision tower / projector names (not in the text model: they keep
+    their names in `k3.vision`'s multimodal model, and `load_release` returns them in `ReleaseCheckpoint.vision`).
 
     Raises ValueError for a name outside both the text stack (`language_model.`) and vision prefixes.
     """
@@ -206,8 +209,9 @@ def k3_release_specs(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, Te
     """Every k3 tensor of `model` (meta is fine) -> TensorSpec with its released dtype: fp32 for
     `model.fp32_tensor_names()`, else `dtype`."""
     fp32 = set(model.fp32_tensor_names())
+    # a multimodal model's tower and projector are listed by `vision_layout`, not as text tensors
     return {name: TensorSpec(tuple(t.shape), torch.float32 if name in fp32 else dtype)
-            for name, t in model.state_dict(keep_vars=True).items()}
+            for name, t in model.state_dict(keep_vars=True).items() if not is_vision_name(name)}
 
 
 def release_layout(model: torch.nn.Module, packed: bool, dtype: torch.dtype = torch.bfloat16,
@@ -219,3 +223,26 @@ def release_layout(model: torch.nn.Module, packed: bool, dtype: torch.dtype = to
     if vision and config.vision_config is not None:
         out |= vision_layout(config.vision_config, dtype)
     return out
+
+
+# The speculative draft (`k3.spec.draft.Draft`, docs/speculative.md). The release has no MTP layer; the draft is
+# stored as one would be in DeepSeek-V3's convention, the layer after the backbone's (`model.layers.{L}.…`, L =
+# num_hidden_layers), with the draft's own tensor names under it, in a file of its own beside the release's shards.
+DRAFT_FILE = "draft.safetensors"
+DRAFT_CONFIG_FILE = "draft_config.json"
+
+
+def draft_to_release(draft_name: str, config: ModelConfig, packed: bool = False) -> list[str]:
+    """A draft tensor name (`Draft.state_dict()`) -> its release name(s): `language_model.model.layers.{L}.` + the
+    name; the stacked routed experts split per expert as the backbone's (`to_release`)."""
+    return to_release(f"model.layers.{config.num_hidden_layers}.{draft_name}", config.num_experts, packed)
+
+
+def draft_from_release(release_name: str, config: ModelConfig) -> ReleaseName:
+    """A release name of the draft layer -> where it lives in the draft (`k3_name` is the draft's own tensor name);
+    ValueError for a name outside that layer."""
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    found = from_release(release_name)
+    if found is None or not found.k3_name.startswith(prefix):
+        raise ValueError(f"tensor {release_name!r} is not in the draft layer ({TEXT_PREFIX}{prefix}…)")
+    return ReleaseName(found.k3_name[len(prefix):], found.expert, found.field)

@@ -16,14 +16,16 @@ Loading (`load_release`):
    into the stacked `experts.w1/w2/w3` (`experts="dequantize"`), or kept packed (`experts="packed"`):
    then the model's expert parameters stay on the meta device and the stacked packed tensors are returned
    in `ReleaseCheckpoint.packed_experts` for an MXFP4 kernel (`dequantize_experts` fills them later).
-5. Vision tower / projector tensors (k3 has no vision module yet) are returned as stored, so a save
-   writes them back unchanged.
+5. Vision tower / projector tensors are returned as stored, by release name (`ReleaseCheckpoint.vision`), so a
+   save writes them back unchanged; `k3.vision.model.K3VisionLanguageModel.from_parts(ckpt.model, ckpt.vision)`
+   builds the multimodal model, and `save_release(vlm, vision=vlm.vision_state_dict())` writes it.
 
 Saving (`save_release`): the same names, shapes and dtypes; shards of at most `shard_size` bytes in a
 fixed order (text stack in layer order, then vision), the index, config.json (with the release's
 `quantization_config` exactly when experts are packed), and the tokenizer files copied. Routed experts
-are written packed when kept packed or when `mxfp4=True` (quantised with `k3.convert.mx`, scale mode
-`floor` by default, which reproduces the packed bytes of a dequantised release exactly).
+are written packed when kept packed or when `mxfp4=True` (quantised with `k3.ops.mx`, scale mode
+`floor` by default, which reproduces the packed bytes of a dequantised release exactly; a model trained with QAT
+uses its `qat_scale_mode`, so the packed experts decode to exactly the weights its forward used, docs/qat.md).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from safetensors.torch import save_file
 
 from k3.config import ModelConfig
 from k3.convert import names as N
-from k3.convert.mx import ScaleMode, mx_dequantize, mx_quantize
+from k3.ops.mx import ScaleMode, mx_dequantize, mx_quantize
 from k3.model.model import K3ForCausalLM
 from k3.model.moe import LatentExperts
 
@@ -333,10 +335,12 @@ def copy_other_files(source: str | Path, out: str | Path) -> list[str]:
 def save_release(model: K3ForCausalLM, out: str | Path, *, mxfp4: bool = False,
                  packed_experts: dict[str, torch.Tensor] | None = None, vision: dict[str, torch.Tensor] | None = None,
                  shard_size: int | str = "5GB", copy_files_from: str | Path | None = None,
-                 dtype: torch.dtype | None = None, scale_mode: ScaleMode = "floor") -> Path:
+                 dtype: torch.dtype | None = None, scale_mode: ScaleMode | None = None) -> Path:
     """Write `model` in the release layout into directory `out`; returns `out`.
 
-    mxfp4: quantise the routed experts to MXFP4 (`scale_mode`, default the OCP `floor` rule).
+    mxfp4: quantise the routed experts to MXFP4 with `scale_mode`: by default the model's `qat_scale_mode` when it
+    trained with QAT (the packed experts then decode to exactly the weights of its forward; another mode is refused),
+    else the OCP `floor` rule.
     packed_experts: write these kept-packed experts as they are (implies packed; see `load_release`).
     vision: vision tower / projector tensors by release name, written unchanged.
     dtype: dtype of the non-fp32 tensors (default: the config's `dtype`, bf16).
@@ -346,6 +350,10 @@ def save_release(model: K3ForCausalLM, out: str | Path, *, mxfp4: bool = False,
     config = model.config
     dtype = dtype or getattr(torch, config.dtype)
     packed = mxfp4 or packed_experts is not None
+    if config.qat == "mxfp4" and scale_mode not in (None, config.qat_scale_mode):
+        raise ValueError(f"this model trained with QAT under scale mode {config.qat_scale_mode!r}; exporting with "
+                         f"{scale_mode!r} would change the expert weights its forward used")
+    scale_mode = scale_mode or (config.qat_scale_mode if config.qat == "mxfp4" else "floor")
     experts_on_meta = any(p.is_meta for n, p in model.named_parameters() if N.is_expert_name(n))
     if experts_on_meta and packed_experts is None:
         raise ValueError("the model's routed experts are kept packed (on the meta device); pass packed_experts")
@@ -405,3 +413,49 @@ def save_release(model: K3ForCausalLM, out: str | Path, *, mxfp4: bool = False,
                            dtype=str(dtype).removeprefix("torch."))
     saved.save(out / "config.json")
     return out
+
+
+def save_draft_release(state_dict: dict[str, torch.Tensor], config: ModelConfig, out: str | Path,
+                       info: dict[str, Any] | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write a speculative draft's tensors (`k3.spec.draft.Draft.state_dict()` of a draft for `config`) into the
+    release directory `out` as `draft.safetensors`, named by `names.draft_to_release` (routed experts one tensor per
+    expert, unpacked; `dtype`, the router bias fp32), and `info` as `draft_config.json`. The release's index and
+    shards are not touched. Returns the safetensors path."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in state_dict.items():
+        names = N.draft_to_release(name, config)
+        kind = torch.float32 if name.endswith("e_score_correction_bias") else dtype
+        parts = t.unbind(0) if len(names) > 1 else [t]  # stacked experts [E, …] -> one tensor per expert
+        for release_name, part in zip(names, parts, strict=True):
+            tensors[release_name] = part.detach().to("cpu", kind).contiguous()
+    path = out / N.DRAFT_FILE
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    (out / N.DRAFT_CONFIG_FILE).write_text(json.dumps(info or {}, indent=2) + "\n")
+    return path
+
+
+def load_draft_release(path: str | Path, config: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(the draft's state dict, draft_config.json) from a release directory's `draft.safetensors`: the inverse of
+    `save_draft_release`, per-expert tensors stacked back into `experts.w1/w2/w3`. ValueError for a tensor outside the
+    draft layer or an expert missing."""
+    path = Path(path)
+    if not (path / N.DRAFT_FILE).is_file():
+        raise ValueError(f"{path} holds no {N.DRAFT_FILE}")
+    state: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    with safe_open(str(path / N.DRAFT_FILE), framework="pt") as f:
+        for release_name in f.keys():
+            where = N.draft_from_release(release_name, config)
+            if where.expert is None:
+                state[where.k3_name] = f.get_tensor(release_name)
+            else:
+                experts.setdefault(where.k3_name, {})[where.expert] = f.get_tensor(release_name)
+    for name, parts in experts.items():
+        if sorted(parts) != list(range(config.num_experts)):
+            raise ValueError(f"{path / N.DRAFT_FILE}: {name} holds experts {sorted(parts)[:4]}…, not all "
+                             f"{config.num_experts}")
+        state[name] = torch.stack([parts[e] for e in range(config.num_experts)])
+    info_path = path / N.DRAFT_CONFIG_FILE
+    return state, json.loads(info_path.read_text()) if info_path.is_file() else {}

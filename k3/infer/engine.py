@@ -220,6 +220,26 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy a full state dict (the model's names; any dtype or device) into the engine's model in place and drop
+        every cached prefix, whose pages hold the old weights' keys and states. How RL hands the trainer's weights to
+        its rollout engine each iteration (k3.posttrain.rollout). Needs an idle engine: a running request's cache
+        would mix the two models."""
+        if self.has_unfinished():
+            raise ValueError("load_weights needs an idle engine: finish or abort its requests first")
+        with torch.no_grad():
+            self.model.load_state_dict(tensors)
+        self.clear_prefix_cache()
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached prefix, on the device and in the CPU pool (an idle engine: no page is in use)."""
+        if self.has_unfinished():
+            raise ValueError("clear_prefix_cache needs an idle engine: finish or abort its requests first")
+        for block in list(self.prefix.lru):
+            self.prefix.evict(block, write_back=False)
+        if self.host_pool is not None:
+            self.host_pool.clear()
+
     def step(self) -> list[RequestOutput]:
         """Run one forward over the scheduled pieces; return what each request produced (new tokens, or
         its finish). Requests still prefilling produce nothing."""

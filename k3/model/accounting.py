@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3.config import ModelConfig
+from k3.config import ModelConfig, VisionConfig
 from k3.model.model import K3ForCausalLM
 
 # (component, active fraction) for each top-level piece of a parameter name
@@ -54,6 +54,8 @@ class Accounting:
     weight_bytes_bf16: int = 0
     num_kda_layers: int = 0
     num_mla_layers: int = 0
+    # MoonViT-V2 tower and projector (`vision_tower`, `mm_projector`): per image token, outside the text totals
+    vision: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -91,4 +93,18 @@ def account(config: ModelConfig, preset: str | None = None, cache_dtype_bytes: i
         weight_bytes_bf16=2 * total,
         num_kda_layers=n_kda,
         num_mla_layers=n_mla,
+        vision=vision_param_counts(config.vision_config) if config.vision_config is not None else {},
     )
+
+
+def vision_param_counts(vision: VisionConfig) -> dict[str, int]:
+    """Parameters of the tower and the projector, from the vision_config's shapes (docs/architecture.md §7.3–7.4;
+    K3: 401,214,464 and 46,144,512). The model package does not import k3.vision; tests/vision ties this
+    arithmetic to the modules' own counts."""
+    D, Q, F, p = vision.vt_hidden_size, vision.qkv_hidden_size, vision.vt_intermediate_size, vision.patch_size
+    block = 3 * Q * D + Q * D + 2 * F * D + 2 * D  # wqkv, wo, fc0 + fc1, norm0 + norm1
+    tower = 3 * p * p * D + vision.init_pos_emb_height * vision.init_pos_emb_width * D \
+        + vision.vt_num_hidden_layers * block + D
+    merged = vision.mm_hidden_size * vision.merge_kernel_size[0] * vision.merge_kernel_size[1]
+    projector = merged * merged + vision.text_hidden_size * merged + vision.text_hidden_size
+    return {"vision_tower": tower, "mm_projector": projector}

@@ -95,6 +95,12 @@ def select_read(impl: str, x: torch.Tensor):
     return attn_res_read
 
 
+def plain_residual_read(w: torch.Tensor, sources: list[torch.Tensor]) -> torch.Tensor:
+    """The read of plain residuals (`residual: plain`, the ablation baseline): the sources' sum, which in the direct
+    wiring is the usual residual stream h_0 + Σ sublayer outputs; the query is unused."""
+    return sources[0] if len(sources) == 1 else torch.stack(sources).sum(0)
+
+
 def seal(source: torch.Tensor, read) -> torch.Tensor:
     """A finished block (or the embedding) as a source of the later reads. Under the fused read its gradient is
     summed inside the reads' backward kernels (`k3.ops.attn_res.seal_source`), not by the autograd engine."""

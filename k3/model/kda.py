@@ -43,6 +43,7 @@ class KimiDeltaAttention(nn.Module):
         self.num_heads, self.head_dim = lin.num_heads, lin.head_dim
         self.conv_size = lin.short_conv_kernel_size
         self.gate_lower_bound = lin.gate_lower_bound
+        self.gate = config.kda_gate  # "lower_bounded" (K3), or "unbounded" (the ablation baseline)
         self.impl = config.kda_impl
         self.chunk_size = config.kda_chunk_size
         self.save_intermediates = config.kda_save_intermediates
@@ -90,6 +91,9 @@ class KimiDeltaAttention(nn.Module):
     def gate_inputs(self, q: torch.Tensor, k: torch.Tensor, z: torch.Tensor, beta_logits: torch.Tensor):
         """Raw → recurrence inputs: L2-normed q, k; g = g_min·σ(exp(A)(z + dt_bias)) (fp32); β = σ(·) (fp32)."""
         g = naive_kda_gate(z, self.A_log, self.dt_bias, self.gate_lower_bound)  # fp32, in (g_min, 0)
+        if self.gate == "unbounded":  # Kimi Linear / GDN's gate, -exp(A)·softplus(z + dt_bias), in (-inf, 0)
+            x = z.to(g.dtype) + self.dt_bias.to(g.dtype).view(z.shape[-2:])
+            g = -self.A_log.to(g.dtype).exp().view(-1, 1) * torch.nn.functional.softplus(x)
         beta = torch.sigmoid(beta_logits if beta_logits.dtype == torch.float64 else beta_logits.float())
         return l2_normalize(q), l2_normalize(k), g, beta
 
@@ -156,12 +160,12 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, layout: SequenceLayout, state: KDAState | None = None,
                 use_cache: bool = False) -> tuple[torch.Tensor, KDAState | None]:
         """x [B, T, D] (already input_layernorm'ed). Returns (y [B, T, D], new state or None)."""
+        if isinstance(state, PagedKDAState):
+            return self.paged_decode(x, state), state
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         cu = layout.cu_seqlens
 
-        if isinstance(state, PagedKDAState):
-            return self.paged_decode(x, state), state
         q_pre, k_pre, v_pre, g_pre, beta_logits, f_a = self.input_projections(x)
 
         def conv_path(pre: torch.Tensor, conv: nn.Conv1d, conv_state):

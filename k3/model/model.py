@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from k3.config import ModelConfig
-from k3.model.attn_res import block_reads, fused_two_phase_available, pseudo_query, seal, select_read
+from k3.model.attn_res import (block_reads, fused_two_phase_available, plain_residual_read, pseudo_query, seal,
+                               select_read)
 from k3.model.cache import K3Cache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
@@ -83,7 +84,7 @@ class DecoderLayer(nn.Module):
             self.block_sparse_moe = StableLatentMoE(config)
         else:
             self.mlp = SiTUMLP(D, config.intermediate_size, config.activation_situ_beta,
-                               config.activation_situ_linear_beta, config.situ_impl)
+                               config.activation_situ_linear_beta, config.situ_impl, config.hidden_act)
         self.attn_res_block_size = config.attn_res_block_size
 
     def attn_query(self) -> torch.Tensor:
@@ -155,13 +156,21 @@ class K3Model(nn.Module):
             return torch.get_autocast_dtype(device.type)
         return self.embed_tokens.weight.dtype
 
-    def forward(self, input_ids, layout, cache=None, router_infos=None, mla_max_logits=None):
-        """input_ids [B, T] -> final normed hidden states [B, T, D]."""
-        h = self.embed_tokens(input_ids).to(self.residual_dtype(input_ids.device))
+    def forward(self, input_ids, layout, cache=None, router_infos=None, mla_max_logits=None, inputs_embeds=None,
+                blocks=None):
+        """input_ids [B, T] -> final normed hidden states [B, T, D]. `inputs_embeds` [B, T, D] replaces
+        `embed_tokens(input_ids)` (the multimodal model splices image rows into it, docs/vision.md).
+        `blocks` (a list or `Collector`): gets the AttnRes block representations b_0 … b_n (b_0 the embedding, b_n
+        the last, possibly partial, block), then the output read before `norm`: the speculative draft's features
+        (docs/speculative.md)."""
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        h = h.to(self.residual_dtype(input_ids.device))
         if self._two_phase():
-            h = self._layers_two_phase(h, layout, cache, router_infos, mla_max_logits)
+            h = self._layers_two_phase(h, layout, cache, router_infos, mla_max_logits, blocks)
         else:
-            h = self._layers_direct(h, layout, cache, router_infos, mla_max_logits)
+            h = self._layers_direct(h, layout, cache, router_infos, mla_max_logits, blocks)
+        if blocks is not None:
+            blocks.append(h)
         return self.norm(h)
 
     def _block_queries(self) -> int:
@@ -171,22 +180,26 @@ class K3Model(nn.Module):
 
     def _two_phase(self) -> bool:
         """The AttnRes wiring (module docstring of k3.model.attn_res): two-phase or direct."""
-        if self.config.attn_res_impl != "two_phase":
+        if self.config.attn_res_impl != "two_phase" or self.config.residual == "plain":
             return False
         if torch.is_grad_enabled() and getattr(self.layers[0].forward, "k3_checkpointed", False):
             raise ValueError("attn_res_impl='two_phase' is not checkpointed per layer; with activation "
                              "checkpointing use 'auto' or 'triton' (the direct wiring)")
         return True
 
-    def _layers_direct(self, h, layout, cache, router_infos, mla_max_logits):
+    def _layers_direct(self, h, layout, cache, router_infos, mla_max_logits, blocks=None):
         read = select_read(self.config.attn_res_impl, h)
+        if self.config.residual == "plain":  # the ablation baseline: every read is the plain residual sum
+            read = plain_residual_read
         sealed: list[torch.Tensor] = []
         partial = h
         for layer in self.layers:
             sealed, partial = layer(sealed, partial, layout, cache, router_infos, mla_max_logits, read)
+        if blocks is not None:
+            blocks.extend(sealed + [partial])
         return read(self.output_query(), sealed + [partial])
 
-    def _layers_two_phase(self, h, layout, cache, router_infos, mla_max_logits):
+    def _layers_two_phase(self, h, layout, cache, router_infos, mla_max_logits, blocks=None):
         """Same result as `_layers_direct`; sealed sources are read once per block (docs/architecture.md §4.4)."""
         S, L = self.config.attn_res_block_size, len(self.layers)
         fused = fused_two_phase_available(h, self._block_queries())
@@ -208,6 +221,8 @@ class K3Model(nn.Module):
             partial = y.to(sealed[0].dtype) if partial is None else partial + y
             m = read(block_len + i - block_start, layer.mlp_query(), partial)
             partial = partial + layer.ffn(m, router_infos)
+        if blocks is not None:
+            blocks.extend(sealed + [partial])
         return read(2 * block_len, self.output_query(), partial)
 
 
@@ -229,12 +244,13 @@ class K3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 cache: K3Cache | None = None, return_router_infos: bool = False,
                 return_mla_max_logits: bool = False, logits_at: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> K3Output:
+                labels: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> K3Output:
         """input_ids [B, T] int. Returns logits [B, T, V], or [n, V] at the flat positions (into B·T)
         given by `logits_at` [n] — what a decoding engine needs, without the head's cost at every token.
         With `labels` [B, T] (ignore_index where unlabelled) it returns the summed loss instead of logits,
         through `config.loss_impl` (on CUDA chunked, with the Triton row kernel: the [B·T, V] logits never
-        exist at once).
+        exist at once). `inputs_embeds` [B, T, D] on the model's device: the embedding rows to run instead of
+        `embed_tokens(input_ids)` (image rows spliced in, docs/vision.md); input_ids are still checked.
 
         - Training / packed prefill: `cu_seqlens` [N+1] offsets into the flattened B·T tokens
           (every row boundary must be a document boundary); nothing crosses documents.
@@ -283,7 +299,10 @@ class K3ForCausalLM(nn.Module):
                                  "(input_ids [1, T] and cu_seqlens, one document per sequence)")
         router_infos = Collector() if return_router_infos else None
         max_logits = Collector() if return_mla_max_logits else None
-        h = self.model(input_ids, layout, cache, router_infos, max_logits)
+        if inputs_embeds is not None and tuple(inputs_embeds.shape) != (B, T, self.config.hidden_size):
+            raise ValueError(f"inputs_embeds must be [B, T, D] = {[B, T, self.config.hidden_size]}, "
+                             f"got {list(inputs_embeds.shape)}")
+        h = self.model(input_ids, layout, cache, router_infos, max_logits, inputs_embeds=inputs_embeds)
         loss = logits = None
         if labels is not None:
             loss = linear_cross_entropy(h.reshape(B * T, -1), self.lm_head.weight, labels.reshape(B * T),

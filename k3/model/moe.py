@@ -32,6 +32,8 @@ from k3.model.norm import RMSNorm
 from k3.model.projections import fused_linears
 from k3.model.quantile_balancing import route_topk_with_cutoff
 from k3.ops.moe import gathered_latent_experts, grouped_latent_experts
+from k3.ops.qat import (fake_quantize_input, fake_quantize_weight, qat_gathered_latent_experts,
+                        qat_grouped_latent_experts)
 from k3.ops.router import router_logits_reference, split_router_applies, split_router_logits
 from k3.ops.situ import naive_situ_glu, situ_glu
 
@@ -44,19 +46,28 @@ def use_fast(impl: str, fast: str, x: torch.Tensor) -> bool:
 class SiTUMLP(nn.Module):
     """down_proj(SiTU-GLU(gate_proj x, up_proj x)): the dense layer-0 FFN and the shared experts."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, beta1: float, beta2: float, impl: str = "auto"):
+    def __init__(self, hidden_size: int, intermediate_size: int, beta1: float, beta2: float, impl: str = "auto",
+                 activation: str = "situ"):
         super().__init__()
         self.beta1, self.beta2 = beta1, beta2
         self.impl = impl  # situ_impl
+        self.activation = activation  # hidden_act: "situ", or "silu" (SwiGLU, the ablation baseline)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = situ_glu if use_fast(self.impl, "triton", x) else naive_situ_glu
+        act = swiglu if self.activation == "silu" else act
         # gate and up as one GEMM; SiTU-GLU reads the two column slices in place
         gate, up = fused_linears(x, (self.gate_proj, self.up_proj), row_multiple=16)
         return self.down_proj(act(gate, up, self.beta1, self.beta2))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, beta1: float | None = None, beta2: float | None = None) -> torch.Tensor:
+    """SwiGLU, silu(gate)·up: the GLU SiTU-GLU replaced (`hidden_act: silu`; docs/ablations.md). The betas are
+    SiTU's and unused."""
+    return torch.nn.functional.silu(gate) * up
 
 
 class Router(nn.Module):
@@ -80,30 +91,42 @@ class Router(nn.Module):
 
 
 class LatentExperts(nn.Module):
-    """Routed experts stacked per kind: w1 (gate) and w3 (up) [E, I, L], w2 (down) [E, L, I]."""
+    """Routed experts stacked per kind: w1 (gate) and w3 (up) [E, I, L], w2 (down) [E, L, I].
+
+    Under QAT every path (reference, grouped, gathered) runs its GEMMs on MXFP4 weights and MXFP8 inputs, with
+    straight-through gradients (`k3.ops.qat`, docs/qat.md)."""
 
     def __init__(self, num_experts: int, latent_size: int, intermediate_size: int, beta1: float, beta2: float,
-                 impl: str = "auto"):
+                 impl: str = "auto", activation: str = "situ", qat_scale_mode: str | None = None):
         super().__init__()
         self.beta1, self.beta2 = beta1, beta2
         self.impl = impl  # moe_impl: reference | grouped | auto
+        # config `qat: mxfp4` (k3.ops.qat): MXFP4 weights and MXFP8 inputs in every path, this E8M0 scale rounding
+        self.qat_scale_mode = qat_scale_mode  # None: no fake quantization
+        self.glu = swiglu if activation == "silu" else naive_situ_glu  # hidden_act (SwiGLU: the reference only)
         self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, latent_size))
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate_size, latent_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, latent_size, intermediate_size))
 
     def expert(self, e: int, z: torch.Tensor) -> torch.Tensor:
         """Expert e on latent rows z [n, L] -> [n, L]."""
-        act = naive_situ_glu(z @ self.w1[e].t(), z @ self.w3[e].t(), self.beta1, self.beta2)
-        return act @ self.w2[e].t()
+        w1, w3, w2 = (fake_quantize_weight(w[e], self.qat_scale_mode) for w in (self.w1, self.w3, self.w2))
+        z = fake_quantize_input(z, self.qat_scale_mode)
+        act = fake_quantize_input(self.glu(z @ w1.t(), z @ w3.t(), self.beta1, self.beta2), self.qat_scale_mode)
+        return act @ w2.t()
 
     def forward(self, z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """z [N, L]; topk_idx [N, k]; weights [N, k] fp32. Returns Σ_j weights_j · E_j(z) [N, L] in fp32.
 
         The grouped-GEMM path (`k3.ops.moe`, no host sync) or `forward_reference`, by `self.impl`.
         """
-        if use_fast(self.impl, "grouped", z):
+        if use_fast(self.impl, "grouped", z) and self.glu is naive_situ_glu:
             # a decode step's few pairs: read only the selected experts (the grouped GEMMs would run every expert)
             few = topk_idx.numel() * 2 <= self.w1.shape[0]
+            if self.qat_scale_mode is not None:
+                experts = qat_gathered_latent_experts if few else qat_grouped_latent_experts
+                return experts(z, topk_idx, weights, self.w1, self.w3, self.w2, self.beta1, self.beta2,
+                               self.qat_scale_mode)
             experts = gathered_latent_experts if few else grouped_latent_experts
             return experts(z, topk_idx, weights, self.w1, self.w3, self.w2, self.beta1, self.beta2)
         return self.forward_reference(z, topk_idx, weights)
@@ -123,10 +146,11 @@ class LatentExperts(nn.Module):
         counts = torch.bincount(flat_expert, minlength=E)
         slot = torch.arange(N * k, device=z.device) - (counts.cumsum(0) - counts)[expert_of]  # row in its expert
         capacity = int(counts.max())
-        blocks = z.new_zeros(E, capacity, L).index_put((expert_of, slot), z[token_of])  # [E, cap, L]
-        act = naive_situ_glu(blocks @ self.w1.transpose(1, 2), blocks @ self.w3.transpose(1, 2),
-                             self.beta1, self.beta2)  # [E, cap, I]
-        out = (act @ self.w2.transpose(1, 2))[expert_of, slot]  # [N·k, L]
+        w1, w3, w2 = (fake_quantize_weight(w, self.qat_scale_mode) for w in (self.w1, self.w3, self.w2))
+        zq = fake_quantize_input(z, self.qat_scale_mode)
+        blocks = z.new_zeros(E, capacity, L).index_put((expert_of, slot), zq[token_of])  # [E, cap, L]
+        act = self.glu(blocks @ w1.transpose(1, 2), blocks @ w3.transpose(1, 2), self.beta1, self.beta2)  # [E, cap, I]
+        out = (fake_quantize_input(act, self.qat_scale_mode) @ w2.transpose(1, 2))[expert_of, slot]  # [N·k, L]
         accum = torch.float64 if z.dtype == torch.float64 else torch.float32
         weighted = out.to(accum) * weights.reshape(-1)[order].unsqueeze(-1).to(accum)
         return torch.zeros(N, z.shape[1], dtype=accum, device=z.device).index_add_(0, token_of, weighted)
@@ -151,17 +175,28 @@ class StableLatentMoE(nn.Module):
         self.routed_scaling_factor = config.routed_scaling_factor
         self.gate = Router(D, config.num_experts, config.router_impl)
         self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
-        self.experts = LatentExperts(config.num_experts, L, config.moe_intermediate_size, b1, b2, config.moe_impl)
-        self.routed_expert_norm = RMSNorm(L, config.rms_norm_eps)
+        self.experts = LatentExperts(config.num_experts, L, config.moe_intermediate_size, b1, b2, config.moe_impl,
+                                     config.hidden_act, config.qat_scale_mode if config.qat == "mxfp4" else None)
+        # latent_moe_use_norm false: the LatentMoE without the "stable" norm (the ablation baseline)
+        self.routed_expert_norm = RMSNorm(L, config.rms_norm_eps) if config.latent_moe_use_norm else None
         self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
         self.shared_experts = SiTUMLP(D, config.num_shared_experts * config.moe_intermediate_size, b1, b2,
-                                      config.situ_impl)
+                                      config.situ_impl, config.hidden_act)
+        # routing replay (RL, k3.posttrain.replay): expert ids [N, k] that replace the top-k of the next forwards'
+        # N tokens, so training routes each token as the rollout did; a row of -1 routes as usual. None: off
+        self.replay_topk: torch.Tensor | None = None
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [N, D] -> (scores [N, E], topk_idx [N, k], weights [N, k], cutoff [N])."""
         scores = self.gate(h)
         bias = self.gate.e_score_correction_bias.to(scores.dtype)
         topk_idx, cutoff = route_topk_with_cutoff(scores.detach(), bias, self.top_k, fused=self.gate.fast(h))
+        if self.replay_topk is not None:
+            if self.replay_topk.shape != topk_idx.shape:
+                raise ValueError(f"replayed routes are {list(self.replay_topk.shape)}, the forward routes "
+                                 f"{list(topk_idx.shape)} [tokens, k]")
+            forced = self.replay_topk.to(topk_idx.device, torch.int64)
+            topk_idx = torch.where(forced >= 0, forced, topk_idx)
         weights = scores.gather(1, topk_idx)  # unbiased: the bias only selects
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -176,5 +211,6 @@ class StableLatentMoE(nn.Module):
             router_infos.append(RouterInfo(scores.detach(), cutoff.detach(), topk_idx))
         z = self.routed_expert_down_proj(h)  # [N, L]
         u = self.experts(z, topk_idx, weights)  # [N, L] fp32
-        routed = self.routed_expert_up_proj(self.routed_expert_norm(u, out_dtype=h.dtype))
+        u = self.routed_expert_norm(u, out_dtype=h.dtype) if self.routed_expert_norm is not None else u.to(h.dtype)
+        routed = self.routed_expert_up_proj(u)
         return (self.shared_experts(h) + routed).view(shape)

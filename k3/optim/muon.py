@@ -163,12 +163,15 @@ class MuonAdamW(torch.optim.Optimizer):
     - Parameters without a gradient are skipped (no decay, no state), as in torch's optimizers.
     - `impl`: "reference" (foreach ops), "fused" (fused AdamW + Triton Muon kernels), "auto" = fused on CUDA.
       Not part of the state dict: a checkpoint of either loads into the other.
+    - `muon_blocks`: "per_head" (K3); the ablation baselines (docs/ablations.md) "whole_matrix" (the per-head views
+      orthogonalised as one matrix) and "none" (AdamW for every parameter).
     """
 
     def __init__(self, named_params: Iterable[tuple[str, Parameter]], config: ModelConfig, lr: float,
                  weight_decay: float = 0.1, momentum: float = 0.95, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, ns_steps: int = 5, ns_dtype: torch.dtype | None = None,
-                 impl: Literal["auto", "reference", "fused"] = "auto"):
+                 impl: Literal["auto", "reference", "fused"] = "auto",
+                 muon_blocks: Literal["per_head", "whole_matrix", "none"] = "per_head"):
         if not lr >= 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
         if not weight_decay >= 0:
@@ -190,6 +193,10 @@ class MuonAdamW(torch.optim.Optimizer):
                 raise ValueError(f"parameter {name!r} is listed twice (tied weights are not supported)")
             seen.add(p)
             rule = param_rule(name, p, config)
+            if rule.kind == "muon" and muon_blocks == "none":
+                rule = ParamRule("adamw", None, "adamw")
+            elif rule.view in ("kda_heads", "mla_q_heads", "mla_kv_heads") and muon_blocks == "whole_matrix":
+                rule = ParamRule("muon", (1, *p.shape), "whole")
             if rule.kind == "muon":
                 muon.append((name, p))
                 self.block_shapes[p] = rule.block_view

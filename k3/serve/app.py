@@ -2,7 +2,8 @@
 
 `create_app(engine, tokenizer, model_name)` serves `POST /v1/chat/completions`, `POST /v1/completions`,
 `POST /v1/responses` and `GET /v1/responses/{id}` (`responses.py`),
-`GET /v1/models`, `GET /health` and `GET /metrics`, and (`pages.py`) the chat page at `/`, the dashboard at
+`GET /v1/models`, `GET /health` and `GET /metrics`, vLLM's `POST /tokenize`, `POST /detokenize` and
+`GET /tokenizer_info` (what evaluation harnesses tokenize with), and (`pages.py`) the chat page at `/`, the dashboard at
 `/dashboard` and the JSON they read under `/ui/`. The app talks to the engine only through its
 token-level API (`k3.infer.api`): it renders chats with `ChatTemplate`, submits token ids with
 `SamplingParams`, and turns the `RequestOutput` stream back into OpenAI responses or SSE chunks.
@@ -24,6 +25,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from k3.infer.score import scorer_for
 from k3.serve import handlers, pages, responses
 from k3.serve.errors import APIError, engine_error
 from k3.serve.state import ADMISSION_WAIT_SECONDS, MAX_REQUEST_BYTES, PING_SECONDS, AppState
@@ -38,6 +40,9 @@ ROUTES = [
     ("GET", "/v1/models/{name:path}", handlers.get_model),
     ("POST", "/v1/chat/completions", handlers.chat_completions),
     ("POST", "/v1/completions", handlers.completions),
+    ("POST", "/tokenize", handlers.tokenize),
+    ("POST", "/detokenize", handlers.detokenize),
+    ("GET", "/tokenizer_info", handlers.tokenizer_info),
     ("POST", "/v1/responses", responses.create_response),
     ("GET", "/v1/responses/{response_id}", responses.get_response),
 ]
@@ -89,24 +94,28 @@ async def _http_error(request: Request, e: StarletteHTTPException):
 def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, api_key: str | None = None,
                max_context: int | None = None, *, default_max_tokens: int | None = None, medium_effort: str = "high",
                ping_seconds: float = PING_SECONDS, admission_wait: float = ADMISSION_WAIT_SECONDS,
-               max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = MAX_REQUEST_BYTES, scorer: Any = None) -> FastAPI:
     """The OpenAI-compatible app over `engine` (a `k3.infer.engine.AsyncEngine` or anything with its
     `stream` / `abort` / `metrics`).
 
     `max_context`: prompt + completion tokens per request (default: the engine's `max_context`);
     `default_max_tokens`: completion budget when a request sets none (default: the rest of the context);
-    `api_key`: when set, `/v1/*` needs `Authorization: Bearer <api_key>`; `max_request_bytes`: larger bodies get 413.
+    `api_key`: when set, `/v1/*` needs `Authorization: Bearer <api_key>`; `max_request_bytes`: larger bodies get 413;
+    `scorer`: scores prompts for echo with logprobs (default: `k3.infer.score.scorer_for(engine)`, the engine's
+    model under the engine's lock).
     The app does not own the engine: whoever built it shuts it down (`k3 serve` does, after uvicorn exits).
     """
     if max_context is None:
         max_context = int(getattr(engine, "max_context", 4096))
+    if scorer is None:
+        scorer = scorer_for(engine)
     app = FastAPI(title="k3", docs_url=None, redoc_url=None)
     app.add_middleware(_RequestIdMiddleware)
     app.state.engine = engine
     app.state.k3 = AppState(engine, tokenizer, model_name, max_context, api_key=api_key,
                             default_max_tokens=default_max_tokens, medium_effort=medium_effort,
                             ping_seconds=ping_seconds, admission_wait=admission_wait,
-                            max_request_bytes=max_request_bytes)
+                            max_request_bytes=max_request_bytes, scorer=scorer)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     for method, path, handler in ROUTES + pages.ROUTES:

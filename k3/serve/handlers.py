@@ -8,7 +8,9 @@ special tokens left out). Both answer through `k3.serve.stream.respond`.
 
 from __future__ import annotations
 
+import codecs
 import math
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -39,6 +41,7 @@ from k3.serve.validate import (
     check_chat,
     check_completion,
     check_model,
+    check_prompt_fits,
     check_schemas,
     completion_budget,
     completion_prompts,
@@ -135,16 +138,36 @@ class ChatChoice(Choice):
 
 
 class TextChoice(Choice):
-    """A completion choice: the visible text and the legacy logprobs (tokens, offsets, top alternatives)."""
+    """A completion choice: the visible text and the legacy logprobs (tokens, offsets, top alternatives).
 
-    def __init__(self, index: int, run: Run, text: TextStream, logprobs: int | None, token_text: TokenText):
+    With echo the prompt comes first: its text (`echo`, never matched against stop strings, which apply to the
+    generated text as in OpenAI's API) and, with logprobs, its scores (`echo_scores`, a
+    `k3.infer.score.PromptScores`). Tokens are shown as OpenAI shows them: their text, specials by name, and a
+    piece of a multi-byte character as `bytes:\\xNN` (so no two alternatives share a key). `text_offset` counts
+    characters of the returned text: a token starts where the characters decoded before it end; special tokens,
+    which the text leaves out, advance it by nothing."""
+
+    def __init__(self, index: int, run: Run, text: TextStream, logprobs: int | None, token_text: TokenText,
+                 echo: str = "", echo_scores: Any = None):
         super().__init__(index, run)
         self.stream = text
         self.logprobs = logprobs
         self.token_text = token_text
+        self.echo = echo
         self.text = ""
-        self.offset = 0
+        self.offset = 0  # text_offset of the next token
+        self.chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # the prompt's tokens index the echoed text from 0; the generated ones continue after the whole of it
+        self.echo_lps = self._logprobs(echo_scores.token_logprobs(), echo_scores.ids) if echo_scores else None
+        self.offset = len(echo)
+        self.chars.reset()
         self.lps = P.CompletionLogprobs(top_logprobs=[] if logprobs else None)
+
+    def opening(self) -> P.CompletionChoice | None:
+        """The echoed prompt (text and logprobs), streamed before the first generated piece."""
+        if not self.echo and self.echo_lps is None:
+            return None
+        return P.CompletionChoice(index=self.index, text=self.echo, logprobs=self.echo_lps)
 
     def update(self, out: RequestOutput) -> P.CompletionChoice | None:
         self.account(out)
@@ -154,35 +177,56 @@ class TextChoice(Choice):
         elif out.finished:
             self.finish("length" if out.finish_reason == "length" else "stop")
         self.text += text
-        lp = self._logprobs(out.logprobs) if self.logprobs is not None else None
-        if lp is not None:
-            self.lps.tokens += lp.tokens
-            self.lps.token_logprobs += lp.token_logprobs
-            self.lps.text_offset += lp.text_offset
-            if lp.top_logprobs is not None:
-                self.lps.top_logprobs += lp.top_logprobs
+        lp = None
+        if self.logprobs is not None:
+            lp = self._logprobs(out.logprobs or [], [e.token_id for e in out.logprobs or []])
+            _extend(self.lps, lp)
         if not text and lp is None:
             return None
         return P.CompletionChoice(index=self.index, text=text, logprobs=lp)
 
-    def _logprobs(self, entries: list[TokenLogprob] | None) -> P.CompletionLogprobs:
+    def _logprobs(self, entries: list[TokenLogprob | None], token_ids: list[int]) -> P.CompletionLogprobs:
+        """Entries of consecutive tokens (None: a prompt's first token) -> legacy logprobs, offsets from here on."""
         lp = P.CompletionLogprobs(top_logprobs=[] if self.logprobs else None)
-        for e in entries or []:
-            text, _ = self.token_text(e.token_id)
-            lp.tokens.append(text)
-            lp.token_logprobs.append(_finite(e.logprob))
+        for token_id, e in zip(token_ids, entries):
+            lp.tokens.append(self._token(token_id))
+            lp.token_logprobs.append(None if e is None else _finite(e.logprob))
             lp.text_offset.append(self.offset)
-            self.offset += len(text)
+            if not self.token_text.tokenizer.is_special(token_id):
+                self.offset += len(self.chars.decode(bytes(self.token_text(token_id)[1])))
             if self.logprobs:
-                lp.top_logprobs.append({self.token_text(t)[0]: _finite(v) for t, v in e.top})
+                lp.top_logprobs.append(None if e is None else {self._token(t): _finite(v) for t, v in e.top})
         return lp
+
+    def _token(self, token_id: int) -> str:
+        text, raw = self.token_text(token_id)
+        if self.token_text.tokenizer.is_special(token_id):
+            return text
+        try:
+            return bytes(raw).decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def finish_piece(self) -> P.CompletionChoice:
         return P.CompletionChoice(index=self.index, text="", finish_reason=self.finish_reason)
 
     def result(self) -> P.CompletionChoice:
-        return P.CompletionChoice(index=self.index, text=self.text, finish_reason=self.finish_reason or "stop",
-                                  logprobs=self.lps if self.logprobs is not None else None)
+        lps = None
+        if self.logprobs is not None:
+            lps = P.CompletionLogprobs(top_logprobs=[] if self.logprobs else None)
+            if self.echo_lps is not None:
+                _extend(lps, self.echo_lps)
+            _extend(lps, self.lps)
+        return P.CompletionChoice(index=self.index, text=self.echo + self.text,
+                                  finish_reason=self.finish_reason or "stop", logprobs=lps)
+
+
+def _extend(total: P.CompletionLogprobs, more: P.CompletionLogprobs) -> None:
+    total.tokens += more.tokens
+    total.token_logprobs += more.token_logprobs
+    total.text_offset += more.text_offset
+    if more.top_logprobs is not None and total.top_logprobs is not None:
+        total.top_logprobs += more.top_logprobs
 
 
 def prepare_chat(state: AppState, raw: bytes) -> tuple[P.ChatCompletionRequest, list[int], bool, list]:
@@ -257,8 +301,12 @@ def prepare_completion(state: AppState, raw: bytes) -> tuple[P.CompletionRequest
     runs in the worker pool."""
     req, _ = parse_body(raw, P.CompletionRequest)
     check_model(state, req.model)
-    check_completion(req)
+    check_completion(state, req)
     ids_list, texts = completion_prompts(state, req)
+    if req.max_tokens == 0:  # echo only: the prompts are scored, nothing is generated
+        for i, ids in enumerate(ids_list):
+            check_prompt_fits(state, len(ids), "prompt" if len(ids_list) == 1 else f"prompt[{i}]")
+        return req, ids_list, texts, [0] * len(ids_list)
     max_tokens = [completion_budget(state, len(ids), req.max_tokens, "max_tokens", "prompt") for ids in ids_list]
     check_admissible(state, [len(ids) + m for ids, m in zip(ids_list, max_tokens) for _ in range(req.n)])
     return req, ids_list, texts, max_tokens
@@ -269,16 +317,31 @@ async def completions(request: Request):
     authorize(state, request)
     raw = await read_raw(request, state.max_request_bytes)
     req, ids_list, texts, max_tokens = await state.offload(prepare_completion, state, raw)
+    scores = [None] * len(ids_list)
+    if req.echo and req.logprobs is not None:
+        # the prompt's own logprobs, teacher-forced (OpenAI's echo: null for the first token, which has no context)
+        try:
+            scores = await state.scorer.ascore(ids_list, req.logprobs)
+        except ValueError as e:
+            raise bad_request(str(e), "prompt") from None
     response_id = "cmpl-" + uuid.uuid4().hex
+    generate = req.max_tokens != 0
     items = []
-    for p_index, ids in enumerate(ids_list):
-        for j in range(req.n):
-            k = p_index * req.n + j
-            items.append((f"{response_id}-{k}", ids, sampling_params(state, req, max_tokens[p_index], j, req.logprobs)))
+    if generate:
+        for p_index, ids in enumerate(ids_list):
+            for j in range(req.n):
+                k = p_index * req.n + j
+                items.append((f"{response_id}-{k}", ids,
+                              sampling_params(state, req, max_tokens[p_index], j, req.logprobs)))
     run = Run(state.engine, items)
-    choices = [TextChoice(k, run, TextStream(state.tokenizer, req.stop_list(),
-                                             prefix=texts[k // req.n] if req.echo else ""),
-                          req.logprobs, state.token_text) for k in range(len(items))]
+    choices = [TextChoice(k, run, TextStream(state.tokenizer, req.stop_list()), req.logprobs, state.token_text,
+                          echo=texts[k // req.n] if req.echo else "", echo_scores=scores[k // req.n])
+               for k in range(len(ids_list) * req.n)]
+    opening = [piece for c in choices if (piece := c.opening()) is not None]
+    if not generate:
+        for c in choices:
+            c.finish_reason = "length"
+        opening += [c.finish_piece() for c in choices]
     prompt_tokens = sum(len(ids) for ids in ids_list)
 
     def usage() -> P.Usage:
@@ -286,7 +349,56 @@ async def completions(request: Request):
         return _usage(choices, prompt_tokens, cached)
 
     return await respond(request, state, req, run, choices, header=_header(state, response_id),
-                         response_model=P.Completion, chunk_model=P.Completion, usage=usage)
+                         response_model=P.Completion, chunk_model=P.Completion, usage=usage, opening=opening)
+
+
+def _special_pattern(tokenizer) -> re.Pattern:
+    names = sorted(tokenizer.special_tokens, key=len, reverse=True)
+    return re.compile("(" + "|".join(re.escape(n) for n in names) + ")")
+
+
+def tokenize_text(state: AppState, text: str, add_special_tokens: bool) -> list[int]:
+    """`/tokenize`'s ids: as vLLM's endpoint does with a Hugging Face tokenizer, a special token's spelling becomes
+    its id (so a client can look up `[EOS]`); ordinary text is `Tokenizer.encode`'s, and `add_special_tokens`
+    puts `[BOS]` first, as a string prompt of `/v1/completions` gets it. (Prompts of the API never parse specials.)"""
+    tokenizer = state.tokenizer
+    ids = [tokenizer.bos_id] if add_special_tokens else []
+    for n, piece in enumerate(_special_pattern(tokenizer).split(text)):
+        if n % 2:
+            ids.append(tokenizer.special_tokens[piece])
+        elif piece:
+            ids += tokenizer.encode(piece)
+    return ids
+
+
+async def tokenize(request: Request):
+    state = _state(request)
+    authorize(state, request)
+    req, _ = parse_body(await read_raw(request, state.max_request_bytes), P.TokenizeRequest)
+    check_model(state, req.model)
+    ids = await state.offload(tokenize_text, state, req.prompt, req.add_special_tokens)
+    return {"count": len(ids), "max_model_len": state.max_context, "tokens": ids}
+
+
+async def detokenize(request: Request):
+    state = _state(request)
+    authorize(state, request)
+    req, _ = parse_body(await read_raw(request, state.max_request_bytes), P.DetokenizeRequest)
+    check_model(state, req.model)
+    if any(t >= state.tokenizer.vocab_size for t in req.tokens):
+        raise bad_request(f"token ids must be in [0, {state.tokenizer.vocab_size})", "tokens")
+    return {"prompt": state.tokenizer.decode(req.tokens)}
+
+
+async def tokenizer_info(request: Request):
+    """What a remote-tokenizer client needs (vLLM's fields): the special tokens' spellings and the context."""
+    state = _state(request)
+    authorize(state, request)
+    tokenizer = state.tokenizer
+    names = {i: name for name, i in tokenizer.special_tokens.items()}
+    return {"tokenizer_class": "k3.tokenizer.Tokenizer", "vocab_size": tokenizer.vocab_size,
+            "bos_token": names[tokenizer.bos_id], "eos_token": names[tokenizer.document_end_id],
+            "pad_token": names[tokenizer.pad_id], "model_max_length": state.max_context, "chat_template": None}
 
 
 async def list_models(request: Request):

@@ -288,6 +288,8 @@ class ChatCompletionChunk(_Response):
 class CompletionRequest(_Sampling):
     prompt: (str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
              | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)])
+    # 0 only with echo: score the prompt, generate nothing (the legacy API's way to get prompt logprobs)
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -295,9 +297,12 @@ class CompletionRequest(_Sampling):
 
 
 class CompletionLogprobs(_Response):
+    """Legacy logprobs. With echo the prompt's tokens come first, and the first token, which has no context,
+    has null in `token_logprobs` and `top_logprobs`."""
+
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = []
 
 
@@ -329,3 +334,18 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(_Request):
+    """`POST /tokenize` (vLLM's utility endpoint; lm-evaluation-harness's remote tokenizer reads it)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Request):
+    """`POST /detokenize`."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]

@@ -33,7 +33,8 @@ class AppState:
 
     `max_context`: prompt + completion tokens per request; `default_max_tokens`: the completion budget when a
     request sets none (None: the rest of the context); `api_key`: when set, `/v1/*` needs it as a bearer
-    token; `medium_effort`: the trained level `reasoning_effort: medium` maps to.
+    token; `medium_effort`: the trained level `reasoning_effort: medium` maps to; `scorer`: the prompt scorer
+    behind echo with logprobs (`k3.infer.score.PromptScorer`; None: not available).
     """
 
     engine: Any  # a `k3.infer.engine.AsyncEngine`, or anything with its `stream` / `abort` / `metrics`
@@ -41,6 +42,7 @@ class AppState:
     model_name: str
     max_context: int
     api_key: str | None = None
+    scorer: Any = None
     default_max_tokens: int | None = None
     medium_effort: str = "high"
     ping_seconds: float = PING_SECONDS

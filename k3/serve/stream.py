@@ -70,6 +70,8 @@ class Run:
 
     async def admitted(self, wait: float) -> None:
         """Wait up to `wait` seconds for the first event; raise the engine's error if any request was refused."""
+        if not self.items:  # nothing to generate (a prompt that is only scored)
+            return
         try:
             self._held.append(await asyncio.wait_for(self.queue.get(), wait))
         except asyncio.TimeoutError:

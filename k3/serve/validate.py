@@ -162,11 +162,24 @@ def check_schemas(body: dict[str, Any]) -> None:
             raise bad_request(f"not a valid JSON Schema at {where}: {e.message}", param) from None
 
 
-def check_completion(req: P.CompletionRequest) -> None:
+def check_completion(state: AppState, req: P.CompletionRequest) -> None:
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of must equal n (no server-side ranking)", "best_of")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt is scored, nothing generated)",
+                          "max_tokens")
+    if req.echo and req.logprobs is not None and state.scorer is None:
+        raise bad_request("this server's engine cannot score prompts, so echo with logprobs is not available",
+                          "logprobs")
+
+
+def check_prompt_fits(state: AppState, prompt_len: int, param: str) -> None:
+    """A prompt that is only scored (max_tokens 0) needs no room for a completion, only to fit the context."""
+    if prompt_len > state.max_context:
+        raise bad_request(f"the prompt holds {prompt_len} tokens; this model's context is {state.max_context} tokens",
+                          param, "context_length_exceeded")
 
 
 def completion_prompts(state: AppState, req: P.CompletionRequest) -> tuple[list[list[int]], list[str]]:

@@ -21,6 +21,12 @@ class ContextStage:
 class TrainConfig:
     preset: str = "tiny"
     data: str | None = None  # None: the running Python's standard library sources
+    # what `data` holds: "text" documents (k3 train) or "conversations" (k3 sft, k3.posttrain); the command that
+    # trains the run passes the matching data source to the loop
+    data_format: str = "text"
+    # a run or checkpoint folder to start from (its model config, weights and tokenizer: fine-tuning);
+    # None: a freshly initialised `preset` model with a tokenizer trained on the data
+    init_from: str | None = None
     out: str = "runs/tiny"
     # batch: tokens per optimizer step = batch_rows × seq_len of the current stage (constant across stages)
     tokens_per_step: int = 2048
@@ -30,6 +36,7 @@ class TrainConfig:
     # length of the run: the first of these that is set
     max_steps: int | None = None
     max_tokens: int | None = None
+    max_epochs: float | None = None  # passes over the training data, counted in packed rows
     time_budget_min: float | None = None
     # optimizer (docs/optimizer.md): one learning rate for Muon (RMS-matched) and AdamW
     lr: float = 6e-3
@@ -44,6 +51,12 @@ class TrainConfig:
     # the optimizer step: "auto" = fused kernels on CUDA (docs/optimizer.md, "Fused step"), "reference" = foreach
     optimizer_impl: str = "auto"
     qb_bins: int = 1000
+    # the baselines K3's choices replaced, for `k3 ablate` (docs/ablations.md): "whole_matrix_muon" orthogonalises
+    # the attention projections whole instead of per head, "adamw" runs AdamW on every parameter; "sign" replaces
+    # Quantile Balancing by the sign-based bias update b += sign_update_rate · sign(mean load - load) (DeepSeek-V3's)
+    optimizer: str = "per_head_muon"
+    router_balancing: str = "quantile"
+    sign_update_rate: float = 1e-3
     # evaluation, checkpoints, logging
     eval_every: int = 50
     eval_tokens: int = 32768
@@ -69,7 +82,7 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("time_budget_min", "lr", "grad_clip"):
+        for name in ("time_budget_min", "max_epochs", "lr", "grad_clip"):
             v = getattr(self, name)
             if v is not None and not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
@@ -90,12 +103,20 @@ class TrainConfig:
                              f"{self.min_lr_ratio}")
         if not 0 < self.heldout_fraction < 1:
             raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+        if self.init_from is not None and self.vocab_size is not None:
+            raise ValueError("vocab_size cannot be set when starting from a checkpoint (init_from): the checkpoint's "
+                             "tokenizer is used")
         if self.vocab_size is not None and self.vocab_size < 512:
             raise ValueError(f"vocab_size must be at least 512 (256 bytes + 256 special tokens), got {self.vocab_size}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.muon_ns_dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"muon_ns_dtype must be auto, bfloat16 or float32, got {self.muon_ns_dtype!r}")
+        if self.optimizer not in ("per_head_muon", "whole_matrix_muon", "adamw"):
+            raise ValueError(f"optimizer must be per_head_muon, whole_matrix_muon or adamw, got {self.optimizer!r}")
+        if self.router_balancing not in ("quantile", "sign") or not self.sign_update_rate > 0:
+            raise ValueError(f"router_balancing must be quantile or sign (with sign_update_rate > 0), got "
+                             f"{self.router_balancing!r}, {self.sign_update_rate!r}")
         if self.optimizer_impl not in ("auto", "reference", "fused"):
             raise ValueError(f"optimizer_impl must be auto, reference or fused, got {self.optimizer_impl!r}")
 

@@ -13,6 +13,11 @@ Design choices worth knowing:
   document that does not fit continues at the start of the next row as a fragment without BOS. Each
   fragment is its own `cu_seqlens` segment, and its last position has label -100, so no prediction
   crosses a row or a document boundary.
+- What the loop trains on is a data source (`TextDocuments` here; conversations for `k3 sft` in
+  k3.posttrain): documents by name, and how to turn them into token ids with an optional per-token loss
+  mask. A corpus of whole documents (conversations) is packed without splitting any document: a row takes
+  the next documents while they fit and is padded after them; documents longer than the context are left
+  out when the corpus is prepared, and counted.
 - The loader position is {epoch, document cursor, offset inside that document, global row}: plain ints,
   the same on every rank (rank r of W keeps the global rows ≡ r mod W), and independent of B and T.
 - The shuffle is our own hash-based permutation (splitmix64 of (seed, epoch, index), then argsort), so
@@ -38,6 +43,32 @@ from k3.checkpoint import fsync_dir
 
 IGNORE_INDEX = -100
 Document = tuple[str, str]  # (name, text); the name decides the held-out split
+# A document as token ids and its loss mask (1: the token is a training target; None: every token is)
+EncodedDocument = tuple[list[int], list[int] | None]
+
+
+class TextDocuments:
+    """The pre-training data source: text documents, each `[BOS] text [EOS]`, every token a target, packed as one
+    stream (documents continue across rows). `path`: a file or folder for `read_documents`; None: the running
+    Python's standard library.
+
+    A data source is what `k3.train.loop.train` reads: `format` (recorded as `TrainConfig.data_format`),
+    `whole_documents` (pack without splitting documents), `documents()` → (name, text) pairs, raising ValueError
+    that names the file and line of bad input, and `encode(tokenizer, texts)` → one `EncodedDocument` per text.
+    """
+
+    format = "text"
+    whole_documents = False
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = path
+
+    def documents(self) -> list[Document]:
+        return stdlib_documents() if self.path is None else read_documents(self.path)
+
+    def encode(self, tokenizer, texts: Sequence[str]) -> list[EncodedDocument]:
+        bos, eos = tokenizer.bos_id, tokenizer.document_end_id
+        return [([bos, *ids, eos], None) for ids in tokenizer.encode_batch(list(texts))]
 
 
 _SKIP_STDLIB_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
@@ -218,16 +249,21 @@ def documents_fingerprint(documents: Iterable[Document | str]) -> str:
 
 
 def prepare_corpus(documents: Sequence[Document | str], tokenizer, directory: str | os.PathLike,
-                   show_progress: bool = True) -> TokenizedCorpus:
-    """Tokenize every document as [BOS] tokens [EOS] into `directory` (replacing it atomically).
+                   show_progress: bool = True, *, source=None, max_document_tokens: int | None = None
+                   ) -> TokenizedCorpus:
+    """Tokenize every document into `directory` (replacing it atomically): as [BOS] tokens [EOS], or as the
+    data `source` encodes it (default `TextDocuments`).
 
     Writes `tokens.bin` (uint32, all documents back to back), `offsets.npy` (int64 [N+1], document i is
-    tokens[offsets[i]:offsets[i+1]]) and `meta.json`, into a temporary folder that is then renamed.
-    `tokenizer`: a `k3.tokenizer.Tokenizer`. Empty texts are skipped.
+    tokens[offsets[i]:offsets[i+1]]), `loss_mask.bin` (uint8 per token, only when the source gives masks) and
+    `meta.json`, into a temporary folder that is then renamed. `tokenizer`: a `k3.tokenizer.Tokenizer`. Empty
+    texts are skipped; so are documents of more than `max_document_tokens` tokens, whose names `meta.json` lists
+    under "skipped".
     """
-    texts = [doc[1] if isinstance(doc, tuple) else doc for doc in documents]
-    texts = [t for t in texts if t]
-    if not texts:
+    source = TextDocuments() if source is None else source
+    docs = [doc if isinstance(doc, tuple) else (str(i), doc) for i, doc in enumerate(documents)]
+    docs = [doc for doc in docs if doc[1]]
+    if not docs:
         raise ValueError("prepare_corpus got no non-empty documents")
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -235,7 +271,7 @@ def prepare_corpus(documents: Sequence[Document | str], tokenizer, directory: st
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        _write_corpus(texts, tokenizer, tmp, show_progress)
+        _write_corpus(docs, tokenizer, tmp, show_progress, source, max_document_tokens)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # an error or a stop: leave nothing half-written
         raise
@@ -258,49 +294,78 @@ def remove_unfinished_corpora(folder: str | os.PathLike) -> list[str]:
     return [p.name for p in found]
 
 
-def _write_corpus(texts: list[str], tokenizer, tmp: Path, show_progress: bool) -> None:
+def _write_corpus(docs: list[Document], tokenizer, tmp: Path, show_progress: bool, source,
+                  max_document_tokens: int | None) -> None:
     from tqdm.auto import tqdm
 
-    bos, eos = tokenizer.bos_id, tokenizer.document_end_id
-    lengths = np.empty(len(texts), dtype=np.int64)
+    texts = [text for _, text in docs]
+    lengths: list[int] = []
+    skipped: list[str] = []
+    masks = None  # loss_mask.bin, opened at the first document that has a mask
+    written = 0  # tokens in tokens.bin so far
     with open(tmp / "tokens.bin", "wb") as f, tqdm(total=len(texts), unit="doc", desc="tokenizing",
                                                     disable=not show_progress) as bar:
-        start = 0
-        # batches of ~8M characters keep the Rust tokenizer's threads busy and the progress bar moving
-        while start < len(texts):
-            stop, chars = start, 0
-            while stop < len(texts) and (stop == start or chars < 8_000_000):
-                chars += len(texts[stop])
-                stop += 1
-            encoded = tokenizer.encode_batch(texts[start:stop])
-            flat: list[int] = []
-            for k, ids in enumerate(encoded):
-                flat.append(bos)
-                flat.extend(ids)
-                flat.append(eos)
-                lengths[start + k] = len(ids) + 2
-            f.write(np.asarray(flat, dtype=np.uint32).tobytes())
-            bar.update(stop - start)
-            start = stop
-        f.flush()
-        os.fsync(f.fileno())
+        try:
+            start = 0
+            # batches of ~8M characters keep the Rust tokenizer's threads busy and the progress bar moving
+            while start < len(texts):
+                stop, chars = start, 0
+                while stop < len(texts) and (stop == start or chars < 8_000_000):
+                    chars += len(texts[stop])
+                    stop += 1
+                flat: list[int] = []
+                flat_mask: list[int] = []
+                for k, (ids, mask) in enumerate(source.encode(tokenizer, texts[start:stop])):
+                    if max_document_tokens is not None and len(ids) > max_document_tokens:
+                        skipped.append(docs[start + k][0])
+                        continue
+                    if mask is not None and masks is None:
+                        masks = open(tmp / "loss_mask.bin", "wb")
+                        # every document before this one has no mask: all its tokens are targets
+                        masks.write(np.ones(written + len(flat), dtype=np.uint8).tobytes())
+                    assert mask is None or len(mask) == len(ids), "a loss mask needs one entry per token"
+                    flat.extend(ids)
+                    if masks is not None:
+                        flat_mask.extend([1] * len(ids) if mask is None else mask)
+                    lengths.append(len(ids))
+                f.write(np.asarray(flat, dtype=np.uint32).tobytes())
+                written += len(flat)
+                if masks is not None:
+                    masks.write(np.asarray(flat_mask, dtype=np.uint8).tobytes())
+                bar.update(stop - start)
+                start = stop
+            f.flush()
+            os.fsync(f.fileno())
+            if masks is not None:
+                masks.flush()
+                os.fsync(masks.fileno())
+        finally:
+            if masks is not None:
+                masks.close()
+    if not lengths:
+        raise ValueError(f"every document is longer than {max_document_tokens} tokens (the context): nothing to "
+                         f"train on; use a longer context or shorter documents")
 
-    offsets = np.zeros(len(texts) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(lengths, dtype=np.int64), out=offsets[1:])
     with open(tmp / "offsets.npy", "wb") as f:
         np.save(f, offsets)
         f.flush()
         os.fsync(f.fileno())
     meta = {
         "format": 1,
-        "num_documents": len(texts),
+        "num_documents": len(lengths),
         "num_tokens": int(offsets[-1]),
         "vocab_size": tokenizer.vocab_size,
-        "bos_id": bos,
-        "document_end_id": eos,
+        "bos_id": tokenizer.bos_id,
+        "document_end_id": tokenizer.document_end_id,
         "pad_id": tokenizer.pad_id,
         "tokenizer": tokenizer.fingerprint(),
         "documents": documents_fingerprint(texts),
+        "data_format": source.format,
+        "whole_documents": bool(source.whole_documents),
+        "loss_mask": masks is not None,
+        "skipped": skipped,  # longer than max_document_tokens
     }
     with open(tmp / "meta.json", "w") as f:
         f.write(json.dumps(meta, indent=2) + "\n")
@@ -309,13 +374,18 @@ def _write_corpus(texts: list[str], tokenizer, tmp: Path, show_progress: bool) -
 
 
 class TokenizedCorpus:
-    """A prepared corpus: `tokens` (uint32 memmap [num_tokens]), `offsets` (int64 [N+1]), `meta` (dict)."""
+    """A prepared corpus: `tokens` (uint32 memmap [num_tokens]), `offsets` (int64 [N+1]), `meta` (dict),
+    `loss_mask` (uint8 memmap [num_tokens], 1 = a training target; None: every token is), and whether its
+    documents are packed whole (`whole_documents`)."""
 
-    def __init__(self, directory: Path, tokens: np.ndarray, offsets: np.ndarray, meta: dict[str, Any]):
+    def __init__(self, directory: Path, tokens: np.ndarray, offsets: np.ndarray, meta: dict[str, Any],
+                 loss_mask: np.ndarray | None = None):
         self.directory = directory
         self.tokens = tokens
         self.offsets = offsets
         self.meta = meta
+        self.loss_mask = loss_mask
+        self.whole_documents = bool(meta.get("whole_documents", False))
 
     @classmethod
     def open(cls, directory: str | os.PathLike) -> TokenizedCorpus:
@@ -334,7 +404,14 @@ class TokenizedCorpus:
                 or offsets[-1] != n or size != 4 * n or bool((np.diff(offsets) <= 0).any())):
             raise ValueError(f"{directory}: tokens.bin / offsets.npy / meta.json disagree (corrupted corpus?)")
         tokens = np.memmap(files[2], dtype=np.uint32, mode="r", shape=(n,))
-        return cls(directory, tokens, offsets, meta)
+        loss_mask = None
+        if meta.get("loss_mask"):
+            mask_file = directory / "loss_mask.bin"
+            if not mask_file.is_file() or mask_file.stat().st_size != n:
+                raise ValueError(f"{directory}: loss_mask.bin is missing or does not match tokens.bin (corrupted "
+                                 f"corpus?)")
+            loss_mask = np.memmap(mask_file, dtype=np.uint8, mode="r", shape=(n,))
+        return cls(directory, tokens, offsets, meta, loss_mask)
 
     @property
     def num_documents(self) -> int:
@@ -352,8 +429,10 @@ class TokenizedCorpus:
         return self.tokens[self.offsets[i]:self.offsets[i + 1]]
 
     def unigram_entropy(self) -> float:
-        """Entropy (nats/token) of the corpus's token frequencies: the loss of the best context-free model."""
-        counts = np.bincount(np.asarray(self.tokens), minlength=self.meta["vocab_size"]).astype(np.float64)
+        """Entropy (nats/token) of the corpus's target-token frequencies (every token, or those of the loss mask):
+        the loss of the best context-free model."""
+        targets = np.asarray(self.tokens) if self.loss_mask is None else np.asarray(self.tokens)[self.loss_mask == 1]
+        counts = np.bincount(targets, minlength=self.meta["vocab_size"]).astype(np.float64)
         p = counts[counts > 0] / counts.sum()
         return float(-(p * np.log(p)).sum())
 
@@ -410,6 +489,11 @@ class PackedBatches:
     With W data-parallel ranks, rank r keeps the global rows ≡ r (mod W): batch k of rank r is global rows
     k·B·W + r + j·W, j < B. `state_dict()` is the position after the last batch returned, identical on all
     ranks; `load_state_dict` makes a fresh iterator continue exactly there (also at another W, B or T).
+
+    A corpus of whole documents (`TokenizedCorpus.whole_documents`, e.g. conversations) is packed without
+    splitting any document: a row takes its stream's next documents while they fit, and the rest of the row is
+    one `[PAD]` segment with no labels; every document must fit in a row. A corpus with a loss mask labels only
+    its target tokens: position t's label is token t+1 if the mask marks t+1, else -100.
     """
 
     def __init__(self, corpus: TokenizedCorpus, batch_size: int, seq_len: int, *, seed: int = 0,
@@ -421,7 +505,11 @@ class PackedBatches:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
         need = batch_size * seq_len * world_size
-        if loop and corpus.num_tokens < need:
+        longest = int(np.diff(corpus.offsets).max())
+        if corpus.whole_documents and longest > seq_len:
+            raise ValueError(f"the corpus packs whole documents and its longest has {longest:,} tokens, more than a "
+                             f"row of {seq_len:,}: use a context of at least {longest:,} tokens")
+        if loop and not corpus.whole_documents and corpus.num_tokens < need:
             raise ValueError(f"the corpus has {corpus.num_tokens:,} tokens, fewer than one batch "
                              f"({batch_size} × {seq_len}{f' × {world_size} ranks' if world_size > 1 else ''}"
                              f" = {need:,}); use more data or a smaller batch / sequence length")
@@ -454,8 +542,21 @@ class PackedBatches:
         """Batches per rank in one full pass (evaluation mode only)."""
         if self.loop:
             raise TypeError("a looping PackedBatches has no length")
-        rows = -(-self.corpus.num_tokens // self.seq_len)
-        return -(-rows // (self.batch_size * self.world_size))
+        return -(-self.rows_per_epoch() // (self.batch_size * self.world_size))
+
+    def rows_per_epoch(self) -> int:
+        """Global rows that one pass over the corpus fills (of epoch 0's order, for whole documents)."""
+        if not self.corpus.whole_documents:
+            return -(-self.corpus.num_tokens // self.seq_len)
+        rows = 0
+        for stream in range(self.streams):
+            filled = self.seq_len
+            for doc in self._stream_order(0, stream):
+                length = int(self._lengths[doc])
+                if filled + length > self.seq_len:
+                    rows, filled = rows + 1, 0
+                filled += length
+        return rows
 
     @property
     def epoch(self) -> int:
@@ -522,6 +623,8 @@ class PackedBatches:
                 continue
             doc = int(docs[index])
             length = int(self._lengths[doc])
+            if self.corpus.whole_documents and length > T - filled:
+                break  # the next document starts the next row (every one fits a row: checked in __init__)
             take = min(length - offset, T - filled)
             start = int(self.corpus.offsets[doc]) + offset
             fragments.append((start, start + take))
@@ -554,16 +657,19 @@ class PackedBatches:
                   cu: list[int], row_start: int) -> None:
         """Write one row's tokens and labels: label t = token t+1 of the same fragment, last one -100."""
         pos = 0
+        mask = self.corpus.loss_mask
         for start, end in fragments:
             n = end - start
             piece = self.corpus.tokens[start:end]
             ids[pos:pos + n] = piece
             labels[pos:pos + n - 1] = piece[1:]
             labels[pos + n - 1] = IGNORE_INDEX
+            if mask is not None:
+                labels[pos:pos + n - 1][mask[start + 1:end] == 0] = IGNORE_INDEX
             pos += n
             cu.append(row_start + pos)
         if pos < self.seq_len:
-            # end of a single pass: the rest of the row is one [PAD] segment with no labels
+            # the end of a single pass, or whole documents: the rest of the row is one [PAD] segment with no labels
             ids[pos:] = self.pad_id
             labels[pos:] = IGNORE_INDEX
             cu.append(row_start + self.seq_len)

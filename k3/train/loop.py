@@ -24,6 +24,7 @@ router scores, MLA max logits) is skipped, never half-applied.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -39,8 +40,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from k3.checkpoint import (CheckpointError, commit_checkpoint, latest_checkpoint, new_checkpoint_dir, step_dir_name,
-                           verify_checkpoint, write_text_atomic, write_train_state)
+from k3.checkpoint import (CheckpointError, commit_checkpoint, latest_checkpoint, new_checkpoint_dir, read_model,
+                           resolve_checkpoint, step_dir_name, verify_checkpoint, write_text_atomic, write_train_state)
 from k3.config import ModelConfig, get_preset
 from k3.model.model import K3ForCausalLM, build_model
 from k3.model.moe import StableLatentMoE
@@ -52,22 +53,31 @@ from k3.parallel.runtime import ParallelRuntime
 from k3.runfolder import DiskFull, RunError, StopSignals, check_writable_folder, disk_full
 from k3.tokenizer import Tokenizer, train_bpe
 from k3.train.config import ContextStage, TrainConfig, stage_at
-from k3.train.data import (PackedBatches, TokenizedCorpus, documents_fingerprint, prepare_corpus, read_documents,
-                           split_documents, stdlib_documents)
+from k3.train.data import (PackedBatches, TextDocuments, TokenizedCorpus, documents_fingerprint, prepare_corpus,
+                           split_documents)
 from k3.train.metrics import MetricsLog, plot_run
 from k3.train.run_info import own_folder, retarget_length, stored_total_steps, write_run_info
 from k3.train.runtime import SingleProcess, resolve_device, start_runtime
+
+
+# TrainConfig.optimizer -> MuonAdamW's muon_blocks
+MUON_BLOCKS = {"per_head_muon": "per_head", "whole_matrix_muon": "whole_matrix", "adamw": "none"}
 
 
 class TrainingError(RunError):
     """The run cannot continue (e.g. repeated non-finite steps); the last checkpoint is usable."""
 
 
-def prepare_data(cfg: TrainConfig, vocab_size: int, out: Path, log) -> tuple[Tokenizer, TokenizedCorpus,
-                                                                               TokenizedCorpus]:
+def prepare_data(cfg: TrainConfig, vocab_size: int, out: Path, log, source=None) -> tuple[Tokenizer, TokenizedCorpus,
+                                                                                            TokenizedCorpus]:
     """Tokenizer and tokenized train/held-out corpora under `out/`, reused when already built. Once the run
-    exists (run.json), data whose content differs from what its corpus was prepared from is refused."""
-    docs = stdlib_documents() if cfg.data is None else read_documents(cfg.data)
+    exists (run.json), data whose content differs from what its corpus was prepared from is refused.
+
+    `source`: the data source (`k3.train.data.TextDocuments` of `cfg.data` by default). The tokenizer is the
+    `init_from` checkpoint's, or a BPE of `vocab_size` trained on the training documents. A source of whole
+    documents drops those longer than the shortest context stage, and says how many."""
+    source = TextDocuments(cfg.data) if source is None else source
+    docs = source.documents()
     if not docs:
         raise ValueError(f"no documents found in {cfg.data!r}")
     train_docs, heldout_docs = split_documents(docs, cfg.heldout_fraction, seed=cfg.seed)
@@ -77,18 +87,24 @@ def prepare_data(cfg: TrainConfig, vocab_size: int, out: Path, log) -> tuple[Tok
     if (tok_dir / "tokenizer.json").exists() or (tok_dir / "tiktoken.model").exists():
         tokenizer = Tokenizer.load(tok_dir)
     else:
-        log(f"training a {vocab_size}-token byte-level BPE on {len(train_docs):,} documents")
-        tokenizer = train_bpe((text for _, text in train_docs), vocab_size)
+        if cfg.init_from is not None:
+            tokenizer = Tokenizer.load(Path(cfg.init_from) / "tokenizer")
+        else:
+            log(f"training a {vocab_size}-token byte-level BPE on {len(train_docs):,} documents")
+            tokenizer = train_bpe((text for _, text in train_docs), vocab_size)
         # saved whole or not at all: a start killed here must not leave a tokenizer to reuse half-written
         tmp = out / "tokenizer.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tokenizer.save(tmp)
         shutil.rmtree(tok_dir, ignore_errors=True)
         tmp.replace(tok_dir)
+    max_document_tokens = min(s.seq_len for s in cfg.stages) if source.whole_documents else None
     corpora = []
     for split, split_docs in (("train", train_docs), ("heldout", heldout_docs)):
         directory = out / "data" / split
         fingerprint = documents_fingerprint(split_docs) + tokenizer.fingerprint()
+        if max_document_tokens is not None:
+            fingerprint += f":{source.format}:{max_document_tokens}"  # which documents fit decides the corpus
         meta_path = directory / "meta.json"
         try:
             prepared = json.loads(meta_path.read_text()).get("run_fingerprint") if meta_path.exists() else None
@@ -100,11 +116,17 @@ def prepare_data(cfg: TrainConfig, vocab_size: int, out: Path, log) -> tuple[Tok
                              f"prepared from ({started or 'the standard library'}); resume with that data, or start "
                              f"a new run in another folder")
         if prepared != fingerprint:
-            prepare_corpus(split_docs, tokenizer, directory)
+            prepare_corpus(split_docs, tokenizer, directory, source=source, max_document_tokens=max_document_tokens)
             meta = json.loads(meta_path.read_text())
             meta["run_fingerprint"] = fingerprint
             write_text_atomic(meta_path, json.dumps(meta))
-        corpora.append(TokenizedCorpus.open(directory))
+        corpus = TokenizedCorpus.open(directory)
+        skipped = corpus.meta.get("skipped", [])
+        if skipped:
+            shown = ", ".join(skipped[:5]) + (", …" if len(skipped) > 5 else "")
+            log(f"{split}: skipped {len(skipped):,} of {len(split_docs):,} documents longer than the "
+                f"{max_document_tokens:,}-token context ({shown})")
+        corpora.append(corpus)
     return tokenizer, corpora[0], corpora[1]
 
 
@@ -155,8 +177,9 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
         # cut on the host; a rank moves only its piece, one process passes host tensors the model copies
         input_ids, labels, cu_seqlens = parallel.shard(batch.input_ids, batch.labels, batch.cu_seqlens)
         with autocast_context(device):
+            # a multimodal batch (k3.vision.data, one process) carries the model's media inputs: pixel_values, grid_thw
             out = model(input_ids, cu_seqlens=cu_seqlens, return_router_infos=True, return_mla_max_logits=True,
-                        labels=labels)
+                        labels=labels, **getattr(batch, "media", {}))
         loss = out.loss
         with accumulating_weight_grads(parallel.in_place_weight_grads):
             (loss * (parallel.loss_scale / total_tokens)).backward()
@@ -219,7 +242,11 @@ def train_step(model: K3ForCausalLM, optimizer, scheduler, batches: list, cfg: T
         metrics["qk_clip_heads"] = clip["clipped_heads"]
         metrics["mla_max_logit"] = clip["max_logit"]
     with torch.no_grad():
-        for moe, hist, m in zip(moes, histograms, qb_tokens):
+        for moe, hist, m, layer_loads in zip(moes, histograms, qb_tokens, loads):
+            if cfg.router_balancing == "sign":  # the ablation baseline: b += u · sign(mean load - load)
+                error = layer_loads.double().mean() - layer_loads.double()
+                moe.gate.e_score_correction_bias.add_(cfg.sign_update_rate * torch.sign(error).float())
+                continue
             moe.gate.e_score_correction_bias.copy_(hist.bias(moe.top_k, num_tokens=round(m)))
     imbalance = imbalance_from_stats(load_means, load_maxes)
     metrics["moe_max_over_mean"], metrics["moe_max_vio"] = imbalance["max_over_mean"], imbalance["max_vio"]
@@ -290,7 +317,7 @@ class RunSummary:
 
 
 def train(cfg: TrainConfig, resume: bool | Literal["auto"] = False, log=print, progress: bool = True,
-          stop: StopSignals | None = None) -> RunSummary:
+          stop: StopSignals | None = None, source=None) -> RunSummary:
     """Run (or resume) training as configured; returns a summary.
 
     resume: False starts a run in `cfg.out` (refused if one is there); True continues the run there (refused if
@@ -299,14 +326,23 @@ def train(cfg: TrainConfig, resume: bool | Literal["auto"] = False, log=print, p
     length (max_steps, max_tokens, time_budget_min) retargets the schedule. SIGINT/SIGTERM stop the run at the next
     step boundary with a checkpoint and plots (`RunSummary.stopped`); a second signal raises
     `k3.runfolder.Interrupted` at once; `stop`: the caller's handlers, when it installed them already (the CLI does,
-    before importing torch). Raises ValueError on bad settings or data (before anything is written), TrainingError
-    when the run diverges, `k3.runfolder.DiskFull` when a checkpoint does not fit.
+    before importing torch). `source`: the data source (`k3.train.data.TextDocuments` of `cfg.data` by default;
+    `k3 sft` passes its conversations), whose `format` must be `cfg.data_format`. Raises ValueError on bad settings
+    or data (before anything is written), TrainingError when the run diverges, `k3.runfolder.DiskFull` when a
+    checkpoint does not fit.
     """
     cfg.validate()
     get_preset(cfg.preset)
     check_writable_folder(cfg.out)
     if cfg.data is not None and not Path(cfg.data).exists():
         raise ValueError(f"data path {cfg.data!r} does not exist")
+    source = TextDocuments(cfg.data) if source is None else source
+    if source.format != cfg.data_format:
+        raise ValueError(f"this run's data is {cfg.data_format!r} and is trained by its own command (k3 sft for "
+                         f"conversations), not by a {source.format!r} data source")
+    if cfg.init_from is not None and Path(cfg.init_from).exists():
+        # the checkpoint itself, absolute: a run folder's newest checkpoint may change while this run lives
+        cfg = dataclasses.replace(cfg, init_from=str(resolve_checkpoint(cfg.init_from).resolve()))
     if "RANK" not in os.environ:
         resolve_device(cfg.device)
     out = Path(cfg.out)
@@ -321,7 +357,7 @@ def train(cfg: TrainConfig, resume: bool | Literal["auto"] = False, log=print, p
             random.seed(cfg.seed)
             np.random.seed(cfg.seed)
             started = time.perf_counter()
-            run = _start_run(cfg, out, runtime, fresh, log)
+            run = _start_run(cfg, out, runtime, fresh, log, source)
             folder.started()  # run.json exists: from here a failure keeps the folder, to be resumed
             data_state = None
             if not fresh:
@@ -334,11 +370,16 @@ def train(cfg: TrainConfig, resume: bool | Literal["auto"] = False, log=print, p
                 run.metrics_log.write({"kind": "event", "step": 0, "event": "start", "unigram_entropy": unigram,
                                        "train_tokens": run.train_corpus.num_tokens,
                                        "heldout_tokens": run.heldout_corpus.num_tokens,
+                                       "train_documents": run.train_corpus.num_documents,
+                                       "skipped_documents": sum(len(c.meta.get("skipped", [])) for c in
+                                                                (run.train_corpus, run.heldout_corpus)),
                                        "total_steps": run.total_steps,
                                        "params": sum(p.numel() for p in run.model.parameters())})
             run.batches = _make_batches(run.train_corpus, cfg, stage_at(cfg, run.step, run.total_steps), data_state)
             _restore_standing(run)
             start_step = run.step
+            if run.step == 0 and cfg.init_from is not None and math.isnan(run.last_eval):
+                _evaluate(run)  # where a fine-tuning run starts from, on its own held-out data
 
             from tqdm.auto import tqdm
 
@@ -370,25 +411,34 @@ def train(cfg: TrainConfig, resume: bool | Literal["auto"] = False, log=print, p
                       time.perf_counter() - started, run.last_checkpoint, run.total_steps, start_step, stopped)
 
 
-def _start_run(cfg: TrainConfig, out: Path, runtime: SingleProcess | ParallelRuntime, fresh: bool, log) -> Run:
+def _start_run(cfg: TrainConfig, out: Path, runtime: SingleProcess | ParallelRuntime, fresh: bool, log,
+               source=None) -> Run:
     """Data and tokenizer, the model with its parallelism, the optimizer and schedule; a fresh run's run.json."""
     preset = get_preset(cfg.preset)
     vocab_size = cfg.vocab_size or preset.vocab_size
     if runtime.is_main:  # the others read what the main process built
-        tokenizer, train_corpus, heldout_corpus = prepare_data(cfg, vocab_size, out, log)
+        tokenizer, train_corpus, heldout_corpus = prepare_data(cfg, vocab_size, out, log, source)
     runtime.barrier()
     if not runtime.is_main:
-        tokenizer, train_corpus, heldout_corpus = prepare_data(cfg, vocab_size, out, log)
+        tokenizer, train_corpus, heldout_corpus = prepare_data(cfg, vocab_size, out, log, source)
     for stage in cfg.stages:
         _make_batches(train_corpus, cfg, stage)  # a corpus smaller than one batch is refused before run.json
-    model_config = preset.replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
-                                  eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
-                                  media_placeholder_token_id=tokenizer.special_id("<|media_pad|>"))
+    if cfg.init_from is None:
+        model_config = preset.replace(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
+                                      eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+                                      media_placeholder_token_id=tokenizer.special_id("<|media_pad|>"))
+    else:  # the model of the checkpoint it starts from (kept in the run folder once the run exists)
+        model_config = ModelConfig.load((out if not fresh else Path(cfg.init_from)) / "config.json")
+        if model_config.vocab_size != tokenizer.vocab_size:
+            raise ValueError(f"{cfg.init_from}: its config.json has {model_config.vocab_size} tokens, its tokenizer "
+                             f"{tokenizer.vocab_size}")
     model = build_model(model_config, seed=cfg.seed, device=runtime.device)
+    if cfg.init_from is not None and latest_checkpoint(out / "checkpoints") is None:
+        _load_initial_weights(model, Path(cfg.init_from), log)
     parallel = runtime.parallelize(model, moonep=cfg.moonep, activation_checkpointing=cfg.activation_checkpointing)
     optimizer = parallel.build_optimizer(model_config, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                          ns_dtype=ns_dtype_for(cfg.muon_ns_dtype, runtime.device),
-                                         impl=cfg.optimizer_impl)
+                                         impl=cfg.optimizer_impl, muon_blocks=MUON_BLOCKS[cfg.optimizer])
     metrics_log = MetricsLog(out / "metrics.jsonl") if runtime.is_main else _NoLog()
     total_steps = None if fresh else stored_total_steps(out, cfg)
     if total_steps is None:
@@ -401,15 +451,27 @@ def _start_run(cfg: TrainConfig, out: Path, runtime: SingleProcess | ParallelRun
                heldout_corpus, metrics_log)
 
 
+def _load_initial_weights(model: K3ForCausalLM, checkpoint: Path, log) -> None:
+    """The weights (Quantile Balancing biases included) of the checkpoint a run starts from, verified first."""
+    verify_checkpoint(checkpoint)
+    model.load_state_dict({k: v.to(next(model.parameters()).device) for k, v in read_model(checkpoint).items()})
+    log(f"starting from the weights of {checkpoint}")
+
+
 def _resolve_total_steps(cfg: TrainConfig, model: K3ForCausalLM, corpus: TokenizedCorpus, device: torch.device,
                          log, parallel: SingleProcess | ParallelTraining) -> int:
-    """Total optimizer steps: from max_steps, max_tokens, or a time budget measured on this machine."""
+    """Total optimizer steps: from max_steps, max_tokens, max_epochs, or a time budget measured on this machine."""
     if cfg.max_steps is not None:
         return cfg.max_steps
     if cfg.max_tokens is not None:
         return max(1, cfg.max_tokens // cfg.tokens_per_step)
+    if cfg.max_epochs is not None:
+        # rows one pass fills at the first stage's context (whole documents leave padding: counted, not estimated)
+        stage = cfg.stages[0]
+        rows = _make_batches(corpus, cfg, stage).rows_per_epoch()
+        return max(1, math.ceil(cfg.max_epochs * rows / (_rows(cfg, stage) * cfg.micro_batches)))
     if cfg.time_budget_min is None:
-        raise ValueError("set one of max_steps, max_tokens or time_budget_min")
+        raise ValueError("set one of max_steps, max_tokens, max_epochs or time_budget_min")
     if parallel.distributed:
         raise ValueError("a distributed run needs max_steps or max_tokens (the time-budget probe is single-process)")
     # time full steps on a throwaway copy of the model; nothing of the run is touched

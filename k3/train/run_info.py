@@ -25,14 +25,14 @@ from k3.train.data import remove_unfinished_corpora
 from k3.train.runtime import SingleProcess
 
 # Settings that may differ between a run and its resumption (they do not change what is computed).
-RESUMABLE_OVERRIDES = {"max_steps", "max_tokens", "time_budget_min", "eval_every", "checkpoint_every",
-                       "keep_checkpoints", "log_every", "device", "max_bad_steps", "context_parallel",
-                       "expert_parallel", "moonep", "activation_checkpointing", "optimizer_impl"}
+RESUMABLE_OVERRIDES = {"max_steps", "max_tokens", "max_epochs", "time_budget_min", "eval_every",
+                       "checkpoint_every", "keep_checkpoints", "log_every", "device", "max_bad_steps",
+                       "context_parallel", "expert_parallel", "moonep", "activation_checkpointing", "optimizer_impl"}
 # Where the run folder and the data are: not part of a run's identity (a moved folder, or a path spelled another
 # way, is the same run). The data is compared by content instead (`loop.prepare_data`).
 LOCATIONS = {"out", "data"}
 # The settings that decide the run's length; a resume that gives none keeps the run's own.
-LENGTH = ("max_steps", "max_tokens", "time_budget_min")
+LENGTH = ("max_steps", "max_tokens", "max_epochs", "time_budget_min")
 # What a start writes before run.json: a folder holding only these (and no run.json) is a start that never finished.
 STARTING_ENTRIES = {LOCK_FILE, "tokenizer", "tokenizer.tmp", "data", "config.json", "git.diff", "run.json.tmp"}
 # A run's temporary files, left only by a process that was killed while writing them.

@@ -3,7 +3,7 @@ give the gather/scatter engine's tokens (one H200).
 
 - fp32, debug preset with every GPU fast path: the paged engine with graphs produces the gather engine's greedy
   tokens, logprobs within 1e-3 (the paged kernel and the reference attention sum in different orders; TF32 is off).
-- bf16, small-width config: graph replay and the eager paged step give identical tokens, logprobs within 2e-2 (the
+- bf16, small-width config: graph replay and the eager paged step give identical tokens, logprobs within 5e-2 (the
   eager step cuts the block tables to the live pages, so the split-KV kernel partitions the pages differently), and
   both stay within 5e-2 of the gather engine's logprobs over the first tokens.
 """
@@ -74,7 +74,7 @@ def test_graph_replay_equals_eager_paged_bf16():
     for rid, e in eager.items():
         assert graphed[rid].new_token_ids == e.new_token_ids, rid
         diff = max(abs(a.logprob - b.logprob) for a, b in zip(graphed[rid].logprobs, e.logprobs))
-        assert diff < 2e-2, (rid, diff)
+        assert diff < 5e-2, (rid, diff)
         first = min(8, len(e.logprobs))
         diff = max(abs(a.logprob - b.logprob) for a, b in zip(e.logprobs[:first], gather[rid].logprobs[:first]))
         assert diff < 5e-2, (rid, diff)
