@@ -1,6 +1,7 @@
 """Claim: a tiny vision-language model trained from scratch on the generated image–text data within a CPU budget
-answers held-out questions about unseen images far above a text-only baseline trained on the same text; and the
-tower's throughput at a few resolutions (docs/vision.md).
+answers held-out questions about unseen images far above a text-only baseline trained on the same text; the
+tower's throughput at a few resolutions; and the time to first token of a follow-up turn about an image when the
+engine has it cached (docs/vision.md).
 
 1. `k3.vision.synthetic` renders the data set (shapes, counts, bar charts, code snippets; 112-px images).
 2. The debug preset's model with its vision config (text D 128, 5 layers; tower 64 wide, 2 blocks) and a BPE of
@@ -10,10 +11,13 @@ tower's throughput at a few resolutions (docs/vision.md).
 3. The baseline is the same text model trained the same number of steps on the same rows without their images.
 4. Held-out accuracy is greedy exact match, computed by teacher forcing: a question counts when every answer token
    and the closing [EOS] is the argmax after `Q: <question> A:`.
+5. Cached-image TTFT: a two-turn conversation about one image on the inference engine (`--ttft-preset`, random
+   weights): the second turn's time to first token with nothing cached, after the first turn (prefix cache), and
+   after the first turn with prefix caching off (the per-image row cache alone).
 Correctness gate before any number is kept: the multimodal forward of a packed evaluation batch equals the
-forward of each sample alone.
+forward of each sample alone; the engine's cached second turn gives the same first token as the uncached one.
 
-    python benchmarks/vision.py [--steps 800 | --time-budget MIN] [--threads 1] [--quick]
+    python benchmarks/vision.py [--steps 800 | --time-budget MIN] [--threads 1] [--quick] [--only ttft]
 
 On a shared CPU give it one thread: more threads spin while they wait for each other and burn CPU time.
 """
@@ -21,7 +25,10 @@ On a shared CPU give it one thread: more threads spin while they wait for each o
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import json
+import os
 import sys
 import tempfile
 import time
@@ -32,7 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.provenance import save_result  # noqa: E402
+from benchmarks.provenance import RESULTS as RESULTS_DIR  # noqa: E402
+from benchmarks.provenance import device_slug, save_result  # noqa: E402
 from benchmarks.provenance import table as result_table  # noqa: E402
 from k3.config import get_preset  # noqa: E402
 from k3.model.model import build_model  # noqa: E402
@@ -48,6 +56,9 @@ from k3.vision.synthetic import make_vision_dataset  # noqa: E402
 from k3.vision.tower import MoonViT  # noqa: E402
 
 DEVICE = torch.device("cpu")  # --device
+CLAIM = ("A tiny VLM trained from scratch on CPU answers held-out questions about unseen images far above a text-only "
+         "baseline trained on the same text; tower throughput by resolution; an image the engine has cached costs "
+         "its follow-up turn far less time to first token.")
 
 
 def build(multimodal: bool, config, args):
@@ -152,6 +163,71 @@ def tower_throughput(preset: str, size: int, images: int, seconds: float) -> tup
     return done / (time.perf_counter() - start), int(media.grid_thw[0].prod())
 
 
+@torch.no_grad()
+def image_ttft(preset: str, size: int, repeats: int) -> tuple[list[list], dict[str, list[float]]]:
+    """Time to first token of a follow-up turn about an image, on the engine (fp32, one request at a time): with
+    nothing cached, after the first turn (the prefix cache holds the conversation through the image), and after
+    the first turn with prefix caching off (only the image's rows are cached). Median of `repeats` fresh engines
+    (after one warm-up round); (table rows, the seconds of every case)."""
+    from k3.chat.template import ChatTemplate
+    from k3.infer.api import MediaInput, SamplingParams
+    from k3.infer.config import EngineConfig
+    from k3.infer.engine import Engine
+    from k3.tokenizer import byte_tokenizer
+    from k3.vision.chat import ImagePolicy, render_with_media
+
+    base = get_preset(preset)
+    tokenizer = byte_tokenizer(base.vocab_size)
+    config = base.replace(media_placeholder_token_id=tokenizer.special_id("<|media_pad|>"))
+    model = build_vlm(config, seed=0, device=DEVICE).eval()
+    template, policy = ChatTemplate(tokenizer), ImagePolicy()
+    buf = io.BytesIO()
+    torch_image(size, 0).save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    first = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                          {"type": "text", "text": "Describe this picture in one line."}]}]
+    second = first + [{"role": "assistant", "content": "A square of coloured noise."},
+                      {"role": "user", "content": "Which colour is most common in it?"}]
+    prompts = []
+    for messages in (first, second):
+        ids, items = render_with_media(template, messages, policy)
+        prompts.append((ids, [MediaInput(it.pixel_values, it.grid_thw, it.num_tokens()) for it in items]))
+    sync = torch.cuda.synchronize if DEVICE.type == "cuda" else (lambda: None)
+
+    def ttft(engine, prompt) -> tuple[float, int]:
+        ids, media = prompt
+        sync()
+        start = time.perf_counter()
+        out = engine.generate(ids, SamplingParams(max_tokens=1, temperature=0.0), media=media)
+        sync()
+        return time.perf_counter() - start, out.new_token_ids[0]
+
+    names = ["nothing cached (the image encoded, the whole prompt run)",
+             "after turn 1: prefix cache through the image", "after turn 1, prefix caching off: image rows cached"]
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    encoded, hit = {}, {}
+    for r in range(repeats + 1):  # round 0 warms up and is dropped
+        tokens = set()
+        for name, prefix_caching in zip(names, (True, True, False)):
+            engine = Engine(model, EngineConfig(enable_prefix_caching=prefix_caching, max_context=4096))
+            if name.startswith("after"):
+                engine.generate(prompts[0][0], SamplingParams(max_tokens=1, temperature=0.0), media=prompts[0][1])
+            before = engine.media_cache.encoded
+            cached = engine.metrics()["prefix_hits_total"]
+            t, token = ttft(engine, prompts[1])
+            tokens.add(token)
+            encoded[name] = engine.media_cache.encoded - before
+            hit[name] = engine.metrics()["prefix_hits_total"] - cached
+            if r:
+                seconds[name].append(t)
+        assert len(tokens) == 1, "the cached turn must give the uncached turn's first token"
+    rows = []
+    for name in names:
+        rows.append([preset, f"{size}×{size}", len(prompts[1][0]), prompts[1][1][0].num_tokens, name, hit[name],
+                     encoded[name], f"{1000 * sorted(seconds[name])[len(seconds[name]) // 2]:,.1f}"])
+    return rows, seconds
+
+
 def torch_image(size: int, seed: int):
     from PIL import Image
 
@@ -176,6 +252,10 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", help="an existing make-vision folder (default: render one into a temporary folder)")
     parser.add_argument("--device", default="cpu", help="cpu (the claim) or cuda")
+    parser.add_argument("--ttft-preset", default="tiny", help="the engine's model for the TTFT table (default tiny)")
+    parser.add_argument("--ttft-size", type=int, default=448, help="the TTFT image's side in pixels (default 448)")
+    parser.add_argument("--ttft-repeats", type=int, default=5, help="fresh engines per TTFT case (default 5)")
+    parser.add_argument("--only", choices=["ttft"], help="measure only this table (the result file keeps the others)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: check that the script runs (no result)")
     args = parser.parse_args()
     global DEVICE
@@ -184,6 +264,20 @@ def main():
         args.steps, args.train_images, args.heldout_images = 2, 16, 8
     torch.set_num_threads(args.threads)
     log = print
+    if args.quick:
+        args.ttft_preset, args.ttft_size, args.ttft_repeats = "debug", 112, 1
+    ttft_rows, ttft_raw = image_ttft(args.ttft_preset, args.ttft_size, args.ttft_repeats)
+    for row in ttft_rows:
+        log(f"TTFT {row[4]}: {row[-1]} ms ({row[6]} image(s) encoded)")
+    ttft_table = result_table(["engine preset", "image", "prompt tokens", "image tokens", "turn 2",
+                               "prefix-cache hit (tokens)", "images encoded", "TTFT ms (median)"], ttft_rows,
+                              note=f"fp32, random weights, one request at a time, median of {args.ttft_repeats} "
+                                   f"fresh engines, {args.threads} thread(s)")
+    if args.only == "ttft" and not args.quick:
+        old = Path(os.environ.get("K3_RESULTS") or RESULTS_DIR) / f"vision-{device_slug()}.json"
+        raw = json.loads(old.read_text()).get("raw", {}) if old.exists() else {}
+        save_result("vision", CLAIM, {"cached-image-ttft": ttft_table}, raw=raw | {"ttft_seconds": ttft_raw})
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(args.data) if args.data else Path(tmp) / "vision-data"
@@ -245,9 +339,9 @@ def main():
         print("quick run: OK (no result written)")
         return
     save_result(
-        "vision", "A tiny VLM trained from scratch on CPU answers held-out questions about unseen images far above a "
-                  "text-only baseline trained on the same text; tower throughput by resolution.",
-        {"accuracy": result_table(["task", "held-out questions", "vision-language", "text-only baseline", "chance"],
+        "vision", CLAIM,
+        {"cached-image-ttft": ttft_table,
+         "accuracy": result_table(["task", "held-out questions", "vision-language", "text-only baseline", "chance"],
                                   acc_rows, note="greedy exact match (teacher-forced), images never seen in training"),
          "training": result_table(["model", "steps", "wall minutes", "CPU minutes (this process)",
                                    "train loss (last 20 steps)"], train_rows,
@@ -260,7 +354,7 @@ def main():
                                               "reference attention" if DEVICE.type == "cpu" else "attention auto"))},
         raw={"vlm_losses": vlm_losses, "text_losses": text_losses, "vlm_accuracy": vlm_acc, "text_accuracy": text_acc,
              "steps": steps, "probe_step_seconds": per_step, "train_images": args.train_images,
-             "heldout_images": args.heldout_images, "chance": chance})
+             "heldout_images": args.heldout_images, "chance": chance, "ttft_seconds": ttft_raw})
 
 
 if __name__ == "__main__":

@@ -258,7 +258,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def load_trained(path: str | Path, device: str | torch.device = "cpu", runtime: dict | None = None):
     """(model in eval mode, tokenizer, checkpoint folder) from a run folder (its newest committed checkpoint)
     or a checkpoint folder. Every front end that loads trained weights (generate, serve, chat, convert) uses this.
-    `runtime`: runtime switches to run it with (`kda_impl`, …; never stored), e.g. the GPU kernels for serving."""
+    A checkpoint with vision tensors loads as a `k3.vision.model.K3VisionLanguageModel`. `runtime`: runtime switches to run it with (`kda_impl`, …; never stored), e.g. the GPU kernels for serving."""
     from k3.config import ModelConfig
     from k3.model.model import K3ForCausalLM
     from k3.tokenizer import Tokenizer
@@ -266,8 +266,12 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu", runtime: 
     ckpt = resolve_checkpoint(path)
     tensors, _ = load_checkpoint(ckpt)
     config = ModelConfig.load(ckpt / "config.json").replace(**(runtime or {}))
+    model_class = K3ForCausalLM
+    if any(name.startswith(("vision_tower.", "mm_projector.")) for name in tensors):
+        # a multimodal run: the tower and projector are saved under their release names (docs/vision.md)
+        from k3.vision.model import K3VisionLanguageModel as model_class
     with torch.device("meta"):
-        model = K3ForCausalLM(config)
+        model = model_class(config)
     # assign: the model takes the loaded tensors without a second copy (every buffer is persistent)
     model.load_state_dict(tensors, assign=True)
     return model.to(device).eval(), Tokenizer.load(ckpt / "tokenizer"), ckpt

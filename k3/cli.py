@@ -123,7 +123,14 @@ def cmd_train(args) -> int:
         # the default length is for a new run; a resumed one keeps its own unless a length is given
         if not (cfg.max_steps or cfg.max_tokens or cfg.time_budget_min) and not (out / "run.json").exists():
             cfg.time_budget_min = 8.0
-        return train(cfg, resume="auto" if args.auto_resume else args.resume, stop=stop)
+        source = None
+        if args.data is not None:
+            from k3.vision.data import MultimodalRows
+
+            if MultimodalRows.holds_media(args.data):  # rows with images: the tower trains with the model
+                source = MultimodalRows(args.data)
+                cfg = dataclasses.replace(cfg, data_format=source.format, vision_lr=args.vision_lr)
+        return train(cfg, resume="auto" if args.auto_resume else args.resume, stop=stop, source=source)
 
     return run_training_command("k3 train", args, out, start)
 
@@ -137,13 +144,26 @@ def cmd_generate(args) -> int:
 
     model, tokenizer, ckpt = load_trained(args.run)
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t") if args.escapes else args.prompt
-    ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
     engine = Engine(model)
+    # [BOS], each --image's media prompt (its pads expanded), then the prompt
+    ids, media = [tokenizer.bos_id], []
+    if args.image:
+        from k3.infer.api import MediaInput
+        from k3.vision.preprocess import preprocess_image
+        from k3.vision.prompt import media_prompt
+
+        if not engine.accepts_media:
+            raise ValueError(f"--image: {ckpt} is a text-only model: it takes no images")
+        for path in args.image:
+            item = preprocess_image(path)
+            ids += media_prompt(tokenizer, item.width, item.height, item.num_tokens())
+            media.append(MediaInput(item.pixel_values, item.grid_thw, item.num_tokens()))
+    ids += tokenizer.encode(prompt)
     text = TextStream(tokenizer)
     sampling = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed, stop_token_ids=tuple(tokenizer.stop_ids))
     sampling.validate(model.config.vocab_size)
-    engine.add_request("generate", ids, sampling)
+    engine.add_request("generate", ids, sampling, media=media)
     print(f"# {ckpt}", file=sys.stderr)
     sys.stdout.write(prompt)
     while engine.has_unfinished():
@@ -192,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "143); a second one stops at once. Exit codes: 0 done, 1 system failure (e.g. disk "
                               "full), 2 refused (bad arguments or data, folder in use), 3 diverged.")
     p.add_argument("--preset", default="tiny", help="debug | tiny | small | k3 (default tiny)")
-    p.add_argument("--data", help="a text/JSONL/Parquet file, a folder of them, or a saved HF dataset")
+    p.add_argument("--data", help="a text/JSONL/Parquet file, a folder of them, or a saved HF dataset; JSONL rows "
+                                  "with images train the vision tower too (docs/vision.md)")
     p.add_argument("--out", help="run folder (default runs/PRESET)")
     p.add_argument("--max-steps", type=positive(int))
     p.add_argument("--max-tokens", type=positive(int))
@@ -204,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--auto-resume", action="store_true", help="continue the run in --out if there is one, else "
                                                                 "start it (for commands re-run until done)")
     p.add_argument("--lr", type=positive(float))
+    p.add_argument("--vision-lr", type=positive(float),
+                   help="multimodal data: the vision tower's and projector's learning rate (default: --lr)")
     p.add_argument("--tokens-per-step", type=positive(int))
     p.add_argument("--micro-batches", type=positive(int), help="gradient accumulation steps")
     p.add_argument("--seq-len", type=positive(int), help="one fixed context length instead of the preset's stages")
@@ -228,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--image", action="append", metavar="PATH",
+                   help="an image before the prompt (repeatable; a multimodal run)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("tokenizer", help="tokenizer tools")
@@ -247,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_ablate_parser(sub)
     add_sft_parser(sub)
     add_rl_parser(sub)
+    from k3.posttrain.mopd_cli import add_mopd_parser
+
+    add_mopd_parser(sub)
     from k3.spec.cli import add_train_draft_parser
 
     add_train_draft_parser(sub)

@@ -2,12 +2,13 @@
 included, and never another package's private names. `cli` and `hf` are front ends and may import anything.
 
     cli, hf                                   front ends
-    posttrain (over train, infer, chat)                     services
-    train        serve          convert       sandbox
-    parallel     infer   chat   checkpoint    runfolder
-    optim                tokenizer
-    model
-    ops          config                       core
+    eval         posttrain    spec                          evaluation, post-training, the speculative draft
+    serve        train        convert       sandbox
+    checkpoint   parallel
+    vision
+    infer        optim        chat          runfolder
+    model                     tokenizer
+    ops          config                                     core
 """
 
 from __future__ import annotations
@@ -28,16 +29,17 @@ ALLOWED: dict[str, set[str]] = {
     "chat": {"tokenizer"},
     "model": {"config", "ops"},
     "optim": {"config", "model", "ops"},
-    "checkpoint": {"config", "model", "tokenizer"},
+    "checkpoint": {"config", "model", "tokenizer", "vision"},  # load_trained builds a multimodal run's model
     "infer": {"config", "model", "ops"},
     "parallel": {"config", "model", "ops", "optim"},
     "runfolder": set(),  # run-folder lock, stop signals, one-line failures: shared by the long-running commands
-    "train": {"config", "model", "ops", "optim", "parallel", "checkpoint", "tokenizer", "runfolder"},
+    "train": {"config", "model", "ops", "optim", "parallel", "checkpoint", "tokenizer", "runfolder", "vision"},
     "convert": {"config", "model", "ops", "checkpoint"},
     "vision": {"config", "model", "ops", "tokenizer", "chat", "runfolder"},  # composes the text model, one way
-    "serve": {"config", "model", "checkpoint", "infer", "tokenizer", "chat"},
+    # serve: images in chat requests are preprocessed and rendered by vision; the engine gets MediaInputs
+    "serve": {"config", "model", "checkpoint", "infer", "tokenizer", "chat", "vision"},
     "posttrain": {"config", "model", "ops", "optim", "parallel", "checkpoint", "tokenizer", "runfolder", "train",
-                  "infer", "chat"},
+                  "infer", "chat", "vision"},
     "sandbox": set(),  # stands alone: agents' execution environment, also usable without the model
     # speculative decoding's draft and its training: a frozen target, the training pieces, the plain generation loop
     "spec": {"config", "model", "ops", "optim", "checkpoint", "tokenizer", "runfolder", "train", "infer"},

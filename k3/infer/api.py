@@ -50,6 +50,28 @@ class SamplingParams:
 
 
 @dataclass
+class MediaInput:
+    """One image (or video item) of a request, preprocessed above the engine (`k3.vision.preprocess`): the tower's
+    input and how many `<|media_pad|>` tokens of the prompt it fills (item k takes the next `num_tokens` pads).
+    The engine caches its rows by `key` (k3/infer/media.py)."""
+
+    pixel_values: Any  # torch.Tensor [t·h·w, 3, p, p] float32
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+    key: bytes = b""  # content key; empty: the engine hashes the grid and the pixels
+
+
+class MediaPrompt(list):
+    """Prompt token ids (a list of ints) carrying the media of their `<|media_pad|>` tokens (`media`, in order).
+    The engine reads `media` (`Engine.add_request`, `AsyncEngine.stream`); whatever only counts or forwards the
+    tokens (the server's usage, its fan-out of choices) treats it as the list it is."""
+
+    def __init__(self, ids, media):
+        super().__init__(ids)
+        self.media = list(media)
+
+
+@dataclass
 class TokenLogprob:
     token_id: int
     logprob: float

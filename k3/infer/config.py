@@ -32,6 +32,8 @@ class EngineConfig:
     model_id: str = "k3"  # mixed into every block hash, so two models never share entries
 
     cpu_pool_bytes: int = 0  # 0: off
+    # projector rows of recent images (a multimodal model), by content key, on the model's device (k3/infer/media.py)
+    media_cache_bytes: int = 2**28
 
     long_request_tokens: int = 2048  # prompt + max_tokens at or above this is a "long" request
     short_budget_tokens: int | None = None  # outstanding prompt+max_tokens of admitted short requests
@@ -62,6 +64,7 @@ class EngineConfig:
             ("max_context", self.max_context is None or self.max_context >= 2),
             ("checkpoint_every_blocks", self.checkpoint_every_blocks >= 1),
             ("cpu_pool_bytes", self.cpu_pool_bytes >= 0),
+            ("media_cache_bytes", self.media_cache_bytes >= 0),
             ("long_request_tokens", self.long_request_tokens >= 2),
             ("short_budget_tokens", self.short_budget_tokens is None or self.short_budget_tokens >= 1),
             ("long_budget_tokens", self.long_budget_tokens is None or self.long_budget_tokens >= 1),

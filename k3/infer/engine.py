@@ -11,6 +11,10 @@ Grammar-constrained requests (`SamplingParams.grammar`, `k3.infer.grammar`) keep
 bitmask of the rows that sample this step is filled in a worker thread while the forward pass runs, applied
 by the sampler, and each matcher then consumes its accepted token.
 
+Requests may carry images (`MediaInput`s, k3/infer/media.py): the runner splices their projector rows over the
+prompt's `<|media_pad|>` tokens, encoding each distinct image once (cached by content key, which also keys the
+prefix cache); the encoder comes from above (the model's `encode_media`), so this package never imports vision.
+
 The engine knows no text: token ids in, token ids and logprobs out. Detokenization and stop strings live
 above it (`k3.chat.detokenize`), shared by the server, the CLI and evaluation.
 
@@ -22,6 +26,7 @@ cache.py (the pool), prefix_cache.py, kv_pool.py, sampling.py, metrics.py; the r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import math
 import random
@@ -35,6 +40,7 @@ import torch
 from k3.infer.api import (
     AdmissionError,
     ContextLengthError,
+    MediaInput,
     RequestOutput,
     RequestTooLargeError,
     SamplingParams,
@@ -44,6 +50,7 @@ from k3.infer.config import EngineConfig
 from k3.infer.decode import PagedDecoder
 from k3.infer.grammar import fill_bitmask, unpack_bitmask
 from k3.infer.kv_pool import HostKVPool
+from k3.infer.media import MediaCache, RequestMedia, media_key
 from k3.infer.metrics import EngineMetrics
 from k3.infer.prefix_cache import PrefixCache
 from k3.infer.sampling import sample
@@ -55,13 +62,18 @@ from k3.model.model import K3ForCausalLM
 class ModelRunner:
     """One engine step on the model: pages → K3Cache → ragged forward → pages; returns last-position logits."""
 
-    def __init__(self, model: K3ForCausalLM, pool: PagePool):
+    def __init__(self, model: K3ForCausalLM, pool: PagePool, media_cache: MediaCache | None = None,
+                 media: dict[str, RequestMedia] | None = None):
         self.model = model
         self.pool = pool
         self.device = pool.device
         # RL routing replay (k3.posttrain.replay) sets this: called after each forward with (batch, cu_seqlens,
         # router_infos), the experts every MoE layer chose for each token of the step
         self.route_sink = None
+        # a multimodal model's image rows (k3.infer.media): the cache, and each request's images by request id
+        self.media_cache = media_cache
+        self.media = media if media is not None else {}
+        self.pad_id = model.config.media_placeholder_token_id
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:
@@ -75,18 +87,40 @@ class ModelRunner:
         lengths = [s.num_computed for s in batch.seqs]
         cache = gather(self.pool, blocks, kda, lengths)
         cu_t = torch.tensor(cu, device=self.device)
+        media = self.media_inputs(batch, ids) if self.media_cache is not None else {}
         out = self.model(torch.tensor(ids, device=self.device)[None], cu_seqlens=cu_t, cache=cache,
-                         logits_at=cu_t[1:] - 1, return_router_infos=self.route_sink is not None)
+                         logits_at=cu_t[1:] - 1, return_router_infos=self.route_sink is not None, **media)
         scatter(self.pool, cache, blocks, kda, lengths, batch.counts)
         if self.route_sink is not None:
             self.route_sink(batch, cu, out.router_infos)
         return out.logits
 
+    def media_inputs(self, batch: Batch, ids: list[int]) -> dict[str, torch.Tensor]:
+        """A multimodal model's `media_rows` [M, D] and `media_mask` [1, N] for this step: the rows of the prompt
+        pads its pieces run (the tower runs here for images not cached yet). A `<|media_pad|>` the model generated
+        is no image: the mask leaves it a plain token. {} when the step holds no pad at all."""
+        step = self.media_cache.step_inputs([(self.media.get(s.request_id), s.num_computed, n)
+                                             for s, n in zip(batch.seqs, batch.counts)])
+        if step is None and self.pad_id not in ids:
+            return {}
+        if step is None:
+            step = torch.zeros(0, self.model.config.hidden_size, device=self.device), [False] * len(ids)
+        rows, flags = step
+        return {"media_rows": rows, "media_mask": torch.tensor(flags, device=self.device)[None]}
+
+    def runs_media(self, batch: Batch) -> bool:
+        """Does this step run a prompt pad of an image (then it cannot be a paged decode step)."""
+        return any(self.media[s.request_id].spans(s.num_computed, s.num_computed + n)
+                   for s, n in zip(batch.seqs, batch.counts) if s.request_id in self.media)
+
 
 class Engine:
     """Continuous-batching engine over one model. Not thread-safe (see AsyncEngine)."""
 
-    def __init__(self, model: K3ForCausalLM, config: EngineConfig | None = None):
+    def __init__(self, model: K3ForCausalLM, config: EngineConfig | None = None, media_encoder=None):
+        """`media_encoder`: `(pixel_values [N, 3, p, p], grid_thw [n, 3]) → rows [M, D]` for requests with images
+        (default: the model's `encode_media`, which a `K3VisionLanguageModel` has); without one the engine is
+        text-only and refuses media."""
         config = config or EngineConfig()
         config.validate()
         self.model = model.eval()
@@ -127,8 +161,12 @@ class Engine:
         self.metrics_state = EngineMetrics()
         self.prefix = PrefixCache(self.pool, config.enable_prefix_caching, config.checkpoint_every_blocks,
                                   config.model_id, host)
-        self.scheduler = Scheduler(self.config, spec, self.pool, self.prefix, self.metrics_state)
-        self.runner = ModelRunner(model, self.pool)
+        encoder = media_encoder if media_encoder is not None else getattr(model, "encode_media", None)
+        self.media_cache = MediaCache(encoder, config.media_cache_bytes) if encoder is not None else None
+        self.media: dict[str, RequestMedia] = {}  # the images of the requests that have some, by request id
+        self.media_pad_id = mcfg.media_placeholder_token_id
+        self.scheduler = Scheduler(self.config, spec, self.pool, self.prefix, self.metrics_state, self.media)
+        self.runner = ModelRunner(model, self.pool, self.media_cache, self.media)
         # decode-only steps in place on the pool (k3.infer.decode); built after the pool so its scratch page
         # is the pool's first
         self.decoder = PagedDecoder(model, self.pool, config.max_running, max_context, config.graph_batch_sizes,
@@ -140,9 +178,17 @@ class Engine:
         self._ids = itertools.count()
         self._mask_worker: ThreadPoolExecutor | None = None
 
-    def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams | None = None) -> None:
-        """Queue a request. Raises ValueError (bad input), ContextLengthError (prompt + max_tokens over the
+    @property
+    def accepts_media(self) -> bool:
+        """Requests may carry images (the model has a vision tower)."""
+        return self.media_cache is not None
+
+    def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams | None = None,
+                    media: list[MediaInput] | None = None) -> None:
+        """Queue a request. `media`: its images in the order of their `<|media_pad|>` runs (default: a
+        `MediaPrompt`'s own). Raises ValueError (bad input), ContextLengthError (prompt + max_tokens over the
         context limit) or AdmissionError (over the class budget: retry after `retry_after` seconds)."""
+        media = media if media is not None else getattr(prompt_ids, "media", None)
         sampling = sampling or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -152,6 +198,11 @@ class Engine:
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt_ids: token ids must be ints in [0, {self.vocab_size})")
         sampling.validate(self.vocab_size)
+        request_media = None
+        if media and self.media_cache is None:
+            raise ValueError("media: this model is text-only (it has no vision tower): it takes no images")
+        if self.media_cache is not None and (media or self.media_pad_id in prompt_ids):
+            request_media = RequestMedia.build(prompt_ids, media or [], self.media_pad_id)
         total = len(prompt_ids) + sampling.max_tokens
         if total > self.max_context:
             raise ContextLengthError(
@@ -171,6 +222,8 @@ class Engine:
         gen = torch.Generator(device=self.pool.device).manual_seed(seed)
         seq = Sequence(request_id, prompt_ids, sampling, gen, long=long)
         self.requests[request_id] = seq
+        if request_media is not None:
+            self.media[request_id] = request_media
         self._outstanding[long] += total
         self._count[long] += 1
         self.scheduler.add(seq)
@@ -212,6 +265,7 @@ class Engine:
         if self.decoder is not None:
             self.decoder.release(seq)
         del self.requests[seq.request_id]
+        self.media.pop(seq.request_id, None)
         self._outstanding[seq.long] -= seq.budget_tokens
         self._count[seq.long] -= 1
         self.metrics_state.inc("requests_finished_total")
@@ -230,6 +284,8 @@ class Engine:
         with torch.no_grad():
             self.model.load_state_dict(tensors)
         self.clear_prefix_cache()
+        if self.media_cache is not None:
+            self.media_cache.clear()  # image rows are the old weights' too
 
     def clear_prefix_cache(self) -> None:
         """Drop every cached prefix, on the device and in the CPU pool (an idle engine: no page is in use)."""
@@ -263,7 +319,7 @@ class Engine:
             masks = self._mask_worker.submit(fill_bitmask, [batch.seqs[i].matcher for i in ready], self.vocab_size)
         # recording routes (RL routing replay) takes the runner, which reports them
         if (self.decoder is not None and self.runner.route_sink is None and len(ready) == len(batch.seqs)
-                and max(batch.counts) == 1):
+                and max(batch.counts) == 1 and not self.runner.runs_media(batch)):
             self.decoder.release_finished(self.scheduler.running)
             logits = self.decoder.run(batch.seqs)
         else:
@@ -351,15 +407,19 @@ class Engine:
             cpu_pool_slots_used=host.used_slots if host else 0,
             cpu_pool_slots_total=host.num_slots if host else 0,
         )
+        media = self.media_cache
+        snap.update(media_items_encoded_total=media.encoded if media else 0,
+                    media_cache_hits_total=media.hits if media else 0, media_cache_bytes=media.bytes if media else 0)
         return snap
 
-    def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None) -> RequestOutput:
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
+                 media: list[MediaInput] | None = None) -> RequestOutput:
         """Run one request to completion on an otherwise idle engine; returns all its tokens in one output."""
         if self.has_unfinished():
             raise ValueError("generate() needs an idle engine; use add_request/step with other requests queued")
         sampling = sampling or SamplingParams()
         rid = f"generate-{next(self._ids)}"
-        self.add_request(rid, prompt_ids, sampling)
+        self.add_request(rid, prompt_ids, sampling, media)
         total = RequestOutput(rid, [], logprobs=[] if sampling.logprobs is not None else None)
         while True:
             for out in self.step():
@@ -403,14 +463,15 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
 
-    async def stream(self, request_id: str, prompt_ids: list[int],
-                     sampling: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams | None = None,
+                     media: list[MediaInput] | None = None) -> AsyncIterator[RequestOutput]:
+        media = media if media is not None else getattr(prompt_ids, "media", None)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         added = finished = False
         try:
             try:
-                await asyncio.to_thread(self._add, request_id, list(prompt_ids), sampling, loop, queue)
+                await asyncio.to_thread(self._add, request_id, list(prompt_ids), sampling, loop, queue, media)
             except asyncio.CancelledError:
                 self.abort(request_id, notify=False)  # the add may still land: `_add` checks for this
                 raise
@@ -447,6 +508,14 @@ class AsyncEngine:
     def max_context(self) -> int:
         return self.engine.max_context
 
+    @property
+    def accepts_media(self) -> bool:
+        return self.engine.accepts_media
+
+    @property
+    def media_pad_id(self) -> int:
+        return self.engine.media_pad_id
+
     def check_admissible(self, totals: list[int]) -> None:
         """`Engine.check_admissible` (reads the engine's fixed config only, so it takes no lock)."""
         self.engine.check_admissible(totals)
@@ -461,12 +530,14 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=30)
 
-    def _add(self, request_id, prompt_ids, sampling, loop, queue) -> None:
+    def _add(self, request_id, prompt_ids, sampling, loop, queue, media=None) -> None:
+        # images are hashed here, outside the lock, so a large one does not hold up the engine's steps
+        media = [m if m.key else dataclasses.replace(m, key=media_key(m)) for m in media] if media else media
         with self._engine_lock:
             if self._error is not None:
                 raise RuntimeError(f"the engine failed earlier: {self._error!r}")
             try:
-                self.engine.add_request(request_id, prompt_ids, sampling)
+                self.engine.add_request(request_id, prompt_ids, sampling, media)
             except Exception:
                 self._early_aborts.discard(request_id)
                 raise

@@ -51,10 +51,13 @@ def block_hash(prev: bytes, tokens, extra: bytes = b"") -> bytes:
     return h.digest()
 
 
-def extend_hashes(hashes: list[bytes], tokens: list[int], block: int, extra: bytes = b"") -> None:
-    """Append the hashes of the complete hash blocks of `tokens` not hashed yet."""
+def extend_hashes(hashes: list[bytes], tokens: list[int], block: int, extra: bytes = b"", media=None) -> None:
+    """Append the hashes of the complete hash blocks of `tokens` not hashed yet. `media`: the request's
+    `k3.infer.media.RequestMedia`; a block holding an image's pads mixes in that image's key, so two different
+    images behind the same pad tokens never share a prefix."""
     for k in range(len(hashes), len(tokens) // block):
-        hashes.append(block_hash(hashes[k - 1] if k else ROOT_HASH, tokens[k * block : (k + 1) * block], extra))
+        key = extra if media is None else extra + media.block_extra(k * block, (k + 1) * block)
+        hashes.append(block_hash(hashes[k - 1] if k else ROOT_HASH, tokens[k * block : (k + 1) * block], key))
 
 
 class MLABlock:

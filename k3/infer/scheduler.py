@@ -49,12 +49,13 @@ class Batch:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, spec: CacheSpec, pool: PagePool, prefix: PrefixCache,
-                 metrics: EngineMetrics):
+                 metrics: EngineMetrics, media: dict | None = None):
         self.config = config
         self.spec = spec
         self.pool = pool
         self.prefix = prefix
         self.metrics = metrics
+        self.media = media if media is not None else {}  # request id -> RequestMedia: images in the block hashes
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.n_mla = len(spec.mla_layers)
@@ -167,7 +168,7 @@ class Scheduler:
         first = not seq.admitted_once
         hit = None
         if prefix.enabled:
-            extend_hashes(seq.hashes, seq.tokens, self.spec.hash_block, prefix.extra)
+            extend_hashes(seq.hashes, seq.tokens, self.spec.hash_block, prefix.extra, self.media.get(seq.request_id))
             hit = prefix.lookup(seq.hashes, len(seq.tokens) - 1)
         acquired = prefix.acquire(hit) if hit is not None else None
         if hit is not None and acquired is None:
@@ -227,7 +228,7 @@ class Scheduler:
         if not self.prefix.enabled:
             return
         b, pt = self.spec.hash_block, self.spec.page_tokens
-        extend_hashes(seq.hashes, seq.tokens, b, self.prefix.extra)
+        extend_hashes(seq.hashes, seq.tokens, b, self.prefix.extra, self.media.get(seq.request_id))
         done = seq.num_computed // b
         for k in range(seq.num_registered, done):
             end = (k + 1) * b

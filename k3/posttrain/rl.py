@@ -417,6 +417,7 @@ class RLRun:
     iteration: int = 0
     last_checkpoint: Path | None = None
     stopping: int = 0
+    scorer: Any = None  # `rl`'s `scorer` (per-token advantages from outside the reward); None: RL's own
 
 
 @dataclass
@@ -432,10 +433,14 @@ class RLSummary:
 
 
 def rl(cfg: RLConfig, resume: bool = False, log=print, progress: bool = True,
-       stop: StopSignals | None = None) -> RLSummary:
+       stop: StopSignals | None = None, scorer=None) -> RLSummary:
     """Run (or resume) RL as configured; returns a summary. `resume` continues the run in `cfg.out` (refused if there
     is none); without it a folder holding a run is refused. SIGINT/SIGTERM stop at the next iteration boundary with a
-    checkpoint and plots. Raises ValueError for bad settings (before anything is written)."""
+    checkpoint and plots. Raises ValueError for bad settings (before anything is written).
+
+    `scorer` replaces the reward by per-token advantages (on-policy distillation, `k3.posttrain.mopd`):
+    `scorer.effort(task, uid)` picks each new group's effort, `scorer(run, groups)` sets `token_advantages` on the
+    complete groups and returns metrics for the iteration's record, and `scorer.info` goes into run.json."""
     cfg.validate()
     check_writable_folder(cfg.out)
     if not resume:
@@ -454,7 +459,7 @@ def rl(cfg: RLConfig, resume: bool = False, log=print, progress: bool = True,
         cfg, fresh = _check_out(out, cfg, resume)
         with RunFolder(out, log) if runtime.is_main else _NoFolder() as folder:
             started = time.perf_counter()
-            run = _start(cfg, out, runtime, fresh, log)
+            run = _start(cfg, out, runtime, fresh, log, scorer)
             folder.started()
             if not fresh:
                 _resume(run, log)
@@ -489,11 +494,14 @@ def iteration(run: RLRun, stop_signal: int = 0) -> dict[str, Any]:
     ro = run.rollouts
     ro.version = it
     while len(ro.groups) < cfg.prompts_per_iteration:
-        ro.add_group(run.sampler.next(), efforts[ro.next_uid % len(efforts)])
+        task = run.sampler.next()
+        ro.add_group(task, efforts[ro.next_uid % len(efforts)] if run.scorer is None
+                     else run.scorer.effort(task, ro.next_uid))
     start = time.perf_counter()
     clear_engine_cache(run.engine, run.recorder)
     groups, rstats = ro.run()
     rollout_s = time.perf_counter() - start
+    scored = run.scorer(run, groups) if run.scorer is not None else {}
     rewards = score_groups(groups, taus)
     # a group whose rewards are all equal has zero advantage everywhere: its gradient would be rounding noise, which
     # Muon and AdamW (both scale-free) would turn into a full-size update; such groups are left out (DAPO does too)
@@ -524,7 +532,7 @@ def iteration(run: RLRun, stop_signal: int = 0) -> dict[str, Any]:
               "rollout_s": rollout_s, "train_s": train_s, "sync_s": sync_s,
               "reward": sum(map(sum, rewards)) / max(len(trajectories), 1),
               "accuracy": sum(t.task_reward for t in trajectories) / max(len(trajectories), 1),
-              "efforts": per_effort}
+              "efforts": per_effort, **scored}
     run.metrics_log.write(record)
     return record
 
@@ -558,7 +566,7 @@ def _summer(parallel, device: torch.device):
     return lambda t: parallel.sum_(t.to(device)).cpu()
 
 
-def _start(cfg: RLConfig, out: Path, runtime, fresh: bool, log) -> RLRun:
+def _start(cfg: RLConfig, out: Path, runtime, fresh: bool, log, scorer=None) -> RLRun:
     """The policy, its engine and optimizer, the tasks (b0 estimated and stored for a fresh run), the rollouts."""
     torch.manual_seed(cfg.seed)
     device = runtime.device
@@ -600,7 +608,8 @@ def _start(cfg: RLConfig, out: Path, runtime, fresh: bool, log) -> RLRun:
             git = git_state()
             (out / "git.diff").write_text(git["diff"])
             info = {"rl_config": dataclasses.replace(cfg, init_from=str(ckpt.resolve())).as_dict(),
-                    "git_revision": git["revision"], "torch": torch.__version__, "world_size": runtime.world_size}
+                    "git_revision": git["revision"], "torch": torch.__version__, "world_size": runtime.world_size,
+                    **(scorer.info if scorer is not None else {})}
             write_text_atomic(out / "run.json", json.dumps(info, indent=2))
         runtime.barrier()
     else:
@@ -610,7 +619,8 @@ def _start(cfg: RLConfig, out: Path, runtime, fresh: bool, log) -> RLRun:
                         world_size=runtime.world_size, sum_=sum_, tag="rl")
     metrics_log = MetricsLog(out / "metrics.jsonl") if runtime.is_main else _NoLog()
     return RLRun(cfg, out, runtime, parallel, model, model_config, optimizer, engine, recorder, template, envs,
-                 train_tasks, heldout, TaskSampler(train_tasks, cfg.seed), rollouts, metrics_log, base_lrs)
+                 train_tasks, heldout, TaskSampler(train_tasks, cfg.seed), rollouts, metrics_log, base_lrs,
+                 scorer=scorer)
 
 
 def _make_tasks(cfg: RLConfig, envs: dict[str, type[Environment]]) -> tuple[list[Task], list[Task]]:

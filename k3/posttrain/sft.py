@@ -7,6 +7,9 @@ SFT is the training loop (`k3.train.loop.train`) with three settings of its own,
   its loss mask (`k3.posttrain.conversations`), packed whole into rows with `cu_seqlens` boundaries (never split
   across rows; longer than the context → left out and counted), so only the tokens the model writes are targets;
 - SFT's own defaults (`SFT_DEFAULTS`): a lower learning rate, one context stage at the base run's final length.
+Conversations with `image_url` parts are read by `k3.vision.data.MultimodalRows` instead (data format
+"multimodal"): the model gains its vision tower and projector (from scratch when the base run has none) and they
+train with it (docs/vision.md).
 
 Everything else is `k3 train`'s: resume, metrics.jsonl and plots, atomic checkpoints that `k3.checkpoint.load_trained`
 loads (so `k3 generate`, `k3 serve` and `k3 rl --from` take an SFT run), stop signals and exit codes. The run
@@ -95,7 +98,11 @@ def sft_config(init_from: str, data: str, out: str, seq_len: int | None = None, 
     if seq_len is None or preset is None:
         base = base_run_settings(init_from)
         seq_len, preset = seq_len or base["seq_len"], preset or base["preset"]
-    cfg = TrainConfig(preset=preset, data=data, data_format=Conversations.format, init_from=init_from, out=out,
+    from k3.vision.data import MultimodalRows
+
+    # conversations with image_url parts (or image rows) train the vision tower too (k3.vision.data)
+    data_format = MultimodalRows.format if data and MultimodalRows.holds_media(data) else Conversations.format
+    cfg = TrainConfig(preset=preset, data=data, data_format=data_format, init_from=init_from, out=out,
                       stages=[ContextStage(seq_len, 1.0)], **SFT_DEFAULTS)
     return dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
 
@@ -113,8 +120,13 @@ def sft(cfg: TrainConfig, resume: bool | Literal["auto"] = False, log=print, pro
         tokenizer = Tokenizer.load(run_tokenizer)
     else:
         tokenizer = Tokenizer.load(resolve_checkpoint(cfg.init_from) / "tokenizer")
-    return train(cfg, resume=resume, log=log, progress=progress, stop=stop,
-                 source=Conversations(cfg.data, tokenizer))
+    if cfg.data_format == "multimodal":
+        from k3.vision.data import MultimodalRows
+
+        source = MultimodalRows(cfg.data)
+    else:
+        source = Conversations(cfg.data, tokenizer)
+    return train(cfg, resume=resume, log=log, progress=progress, stop=stop, source=source)
 
 
 def stored_config(out: str | os.PathLike) -> TrainConfig | None:

@@ -91,10 +91,25 @@ async def _http_error(request: Request, e: StarletteHTTPException):
     return APIError(e.status_code, str(e.detail), kind).response()
 
 
+def image_policy(engine: Any, tokenizer: Tokenizer, allow_local_images: bool) -> Any:
+    """The `k3.vision.chat.ImagePolicy` of a multimodal engine, None for a text-only one. ValueError when the
+    model's media pad is not the tokenizer's `<|media_pad|>` (its images would never line up)."""
+    if not getattr(engine, "accepts_media", False):
+        return None
+    from k3.vision.chat import ImagePolicy
+
+    pad = tokenizer.special_id("<|media_pad|>")
+    if pad != engine.media_pad_id:
+        raise ValueError(f"the model's media_placeholder_token_id is {engine.media_pad_id} but the tokenizer's "
+                         f"<|media_pad|> is {pad}: serve the model with the tokenizer it was trained with")
+    return ImagePolicy(allow_local_files=allow_local_images)
+
+
 def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, api_key: str | None = None,
                max_context: int | None = None, *, default_max_tokens: int | None = None, medium_effort: str = "high",
                ping_seconds: float = PING_SECONDS, admission_wait: float = ADMISSION_WAIT_SECONDS,
-               max_request_bytes: int = MAX_REQUEST_BYTES, scorer: Any = None) -> FastAPI:
+               max_request_bytes: int = MAX_REQUEST_BYTES, scorer: Any = None,
+               allow_local_images: bool = False) -> FastAPI:
     """The OpenAI-compatible app over `engine` (a `k3.infer.engine.AsyncEngine` or anything with its
     `stream` / `abort` / `metrics`).
 
@@ -102,7 +117,8 @@ def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, api_key: str 
     `default_max_tokens`: completion budget when a request sets none (default: the rest of the context);
     `api_key`: when set, `/v1/*` needs `Authorization: Bearer <api_key>`; `max_request_bytes`: larger bodies get 413;
     `scorer`: scores prompts for echo with logprobs (default: `k3.infer.score.scorer_for(engine)`, the engine's
-    model under the engine's lock).
+    model under the engine's lock); `allow_local_images`: `image_url` parts may name files on this machine (else
+    only base64 data URLs; a multimodal engine only, see docs/vision.md).
     The app does not own the engine: whoever built it shuts it down (`k3 serve` does, after uvicorn exits).
     """
     if max_context is None:
@@ -116,6 +132,9 @@ def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, api_key: str 
                             default_max_tokens=default_max_tokens, medium_effort=medium_effort,
                             ping_seconds=ping_seconds, admission_wait=admission_wait,
                             max_request_bytes=max_request_bytes, scorer=scorer)
+    # a multimodal engine takes image_url parts (k3.vision.chat renders them); None: a text-only model, whose
+    # image parts are 400s
+    app.state.k3.images = image_policy(engine, tokenizer, allow_local_images)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     for method, path, handler in ROUTES + pages.ROUTES:

@@ -118,7 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         app = create_app(engine, tokenizer, args.model_name or name, api_key=args.api_key,
                          default_max_tokens=args.default_max_tokens or None, medium_effort=args.medium_effort,
-                         max_request_bytes=args.max_request_bytes)
+                         max_request_bytes=args.max_request_bytes, allow_local_images=args.allow_local_images)
         print(f"# serving {args.model_name or name} at http://{args.host}:{args.port}/v1 "
               f"(context {engine.max_context} tokens{', API key required' if args.api_key else ''}); "
               f"chat page http://{args.host}:{args.port}/, dashboard /dashboard", file=sys.stderr)
@@ -128,7 +128,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-CHAT_HELP = "commands: /reset (new conversation), /effort none|low|medium|high|max, /system TEXT, /exit"
+CHAT_HELP = ("commands: /reset (new conversation), /effort none|low|medium|high|max, /system TEXT, /image PATH "
+             "(attach to the next message), /exit")
 
 
 async def chat_loop(engine, tokenizer, args: argparse.Namespace, out=None) -> None:
@@ -141,6 +142,7 @@ async def chat_loop(engine, tokenizer, args: argparse.Namespace, out=None) -> No
     effort = args.reasoning_effort
     system = args.system
     history: list[dict] = []
+    images: list[str] = []  # /image paths, attached to the next message
     dim, reset = ("\x1b[2m", "\x1b[0m") if out.isatty() else ("", "")
     print(CHAT_HELP, file=out)
     while True:
@@ -167,13 +169,31 @@ async def chat_loop(engine, tokenizer, args: argparse.Namespace, out=None) -> No
         if line.startswith("/system"):
             system = line.partition(" ")[2].strip() or None
             continue
+        if line.startswith("/image"):
+            path = os.path.expanduser(line.partition(" ")[2].strip())
+            if not getattr(engine, "accepts_media", False):
+                print("[this model is text-only: it takes no images]", file=out)
+            elif not os.path.isfile(path):
+                print(f"[no such file: {path}]", file=out)
+            else:
+                images.append(path)
+                print(f"[attached {path}: it goes with your next message]", file=out)
+            continue
         if line.startswith("/"):
             print(CHAT_HELP, file=out)
             continue
         messages = ([{"role": "system", "content": system}] if system else []) + history
-        messages.append({"role": "user", "content": line})
+        content = line if not images else ([{"type": "image_url", "image_url": {"url": p}} for p in images]
+                                           + [{"type": "text", "text": line}])
+        messages.append({"role": "user", "content": content})
         thinking = normalize_effort(effort) is not None
-        ids = template.render(messages, reasoning_effort=effort)
+        try:
+            ids = chat_prompt(template, messages, effort)
+        except ValueError as e:  # a bad image (or message): say so, drop the attachments
+            print(f"[{e}]", file=out)
+            images = []
+            continue
+        images = []
         max_tokens = min(args.max_tokens, engine.max_context - len(ids))
         if max_tokens < 1:
             print(f"[the conversation fills the {engine.max_context}-token context: /reset]", file=out)
@@ -198,6 +218,20 @@ async def chat_loop(engine, tokenizer, args: argparse.Namespace, out=None) -> No
         reply = acc.reply(thinking)
         history += [messages[-1], {"role": "assistant", "content": reply.content or "",
                                    "reasoning_content": reply.reasoning_content}]
+
+
+def chat_prompt(template, messages: list[dict], effort: str | None) -> list[int]:
+    """The prompt of `k3 chat`: the template's, or, when a message holds images (the user's own files), the ids
+    carrying them for the engine (`k3.infer.api.MediaPrompt`)."""
+    from k3.serve.handlers import image_parts
+
+    if not image_parts(messages):
+        return template.render(messages, reasoning_effort=effort)
+    from k3.infer.api import MediaInput, MediaPrompt
+    from k3.vision.chat import ImagePolicy, render_with_media
+
+    ids, items = render_with_media(template, messages, ImagePolicy(allow_local_files=True), reasoning_effort=effort)
+    return MediaPrompt(ids, [MediaInput(it.pixel_values, it.grid_thw, it.num_tokens()) for it in items])
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -230,6 +264,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
                    help=f"larger request bodies get 413 before they are parsed (default {MAX_REQUEST_BYTES})")
     p.add_argument("--log-level", default="info", help="uvicorn log level")
+    p.add_argument("--allow-local-images", action="store_true",
+                   help="image_url parts may name files on this machine (default: base64 data URLs only; a "
+                        "multimodal checkpoint)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 

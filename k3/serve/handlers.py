@@ -28,7 +28,7 @@ from k3.chat.template import (
     content_text,
     normalize_effort,
 )
-from k3.infer.api import RequestOutput, TokenLogprob
+from k3.infer.api import MediaInput, MediaPrompt, RequestOutput, TokenLogprob
 from k3.infer.grammar import GrammarError
 from k3.infer.metrics import render_prometheus
 from k3.serve import protocol as P
@@ -246,15 +246,20 @@ def prepare_chat_request(state: AppState, req: P.ChatCompletionRequest, body: di
     try:
         thinking = normalize_effort(req.reasoning_effort, state.medium_effort) is not None
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        images = image_parts(messages)
+        if images and getattr(state, "images", None) is None:
+            raise bad_request(f"{state.model_name} is a text-only model: it takes no image_url content parts",
+                              images[0])
         # no token is longer than `max_token_bytes`: text over context × that cannot fit, whatever it tokenizes to
-        size = sum(len(content_text(m.get("content"), f"messages[{i}].content").encode())
+        size = sum(len(content_text(text_parts(m.get("content")), f"messages[{i}].content").encode())
                    for i, m in enumerate(messages))
         if size > state.max_context * state.max_token_bytes:
             raise bad_request(f"this model's context is {state.max_context} tokens, and the messages hold {size} "
                               f"bytes of text: more than that whatever they tokenize to (a token holds at most "
                               f"{state.max_token_bytes} bytes)", "messages", "context_length_exceeded")
-        prompt = state.template.render(messages, tools=tools, reasoning_effort=req.reasoning_effort,
-                                       tool_choice=tool_choice, response_format=response_format)
+        options = {"tools": tools, "reasoning_effort": req.reasoning_effort, "tool_choice": tool_choice,
+                   "response_format": response_format}
+        prompt = render_images(state, messages, options) if images else state.template.render(messages, **options)
     except TemplateError as e:
         raise bad_request(str(e), e.param) from None
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -273,6 +278,32 @@ def prepare_chat_request(state: AppState, req: P.ChatCompletionRequest, body: di
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = [sampling_params(state, req, max_tokens, i, logprobs, grammar) for i in range(req.n)]
     return req, prompt, thinking, params
+
+
+def image_parts(messages: list[dict[str, Any]]) -> list[str]:
+    """The params (`messages[i].content[j]`) of the `image_url` parts of a chat."""
+    return [f"messages[{i}].content[{j}]" for i, m in enumerate(messages) if isinstance(m.get("content"), list)
+            for j, part in enumerate(m["content"]) if isinstance(part, dict) and part.get("type") == "image_url"]
+
+
+def text_parts(content: Any) -> Any:
+    """Message content without its image parts (what the text-size check measures)."""
+    if not isinstance(content, list):
+        return content
+    return [part for part in content if not (isinstance(part, dict) and part.get("type") == "image_url")]
+
+
+def render_images(state: AppState, messages: list[dict[str, Any]], options: dict[str, Any]) -> MediaPrompt:
+    """A chat with images → its prompt ids (each image's pads expanded) carrying the images for the engine; a bad
+    image part is a 400 naming it (`k3.vision.chat`: data URLs always, local files only when allowed, never a
+    network fetch)."""
+    from k3.vision.chat import ImageError, render_with_media
+
+    try:
+        ids, items = render_with_media(state.template, messages, state.images, **options)
+    except ImageError as e:
+        raise bad_request(str(e), e.param) from None
+    return MediaPrompt(ids, [MediaInput(it.pixel_values, it.grid_thw, it.num_tokens()) for it in items])
 
 
 async def chat_completions(request: Request):

@@ -34,7 +34,8 @@ class AppState:
     `max_context`: prompt + completion tokens per request; `default_max_tokens`: the completion budget when a
     request sets none (None: the rest of the context); `api_key`: when set, `/v1/*` needs it as a bearer
     token; `medium_effort`: the trained level `reasoning_effort: medium` maps to; `scorer`: the prompt scorer
-    behind echo with logprobs (`k3.infer.score.PromptScorer`; None: not available).
+    behind echo with logprobs (`k3.infer.score.PromptScorer`; None: not available); `images`: the policy for
+    `image_url` parts (`k3.vision.chat.ImagePolicy`; None: a text-only model, images refused).
     """
 
     engine: Any  # a `k3.infer.engine.AsyncEngine`, or anything with its `stream` / `abort` / `metrics`
@@ -43,6 +44,7 @@ class AppState:
     max_context: int
     api_key: str | None = None
     scorer: Any = None
+    images: Any = None
     default_max_tokens: int | None = None
     medium_effort: str = "high"
     ping_seconds: float = PING_SECONDS

@@ -21,8 +21,8 @@ class ContextStage:
 class TrainConfig:
     preset: str = "tiny"
     data: str | None = None  # None: the running Python's standard library sources
-    # what `data` holds: "text" documents (k3 train) or "conversations" (k3 sft, k3.posttrain); the command that
-    # trains the run passes the matching data source to the loop
+    # what `data` holds: "text" documents (k3 train), "conversations" (k3 sft, k3.posttrain) or "multimodal" rows
+    # with images (k3 train, k3.vision.data); the command that trains the run passes the matching data source
     data_format: str = "text"
     # a run or checkpoint folder to start from (its model config, weights and tokenizer: fine-tuning);
     # None: a freshly initialised `preset` model with a tokenizer trained on the data
@@ -45,6 +45,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     qk_clip_tau: float = 100.0
+    # a multimodal run's tower and projector learning rate (their own Muon and AdamW groups, docs/vision.md);
+    # None: lr
+    vision_lr: float | None = None
     # Newton–Schulz precision: "auto" = bf16 as in the K3 report on CUDA and on CPUs that multiply bf16 natively
     # (AVX512-BF16 / AMX, where it is faster than fp32), fp32 on other CPUs (`ns_dtype_for`); or "bfloat16", "float32"
     muon_ns_dtype: str = "auto"
@@ -82,7 +85,7 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("time_budget_min", "max_epochs", "lr", "grad_clip"):
+        for name in ("time_budget_min", "max_epochs", "lr", "grad_clip", "vision_lr"):
             v = getattr(self, name)
             if v is not None and not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a positive number, got {v!r}")

@@ -386,6 +386,9 @@ class TokenizedCorpus:
         self.meta = meta
         self.loss_mask = loss_mask
         self.whole_documents = bool(meta.get("whole_documents", False))
+        # a multimodal corpus: each document's images in the order of its pads (set from its data source,
+        # k3.vision.data.MultimodalRows; the batches attach them, k3.vision.data.MediaBatches); None: text only
+        self.media: list | None = None
 
     @classmethod
     def open(cls, directory: str | os.PathLike) -> TokenizedCorpus:
@@ -528,6 +531,7 @@ class PackedBatches:
         self._orders: dict[int, np.ndarray] = {}
         self._positions = [[0, 0, 0] for _ in range(self.streams)]  # per stream: epoch, index, offset
         self._row = 0
+        self.last_documents: list[list[int]] = []  # per row of the last batch: its documents (fragments), in order
 
     @classmethod
     def eval(cls, corpus: TokenizedCorpus, batch_size: int, seq_len: int, *, rank: int = 0,
@@ -643,12 +647,15 @@ class PackedBatches:
         ids = np.empty((B, T), dtype=np.int64)
         labels = np.empty((B, T), dtype=np.int64)
         cu = [0]
+        self.last_documents = []
         for b in range(B):
             for g in range(W):
                 fragments = self._next_row()
                 if g == self.rank:
                     row_fragments = fragments
             self._fill_row(row_fragments, ids[b], labels[b], cu, b * T)
+            starts = np.asarray([start for start, _ in row_fragments], dtype=np.int64)
+            self.last_documents.append((np.searchsorted(self.corpus.offsets, starts, "right") - 1).tolist())
         cu_seqlens = torch.tensor(cu, dtype=torch.int64)
         num_tokens = int((labels != IGNORE_INDEX).sum())
         return Batch(torch.from_numpy(ids), torch.from_numpy(labels), cu_seqlens, num_tokens)

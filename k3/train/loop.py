@@ -121,6 +121,9 @@ def prepare_data(cfg: TrainConfig, vocab_size: int, out: Path, log, source=None)
             meta["run_fingerprint"] = fingerprint
             write_text_atomic(meta_path, json.dumps(meta))
         corpus = TokenizedCorpus.open(directory)
+        if hasattr(source, "media"):  # a multimodal source: each kept document's images, in corpus order
+            left_out = set(corpus.meta.get("skipped", []))
+            corpus.media = source.media(tokenizer, [text for name, text in split_docs if name not in left_out])
         skipped = corpus.meta.get("skipped", [])
         if skipped:
             shown = ", ".join(skipped[:5]) + (", …" if len(skipped) > 5 else "")
@@ -263,10 +266,11 @@ def evaluate(model: K3ForCausalLM, corpus: TokenizedCorpus, seq_len: int, max_to
     dp = parallel.dims.dp
     rows = dp * max(1, min(8, max_tokens // seq_len) // dp)
     loss_sum, count = 0.0, 0
-    for batch in PackedBatches.eval(corpus, rows, seq_len):
+    for batch in with_media(PackedBatches.eval(corpus, rows, seq_len), corpus):
         input_ids, labels, cu_seqlens = parallel.shard(batch.input_ids, batch.labels, batch.cu_seqlens)
         with autocast_context(device):
-            batch_loss = model(input_ids, cu_seqlens=cu_seqlens, labels=labels).loss.double()
+            batch_loss = model(input_ids, cu_seqlens=cu_seqlens, labels=labels,
+                               **getattr(batch, "media", {})).loss.double()
         loss_sum += float(parallel.sum_(batch_loss))
         count += batch.num_tokens
         if count >= max_tokens:
@@ -432,13 +436,20 @@ def _start_run(cfg: TrainConfig, out: Path, runtime: SingleProcess | ParallelRun
         if model_config.vocab_size != tokenizer.vocab_size:
             raise ValueError(f"{cfg.init_from}: its config.json has {model_config.vocab_size} tokens, its tokenizer "
                              f"{tokenizer.vocab_size}")
-    model = build_model(model_config, seed=cfg.seed, device=runtime.device)
+    model = build_run_model(model_config, cfg.seed, runtime.device, multimodal=source.format == "multimodal")
     if cfg.init_from is not None and latest_checkpoint(out / "checkpoints") is None:
         _load_initial_weights(model, Path(cfg.init_from), log)
     parallel = runtime.parallelize(model, moonep=cfg.moonep, activation_checkpointing=cfg.activation_checkpointing)
-    optimizer = parallel.build_optimizer(model_config, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                         ns_dtype=ns_dtype_for(cfg.muon_ns_dtype, runtime.device),
-                                         impl=cfg.optimizer_impl, muon_blocks=MUON_BLOCKS[cfg.optimizer])
+    kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "ns_dtype": ns_dtype_for(cfg.muon_ns_dtype, runtime.device),
+              "impl": cfg.optimizer_impl, "muon_blocks": MUON_BLOCKS[cfg.optimizer]}
+    if hasattr(model, "vision_tower"):
+        if parallel.distributed:
+            raise ValueError("multimodal training runs in one process (a batch's images do not follow its rows "
+                             "to the ranks yet)")
+        optimizer = MuonAdamW(model.text_named_parameters(), model_config, **kwargs)
+        add_vision_groups(optimizer, model, cfg.vision_lr or cfg.lr)
+    else:
+        optimizer = parallel.build_optimizer(model_config, **kwargs)
     metrics_log = MetricsLog(out / "metrics.jsonl") if runtime.is_main else _NoLog()
     total_steps = None if fresh else stored_total_steps(out, cfg)
     if total_steps is None:
@@ -451,11 +462,36 @@ def _start_run(cfg: TrainConfig, out: Path, runtime: SingleProcess | ParallelRun
                heldout_corpus, metrics_log)
 
 
+def build_run_model(config: ModelConfig, seed: int, device: torch.device, multimodal: bool) -> K3ForCausalLM:
+    """The run's model: the text model, or for multimodal data the text model with its tower and projector
+    (`k3.vision.model.K3VisionLanguageModel`, the preset's `vision_config`, trained from scratch with it)."""
+    if not multimodal:
+        return build_model(config, seed=seed, device=device)
+    from k3.vision.model import build_vlm
+
+    if config.vision_config is None:
+        raise ValueError("multimodal data needs a model with a vision_config (every preset has one)")
+    return build_vlm(config, seed=seed, device=device)
+
+
+def add_vision_groups(optimizer: MuonAdamW, model: K3ForCausalLM, lr: float) -> None:
+    """The tower's and projector's Muon and AdamW groups at their own learning rate (k3.vision.optim)."""
+    from k3.vision.optim import add_vision_param_groups
+
+    add_vision_param_groups(optimizer, model, lr=lr)
+
+
 def _load_initial_weights(model: K3ForCausalLM, checkpoint: Path, log) -> None:
     """The weights (Quantile Balancing biases included) of the checkpoint a run starts from, verified first."""
     verify_checkpoint(checkpoint)
-    model.load_state_dict({k: v.to(next(model.parameters()).device) for k, v in read_model(checkpoint).items()})
-    log(f"starting from the weights of {checkpoint}")
+    tensors = read_model(checkpoint)
+    # a text run fine-tuned on multimodal data: the tower and projector start from their init (docs/vision.md)
+    fresh_tower = hasattr(model, "vision_tower") and not any(k.startswith("vision_tower.") for k in tensors)
+    missing, unexpected = model.load_state_dict(
+        {k: v.to(next(model.parameters()).device) for k, v in tensors.items()}, strict=not fresh_tower)
+    assert not unexpected and all(k.startswith(("vision_tower.", "mm_projector.")) for k in missing), missing
+    log(f"starting from the weights of {checkpoint}" + (" (the vision tower and projector from scratch: it has "
+                                                         "none)" if fresh_tower else ""))
 
 
 def _resolve_total_steps(cfg: TrainConfig, model: K3ForCausalLM, corpus: TokenizedCorpus, device: torch.device,
@@ -475,9 +511,12 @@ def _resolve_total_steps(cfg: TrainConfig, model: K3ForCausalLM, corpus: Tokeniz
     if parallel.distributed:
         raise ValueError("a distributed run needs max_steps or max_tokens (the time-budget probe is single-process)")
     # time full steps on a throwaway copy of the model; nothing of the run is touched
-    probe = build_model(model.config, seed=cfg.seed, device=device)
-    probe_opt = MuonAdamW(probe.named_parameters(), model.config, lr=0.0,
-                          ns_dtype=ns_dtype_for(cfg.muon_ns_dtype, device))
+    multimodal = hasattr(model, "vision_tower")
+    probe = build_run_model(model.config, cfg.seed, device, multimodal)
+    probe_opt = MuonAdamW(probe.text_named_parameters() if multimodal else probe.named_parameters(), model.config,
+                          lr=0.0, ns_dtype=ns_dtype_for(cfg.muon_ns_dtype, device))
+    if multimodal:
+        add_vision_groups(probe_opt, probe, 0.0)
     probe_sched = cosine_schedule(probe_opt, 10)
     seconds = {}
     for stage in cfg.stages:
@@ -508,10 +547,21 @@ def _rows(cfg: TrainConfig, stage: ContextStage) -> int:
 def _make_batches(corpus: TokenizedCorpus, cfg: TrainConfig, stage: ContextStage,
                   state: dict[str, Any] | None = None) -> PackedBatches:
     """The batches of `stage`, continuing from a `PackedBatches.state_dict()` when given."""
-    batches = PackedBatches(corpus, _rows(cfg, stage), stage.seq_len, seed=cfg.seed, streams=cfg.data_streams)
+    batches = with_media(PackedBatches(corpus, _rows(cfg, stage), stage.seq_len, seed=cfg.seed,
+                                       streams=cfg.data_streams), corpus)
     if state is not None:
         batches.load_state_dict(state)
     return batches
+
+
+def with_media(batches: PackedBatches, corpus: TokenizedCorpus):
+    """The batches of a multimodal corpus carry their rows' images (`k3.vision.data.MediaBatches`, the same
+    position); a text corpus's are returned as they are."""
+    if corpus.media is None:
+        return batches
+    from k3.vision.data import MediaBatches
+
+    return MediaBatches(batches, corpus.media)
 
 
 def _step(run: Run, since: float, log, stop_signal: Callable[[], int | None] | None = None) -> dict[str, Any]:

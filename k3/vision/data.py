@@ -30,8 +30,17 @@ import torch
 
 from k3.chat.template import ChatTemplate, Span, TemplateError
 from k3.tokenizer import Tokenizer
-from k3.vision.preprocess import (DEFAULT_PROCESSOR, MAX_VIDEO_FRAMES, ImageProcessor, MediaItem, image_size, pack,
-                                  preprocess_image, preprocess_video)
+from k3.vision.chat import ImageError, has_images, image_message_ids
+from k3.vision.preprocess import (
+    DEFAULT_PROCESSOR,
+    MAX_VIDEO_FRAMES,
+    ImageProcessor,
+    MediaItem,
+    image_size,
+    pack,
+    preprocess_image,
+    preprocess_video,
+)
 from k3.vision.prompt import media_prompt
 
 IGNORE_INDEX = -100
@@ -126,17 +135,19 @@ class SampleBuilder:
         pieces: list[tuple[list[int], bool]] = [([self.tokenizer.bos_id], False)]
         refs: list[MediaRef] = []
         calls: dict[str, tuple[str, int]] = {}
+
+        def image(url: Any, part: str) -> list[int]:
+            ref = media_ref([resolve_source(url, base, f"{name}: {part}")], self.processor, f"{name}: {part}")
+            refs.append(ref)
+            return self.prompt(ref)
+
         for i, message in enumerate(messages):
-            where = f"{name}: messages[{i}]"
-            content = message.get("content") if isinstance(message, Mapping) else None
-            if isinstance(content, list) and any(isinstance(p, Mapping) and p.get("type") == "image_url"
-                                                 for p in content):
-                if message.get("role") not in ("user", "system", "developer"):
-                    raise ValueError(f"{where}: images are supported in user and system messages only")
-                ids = self.template.open_tag("message", role=message["role"])
-                for j, part in enumerate(content):
-                    ids += self.content_part(part, base, f"{where}.content[{j}]", refs)
-                pieces.append((ids + [self.template.end_id], False))
+            if has_images(message):
+                try:  # the server renders the same message the same way (k3.vision.chat)
+                    ids = image_message_ids(self.template, message, image, f"messages[{i}]")
+                except ImageError as e:
+                    raise ValueError(f"{name}: {e}") from None
+                pieces.append((ids, False))
                 continue
             try:
                 spans: list[Span] = self.template.message_spans(message, thinking=False, calls=calls,
@@ -147,18 +158,6 @@ class SampleBuilder:
         if not any(trained for _, trained in pieces):
             raise ValueError(f"{name}: the conversation has no assistant message to train on")
         return self.sample(name, pieces, refs)
-
-    def content_part(self, part: Any, base: Path, where: str, refs: list[MediaRef]) -> list[int]:
-        kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            return self.tokenizer.encode(part["text"]) if part["text"] else []
-        if kind == "image_url":
-            url = part.get("image_url")
-            url = url.get("url") if isinstance(url, Mapping) else url
-            ref = media_ref([resolve_source(url, base, where)], self.processor, where)
-            refs.append(ref)
-            return self.prompt(ref)
-        raise ValueError(f"{where}: content part of type {kind!r} is not supported (text and image_url)")
 
     def sample(self, name: str, pieces: list[tuple[list[int], bool]], refs: list[MediaRef]) -> Sample:
         ids, trained = [], []
@@ -329,3 +328,111 @@ class MultimodalBatches:
         media = pack(items, self.max_patches).as_inputs() if items else {}
         return MultimodalBatch(ids, labels, torch.tensor(cu, dtype=torch.int64), int((labels != IGNORE_INDEX).sum()),
                                media)
+
+
+class MultimodalRows:
+    """`k3 train`'s data source for multimodal JSONL (the interface of `k3.train.data.TextDocuments`): the rows of
+    `read_samples`, one document each (named FILE:LINE), encoded by `SampleBuilder` into ids and a loss mask and
+    packed whole by `k3.train.data.PackedBatches`; `media` gives each document's images for `MediaBatches`."""
+
+    format = "multimodal"
+    whole_documents = True
+
+    def __init__(self, path: str | os.PathLike, processor: ImageProcessor = DEFAULT_PROCESSOR):
+        self.path, self.processor = path, processor
+
+    @staticmethod
+    def holds_media(path: str | os.PathLike) -> bool:
+        """Does the first row of the JSONL data at `path` (a file, or the first `.jsonl` under a folder) carry an
+        image: `image` / `images` / `video` keys, or an `image_url` part in its messages."""
+        root = Path(path)
+        files = sorted(root.rglob("*.jsonl")) if root.is_dir() else [root] if root.suffix == ".jsonl" else []
+        files = [f for f in files if f.is_file()]
+        for file in files[:1]:
+            # bytes: a bad byte further on is for the reader of the data to report, with its line
+            with open(file, "rb") as f:
+                for raw in f:
+                    line = raw.decode("utf-8", errors="replace")
+                    if line.strip():
+                        try:
+                            row = json.loads(line)
+                        except json.JSONDecodeError:
+                            return False
+                        return isinstance(row, Mapping) and (
+                            any(k in row for k in ("image", "images", "video"))
+                            or any(has_images(m) for m in row.get("messages") or [] if isinstance(m, Mapping)))
+        return False
+
+    def documents(self) -> list[tuple[str, str]]:
+        """(FILE:LINE, the row with its name and folder as JSON) for every row; ValueError naming the line of a row
+        that is not JSON (the rest is checked when the corpus is encoded, naming the line too)."""
+        root = Path(self.path)
+        if not root.exists():
+            raise ValueError(f"data path {str(self.path)!r} does not exist")
+        docs = []
+        for file in sorted(root.rglob("*.jsonl")) if root.is_dir() else [root]:
+            with open(file, encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    where = f"{file}:{lineno}"
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{where}: not valid JSON ({e})") from e
+                    docs.append((where, json.dumps({"name": where, "base": str(file.parent.resolve()), "row": row})))
+        return docs
+
+    def samples(self, tokenizer: Tokenizer, texts: Sequence[str]) -> list[Sample]:
+        builder = SampleBuilder(tokenizer, self.processor)
+        out = []
+        for text in texts:
+            doc = json.loads(text)
+            out.append(builder.from_row(doc["row"], Path(doc["base"]), doc["name"]))
+        return out
+
+    def encode(self, tokenizer: Tokenizer, texts: Sequence[str]) -> list[tuple[list[int], list[int]]]:
+        """(ids, loss mask) per document: token t is a target when label t−1 is (labels are shifted)."""
+        return [(s.ids, [0] + [int(label != IGNORE_INDEX) for label in s.labels[:-1]])
+                for s in self.samples(tokenizer, texts)]
+
+    def media(self, tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[MediaRef]]:
+        """Each document's images, in the order of its pads (image headers only, no pixel decode)."""
+        return [s.media for s in self.samples(tokenizer, texts)]
+
+
+class MediaBatches:
+    """`k3.train.data.PackedBatches` over a multimodal corpus, each batch with its rows' images attached: a
+    `MultimodalBatch` whose `media` holds the pixels of every document of the batch in pad order, decoded by
+    `loader_workers` threads. The position is the packed batches' own (`state_dict`), so a resumed run continues
+    with the same rows and images."""
+
+    def __init__(self, batches, media: Sequence[Sequence[MediaRef]], processor: ImageProcessor = DEFAULT_PROCESSOR,
+                 loader_workers: int = 4, max_patches: int | None = None):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.batches, self.media, self.processor, self.max_patches = batches, media, processor, max_patches
+        self.pool = ThreadPoolExecutor(max(1, loader_workers), thread_name_prefix="k3-images")
+
+    @property
+    def seq_len(self) -> int:
+        return self.batches.seq_len
+
+    def rows_per_epoch(self) -> int:
+        return self.batches.rows_per_epoch()
+
+    def state_dict(self) -> dict:
+        return self.batches.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches.load_state_dict(state)
+
+    def __iter__(self) -> MediaBatches:
+        return self
+
+    def __next__(self) -> MultimodalBatch:
+        batch = next(self.batches)
+        refs = [ref for row in self.batches.last_documents for doc in row for ref in self.media[doc]]
+        items = list(self.pool.map(lambda ref: ref.load(self.processor), refs))
+        media = pack(items, self.max_patches).as_inputs() if items else {}
+        return MultimodalBatch(batch.input_ids, batch.labels, batch.cu_seqlens, batch.num_tokens, media)

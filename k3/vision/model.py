@@ -50,11 +50,16 @@ class K3VisionLanguageModel(K3ForCausalLM):
         features = self.vision_tower(pixel_values.to(device), grid)
         return self.mm_projector(sd2_tpool(features, grid))
 
-    def splice_media(self, input_ids: torch.Tensor, media_rows: torch.Tensor) -> torch.Tensor:
+    def splice_media(self, input_ids: torch.Tensor, media_rows: torch.Tensor,
+                     media_mask: torch.Tensor | None = None) -> torch.Tensor:
         """embed_tokens(input_ids) [B, T, D] with the `<|media_pad|>` rows replaced by media_rows [M, D], in order
-        of appearance (row-major over B·T), in the embedding's dtype."""
+        of appearance (row-major over B·T), in the embedding's dtype. `media_mask` [B, T] bool: the positions to
+        replace instead (the engine's: its prompts' pads, not a pad token the model generated)."""
         embeds = self.model.embed_tokens(input_ids)
-        is_pad = input_ids == self.config.media_placeholder_token_id
+        if media_mask is None:
+            is_pad = input_ids == self.config.media_placeholder_token_id
+        else:
+            is_pad = media_mask.to(device=input_ids.device, dtype=torch.bool)
         pads = int(is_pad.sum())
         if pads != media_rows.shape[0]:
             raise ValueError(f"input_ids hold {pads} <|media_pad|> token(s) but the media give {media_rows.shape[0]} "
@@ -63,11 +68,12 @@ class K3VisionLanguageModel(K3ForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, *args, pixel_values: torch.Tensor | None = None,
                 grid_thw: torch.Tensor | None = None, media_rows: torch.Tensor | None = None,
-                **kwargs) -> K3Output:
+                media_mask: torch.Tensor | None = None, **kwargs) -> K3Output:
         """The text model's forward (same arguments), plus the media of the `<|media_pad|>` tokens in input_ids:
         `pixel_values` [N, 3, p, p] with `grid_thw` [n, 3] (run through the tower and projector), or the
-        projector's `media_rows` [M, D] computed before (an engine's per-image cache). Labels that target a pad
-        are ignored. Without media the forward is the text model's; pads without media are an error."""
+        projector's `media_rows` [M, D] computed before (an engine's per-image cache); `media_mask` [B, T] says
+        which positions take the rows (default: every pad). Labels that target a pad are ignored. Without media
+        the forward is the text model's; pads without media are an error."""
         if pixel_values is not None and media_rows is not None:
             raise ValueError("give pixel_values (with grid_thw) or media_rows, not both")
         if (pixel_values is None) != (grid_thw is None):
@@ -77,7 +83,9 @@ class K3VisionLanguageModel(K3ForCausalLM):
         if pixel_values is not None:
             media_rows = self.encode_media(pixel_values, grid_thw)
         if media_rows is not None:
-            kwargs["inputs_embeds"] = self.splice_media(ids, media_rows)
+            kwargs["inputs_embeds"] = self.splice_media(ids, media_rows, media_mask)
+        elif media_mask is not None:
+            raise ValueError("media_mask needs media_rows (or pixel_values with grid_thw)")
         elif bool((ids == self.config.media_placeholder_token_id).any()):
             raise ValueError("input_ids hold <|media_pad|> tokens but no pixel_values / media_rows were given")
         if kwargs.get("labels") is not None:
