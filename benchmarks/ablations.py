@@ -9,20 +9,23 @@ Each ablation trains every arm for `--seeds` seeds on the standard library corpu
 PNG stay in --out (runs/ablations), the tables are rebuilt from every NAME-PRESET.json found there. Nothing is a
 benchmark of speed: the numbers are losses, load imbalance and activations, the verdict their direction against
 the report's claim (docs/ablations.md). Decode times (hybrid-ratio) are of the reference path on this CPU.
+Ablations with no run in --out keep what the results file already holds (their tables, and their summary rows
+rebuilt from its raw numbers), so running a few of them updates those and leaves the others.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import ROOT, save_result, table  # noqa: E402
+from provenance import RESULTS, ROOT, save_result, table  # noqa: E402
 
-from k3.eval.ablate import ABLATIONS, SUMMARY, run_ablation  # noqa: E402
+from k3.eval.ablate import ABLATIONS, SUMMARY, run_ablation, verdict  # noqa: E402
 
 FIGURES = ROOT / "docs" / "figures" / "ablations"
 SHOWN = ("heldout_loss", "train_loss", "max_vio", "max_vio_step5", "act_max", "spikes", "max_grad_norm")
@@ -77,15 +80,34 @@ def main() -> None:
     FIGURES.mkdir(parents=True, exist_ok=True)
     for r in results:
         shutil.copy(args.out / f"{r['ablation']}-{args.preset}.png", FIGURES / f"{r['ablation']}.png")
-    tables = {r["ablation"]: ablation_table(r) for r in results} | {"summary": summary_table(results)}
-    raw = {r["ablation"]: {"claim": r["claim"], "fields": r["fields"], "steps": r["steps"], "seeds": r["seeds"],
-                           "arms": [{"label": a["label"], "summary": a["summary"]} for a in r["arms"]]}
-           for r in results}
+    raw = stored_raw() | {r["ablation"]: raw_entry(r) for r in results}
+    raw = {n: raw[n] for n in ABLATIONS if n in raw}
+    tables = {r["ablation"]: ablation_table(r) for r in results} | {"summary": summary_table(
+        [from_raw(n, entry) for n, entry in raw.items()])}
     # the tables hold every run in --out: the command that reproduces them all
     steps = f" --steps {args.steps}" if args.steps else ""
     save_result("ablations", "The K3 report's design choices against the baselines they replaced, each trained at the "
                 "debug preset on the standard library corpus for several seeds (k3 ablate)", tables, raw=raw,
                 slug="cpu", command=f"OMP_NUM_THREADS=1 python benchmarks/ablations.py{steps} --seeds {args.seeds}")
+
+
+def raw_entry(result: dict) -> dict:
+    """What the results file keeps of one ablation: enough to rebuild its summary rows."""
+    keep = ("claim", "fields", "metric", "preset", "steps", "seeds", "tokens_per_step", "seq_len", "lr")
+    arms = [{"label": a["label"], "summary": a["summary"]}
+            | {k: a[k] for k in ("decode_ms", "cache_bytes_per_token") if k in a} for a in result["arms"]]
+    return {k: result[k] for k in keep if k in result} | {"arms": arms}
+
+
+def stored_raw() -> dict:
+    path = Path(os.environ.get("K3_RESULTS") or RESULTS) / "ablations-cpu.json"
+    return json.loads(path.read_text()).get("raw", {}) if path.exists() else {}
+
+
+def from_raw(name: str, entry: dict) -> dict:
+    """A result as `summary_table` reads it, from a raw entry (older entries lack the metric: the ablation's)."""
+    result = {"ablation": name, "metric": entry.get("metric", ABLATIONS[name].metric), "arms": entry["arms"]}
+    return result | {"verdict": verdict(result)}
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def add_ablate_parser(sub) -> None:
                               "hyperparameters for several seeds, then prints a table (mean ± spread) and writes "
                               "OUT/NAME.json and OUT/NAME.png; see docs/ablations.md.")
     p.add_argument("name", choices=[*ABLATIONS, "list"])
-    p.add_argument("--preset", default="debug", help="model size (default debug; tiny for the documented runs)")
+    p.add_argument("--preset", default="debug", help="model size (default debug, as the documented runs)")
     p.add_argument("--steps", type=int, help="optimizer steps per run (default: the ablation's)")
     p.add_argument("--seeds", type=int, default=3, help="seeds per arm (default 3)")
     p.add_argument("--out", default="ablations", help="results folder (default ./ablations)")

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from k3.eval.client import Client
 
@@ -64,7 +64,9 @@ class ServerThread:
     def __init__(self, app: Any):
         import uvicorn
 
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say so, and without it every reply on a
+        # kept-alive connection (lm-eval's) waits ~40 ms for the client's delayed ACK (Nagle)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -73,7 +75,7 @@ class ServerThread:
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="k3-eval-server")
 
-    def __enter__(self) -> ServerThread:
+    def __enter__(self) -> Self:
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:

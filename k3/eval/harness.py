@@ -40,17 +40,18 @@ def require_lm_eval():
     return lm_eval
 
 
-def task_manager(include_path: str | None = None):
-    """lm-eval's TaskManager over its own tasks, k3's bundled ones and `include_path` (a folder of YAML); built
-    once per folder (indexing lm-eval's few thousand task files takes seconds)."""
-    return _task_manager(str(Path(include_path).resolve()) if include_path else None)
+def task_manager(include_path: str | None = None, defaults: bool = True):
+    """lm-eval's TaskManager over k3's bundled tasks, `include_path` (a folder of YAML) and, with `defaults`,
+    lm-eval's own; built once per folder (indexing lm-eval's thousands of task files takes seconds)."""
+    return _task_manager(str(Path(include_path).resolve()) if include_path else None, defaults)
 
 
 @functools.cache
-def _task_manager(include_path: str | None):
+def _task_manager(include_path: str | None, defaults: bool):
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=[str(TASKS_DIR)] + ([include_path] if include_path else []))
+    return TaskManager(include_path=[str(TASKS_DIR)] + ([include_path] if include_path else []),
+                       include_defaults=defaults)
 
 
 def output_types(names: list[str], manager) -> dict[str, set[str]]:
@@ -112,7 +113,9 @@ def run_lm_eval(endpoint: Endpoint, tasks: list[str], *, limit: int | None = Non
     (with log_samples), "n": {task: items}, "config": ...}."""
     lm_eval = require_lm_eval()
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # bundled tasks are local; never wait on the hub
-    manager = task_manager(include_path)
+    manager = task_manager(include_path, defaults=False)
+    if any(t not in manager.all_tasks for t in tasks):
+        manager = task_manager(include_path)  # index lm-eval's own tasks only when one of them is named
     kinds = output_types(tasks, manager)
     mixed = [t for t in tasks if len(kinds[t] & set(LOGLIKELIHOOD_TYPES)) not in (0, len(kinds[t]))]
     if mixed:

@@ -29,6 +29,9 @@ from k3.infer.api import TokenLogprob
 from k3.model.model import K3ForCausalLM
 
 MAX_LOGIT_BYTES = 2**30  # fp32 logits of one forward: 1 GiB is 1,638 tokens of K3's vocabulary
+# tokens of one forward whatever the vocabulary: off CUDA the reference attention holds [H, T, T] scores of the
+# whole packed forward, so a small-vocabulary model must not pack its budget of logits (32K tokens at 8K words)
+MAX_FORWARD_TOKENS = 4096
 
 
 @dataclass
@@ -78,15 +81,17 @@ class PromptScorer:
     """Scores prompts with a model: `score(prompts, top)` -> one `PromptScores` per prompt, in order.
 
     `lock`: held around each forward (the engine's, so scoring and engine steps take turns); `max_logit_bytes`:
-    the fp32 logits one forward may produce (tokens per forward = max_logit_bytes / (4 V), at least 1).
+    the fp32 logits one forward may produce (tokens per forward = max_logit_bytes / (4 V), at least 1, at most
+    `max_forward_tokens`).
     """
 
-    def __init__(self, model: K3ForCausalLM, lock: Any = None, max_logit_bytes: int = MAX_LOGIT_BYTES):
+    def __init__(self, model: K3ForCausalLM, lock: Any = None, max_logit_bytes: int = MAX_LOGIT_BYTES,
+                 max_forward_tokens: int = MAX_FORWARD_TOKENS):
         self.model = model
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.device = next(model.parameters()).device
         vocab = model.config.vocab_size
-        self.tokens_per_forward = max(1, max_logit_bytes // (4 * vocab))
+        self.tokens_per_forward = max(1, min(max_forward_tokens, max_logit_bytes // (4 * vocab)))
         self._serial = threading.Lock()  # one scoring call at a time (they would only split the device)
 
     def score(self, prompts: list[list[int]], top: int = 0) -> list[PromptScores]:

@@ -128,3 +128,16 @@ def test_perplexity_through_the_server(endpoint, model, tokenizer, tmp_path):
     assert capped["tokens"] == 50
     with pytest.raises(ValueError):
         run_perplexity(endpoint.client(), [("e", "")], tokenizer.bos_id, progress=False)
+
+
+def test_scorer_caps_tokens_per_forward(model):
+    """The per-forward token cap (which keeps packed perplexity windows off a quadratic attention buffer) splits
+    long prompts into cached pieces and packs fewer short ones, and changes no score."""
+    import torch
+
+    prompts = [list(range(3, 40)), list(range(5, 30)), list(range(7, 14))]
+    ref = PromptScorer(model).score(prompts, top=2)
+    capped = PromptScorer(model, max_forward_tokens=16)
+    assert capped.tokens_per_forward == 16 and PromptScorer(model).tokens_per_forward > 16
+    for a, b in zip(ref, capped.score(prompts, top=2)):
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4, equal_nan=True)
