@@ -6,12 +6,10 @@ and defaults (`k3.posttrain.rl_cli.config_from_args` reads them); exit codes are
 from __future__ import annotations
 
 import json
-import os
-import signal
-import sys
 from pathlib import Path
 
-from k3.runfolder import Interrupted, StopSignals, failure, positive, resume_command
+from k3.runfolder import positive
+from k3.train.command import run_training_command
 
 
 def add_mopd_parser(sub) -> None:
@@ -68,53 +66,24 @@ def config_from_args(args, stored: dict | None = None):
 
 
 def cmd_mopd(args) -> int:
-    main_rank = os.environ.get("RANK", "0") == "0"
     out = Path(args.out)
-    resume_with = "resume with: " + resume_command("k3 mopd", args, drop=("resume", "student", "teacher",
-                                                                            "init_from"))
-    with StopSignals() as stop:
-        try:
-            stored = None
-            if args.resume and (out / "run.json").exists():
-                stored = json.loads((out / "run.json").read_text())
-                if "mopd_config" not in stored:
-                    raise ValueError(f"{out} holds an RL run, not a distillation run; resume it with k3 rl")
-            from k3.posttrain.mopd import mopd
 
-            summary = mopd(config_from_args(args, stored), resume=args.resume, stop=stop)
-        except BaseException as e:
-            outcome = failure(e)
-            if outcome is None:
-                raise
-            code, line = outcome
-            exists = (out / "run.json").exists()
-            if isinstance(e, Interrupted) and main_rank:
-                last = max((p.parent for p in (out / "checkpoints").glob("step_*/COMMITTED")), default=None)
-                line += (f" at once; the last checkpoint is {last or 'not written yet'}" if exists
-                         else " before the run started (nothing to save)")
-            if main_rank:
-                print(f"k3 mopd: {line}", file=sys.stderr)
-                if exists and isinstance(e, (Interrupted, OSError)):
-                    print(resume_with, file=sys.stderr)
-            return code
-        finally:
-            dist = sys.modules.get("torch.distributed")
-            if dist is not None and dist.is_initialized():
-                dist.destroy_process_group()
-    if not main_rank:
-        return 0
-    if summary.stopped:
-        print(f"k3 mopd: stopped by {summary.stopped} at iteration {summary.iterations} of "
-              f"{summary.total_iterations}; checkpoint {summary.checkpoint}", file=sys.stderr)
-        print(resume_with, file=sys.stderr)
-        return 128 + signal.Signals[summary.stopped]
-    if summary.iterations == summary.start_iteration:
-        print(f"the run in {out} is complete ({summary.iterations} iterations, checkpoint {summary.checkpoint}); to "
-              f"train on, resume it with a larger --iterations")
-        return 0
-    held = "; ".join(f"{effort}: accuracy {m['accuracy']:.2f}, {m['tokens']:.0f} tokens"
-                     for effort, m in (summary.last_eval or {}).items())
-    resumed = f" (resumed at iteration {summary.start_iteration})" if summary.start_iteration else ""
-    print(f"MOPD: {summary.iterations} iterations{resumed} in {summary.seconds / 60:.1f} min; held-out {held}; "
-          f"checkpoint {summary.checkpoint}; plots in {out / 'plots'}")
-    return 0
+    def start(stop):
+        stored = None
+        if args.resume and (out / "run.json").exists():
+            stored = json.loads((out / "run.json").read_text())
+            if "mopd_config" not in stored:
+                raise ValueError(f"{out} holds an RL run, not a distillation run; resume it with k3 rl")
+        from k3.posttrain.mopd import mopd
+
+        return mopd(config_from_args(args, stored), resume=args.resume, stop=stop)
+
+    def done(summary) -> str:
+        held = "; ".join(f"{effort}: accuracy {m['accuracy']:.2f}, {m['tokens']:.0f} tokens"
+                         for effort, m in (summary.last_eval or {}).items())
+        resumed = f" (resumed at iteration {summary.start_iteration})" if summary.start_iteration else ""
+        return (f"MOPD: {summary.iterations} iterations{resumed} in {summary.seconds / 60:.1f} min; held-out {held}; "
+                f"checkpoint {summary.checkpoint}; plots in {out / 'plots'}")
+
+    return run_training_command("k3 mopd", args, out, start, done, unit="iteration", longer="--iterations",
+                                drop=("resume", "student", "teacher", "init_from"))

@@ -54,7 +54,7 @@ from k3.posttrain.rollout import Group, Rollouts, clear_engine_cache, estimate_b
 from k3.runfolder import LOCK_FILE, DiskFull, RunFolder, RunLock, StopSignals, check_writable_folder, disk_full
 from k3.tokenizer import Tokenizer
 from k3.train.loop import autocast_context, ns_dtype_for
-from k3.train.metrics import MetricsLog
+from k3.train.metrics import MetricsLog, NullMetricsLog
 from k3.train.run_info import git_state
 from k3.train.runtime import resolve_device, start_runtime
 
@@ -617,7 +617,7 @@ def _start(cfg: RLConfig, out: Path, runtime, fresh: bool, log, scorer=None) -> 
     rollouts = Rollouts(engine, template, envs, samples_per_prompt=cfg.samples_per_prompt, max_tokens=cfg.max_tokens,
                         partial_fraction=cfg.partial_fraction, seed=cfg.seed, recorder=recorder, rank=runtime.rank,
                         world_size=runtime.world_size, sum_=sum_, tag="rl")
-    metrics_log = MetricsLog(out / "metrics.jsonl") if runtime.is_main else _NoLog()
+    metrics_log = MetricsLog(out / "metrics.jsonl") if runtime.is_main else NullMetricsLog()
     return RLRun(cfg, out, runtime, parallel, model, model_config, optimizer, engine, recorder, template, envs,
                  train_tasks, heldout, TaskSampler(train_tasks, cfg.seed), rollouts, metrics_log, base_lrs,
                  scorer=scorer)
@@ -738,17 +738,6 @@ class _NoFolder:
 
     def started(self) -> None:
         pass
-
-
-class _NoLog:
-    def write(self, record: dict[str, Any]) -> None:
-        pass
-
-    def truncate_after(self, step: int) -> None:
-        pass
-
-    def read(self) -> list[dict[str, Any]]:
-        return []
 
 
 def _silent(*args, **kwargs) -> None:

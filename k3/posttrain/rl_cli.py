@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
-import sys
 from pathlib import Path
 
 from k3.posttrain.budget import EFFORTS
 from k3.posttrain.envs import ENVIRONMENTS
-from k3.runfolder import Interrupted, StopSignals, failure, positive, resume_command
+from k3.runfolder import positive
+from k3.train.command import run_training_command
 
 
 def add_rl_parser(sub) -> None:
@@ -100,54 +98,22 @@ def config_from_args(args, stored: dict | None = None):
 
 
 def cmd_rl(args) -> int:
-    main_rank = os.environ.get("RANK", "0") == "0"
     out = Path(args.out)
-    resume_with = "resume with: " + resume_command("k3 rl", args, drop=("resume",))
-    # installed before torch is imported: a Ctrl-C while it loads is a clean stop too, not a traceback
-    with StopSignals() as stop:
-        try:
-            stored = None
-            if args.resume and (out / "run.json").exists():
-                stored = json.loads((out / "run.json").read_text()).get("rl_config")
-            from k3.posttrain.rl import rl
 
-            summary = rl(config_from_args(args, stored), resume=args.resume, stop=stop)
-        except BaseException as e:
-            outcome = failure(e)
-            if outcome is None:
-                raise
-            code, line = outcome
-            exists = (out / "run.json").exists()
-            if isinstance(e, Interrupted):
-                if not main_rank:
-                    return code
-                last = max((p.parent for p in (out / "checkpoints").glob("step_*/COMMITTED")), default=None)
-                line += (f" at once; the last checkpoint is {last or 'not written yet'}" if exists
-                         else " before the run started (nothing to save)")
-            elif os.environ.get("WORLD_SIZE", "1") != "1":
-                line = f"rank {os.environ.get('RANK')}: {line}"
-            print(f"k3 rl: {line}", file=sys.stderr)
-            if exists and main_rank and isinstance(e, (Interrupted, OSError)):
-                print(resume_with, file=sys.stderr)
-            return code
-        finally:
-            dist = sys.modules.get("torch.distributed")
-            if dist is not None and dist.is_initialized():
-                dist.destroy_process_group()
-    if not main_rank:
-        return 0
-    if summary.stopped:
-        print(f"k3 rl: stopped by {summary.stopped} at iteration {summary.iterations} of {summary.total_iterations}; "
-              f"checkpoint {summary.checkpoint}; plots in {out / 'plots'}", file=sys.stderr)
-        print(resume_with, file=sys.stderr)
-        return 128 + signal.Signals[summary.stopped]
-    if summary.iterations == summary.start_iteration:
-        print(f"the run in {out} is complete ({summary.iterations} iterations, checkpoint {summary.checkpoint}); to "
-              f"train on, resume it with a larger --iterations")
-        return 0
-    held = "; ".join(f"{effort}: accuracy {m['accuracy']:.2f}, {m['tokens']:.0f} tokens, over budget "
-                     f"{m['over_budget']:.2f}" for effort, m in (summary.last_eval or {}).items())
-    resumed = f" (resumed at iteration {summary.start_iteration})" if summary.start_iteration else ""
-    print(f"RL: {summary.iterations} iterations{resumed} in {summary.seconds / 60:.1f} min; held-out {held}; "
-          f"checkpoint {summary.checkpoint}; plots in {out / 'plots'}")
-    return 0
+    def start(stop):
+        stored = None
+        if args.resume and (out / "run.json").exists():
+            stored = json.loads((out / "run.json").read_text()).get("rl_config")
+        from k3.posttrain.rl import rl
+
+        return rl(config_from_args(args, stored), resume=args.resume, stop=stop)
+
+    def done(summary) -> str:
+        held = "; ".join(f"{effort}: accuracy {m['accuracy']:.2f}, {m['tokens']:.0f} tokens, over budget "
+                         f"{m['over_budget']:.2f}" for effort, m in (summary.last_eval or {}).items())
+        resumed = f" (resumed at iteration {summary.start_iteration})" if summary.start_iteration else ""
+        return (f"RL: {summary.iterations} iterations{resumed} in {summary.seconds / 60:.1f} min; held-out {held}; "
+                f"checkpoint {summary.checkpoint}; plots in {out / 'plots'}")
+
+    return run_training_command("k3 rl", args, out, start, done, unit="iteration", longer="--iterations",
+                                drop=("resume",))

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import signal
-import sys
 from pathlib import Path
 
-from k3.runfolder import Interrupted, StopSignals, failure, positive, resume_command
+from k3.runfolder import positive
+from k3.train.command import run_training_command
 
 
 def add_train_draft_parser(sub) -> None:
@@ -75,44 +74,23 @@ def _acceptance(record: dict | None) -> str:
 
 def cmd_train_draft(args) -> int:
     out = Path(args.out)
-    resume_with = "resume with: " + resume_command("k3 train-draft", args, drop=("resume",))
-    # installed before torch is imported: a Ctrl-C while it loads is a clean stop too, not a traceback
-    with StopSignals() as stop:
-        try:
-            stored = None
-            if args.resume and (out / "run.json").exists():
-                stored = json.loads((out / "run.json").read_text()).get("draft_config")
-            from k3.spec.train import train_draft
 
-            summary = train_draft(config_from_args(args, stored), resume=args.resume, stop=stop)
-        except BaseException as e:
-            outcome = failure(e)
-            if outcome is None:
-                raise
-            code, line = outcome
-            exists = (out / "run.json").exists()
-            if isinstance(e, Interrupted):
-                last = max((p.parent for p in (out / "checkpoints").glob("step_*/COMMITTED")), default=None)
-                line += (f" at once; the last checkpoint is {last or 'not written yet'}" if exists
-                         else " before the run started (nothing to save)")
-            print(f"k3 train-draft: {line}", file=sys.stderr)
-            if exists and isinstance(e, (Interrupted, OSError)):
-                print(resume_with, file=sys.stderr)
-            return code
-    if summary.stopped:
-        print(f"k3 train-draft: stopped by {summary.stopped} at step {summary.steps} of {summary.total_steps}; "
-              f"checkpoint {summary.checkpoint}; plots in {out / 'plots'}", file=sys.stderr)
-        print(resume_with, file=sys.stderr)
-        return 128 + signal.Signals[summary.stopped]
-    if summary.steps == summary.start_step:
-        print(f"the run in {out} is complete ({summary.steps} of {summary.total_steps} steps, checkpoint "
-              f"{summary.checkpoint}); to train on, resume it with a larger --max-steps")
-        return 0
-    resumed = f" (resumed at step {summary.start_step})" if summary.start_step else ""
-    before, after = summary.before, summary.after
-    tpv = (f"; tokens per verify at k = {len(after['acceptance'])}: {before['tokens_per_verify']:.2f} → "
-           f"{after['tokens_per_verify']:.2f}" if before and after else "")
-    print(f"trained {summary.steps} steps{resumed} in {summary.seconds / 60:.1f} min: held-out expected acceptance "
-          f"per unrolled step {_acceptance(before)} (step {before['step'] if before else '–'}) → {_acceptance(after)} "
-          f"(step {after['step'] if after else '–'}){tpv}; checkpoint {summary.checkpoint}; plots in {out / 'plots'}")
-    return 0
+    def start(stop):
+        stored = None
+        if args.resume and (out / "run.json").exists():
+            stored = json.loads((out / "run.json").read_text()).get("draft_config")
+        from k3.spec.train import train_draft
+
+        return train_draft(config_from_args(args, stored), resume=args.resume, stop=stop)
+
+    def done(summary) -> str:
+        resumed = f" (resumed at step {summary.start_step})" if summary.start_step else ""
+        before, after = summary.before, summary.after
+        tpv = (f"; tokens per verify at k = {len(after['acceptance'])}: {before['tokens_per_verify']:.2f} → "
+               f"{after['tokens_per_verify']:.2f}" if before and after else "")
+        return (f"trained {summary.steps} steps{resumed} in {summary.seconds / 60:.1f} min: held-out expected "
+                f"acceptance per unrolled step {_acceptance(before)} (step {before['step'] if before else '–'}) → "
+                f"{_acceptance(after)} (step {after['step'] if after else '–'}){tpv}; checkpoint "
+                f"{summary.checkpoint}; plots in {out / 'plots'}")
+
+    return run_training_command("k3 train-draft", args, out, start, done, longer="--max-steps", drop=("resume",))

@@ -1,4 +1,4 @@
-"""The front end every training command shares (`k3 train`, `k3 sft`): stop signals installed before torch loads,
+"""The front end every training command shares (`k3 train`, `k3 sft`, `k3 rl`, `k3 mopd`, `k3 train-draft`): stop signals installed before torch loads,
 expected failures as one line and an exit code (`k3.runfolder`), and the closing report of a run.
 
 Exit codes: 0 done (or nothing left to do), 1 system failure, 2 refused, 3 the run cannot continue, 128 + N stopped
@@ -19,11 +19,19 @@ from typing import Any
 from k3.runfolder import Interrupted, StopSignals, failure, resume_command
 
 
-def run_training_command(prog: str, args: argparse.Namespace, out: Path, start: Callable[[StopSignals], Any]) -> int:
-    """Run `start(stop)` (which imports torch, trains and returns a `k3.train.loop.RunSummary`) as command `prog`
-    (e.g. "k3 train") with the parsed `args`, whose run folder is `out`; returns the exit code."""
+def run_training_command(prog: str, args: argparse.Namespace, out: Path, start: Callable[[StopSignals], Any],
+                         done: Callable[[Any], str] | None = None, unit: str = "step",
+                         longer: str = "--max-steps or --max-tokens",
+                         drop: tuple[str, ...] = ("resume", "auto_resume")) -> int:
+    """Run `start(stop)` (which imports torch, trains and returns a summary) as command `prog` (e.g. "k3 train")
+    with the parsed `args`, whose run folder is `out`; returns the exit code.
+
+    The summary has `stopped`, `checkpoint` and its progress in `unit`s: `<unit>s`, `total_<unit>s`,
+    `start_<unit>` (a `k3.train.loop.RunSummary` counts steps). `done(summary)`: the closing line of a run that
+    trained (default: `k3 train`'s); `longer`: the options that lengthen a complete run; `drop`: the arguments the
+    printed resume command leaves out (`k3.runfolder.resume_command`)."""
     main_rank = os.environ.get("RANK", "0") == "0"
-    resume_with = "resume with: " + resume_command(prog, args)
+    resume_with = "resume with: " + resume_command(prog, args, drop=drop)
     # installed before torch is imported: a Ctrl-C while it loads is a clean stop too, not a traceback
     with StopSignals() as stop:
         try:
@@ -53,18 +61,24 @@ def run_training_command(prog: str, args: argparse.Namespace, out: Path, start: 
                 dist.destroy_process_group()
     if not main_rank:
         return 0
+    at, total, first = (getattr(summary, name) for name in (f"{unit}s", f"total_{unit}s", f"start_{unit}"))
     if summary.stopped:
-        print(f"{prog}: stopped by {summary.stopped} at step {summary.steps} of {summary.total_steps}; checkpoint "
-              f"{summary.checkpoint}; plots in {out / 'plots'}", file=sys.stderr)
+        print(f"{prog}: stopped by {summary.stopped} at {unit} {at} of {total}; checkpoint {summary.checkpoint}; "
+              f"plots in {out / 'plots'}", file=sys.stderr)
         print(resume_with, file=sys.stderr)
         return 128 + signal.Signals[summary.stopped]
-    if summary.steps == summary.start_step:
-        print(f"the run in {out} is complete ({summary.steps} of {summary.total_steps} steps, checkpoint "
-              f"{summary.checkpoint}); to train on, resume it with a larger --max-steps or --max-tokens")
+    if at == first:
+        print(f"the run in {out} is complete ({at} of {total} {unit}s, checkpoint {summary.checkpoint}); to train "
+              f"on, resume it with a larger {longer}")
         return 0
-    resumed = f" (resumed at step {summary.start_step})" if summary.start_step else ""
-    print(f"trained {summary.steps} steps{resumed}, {summary.tokens:,} tokens in {summary.seconds / 60:.1f} min: "
-          f"train loss {summary.final_train_loss:.3f}, held-out loss {summary.final_eval_loss:.3f} nats/token "
-          f"(unigram entropy of the corpus {summary.unigram_entropy:.3f}); "
-          f"checkpoint {summary.checkpoint}; plots in {summary.out / 'plots'}")
+    print((done or trained_line)(summary))
     return 0
+
+
+def trained_line(summary: Any) -> str:
+    """`k3 train`'s and `k3 sft`'s closing line (a `k3.train.loop.RunSummary`)."""
+    resumed = f" (resumed at step {summary.start_step})" if summary.start_step else ""
+    return (f"trained {summary.steps} steps{resumed}, {summary.tokens:,} tokens in {summary.seconds / 60:.1f} min: "
+            f"train loss {summary.final_train_loss:.3f}, held-out loss {summary.final_eval_loss:.3f} nats/token "
+            f"(unigram entropy of the corpus {summary.unigram_entropy:.3f}); "
+            f"checkpoint {summary.checkpoint}; plots in {summary.out / 'plots'}")

@@ -55,7 +55,7 @@ from k3.tokenizer import Tokenizer, train_bpe
 from k3.train.config import ContextStage, TrainConfig, stage_at
 from k3.train.data import (PackedBatches, TextDocuments, TokenizedCorpus, documents_fingerprint, prepare_corpus,
                            split_documents)
-from k3.train.metrics import MetricsLog, plot_run
+from k3.train.metrics import MetricsLog, NullMetricsLog, plot_run
 from k3.train.run_info import own_folder, retarget_length, stored_total_steps, write_run_info
 from k3.train.runtime import SingleProcess, resolve_device, start_runtime
 
@@ -294,7 +294,7 @@ class Run:
     total_steps: int
     train_corpus: TokenizedCorpus
     heldout_corpus: TokenizedCorpus
-    metrics_log: MetricsLog | _NoLog
+    metrics_log: MetricsLog | NullMetricsLog
     batches: PackedBatches | None = None  # the current context stage's; set once the start step is known
     step: int = 0
     tokens: int = 0
@@ -450,7 +450,7 @@ def _start_run(cfg: TrainConfig, out: Path, runtime: SingleProcess | ParallelRun
         add_vision_groups(optimizer, model, cfg.vision_lr or cfg.lr)
     else:
         optimizer = parallel.build_optimizer(model_config, **kwargs)
-    metrics_log = MetricsLog(out / "metrics.jsonl") if runtime.is_main else _NoLog()
+    metrics_log = MetricsLog(out / "metrics.jsonl") if runtime.is_main else NullMetricsLog()
     total_steps = None if fresh else stored_total_steps(out, cfg)
     if total_steps is None:
         total_steps = _resolve_total_steps(cfg, model, train_corpus, runtime.device, log, parallel)
@@ -614,19 +614,6 @@ def _restore_standing(run: Run) -> None:
             run.last_loss = record["loss"]
         elif record.get("kind") == "eval":
             run.last_eval = record["loss"]
-
-
-class _NoLog:
-    """Metrics log of ranks other than 0: they compute the same metrics, rank 0 writes them."""
-
-    def write(self, record: dict[str, Any]) -> None:
-        pass
-
-    def truncate_after(self, step: int) -> None:
-        pass
-
-    def read(self) -> list[dict[str, Any]]:
-        return []
 
 
 def _silent(*args, **kwargs) -> None:

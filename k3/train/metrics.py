@@ -47,6 +47,19 @@ class MetricsLog:
             tmp.unlink(missing_ok=True)
 
 
+
+class NullMetricsLog:
+    """The metrics log of ranks other than 0: they compute the same metrics, rank 0 writes them."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def read(self) -> list[dict[str, Any]]:
+        return []
+
 def plot_run(metrics_path: str | Path, out_dir: str | Path, title: str = "") -> list[Path]:
     """Draw loss (train/eval), learning rate, grad norm and MoE imbalance; returns the PNG paths."""
     import matplotlib
