@@ -265,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_convert_parser(sub)
     add_serve_parser(sub)
+    from k3.route.cli import add_route_parser
+
+    add_route_parser(sub)
     add_sandbox_parser(sub)
     from k3.eval.cli import add_ablate_parser, add_eval_parser
 

@@ -40,6 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "serve": {"config", "model", "checkpoint", "infer", "tokenizer", "chat", "vision"},
     "posttrain": {"config", "model", "ops", "optim", "parallel", "checkpoint", "tokenizer", "runfolder", "train",
                   "infer", "chat", "vision"},
+    "route": {"serve"},  # the fleet router: serve's error bodies and request limit; it loads no model
     "sandbox": set(),  # stands alone: agents' execution environment, also usable without the model
     # speculative decoding's draft and its training: a frozen target, the training pieces, the plain generation loop
     "spec": {"config", "model", "ops", "optim", "checkpoint", "tokenizer", "runfolder", "train", "infer"},
