@@ -64,6 +64,15 @@ def cmd_info(args) -> int:
                   f"= {_bytes(acc.mla_cache_bytes_per_token * 2**20)} at 1M tokens")
     console.print(f"KDA state: {_bytes(acc.kda_state_bytes_per_sequence)} per sequence (fp32) "
                   f"+ conv tails {_bytes(acc.kda_conv_bytes_per_sequence)} (bf16)")
+    if config.kda_layer_ids:  # speculative decoding's KDA rollback buffers (docs/speculative.md)
+        import torch
+
+        from k3.infer.cache import CacheSpec
+        from k3.infer.speculative import rollback_bytes
+
+        spec = CacheSpec.build(config, 64, torch.bfloat16)
+        console.print("speculative rollback per sequence, k = 4: " + ", ".join(
+            f"{form} {_bytes(rollback_bytes(spec, 4, form))}" for form in ("snapshot", "replay")))
     if acc.vision:
         console.print(f"vision (per image token, not in the totals): MoonViT-V2 tower {acc.vision['vision_tower']:,} "
                       f"({_human(acc.vision['vision_tower'])}) + projector {acc.vision['mm_projector']:,} "
@@ -145,6 +154,13 @@ def cmd_generate(args) -> int:
     model, tokenizer, ckpt = load_trained(args.run)
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t") if args.escapes else args.prompt
     engine = Engine(model)
+    if args.draft:  # speculative decoding (docs/speculative.md)
+        from k3.infer.config import EngineConfig
+        from k3.spec.drafter import DraftRunner
+
+        engine = Engine(model, EngineConfig(speculative_tokens=args.speculative_tokens,
+                                            spec_rollback=args.spec_rollback),
+                        drafter=DraftRunner.load(args.draft, model))
     # [BOS], each --image's media prompt (its pads expanded), then the prompt
     ids, media = [tokenizer.bos_id], []
     if args.image:
@@ -253,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--image", action="append", metavar="PATH",
                    help="an image before the prompt (repeatable; a multimodal run)")
+    p.add_argument("--draft", help="a `k3 train-draft` run or checkpoint: speculative decoding with it")
+    p.add_argument("--speculative-tokens", type=int, default=4, help="tokens drafted per step with --draft")
+    p.add_argument("--spec-rollback", choices=["snapshot", "replay"], default="snapshot",
+                   help="how KDA states roll back after a rejected draft")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("tokenizer", help="tokenizer tools")

@@ -37,7 +37,7 @@ ALLOWED: dict[str, set[str]] = {
     "convert": {"config", "model", "ops", "checkpoint"},
     "vision": {"config", "model", "ops", "tokenizer", "chat", "runfolder"},  # composes the text model, one way
     # serve: images in chat requests are preprocessed and rendered by vision; the engine gets MediaInputs
-    "serve": {"config", "model", "checkpoint", "infer", "tokenizer", "chat", "vision"},
+    "serve": {"config", "model", "checkpoint", "infer", "tokenizer", "chat", "vision", "spec"},  # spec: --draft
     "posttrain": {"config", "model", "ops", "optim", "parallel", "checkpoint", "tokenizer", "runfolder", "train",
                   "infer", "chat", "vision"},
     "route": {"serve"},  # the fleet router: serve's error bodies and request limit; it loads no model

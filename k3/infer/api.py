@@ -90,6 +90,9 @@ class RequestOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (GPU pages or CPU pool)
     completion_tokens: int = 0
+    # speculative decoding: drafted tokens the target accepted / rejected so far (the OpenAI usage fields)
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 class AdmissionError(RuntimeError):

@@ -48,6 +48,12 @@ class EngineConfig:
     cuda_graphs: bool = True
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
+    # speculative decoding (docs/speculative.md): tokens drafted per sequence and step (0: off; needs a drafter),
+    # and how KDA states roll back after a rejection: "snapshot" (a state per verified position) or "replay"
+    # (the committed state plus the verified positions' inputs, recomputed)
+    speculative_tokens: int = 0
+    spec_rollback: str = "snapshot"
+
     eos_token_ids: tuple[int, ...] | None = None  # always stop on these; None: the model config's eos
     seed: int = 0  # seeds the generators of requests that give no seed
 
@@ -71,6 +77,8 @@ class EngineConfig:
             ("short_max_requests", self.short_max_requests >= 1),
             ("long_max_requests", self.long_max_requests >= 1),
             ("decode_path", self.decode_path in ("auto", "paged", "gather")),
+            ("speculative_tokens", self.speculative_tokens >= 0),
+            ("spec_rollback", self.spec_rollback in ("snapshot", "replay")),
             ("graph_batch_sizes", bool(self.graph_batch_sizes) and all(b >= 1 for b in self.graph_batch_sizes)),
         ]
         bad = [name for name, ok in checks if not ok]

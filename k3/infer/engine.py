@@ -15,6 +15,10 @@ Requests may carry images (`MediaInput`s, k3/infer/media.py): the runner splices
 prompt's `<|media_pad|>` tokens, encoding each distinct image once (cached by content key, which also keys the
 prefix cache); the encoder comes from above (the model's `encode_media`), so this package never imports vision.
 
+With a drafter (`EngineConfig.speculative_tokens` > 0, k3/infer/speculative.py, docs/speculative.md) a step is
+`_speculative_step`: decodes verify their drafted tokens in the same ragged pass, accept exactly, roll their KDA
+states back to the last verified position, and the drafter drafts the next ones.
+
 The engine knows no text: token ids in, token ids and logprobs out. Detokenization and stop strings live
 above it (`k3.chat.detokenize`), shared by the server, the CLI and evaluation.
 
@@ -53,9 +57,17 @@ from k3.infer.kv_pool import HostKVPool
 from k3.infer.media import MediaCache, RequestMedia, media_key
 from k3.infer.metrics import EngineMetrics
 from k3.infer.prefix_cache import PrefixCache
-from k3.infer.sampling import sample
+from k3.infer.sampling import sample, target_distribution, token_logprob
 from k3.infer.scheduler import Batch, Scheduler
 from k3.infer.sequence import Sequence, SequenceStatus
+from k3.infer.speculative import (
+    Drafter,
+    VerifyCapture,
+    accept,
+    draw,
+    forward_with_features,
+    speculative_positions,
+)
 from k3.model.model import K3ForCausalLM
 
 
@@ -117,12 +129,17 @@ class ModelRunner:
 class Engine:
     """Continuous-batching engine over one model. Not thread-safe (see AsyncEngine)."""
 
-    def __init__(self, model: K3ForCausalLM, config: EngineConfig | None = None, media_encoder=None):
+    def __init__(self, model: K3ForCausalLM, config: EngineConfig | None = None, media_encoder=None,
+                 drafter: Drafter | None = None):
         """`media_encoder`: `(pixel_values [N, 3, p, p], grid_thw [n, 3]) → rows [M, D]` for requests with images
         (default: the model's `encode_media`, which a `K3VisionLanguageModel` has); without one the engine is
-        text-only and refuses media."""
+        text-only and refuses media. `drafter`: the draft model for speculative decoding (`config.speculative_tokens`
+        > 0; k3.spec.drafter.DraftRunner implements it), docs/speculative.md."""
         config = config or EngineConfig()
         config.validate()
+        if config.speculative_tokens and drafter is None:
+            raise ValueError("speculative_tokens > 0 needs a drafter (k3 serve/generate --draft DIR)")
+        self.drafter = drafter if config.speculative_tokens else None
         self.model = model.eval()
         mcfg = model.config
         self.vocab_size = mcfg.vocab_size
@@ -131,6 +148,8 @@ class Engine:
         self.spec = spec = CacheSpec.build(mcfg, config.hash_block_size, dtype, config.page_tokens)
         n_mla, n_kda = len(spec.mla_layers), len(spec.kda_layers)
         paged = config.decode_path == "paged" or (config.decode_path == "auto" and device.type == "cuda")
+        # the verify pass runs k + 1 tokens per sequence and hands out features: the gather path
+        paged = paged and self.drafter is None
         pool_bytes = config.pool_bytes
         if pool_bytes is None:
             pool_bytes = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else 256 * 2**20
@@ -163,6 +182,11 @@ class Engine:
                                   config.model_id, host)
         encoder = media_encoder if media_encoder is not None else getattr(model, "encode_media", None)
         self.media_cache = MediaCache(encoder, config.media_cache_bytes) if encoder is not None else None
+        if self.drafter is not None and self.media_cache is not None:
+            raise ValueError("speculative decoding is text-only: a model with a vision tower takes no drafter")
+        # accepted / drafted counts by draft position (speculative decoding)
+        self.spec_position_accepted = [0] * config.speculative_tokens
+        self.spec_position_drafted = [0] * config.speculative_tokens
         self.media: dict[str, RequestMedia] = {}  # the images of the requests that have some, by request id
         self.media_pad_id = mcfg.media_placeholder_token_id
         self.scheduler = Scheduler(self.config, spec, self.pool, self.prefix, self.metrics_state, self.media)
@@ -264,6 +288,8 @@ class Engine:
         self.scheduler.remove(seq)
         if self.decoder is not None:
             self.decoder.release(seq)
+        if self.drafter is not None:
+            self.drafter.release(seq.request_id)
         del self.requests[seq.request_id]
         self.media.pop(seq.request_id, None)
         self._outstanding[seq.long] -= seq.budget_tokens
@@ -273,6 +299,19 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def export_sequence(self, request_id: str):
+        """A running request's cache after its prefill, to continue elsewhere (`k3.infer.transfer`)."""
+        from k3.infer.transfer import export_sequence
+
+        return export_sequence(self, request_id)
+
+    def add_prefilled(self, state, arrival: float | None = None) -> RequestOutput:
+        """Admit a request prefilled elsewhere and decode it without recomputing its prompt (`k3.infer.transfer`);
+        returns the prefill side's first output."""
+        from k3.infer.transfer import add_prefilled
+
+        return add_prefilled(self, state, arrival)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy a full state dict (the model's names; any dtype or device) into the engine's model in place and drop
@@ -302,13 +341,10 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        self._note_admissions(batch)
+        if self.drafter is not None:
+            return self._speculative_step(batch)
         m = self.metrics_state
-        now = time.monotonic()
-        for seq in batch.seqs:
-            if seq.admit_time is None:
-                seq.admit_time = now
-                m.observe("queue_time_seconds", now - seq.arrival)
-                m.inc("prompt_tokens_total", seq.num_prompt)
         # the rows that sample this step are known before the forward: their grammar masks fill meanwhile
         ready = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.counts))
                  if seq.num_computed + n == len(seq.tokens)]
@@ -344,26 +380,183 @@ class Engine:
         m.record_step(len(ready), batch.num_tokens)
         return outputs
 
+    def _speculative_step(self, batch: Batch) -> list[RequestOutput]:
+        """One step with speculative decoding (docs/speculative.md): decodes verify their drafts in the ragged
+        pass beside the prefill pieces; each verify emits its accepted drafts plus one token; KDA states roll back
+        to the last verified position; the drafter takes the verified positions and drafts the next tokens."""
+        m, model, pool = self.metrics_state, self.model, self.pool
+        seqs, counts = batch.seqs, batch.counts
+        starts = [s.num_computed for s in seqs]
+        ready = [i for i, (s, n) in enumerate(zip(seqs, counts)) if s.num_computed + n == len(s.tokens)]
+        verify = [bool(s.draft_tokens) for s in seqs]
+        assert all(n == 1 for v, n in zip(verify, counts) if v), "only decodes carry drafts"
+        plain = [i for i in ready if not verify[i]]
+        masks = None
+        if any(seqs[i].matcher is not None for i in plain):
+            if self._mask_worker is None:
+                self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="k3-grammar")
+            masks = self._mask_worker.submit(fill_bitmask, [seqs[i].matcher for i in plain], self.vocab_size)
+        ids, cu = [], [0]
+        for s, n in zip(seqs, counts):
+            ids += s.tokens[s.num_computed : s.num_computed + n] + s.draft_tokens
+            cu.append(len(ids))
+        rows_of = {}  # batch index -> its logits rows
+        logits_at = []
+        for i in ready:
+            first = cu[i] if verify[i] else cu[i + 1] - 1
+            rows_of[i] = list(range(len(logits_at), len(logits_at) + cu[i + 1] - first))
+            logits_at += range(first, cu[i + 1])
+        blocks, kda = [s.blocks for s in seqs], [s.kda_pages for s in seqs]
+        cache = gather(pool, blocks, kda, starts)
+        dev = pool.device
+        with torch.inference_mode(), VerifyCapture(model, cu, verify, self.config.spec_rollback) as capture:
+            logits, features = forward_with_features(model, torch.tensor(ids, device=dev)[None], cu, cache,
+                                                     torch.tensor(logits_at, dtype=torch.long, device=dev),
+                                                     self.drafter.feature_blocks)
+            scatter(pool, cache, blocks, kda, starts, [b - a for a, b in itertools.pairwise(cu)])
+            verified = {i: self._verify(seqs[i], logits[rows_of[i]]) for i in ready if verify[i]}
+            advanced = list(counts)  # verified tokens each sequence moves by
+            for i, (tokens, _) in verified.items():
+                advanced[i] = len(tokens)
+            capture.commit(pool, kda, {i: advanced[i] for i in verified})
+        spec_rows = list(verified)
+        for i, s in enumerate(seqs):
+            if i not in verified:
+                self.scheduler.after_forward(s, counts[i])
+        if plain:
+            ps = [seqs[i] for i in plain]
+            allowed = None if masks is None else unpack_bitmask(masks.result().to(logits.device), self.vocab_size)
+            plain_rows = torch.tensor([rows_of[i][-1] for i in plain], device=logits.device)
+            tokens, lps = sample(logits[plain_rows], [s.sampling for s in ps], [s.generator for s in ps],
+                                 [s.prompt_ids for s in ps], [s.output_ids for s in ps], allowed)
+            for i, tok, lp in zip(plain, tokens, lps):
+                if seqs[i].matcher is not None:
+                    accepted = seqs[i].matcher.consume_token(tok)
+                    assert accepted, f"the grammar refused a token its own mask allowed: {seqs[i].matcher.get_error()}"
+                verified[i] = ([tok], [lp])
+        now = time.monotonic()
+        for i in ready:
+            self._record(seqs[i], *verified[i], now)
+        for i in spec_rows:  # hashed only now: the verified tokens must be in `tokens`
+            self.scheduler.after_forward(seqs[i], advanced[i], decoding=True)
+        outputs = [self._output(seqs[i]) for i in ready]
+        with torch.inference_mode():
+            self._draft_next(batch, starts, advanced, cu, features)
+        m.inc("steps_total")
+        m.inc("forward_tokens_total", len(ids))
+        generated = sum(len(verified[i][0]) for i in ready)
+        m.inc("generation_tokens_total", generated)
+        m.record_step(generated, len(ids))
+        return outputs
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> tuple[list[int], list]:
+        """Accept or reject one sequence's drafts against the target's logits [k + 1, V] at the verified positions;
+        -> (emitted tokens up to the first stop, their logprobs). Counts acceptance."""
+        drafts, sp, m = seq.draft_tokens, seq.sampling, self.metrics_state
+        k = len(drafts)
+        histories = [seq.output_ids + drafts[:j] for j in range(k + 1)]
+        p = target_distribution(logits, [sp] * (k + 1), [seq.prompt_ids] * (k + 1), histories)
+        tokens, a = accept(p, seq.draft_probs[:k], drafts, seq.generator, sp.temperature <= 0)
+        for j in range(k):
+            self.spec_position_drafted[j] += 1
+            self.spec_position_accepted[j] += j < a
+        m.inc("spec_verifies_total")
+        m.inc("spec_draft_tokens_total", k)
+        m.inc("spec_accepted_tokens_total", a)
+        n_out, n_tok = len(seq.output_ids), len(seq.tokens)
+        for j, tok in enumerate(tokens):  # a stop ends the emission there
+            if self._stop_reason(seq, tok, n_out + j + 1, n_tok + j + 1) is not None:
+                tokens = tokens[: j + 1]
+                break
+        m.inc("spec_emitted_tokens_total", len(tokens))
+        kept = min(a, len(tokens))
+        seq.accepted_tokens += kept
+        seq.rejected_tokens += k - kept
+        seq.draft_tokens, seq.draft_probs = [], None
+        lps = [None] * len(tokens)
+        if sp.logprobs is not None:
+            raw = torch.log_softmax(logits.float(), dim=-1)
+            lps = [token_logprob(raw[j], tok, sp.logprobs) for j, tok in enumerate(tokens)]
+        return tokens, lps
+
+    def _draft_next(self, batch: Batch, starts: list[int], advanced: list[int], cu: list[int],
+                    features: torch.Tensor) -> None:
+        """Give the drafter the positions this step verified (their features and the tokens after them) and draft
+        the next step's tokens for every sequence that decodes next."""
+        k = self.config.speculative_tokens
+        live = [i for i, s in enumerate(batch.seqs) if s.status is SequenceStatus.RUNNING]
+        if not live:
+            return
+        seqs = [batch.seqs[i] for i in live]
+        q_logits = self.drafter.extend(
+            [s.request_id for s in seqs], [starts[i] for i in live],
+            [features[cu[i] : cu[i] + advanced[i]] for i in live],
+            [s.tokens[starts[i] + 1 : starts[i] + advanced[i] + 1] for s, i in zip(seqs, live)])
+        want = [speculative_positions(k, s.sampling.max_tokens - len(s.output_ids))
+                if s.remaining == 1 and s.matcher is None else 0 for s in seqs]
+        rows = [r for r, w in enumerate(want) if w]
+        if not rows:
+            return
+        q_logits = q_logits[torch.tensor(rows, device=q_logits.device)]
+        drafts: dict[int, list[int]] = {r: [] for r in rows}
+        probs: dict[int, list[torch.Tensor]] = {r: [] for r in rows}
+        for j in range(max(want)):
+            # rows: the sequences still drafting, in q_logits' order
+            ss = [seqs[r] for r in rows]
+            q = target_distribution(q_logits, [s.sampling for s in ss], [s.prompt_ids for s in ss],
+                                    [s.output_ids + drafts[r] for s, r in zip(ss, rows)])
+            for n, (s, r) in enumerate(zip(ss, rows)):
+                tok = int(q[n].argmax()) if s.sampling.temperature <= 0 else draw(q[n], s.generator)
+                drafts[r].append(tok)
+                probs[r].append(q[n])
+            rows = [r for r in rows if want[r] > j + 1]
+            if rows:
+                q_logits = self.drafter.propose([seqs[r].request_id for r in rows], [drafts[r][-1] for r in rows])
+        for r, tokens in drafts.items():
+            seqs[r].draft_tokens, seqs[r].draft_probs = tokens, torch.stack(probs[r])
+
+    def _note_admissions(self, batch: Batch) -> None:
+        m = self.metrics_state
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.admit_time is None:
+                seq.admit_time = now
+                m.observe("queue_time_seconds", now - seq.arrival)
+                m.inc("prompt_tokens_total", seq.num_prompt)
+
     def _append(self, seq: Sequence, token: int, lp, now: float) -> RequestOutput:
+        self._record(seq, [token], [lp], now)
+        return self._output(seq)
+
+    def _record(self, seq: Sequence, tokens: list[int], lps: list, now: float) -> None:
+        """Append generated tokens (one, or a verify step's several) to `seq`."""
         m = self.metrics_state
         if seq.first_token_time is None:
             seq.first_token_time = now
             m.observe("time_to_first_token_seconds", now - seq.arrival)
         else:
-            m.observe("inter_token_latency_seconds", now - seq.last_token_time)
+            for _ in tokens:  # a verify step's tokens arrive together: the gap is shared
+                m.observe("inter_token_latency_seconds", (now - seq.last_token_time) / len(tokens))
         seq.last_token_time = now
-        seq.tokens.append(token)
-        seq.output_ids.append(token)
-        if lp is not None:
-            seq.pending_logprobs.append(lp)
+        seq.tokens.extend(tokens)
+        seq.output_ids.extend(tokens)
+        seq.pending_logprobs.extend(lp for lp in lps if lp is not None)
+
+    def _stop_reason(self, seq: Sequence, token: int, n_output: int, n_tokens: int) -> str | None:
+        """Why a request ends after `token` (its n_output-th output token, n_tokens in all), or None."""
         sp = seq.sampling
-        reason = None
         if token in sp.stop_token_ids or token in self.config.eos_token_ids:
-            reason = "stop"
-        elif seq.matcher is not None and seq.matcher.is_stopped():
-            reason = "stop"  # the grammar is complete: nothing more may follow
-        elif len(seq.output_ids) >= sp.max_tokens or len(seq.tokens) >= self.max_context:
-            reason = "length"
+            return "stop"
+        if seq.matcher is not None and seq.matcher.is_stopped():
+            return "stop"  # the grammar is complete: nothing more may follow
+        if n_output >= sp.max_tokens or n_tokens >= self.max_context:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        """The output increment after the tokens just recorded; finishes the request on a stop."""
+        sp = seq.sampling
+        reason = self._stop_reason(seq, seq.output_ids[-1], len(seq.output_ids), len(seq.tokens))
         out = RequestOutput(
             request_id=seq.request_id,
             new_token_ids=seq.output_ids[seq.emitted_tokens :],
@@ -373,6 +566,8 @@ class Engine:
             prompt_tokens=seq.num_prompt,
             cached_tokens=seq.cached_tokens,
             completion_tokens=len(seq.output_ids),
+            accepted_prediction_tokens=seq.accepted_tokens,
+            rejected_prediction_tokens=seq.rejected_tokens,
         )
         seq.emitted_tokens = len(seq.output_ids)
         seq.pending_logprobs = []
@@ -407,6 +602,13 @@ class Engine:
             cpu_pool_slots_used=host.used_slots if host else 0,
             cpu_pool_slots_total=host.num_slots if host else 0,
         )
+        if self.drafter is None:  # speculative decoding off: its metrics are absent, not zero (the dashboard says so)
+            for name in [n for n in snap if n.startswith("spec_")]:
+                del snap[name]
+        else:
+            c = snap
+            snap.update(spec_acceptance_rate=c["spec_accepted_tokens_total"] / max(c["spec_draft_tokens_total"], 1),
+                        spec_tokens_per_verify=c["spec_emitted_tokens_total"] / max(c["spec_verifies_total"], 1))
         media = self.media_cache
         snap.update(media_items_encoded_total=media.encoded if media else 0,
                     media_cache_hits_total=media.hits if media else 0, media_cache_bytes=media.bytes if media else 0)
@@ -436,6 +638,8 @@ def merge_output(total: RequestOutput, out: RequestOutput) -> None:
     total.finished, total.finish_reason = out.finished, out.finish_reason
     total.prompt_tokens, total.cached_tokens = out.prompt_tokens, out.cached_tokens
     total.completion_tokens = out.completion_tokens
+    total.accepted_prediction_tokens = out.accepted_prediction_tokens
+    total.rejected_prediction_tokens = out.rejected_prediction_tokens
 
 
 class AsyncEngine:

@@ -68,34 +68,59 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     tokens = x.argmax(dim=-1)  # greedy rows keep this
     sampled = [i for i, p in enumerate(params) if p.temperature > 0]
     if sampled:
-        idx = torch.tensor(sampled, device=x.device)
-        temp = torch.tensor([params[i].temperature for i in sampled], device=x.device)
-        z = x[idx] / temp[:, None]  # [n, V]
-        z, order = torch.sort(z, dim=-1, descending=True)
-        rank = torch.arange(V, device=x.device)[None, :]
-        top_k = torch.tensor([params[i].top_k or V for i in sampled], device=x.device)
-        z = z.masked_fill(rank >= top_k[:, None], float("-inf"))
-        probs = torch.softmax(z, dim=-1)
-        top_p = torch.tensor([params[i].top_p for i in sampled], device=x.device)
-        # drop a token once the mass before it already reaches top_p (the first token always stays)
-        drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
-        min_p = torch.tensor([params[i].min_p for i in sampled], device=x.device)
-        drop |= probs < min_p[:, None] * probs[:, :1]
-        drop[:, 0] = False
-        probs = torch.softmax(z.masked_fill(drop, float("-inf")), dim=-1)
+        probs, order = _filtered_sorted(x[torch.tensor(sampled, device=x.device)], [params[i] for i in sampled])
         for r, i in enumerate(sampled):
             race = torch.empty(V, device=x.device).exponential_(generator=generators[i])
             tokens[i] = order[r, torch.argmax(probs[r] / race)]
     token_list = tokens.tolist()
-    logprobs: list[TokenLogprob | None] = []
-    for i, p in enumerate(params):
-        if p.logprobs is None:
-            logprobs.append(None)
-            continue
-        row = raw_logprobs[i]
-        top = []
-        if p.logprobs > 0:
-            vals, ids = torch.topk(row, min(p.logprobs, V))
-            top = list(zip(ids.tolist(), vals.tolist()))
-        logprobs.append(TokenLogprob(token_list[i], float(row[token_list[i]]), top))
+    logprobs = [None if p.logprobs is None else token_logprob(raw_logprobs[i], token_list[i], p.logprobs)
+                for i, p in enumerate(params)]
     return token_list, logprobs
+
+
+def token_logprob(row: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
+    """A row of raw log-probabilities [V] -> the token's logprob and the top_n alternatives."""
+    top = []
+    if top_n > 0:
+        vals, ids = torch.topk(row, min(top_n, row.shape[-1]))
+        top = list(zip(ids.tolist(), vals.tolist()))
+    return TokenLogprob(token, float(row[token]), top)
+
+
+def _filtered_sorted(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Penalized logits x [n, V] of sampled rows -> (probabilities after temperature, top-k, top-p and min-p, in
+    descending order [n, V]; that order [n, V])."""
+    V = x.shape[-1]
+    temp = torch.tensor([p.temperature for p in params], device=x.device)
+    z = x / temp[:, None]  # [n, V]
+    z, order = torch.sort(z, dim=-1, descending=True)
+    rank = torch.arange(V, device=x.device)[None, :]
+    top_k = torch.tensor([p.top_k or V for p in params], device=x.device)
+    z = z.masked_fill(rank >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(z, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], device=x.device)
+    # drop a token once the mass before it already reaches top_p (the first token always stays)
+    drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+    min_p = torch.tensor([p.min_p for p in params], device=x.device)
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False
+    return torch.softmax(z.masked_fill(drop, float("-inf")), dim=-1), order
+
+
+def target_distribution(logits: torch.Tensor, params: list[SamplingParams], prompt_ids: list[list[int]],
+                        output_ids: list[list[int]]) -> torch.Tensor:
+    """The distribution `sample` draws from, per row: logits [N, V] -> probabilities [N, V] float64 in vocabulary
+    order, after penalties, temperature, top-k, top-p and min-p; a greedy row (temperature 0) is one-hot at its
+    argmax. Speculative decoding's acceptance test compares two of these (k3.infer.speculative)."""
+    x = apply_penalties(logits.float(), params, prompt_ids, output_ids)
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    greedy = [i for i, p in enumerate(params) if p.temperature <= 0]
+    if greedy:
+        g = torch.tensor(greedy, device=x.device)
+        out[g, x[g].argmax(dim=-1)] = 1.0
+    sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+    if sampled:
+        idx = torch.tensor(sampled, device=x.device)
+        probs, order = _filtered_sorted(x[idx], [params[i] for i in sampled])
+        out[idx] = torch.zeros_like(probs, dtype=torch.float64).scatter(-1, order, probs.double())
+    return out

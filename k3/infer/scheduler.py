@@ -80,6 +80,7 @@ class Scheduler:
             self.pool.decref(seq.kda_pages)
             seq.kda_pages = None
         seq.num_computed = 0
+        seq.draft_tokens, seq.draft_probs = [], None
         seq.decode_checkpoint = None  # a decode checkpoint left behind stays cached like any other
         seq.num_registered = 0
 
@@ -97,9 +98,13 @@ class Scheduler:
         preempted = self.metrics.counters["preemptions_total"]
         for seq in list(self.running):
             if seq.remaining == 1 and budget >= 1 and seq in self.running:
-                if self._ensure_pages(seq, seq.num_computed + 1, batch):
+                # a decode verifies its drafts in the same piece (speculative decoding): as many as the budget takes
+                if len(seq.draft_tokens) > budget - 1:
+                    seq.draft_tokens = seq.draft_tokens[: budget - 1]
+                spec = len(seq.draft_tokens)
+                if self._ensure_pages(seq, seq.num_computed + 1 + spec, batch):
                     batch.add(seq, 1)
-                    budget -= 1
+                    budget -= 1 + spec
         for seq in list(self.running):
             if seq.remaining > 1 and seq in self.running and seq not in batch.seqs:
                 n = self._piece(seq, budget)
@@ -220,9 +225,10 @@ class Scheduler:
                         self.metrics.inc("cpu_pool_hit_tokens_total", n_hit)
         return True
 
-    def after_forward(self, seq: Sequence, n: int) -> None:
+    def after_forward(self, seq: Sequence, n: int, decoding: bool | None = None) -> None:
         """Advance `seq` by the n tokens just written, index the hash blocks it completed, and save a KDA
-        checkpoint if its new length is a checkpoint position."""
+        checkpoint if its new length is a checkpoint position. `decoding`: the n tokens are verified output
+        (speculative decoding advances a decode by several); None: a one-token step at the end of `tokens`."""
         start = seq.num_computed
         seq.num_computed += n
         if not self.prefix.enabled:
@@ -239,7 +245,8 @@ class Scheduler:
         if pos % b or not self.n_kda:
             return
         total = len(seq.tokens)
-        decoding = n == 1 and start == total - 1 and seq.output_ids
+        if decoding is None:
+            decoding = n == 1 and start == total - 1 and seq.output_ids
         h = seq.hashes[pos // b - 1]
         if decoding:
             ck = self.prefix.save_checkpoint(seq.kda_pages, h, pos)

@@ -60,6 +60,12 @@ class Sequence:
     # the grammar's matcher (`SamplingParams.grammar`), advanced on every accepted output token; recompute after
     # preemption replays cached work only, never sampling, so it stays in step with `output_ids`
     matcher: object | None = None
+    # speculative decoding: the tokens drafted for the next verify, the draft's processed distributions they were
+    # drawn from ([k, V] float64), and the drafted tokens the target accepted / rejected so far
+    draft_tokens: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    accepted_tokens: int = 0
+    rejected_tokens: int = 0
 
     def __post_init__(self):
         if not self.tokens:

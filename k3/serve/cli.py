@@ -31,6 +31,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights-seed", type=int, default=0, help="init seed of --preset weights")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto (default auto)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="default bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--draft", help="a `k3 train-draft` run or checkpoint folder: speculative decoding with this draft "
+                                   "(--speculative-tokens, default 4 with a draft; --spec-rollback snapshot|replay)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -105,7 +107,13 @@ def load_model(args: argparse.Namespace):
 def build_engine(model, args: argparse.Namespace):
     from k3.infer.engine import AsyncEngine, Engine
 
-    return AsyncEngine(Engine(model, engine_config_from_args(args)))
+    config, drafter = engine_config_from_args(args), None
+    if getattr(args, "draft", None):
+        from k3.spec.drafter import DraftRunner
+
+        drafter = DraftRunner.load(args.draft, model)
+        config = config if config.speculative_tokens else config.replace(speculative_tokens=4)
+    return AsyncEngine(Engine(model, config, drafter=drafter))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -64,7 +64,10 @@ def _usage(choices: Sequence[Choice], prompt_tokens: int, cached: int, reasoning
     return P.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
                    total_tokens=prompt_tokens + completion,
                    prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached),
-                   completion_tokens_details=P.CompletionTokensDetails(reasoning_tokens=reasoning))
+                   completion_tokens_details=P.CompletionTokensDetails(
+                       reasoning_tokens=reasoning,
+                       accepted_prediction_tokens=sum(c.accepted_prediction_tokens for c in choices),
+                       rejected_prediction_tokens=sum(c.rejected_prediction_tokens for c in choices)))
 
 
 def _header(state: AppState, response_id: str) -> dict:

@@ -217,6 +217,9 @@ class PromptTokensDetails(_Response):
 
 class CompletionTokensDetails(_Response):
     reasoning_tokens: int = 0
+    # speculative decoding (docs/speculative.md): drafted tokens the target accepted / rejected
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 class Usage(_Response):

@@ -140,12 +140,15 @@ class Choice:
         self.token_ids: list[int] = []
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.accepted_prediction_tokens = self.rejected_prediction_tokens = 0
         self.finish_reason: str | None = None
 
     def account(self, out: RequestOutput) -> None:
         self.token_ids += out.new_token_ids
         self.completion_tokens = max(self.completion_tokens, out.completion_tokens, len(self.token_ids))
         self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
+        self.accepted_prediction_tokens = max(self.accepted_prediction_tokens, out.accepted_prediction_tokens)
+        self.rejected_prediction_tokens = max(self.rejected_prediction_tokens, out.rejected_prediction_tokens)
 
     def finish(self, reason: str) -> None:
         """The choice is over (the engine finished it, or a stop string matched: then its request is aborted)."""
