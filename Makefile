@@ -8,7 +8,7 @@ TRITON ?= triton==3.6.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-all bench clean
+.PHONY: setup demo speedrun test test-all bench clean
 
 $(BIN)/k3: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,12 @@ demo: setup
 	$(BIN)/k3 info --preset tiny
 	$(BIN)/k3 train --preset tiny --out runs/tiny --time-budget 8 --auto-resume
 	$(BIN)/k3 generate runs/tiny --escapes --prompt 'import os\n\n\ndef read_config(path):\n    ' --max-new-tokens 120
+
+# The whole lifecycle at the tiny preset (pre-train, SFT, RL at three efforts, MOPD with QAT, draft, eval, serve):
+# about an hour on 2 CPU cores, report card in runs/speedrun/report.md. Re-running continues at the first unfinished
+# stage (docs/recipe.md).
+speedrun: setup
+	$(BIN)/k3 recipe run tiny --out runs/speedrun --resume
 
 # two workers (pytest-xdist), a test file per worker: on 2 cores the suite takes about two thirds of one worker's time
 test: setup

@@ -301,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     from k3.spec.cli import add_train_draft_parser
 
     add_train_draft_parser(sub)
+    from k3.recipe.cli import add_recipe_parser
+
+    add_recipe_parser(sub)
 
     p = sub.add_parser("data", help="write generated data sets (no download)")
     dsub = p.add_subparsers(dest="data_command", required=True)

@@ -48,6 +48,8 @@ ALLOWED: dict[str, set[str]] = {
     # through the training loop
     "eval": {"config", "model", "ops", "optim", "infer", "serve", "chat", "checkpoint", "tokenizer", "sandbox",
              "train", "runfolder"},
+    # the lifecycle in one command: every stage is a `k3` subprocess; only the run folder's lock is shared
+    "recipe": {"runfolder"},
 }
 FRONT_ENDS = {"cli", "hf"}
 
