@@ -31,13 +31,15 @@ ALLOWED: dict[str, set[str]] = {
     "optim": {"config", "model", "ops"},
     "checkpoint": {"config", "model", "tokenizer", "vision"},  # load_trained builds a multimodal run's model
     "infer": {"config", "model", "ops"},
-    "parallel": {"config", "model", "ops", "optim"},
+    # parallel: serving runs the engine SPMD over a sharded model, read slice by slice from a checkpoint or release
+    "parallel": {"config", "model", "ops", "optim", "infer", "checkpoint", "convert"},
     "runfolder": set(),  # run-folder lock, stop signals, one-line failures: shared by the long-running commands
     "train": {"config", "model", "ops", "optim", "parallel", "checkpoint", "tokenizer", "runfolder", "vision"},
     "convert": {"config", "model", "ops", "checkpoint"},
     "vision": {"config", "model", "ops", "tokenizer", "chat", "runfolder"},  # composes the text model, one way
     # serve: images in chat requests are preprocessed and rendered by vision; the engine gets MediaInputs
-    "serve": {"config", "model", "checkpoint", "infer", "tokenizer", "chat", "vision", "spec"},  # spec: --draft
+    "serve": {"config", "model", "checkpoint", "infer", "tokenizer", "chat", "vision", "spec",  # spec: --draft
+              "parallel"},  # --tensor-parallel, --role (k3.serve.across)
     "posttrain": {"config", "model", "ops", "optim", "parallel", "checkpoint", "tokenizer", "runfolder", "train",
                   "infer", "chat", "vision"},
     "route": {"serve"},  # the fleet router: serve's error bodies and request limit; it loads no model

@@ -121,8 +121,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from k3.serve.app import create_app
 
-    model, tokenizer, name = load_model(args)
-    engine = build_engine(model, args)
+    if args.tensor_parallel > 1 or args.expert_parallel or args.role != "both":
+        # across devices (docs/serving.md): None on a rank that only follows rank 0, and on a prefill instance
+        from k3.serve.across import serving_front
+
+        front = serving_front(args, engine_config_from_args(args), load_model)
+        if front is None:
+            return 0
+        engine, tokenizer, name = front
+    else:
+        model, tokenizer, name = load_model(args)
+        engine = build_engine(model, args)
     try:
         app = create_app(engine, tokenizer, args.model_name or name, api_key=args.api_key,
                          default_max_tokens=args.default_max_tokens or None, medium_effort=args.medium_effort,
@@ -275,6 +284,18 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--allow-local-images", action="store_true",
                    help="image_url parts may name files on this machine (default: base64 data URLs only; a "
                         "multimodal checkpoint)")
+    across = p.add_argument_group("across devices (docs/serving.md)")
+    across.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                        help="shard heads, FFNs and experts over T processes (start them with torchrun "
+                             "--nproc-per-node T -m k3.cli serve ...); default 1")
+    across.add_argument("--expert-parallel", action="store_true",
+                        help="with T > 1: whole routed experts per rank (E/T each) instead of a slice of every one")
+    across.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
+                        help="prefill: compute prompts and ship their caches from --host:--port (no HTTP); decode: "
+                             "serve HTTP and have --peer prefill each request; both (default): one instance")
+    across.add_argument("--peer", help="with --role decode: the prefill instance's HOST:PORT")
+    across.add_argument("--remote-prefill-min-tokens", type=int, default=1,
+                        help="with --role decode: shorter prompts are prefilled locally (default 1: none)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
