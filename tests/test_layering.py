@@ -2,9 +2,14 @@
 included, and never another package's private names. `cli` and `hf` are front ends and may import anything.
 
     cli, hf                                   front ends
-    eval         posttrain    spec                          evaluation, post-training, the speculative draft
-    serve        train        convert       sandbox
-    checkpoint   parallel
+    recipe       route                        the lifecycle in one command (`k3` subprocesses); the fleet router
+    eval         posttrain                    evaluation and ablations; SFT, RL, MOPD
+    serve                                     the server: one device, tensor/expert parallel, prefill/decode roles
+    spec                                      the speculative draft, its training and the engine's drafter
+    train        sandbox
+    parallel                                  training and serving parallelism applied to a built model and engine
+    convert
+    checkpoint
     vision
     infer        optim        chat          runfolder
     model                     tokenizer
