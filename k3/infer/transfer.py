@@ -414,6 +414,9 @@ class DisaggregatedEngine(AsyncEngine):
         self.transfers = self.transfer_fallbacks = 0
         super().__init__(engine, **kw)
 
+    def metrics(self) -> dict:
+        return {**super().metrics(), "transfers_total": self.transfers, "transfer_fallbacks_total": self.transfer_fallbacks}
+
     def _add(self, request_id, prompt_ids, sampling, loop, queue, media=None) -> None:
         sampling = sampling or SamplingParams()
         if media or len(prompt_ids) < self.min_prompt_tokens or sampling.grammar is not None:

@@ -236,6 +236,7 @@ def test_disaggregated_one_to_one_and_fallback():
     try:
         got = summary(asyncio.run(_stream_all(aeng, long_requests())))
         assert aeng.transfers == len(ref) and aeng.transfer_fallbacks == 0
+        assert aeng.metrics()["transfers_total"] == len(ref) and aeng.metrics()["transfer_fallbacks_total"] == 0
         # the decode instance never ran a prompt: one forward token per generated token after the first
         assert decode.metrics()["forward_tokens_total"] == sum(len(t) - 1 for t, _, _ in ref.values())
         check_against_single(got, ref)

@@ -78,6 +78,9 @@ def test_image_request_through_the_openai_client(vision_engine, vision_url, toke
         stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens == len(ids)
     assert vision_engine.engine.media_cache.encoded == encoded + 1
+    # /metrics exports the media cache's counters (the AsyncEngine's snapshot refreshes as steps finish)
+    metrics = httpx.get(vision_url + "/metrics", timeout=30).text
+    assert "# TYPE k3_media_items_encoded_total counter" in metrics and "k3_media_cache_bytes " in metrics
 
 
 def _error(r: httpx.Response, param: str | None, words: str) -> None:
