@@ -35,17 +35,28 @@ from k3.serve.stream import PING, EventStreamResponse, Run, until_done
 from k3.serve.validate import authorize, param_path, parse_body, read_raw
 
 
-def _text(content: Any, param: str) -> str:
+def _content(content: Any, param: str) -> str | list[dict[str, Any]]:
+    """A message's Responses content as chat content: text parts joined into one string, or, when it holds images
+    (`input_image` with an `image_url`: a data URL, or a local file behind --allow-local-images), chat parts."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
+        parts: list[dict[str, Any]] = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-                raise bad_request("only text content parts are supported", f"{param}[{j}]")
-            parts.append(str(part.get("text", "")))
-        return "\n".join(parts)
-    raise bad_request("content must be a string or a list of text parts", param)
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("input_text", "output_text", "text"):
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            elif kind == "input_image":
+                if not isinstance(part.get("image_url"), str):
+                    raise bad_request("an input_image needs an image_url (file_id is not supported)",
+                                      f"{param}[{j}].image_url")
+                parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+            else:
+                raise bad_request("only text and image content parts are supported", f"{param}[{j}]")
+        if all(p["type"] == "text" for p in parts):
+            return "\n".join(p["text"] for p in parts)
+        return parts
+    raise bad_request("content must be a string or a list of text and image parts", param)
 
 
 def chat_body(req: P.ResponsesRequest, history: list[dict[str, Any]]) -> dict[str, Any]:
@@ -59,7 +70,7 @@ def chat_body(req: P.ResponsesRequest, history: list[dict[str, Any]]) -> dict[st
         kind, param = item.get("type", "message"), f"input[{i}]"
         if kind == "message":
             role = item.get("role")
-            message = {"role": role, "content": _text(item.get("content"), f"{param}.content")}
+            message = {"role": role, "content": _content(item.get("content"), f"{param}.content")}
             if role == "assistant" and reasoning is not None:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)

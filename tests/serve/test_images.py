@@ -142,3 +142,23 @@ def test_media_pad_must_match_the_tokenizer(tokenizer):
             create_app(engine, tokenizer, MODEL_NAME)
     finally:
         engine.shutdown()
+
+
+def test_responses_input_image_through_the_openai_client(vision_url, live):
+    """The Responses API's `input_image` parts reach the model as the chat path's images: the same prompt tokens as
+    the chat request, and the same refusals (a bad image, a text-only model)."""
+    image = data_url(png())
+    parts = [{"type": "input_text", "text": "What colour is it?"}, {"type": "input_image", "image_url": image}]
+    r = client(vision_url).responses.create(model=MODEL_NAME, input=[{"role": "user", "content": parts}],
+                                            max_output_tokens=3, temperature=0)
+    chat = client(vision_url).chat.completions.create(model=MODEL_NAME, messages=ask(image), max_tokens=3,
+                                                      temperature=0)
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.output_text == chat.choices[0].message.content
+    bad = [{"type": "input_text", "text": "hi"}, {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]
+    r = httpx.post(vision_url + "/v1/responses", json={"model": MODEL_NAME, "input": [{"role": "user",
+                                                                                      "content": bad}]}, timeout=30)
+    assert r.status_code == 400
+    r = httpx.post(live[1] + "/v1/responses", json={"model": MODEL_NAME, "input": [{"role": "user",
+                                                                                   "content": parts}]}, timeout=30)
+    assert r.status_code == 400 and "text-only" in r.json()["error"]["message"]
