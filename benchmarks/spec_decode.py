@@ -10,9 +10,11 @@ the target nor the draft trained on). Batch 1 runs each prompt alone through a p
 snapshot rollback and one with replay rollback, in turn (so a shared machine's load falls on all three alike);
 batch 8 runs all prompts at once on each engine. Decode tokens/s counts the tokens after the first over the time
 from the first to the last (the prefill is the same in all three); end-to-end counts every token over the whole
-request. The gate: every greedy output of the speculative engines equals the plain engine's, else nothing is
-written. Sampling at temperature 1 is measured too (acceptance only: its outputs differ by construction). One torch
-thread; the machine's load average is recorded with the result.
+request; the CPU-time row counts this process's own CPU seconds, which other processes' load barely moves. The
+gate: every greedy output of the speculative engines equals the plain engine's, else nothing is written. Sampling at
+temperature 1 is measured too (acceptance only: its outputs differ by construction), and `--compare-drafts` adds
+other drafts' engine acceptance, greedy and at temperature 1, beside --draft's. One torch thread; the machine's load
+average is recorded with the result.
 """
 
 from __future__ import annotations
@@ -101,6 +103,8 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--compare-drafts", nargs="*", default=[], metavar="DIR",
+                   help="other drafts of the same target: their engine acceptance beside --draft's")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
@@ -119,11 +123,14 @@ def main() -> None:
     # batch 1, in turn; the snapshot engine's counters and profile are the batch-1 ones
     decode = {name: [0, 0.0] for name in made}  # tokens after the first, seconds
     e2e = {name: [0, 0.0] for name in made}
+    cpu = {name: [0, 0.0] for name in made}  # tokens, CPU seconds of this process (robust to the machine's load)
     outputs = {name: [] for name in made}
     for n, ids in enumerate(prompts):
         for name, engine in made.items():
             timed.on = name == "snapshot"
+            cpu_start = time.process_time()
             outs, times, wall = run_batch(engine, [ids], greedy)
+            cpu[name][1] += time.process_time() - cpu_start
             timed.on = False
             tokens = outs[0].new_token_ids
             outputs[name].append(tokens)
@@ -131,6 +138,7 @@ def main() -> None:
             decode[name][1] += times[0][1] - times[0][0]
             e2e[name][0] += len(tokens)
             e2e[name][1] += wall
+            cpu[name][0] += len(tokens)
         print(f"prompt {n + 1}/{len(prompts)}: " + ", ".join(
             f"{name} {decode[name][0] / decode[name][1]:.1f} tok/s" for name in made), flush=True)
     snap = made["snapshot"]
@@ -160,15 +168,14 @@ def main() -> None:
     if outputs["plain"] != outputs["plain-batch"]:
         print("note: plain batch-1 and batch-8 outputs differ (MoE rounding by batch composition)")
 
-    # sampling at temperature 1: acceptance only
-    sampler = Engine(target, EngineConfig(speculative_tokens=k), drafter=DraftRunner.load(args.draft, target))
-    run_batch(sampler, prompts, SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0))
-    sampled = sampler.metrics()
-    sampled_position = [a / max(d, 1) for a, d in zip(sampler.spec_position_accepted, sampler.spec_position_drafted)]
+    # sampling at temperature 1 (acceptance only), and each draft's engine acceptance at batch len(prompts)
+    measured = {d: draft_acceptance(target, d, prompts, k, args.new_tokens) for d in [args.draft, *args.compare_drafts]}
+    sampled, sampled_position = measured[args.draft]["temperature 1"]
     load_after = os.getloadavg()[0]
 
     rate = {name: decode[name][0] / decode[name][1] for name in made}
     e2e_rate = {name: e2e[name][0] / e2e[name][1] for name in made}
+    cpu_rate = {name: cpu[name][0] / cpu[name][1] for name in made}
     b_rate = {name: batch[name][0] / batch[name][1] for name in made}
     acceptance = table(
         ["draft position", "accepted / drafted (greedy)", "accepted given the previous was (greedy)",
@@ -190,6 +197,7 @@ def main() -> None:
          "speedup (snapshot)", "speedup (replay)"],
         [[f"batch 1, decode ({len(prompts)} prompts in turn)"] + _speed_row(rate),
          ["batch 1, end to end (prefill included)"] + _speed_row(e2e_rate),
+         ["batch 1, end to end, per CPU second of this process"] + _speed_row(cpu_rate),
          [f"batch {len(prompts)}, end to end"] + _speed_row(b_rate)],
         note=f"greedy; every speculative output equals the plain engine's token for token; {args.threads} torch "
              f"thread(s); load average {load_before:.1f} before, {load_after:.1f} after (2 cores shared)")
@@ -213,13 +221,35 @@ def main() -> None:
         [[form, f"{rollback_bytes(tiny_spec, k, form):,}", f"{rollback_bytes(k3_spec, k, form) / 2**20:,.1f} MiB",
           round(rate[form], 1), round(b_rate[form], 1)] for form in FORMS],
         note=f"what a sequence holds per verify step to roll its KDA layers back, k = {k} (k3 info prints it)")
-    result = {"acceptance": acceptance, "summary": summary, "speed": speed, "profile": prof, "rollback": rollback}
+    drafts = table(
+        ["draft", "tokens per verify (greedy)", "first draft accepted (greedy)", "tokens per verify (temperature 1)",
+         "first draft accepted (temperature 1)"],
+        [[Path(d).name] + [x for mode in ("greedy", "temperature 1")
+                           for x in (round(measured[d][mode][0]["spec_tokens_per_verify"], 2),
+                                     round(measured[d][mode][1][0], 3))]
+         for d in measured],
+        note=f"k = {k}, snapshot engine, the {len(prompts)} prompts at batch {len(prompts)}; the first row is --draft")
+    result = {"acceptance": acceptance, "summary": summary, "speed": speed, "profile": prof, "rollback": rollback,
+              "drafts": drafts}
     save_result("spec_decode", "speculative decoding with a `k3 train-draft` draft on the make-demo model: same "
                 "greedy tokens as plain decoding, acceptance per position, tokens per verify, decode speed at batch 1 "
                 "and 8, snapshot vs replay rollback", result,
                 raw={"rate": rate, "e2e": e2e_rate, "batch": b_rate, "profile": profile, "position": position})
     for name, t in result.items():
         print(name, t["columns"], *t["rows"], sep="\n  ")
+
+
+def draft_acceptance(target, draft_dir: str, prompts: list[list[int]], k: int, new_tokens: int) -> dict:
+    """A draft's engine acceptance, greedy and at temperature 1 (seeded), all prompts at once: by mode, (the engine's
+    metrics, accepted / drafted by draft position)."""
+    out = {}
+    for mode, sampling in (("greedy", SamplingParams(max_tokens=new_tokens, temperature=0.0)),
+                           ("temperature 1", SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=0))):
+        engine = Engine(target, EngineConfig(speculative_tokens=k), drafter=DraftRunner.load(draft_dir, target))
+        run_batch(engine, prompts, sampling)
+        out[mode] = (engine.metrics(), [a / max(d, 1) for a, d in
+                                        zip(engine.spec_position_accepted, engine.spec_position_drafted)])
+    return out
 
 
 def _speed_row(rate: dict) -> list:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import weakref
 from typing import Protocol, Self
 
 import torch
@@ -114,6 +115,17 @@ def forward_with_features(model: K3ForCausalLM, ids: torch.Tensor, cu_seqlens: l
     return logits, features
 
 
+_KDA_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def kda_layers(model: K3ForCausalLM) -> list[KimiDeltaAttention]:
+    """The model's KDA layers, found once per model (walking every module costs about a millisecond a verify step)."""
+    layers = _KDA_LAYERS.get(model)
+    if layers is None:
+        layers = _KDA_LAYERS[model] = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
+    return layers
+
+
 class VerifyCapture:
     """Inside a verify pass, every KDA layer runs the verify documents with the token-by-token reference recurrence
     (a decode step's arithmetic, so a verified token's logits are a decode step's) and keeps what rolling back needs:
@@ -131,7 +143,7 @@ class VerifyCapture:
     def __init__(self, model: K3ForCausalLM, offsets: list[int], verify: list[bool], form: str):
         if form not in ROLLBACK_FORMS:
             raise ValueError(f"rollback form must be one of {ROLLBACK_FORMS}, got {form!r}")
-        self.layers = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
+        self.layers = kda_layers(model)
         self.offsets, self.verify, self.form = offsets, verify, form
         self.docs = [n for n, v in enumerate(verify) if v]
         self.states: dict[int, dict[int, torch.Tensor]] = {}  # layer -> doc -> [T_n, H, K, V] (snapshot)
@@ -178,25 +190,38 @@ class VerifyCapture:
             if self.form == "replay":
                 # outputs only; the pages keep the committed state until `commit` replays the verified positions
                 rows = torch.cat([torch.arange(offsets[n], offsets[n + 1]) for n in self.docs]).to(q.device)
-                cu = torch.tensor([0, *itertools.accumulate(lengths)], device=q.device)
-                o_v, _ = naive_recurrent_kda(*(t[:, rows] for t in (gq, gk, v, g, beta)), initial_state=state,
-                                             cu_seqlens=cu)
-                o[:, rows] = o_v.to(o.dtype)
+                o[:, rows] = recurrent_outputs([t[:, rows] for t in (gq, gk, v, g, beta)], state, lengths).to(o.dtype)
                 self.inputs[layer.layer_idx] = (q, k, v, z, beta_logits)
                 return o, (final if output_final_state else None)
-            snaps = [[] for _ in self.docs]
-            for j in range(max(lengths)):
-                live = [i for i, n in enumerate(lengths) if n > j]
-                pos = torch.tensor([offsets[self.docs[i]] + j for i in live], device=q.device)
-                li = torch.tensor(live, device=q.device)
-                step = [t[0, pos][:, None] for t in (gq, gk, v, g, beta)]  # [n, 1, ...]: a decode step's batch
-                o_j, s_j = naive_recurrent_kda(*step, initial_state=state[li], output_final_state=True)
-                o[0, pos] = o_j[:, 0].to(o.dtype)
-                state[li] = s_j
-                for r, i in enumerate(live):
-                    snaps[i].append(s_j[r])
+            T = max(lengths)
+            if all(n == T for n in lengths):
+                # every document verifies the same number of positions (the usual case): [docs, T, ...] views,
+                # one batched decode step per position, no per-position index building
+                rows = torch.cat([torch.arange(offsets[n], offsets[n + 1]) for n in self.docs]).to(q.device)
+                batched = [t[0, rows].unflatten(0, (len(self.docs), T)) for t in (gq, gk, v, g, beta)]
+                snaps, outs = [], []
+                for j in range(T):
+                    step = (t[:, j : j + 1].contiguous() for t in batched)  # [docs, 1, ...]: a decode step's batch
+                    o_j, state = naive_recurrent_kda(*step, initial_state=state, output_final_state=True)
+                    outs.append(o_j)
+                    snaps.append(state)
+                o[0, rows] = torch.cat(outs, 1).flatten(0, 1).to(o.dtype)
+                per_doc = torch.stack(snaps, 1)  # [docs, T, H, K, V]
+                self.states[layer.layer_idx] = {n: per_doc[i] for i, n in enumerate(self.docs)}
+            else:
+                snaps = [[] for _ in self.docs]
+                for j in range(T):
+                    live = [i for i, n in enumerate(lengths) if n > j]
+                    pos = torch.tensor([offsets[self.docs[i]] + j for i in live], device=q.device)
+                    li = torch.tensor(live, device=q.device)
+                    step = [t[0, pos][:, None] for t in (gq, gk, v, g, beta)]  # [n, 1, ...]: a decode step's batch
+                    o_j, s_j = naive_recurrent_kda(*step, initial_state=state[li], output_final_state=True)
+                    o[0, pos] = o_j[:, 0].to(o.dtype)
+                    state[li] = s_j
+                    for r, i in enumerate(live):
+                        snaps[i].append(s_j[r])
+                self.states[layer.layer_idx] = {n: torch.stack(s) for n, s in zip(self.docs, snaps)}
             final[torch.tensor(self.docs, device=q.device)] = state
-            self.states[layer.layer_idx] = {n: torch.stack(s) for n, s in zip(self.docs, snaps)}
         return o, (final if output_final_state else None)
 
     def tails_after(self, layer_idx: int, n: int, m: int) -> torch.Tensor:
@@ -222,12 +247,15 @@ class VerifyCapture:
             return torch.stack([self.states[layer_idx][n][m - 1] for n, m in zip(docs, counts)])
         layer = next(x for x in self.layers if x.layer_idx == layer_idx)
         q, k, v, z, beta_logits = self.inputs[layer_idx]
-        rows = torch.cat([torch.arange(self.offsets[n], self.offsets[n] + m) for n, m in zip(docs, counts)])
-        rows = rows.to(q.device)
-        gq, gk, g, beta = layer.gate_inputs(*(t[:, rows] for t in (q, k, z, beta_logits)))
-        cu = torch.tensor([0] + list(itertools.accumulate(counts)), device=q.device)
-        _, state = naive_recurrent_kda(gq, gk, v[:, rows], g, beta, initial_state=committed.float(),
-                                       output_final_state=True, cu_seqlens=cu)
+        state = committed.float().clone()
+        for m in set(counts):  # documents that verified as many positions replay as one batch
+            group = [i for i, c in enumerate(counts) if c == m]
+            rows = torch.cat([torch.arange(self.offsets[docs[i]], self.offsets[docs[i]] + m) for i in group])
+            rows = rows.to(q.device)
+            gq, gk, g, beta = layer.gate_inputs(*(t[:, rows] for t in (q, k, z, beta_logits)))
+            idx = torch.tensor(group, device=q.device)
+            batched = [t[0].unflatten(0, (len(group), m)) for t in (gq, gk, v[:, rows], g, beta)]
+            _, state[idx] = naive_recurrent_kda(*batched, initial_state=state[idx], output_final_state=True)
         return state
 
     def commit(self, pool: PagePool, kda_pages: list[list[int]], counts: dict[int, int]) -> None:
@@ -242,6 +270,18 @@ class VerifyCapture:
             pool.kda_state[pages] = self.state_after(layer, docs, m, pool.kda_state[pages]).float()
             tails = torch.stack([self.tails_after(layer, n, c) for n, c in zip(docs, m)])
             pool.kda_conv[pages] = tails.to(pool.kda_conv.dtype)
+
+
+def recurrent_outputs(inputs: list[torch.Tensor], state: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """The token-by-token recurrence's outputs [1, T, H, V] over packed documents of `lengths` (inputs gq, gk, v,
+    g, β [1, T, ...], states [N, H, K, V] before them): documents of one length run as one batch."""
+    T = sum(lengths)
+    if all(n == lengths[0] for n in lengths):
+        batched = [t[0].unflatten(0, (len(lengths), lengths[0])) for t in inputs]
+        o, _ = naive_recurrent_kda(*batched, initial_state=state)
+        return o.reshape(1, T, *o.shape[2:])
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], device=state.device)
+    return naive_recurrent_kda(*inputs, initial_state=state, cu_seqlens=cu)[0]
 
 
 def rollback_bytes(spec: CacheSpec, k: int, form: str) -> int:

@@ -38,6 +38,8 @@ def add_train_draft_parser(sub) -> None:
     p.add_argument("--tokens-per-step", type=positive(int), help="tokens per optimizer step (default 2048)")
     p.add_argument("--generated-documents", type=positive(int), help="sequences the target writes with --text "
                                                                       "generated (default 256)")
+    p.add_argument("--generated-temperature", type=float, help="the target's temperature with --text generated "
+                                                                "(default 1; 0: greedy)")
     p.add_argument("--lr", type=positive(float), help="peak learning rate (default 3e-3)")
     p.add_argument("--eval-every", type=positive(int), help="steps between held-out evaluations (default 25)")
     p.add_argument("--checkpoint-every", type=positive(int), help="default 50")
@@ -58,7 +60,8 @@ def config_from_args(args, stored: dict | None = None):
                          f"--out") from e
     overrides = {"init_from": args.init_from, "data": args.data, "text": args.text, "unroll_steps": args.unroll_steps,
                  "seq_len": args.seq_len, "tokens_per_step": args.tokens_per_step,
-                 "generated_documents": args.generated_documents, "lr": args.lr, "eval_every": args.eval_every,
+                 "generated_documents": args.generated_documents,
+                 "generated_temperature": args.generated_temperature, "lr": args.lr, "eval_every": args.eval_every,
                  "checkpoint_every": args.checkpoint_every, "seed": args.seed, "device": args.device}
     cfg = dataclasses.replace(cfg, out=args.out, **{k: v for k, v in overrides.items() if v is not None})
     if args.time_budget is not None:

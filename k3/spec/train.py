@@ -72,9 +72,11 @@ class DraftTrainConfig:
     # (a file or folder, as `k3 train --data` reads them) tokenized with the target's tokenizer
     data: str | None = None
     # where p is computed: "corpus" (the training text) or "generated" (continuations the target samples at
-    # temperature 1 from the first `prompt_tokens` tokens of `generated_documents` training documents)
+    # `generated_temperature` (1; 0: greedy, the text a greedy engine writes) from the first `prompt_tokens` tokens
+    # of `generated_documents` training documents)
     text: str = "corpus"
     generated_documents: int = 256
+    generated_temperature: float = 1.0
     prompt_tokens: int = 16
     unroll_steps: int = 7
     seq_len: int = 256
@@ -115,6 +117,8 @@ class DraftTrainConfig:
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
         if self.max_steps is not None and self.time_budget_min is not None:
             raise ValueError("give max_steps or time_budget_min, not both")
+        if not (math.isfinite(self.generated_temperature) and self.generated_temperature >= 0):
+            raise ValueError(f"generated_temperature must be >= 0, got {self.generated_temperature!r}")
         if self.text not in ("corpus", "generated"):
             raise ValueError(f"text must be corpus or generated, got {self.text!r}")
         if self.seq_len < self.unroll_steps + 2:
@@ -478,7 +482,8 @@ def generate_documents(target: K3ForCausalLM, corpus: TokenizedCorpus, tokenizer
                        log, progress: bool = True, batch_size: int = 16) -> list[list[int]]:
     """`cfg.generated_documents` sequences of up to `cfg.seq_len` tokens: the first `cfg.prompt_tokens` tokens of
     training documents (in the seeded shuffle's order, those long enough) and what the target samples after them at
-    temperature 1, up to and including a stop token. Seeded: the same settings write the same sequences."""
+    `cfg.generated_temperature` (0: its argmax), up to and including a stop token. Seeded: the same settings write
+    the same sequences."""
     from tqdm.auto import tqdm
 
     P = cfg.prompt_tokens
@@ -487,7 +492,8 @@ def generate_documents(target: K3ForCausalLM, corpus: TokenizedCorpus, tokenizer
                corpus.offsets[i] >= P][: cfg.generated_documents]
     if not prompts:
         raise ValueError(f"no training document has the {P} prompt tokens to generate from")
-    params = SamplingParams(max_tokens=cfg.seq_len - P, temperature=1.0, stop_token_ids=tuple(tokenizer.stop_ids))
+    params = SamplingParams(max_tokens=cfg.seq_len - P, temperature=cfg.generated_temperature,
+                            stop_token_ids=tuple(tokenizer.stop_ids))
     device = next(target.parameters()).device
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     log(f"generating {len(prompts)} sequences of up to {cfg.seq_len} tokens with the target")
