@@ -119,3 +119,22 @@ def test_train_draft_refusals(target_run, tmp_path):
     with pytest.raises(ValueError, match="not a k3 draft training run"):
         train_draft(_cfg(target_run, lonely), progress=False)
     assert (lonely / "notes.txt").read_text() == "mine"
+
+
+def test_greedy_generated_text_is_the_targets_argmax(target_run, tmp_path):
+    """`--generated-temperature 0` writes what a greedy engine would: every generated token is the target's argmax
+    after the text before it (a full forward each, no cache)."""
+    from k3.checkpoint import load_trained
+    from k3.spec.train import generate_documents
+
+    target, tokenizer, _ = load_trained(str(target_run))
+    cfg = _cfg(target_run, tmp_path / "g", text="generated", generated_documents=3, prompt_tokens=8,
+               generated_temperature=0.0)
+    corpus = TokenizedCorpus.open(target_run / "data" / "train")
+    sequences = generate_documents(target.eval(), corpus, tokenizer, cfg, log=lambda *a: None, progress=False)
+    assert len(sequences) == 3
+    with torch.no_grad():
+        for seq in sequences:
+            assert len(seq) > 8
+            logits = target(torch.tensor([seq[:-1]])).logits[0, 7:]  # the positions that predicted seq[8:]
+            assert logits.argmax(-1).tolist() == seq[8:]
