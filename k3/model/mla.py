@@ -14,7 +14,8 @@ Scores and softmax are fp32; the output is cast once.
 Training and prefill (the expanded path) run on a fast attention backend (`config.attention_backend`,
 k3.ops.attention: FlashAttention varlen, flex_attention with a document block mask, or SDPA; "auto" =
 flash/flex on CUDA, the reference elsewhere), with the mask of packed documents; the kernels accumulate
-in fp32. `attend` with an explicit mask stays the reference, and the decode (absorb) and ragged
+in fp32. `attend` with an explicit mask stays the reference; on the reference backend packed documents go
+through `attend_documents` (the same attention one document at a time). The decode (absorb) and ragged
 incremental paths are unchanged. `attention` is the seam for context parallelism: queries at absolute
 positions offset + t with their document ids against any key latent with its own document ids.
 """
@@ -108,6 +109,9 @@ class GatedMLA(nn.Module):
                 # packed documents come only without a cache (checked above): the same ids on both sides
                 seg = layout.segment_ids
                 o = self.attention(q, latent, offset, seg, seg, max_logits, backend)
+            elif layout.packed:
+                # packed documents (no cache, so offset 0): one document at a time, not the (B·T)² mask
+                o = self.attend_documents(q, latent, layout.host_offsets(), impl, max_logits)
             else:
                 mask = attention_mask(layout, T, offset, x.device)
                 o = self.attend(q, latent, mask, impl, max_logits)
@@ -173,6 +177,27 @@ class GatedMLA(nn.Module):
         if max_logits is not None:
             max_logits.append(ml)
         return o
+
+    def attend_documents(self, q: torch.Tensor, latent: torch.Tensor, offsets: list[int], impl: str,
+                         max_logits: list[torch.Tensor] | None) -> torch.Tensor:
+        """`attend` over packed documents one at a time, each causal within itself: the result of `attend` with
+        the block-diagonal `attention_mask` (tested to fp64 rounding), at Σ L_n² score entries instead of B·T²,
+        the reference backend's path for packed rows (SFT and RL batches hold many short documents).
+        q [B, T, H, N + R]; latent [B, T, C + R]; offsets: the N + 1 document bounds into B·T (host ints).
+        """
+        B, T, H, _ = q.shape
+        lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+        # split once (its backward is one concatenation; slicing per document would fill a full-size gradient each)
+        q_docs = q.reshape(1, B * T, H, -1).split(lengths, dim=1)
+        latent_docs = latent.reshape(1, B * T, -1).split(lengths, dim=1)
+        outs, doc_max = [], [] if max_logits is not None else None
+        for L, q_n, latent_n in zip(lengths, q_docs, latent_docs):
+            if L:
+                causal = torch.ones(1, L, L, dtype=torch.bool, device=q.device).tril()
+                outs.append(self.attend(q_n, latent_n, causal, impl, doc_max))
+        if max_logits is not None:
+            max_logits.append(torch.stack(doc_max).amax(0))
+        return torch.cat(outs, 1).view(B, T, H, -1)  # [B, T, H, Vd]
 
     def attend(self, q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor, impl: str,
                max_logits: list[torch.Tensor] | None) -> torch.Tensor:

@@ -13,6 +13,7 @@ Fast paths beside the references (config `moe_impl`, `situ_impl`, `router_impl`;
 - routed experts as grouped GEMMs with the MoE gradient transform (`k3.ops.moe.grouped_latent_experts`)
   instead of the padded-batch dispatch of `LatentExperts.forward_reference`; a decode step's few (token,
   expert) pairs (N·k ≤ E/2) gather their experts instead (`gathered_latent_experts`), reading no other expert;
+  on the CPU ("auto") the padded dispatch in buckets of similar load (`LatentExperts.forward_bucketed`);
 - SiTU-GLU as fused Triton kernels (`k3.ops.situ.situ_glu`) instead of the autograd formula;
 - routing (`router_impl`): the fp32 router logits from bf16 GEMMs on the weight split in three, the top-k and
   QB cutoff in one Triton kernel (`k3.ops.router`) instead of one fp32 GEMM and `torch.topk`.
@@ -129,7 +130,55 @@ class LatentExperts(nn.Module):
                                self.qat_scale_mode)
             experts = gathered_latent_experts if few else grouped_latent_experts
             return experts(z, topk_idx, weights, self.w1, self.w3, self.w2, self.beta1, self.beta2)
+        if self.impl == "auto" and not z.is_cuda:
+            return self.forward_bucketed(z, topk_idx, weights)
         return self.forward_reference(z, topk_idx, weights)
+
+    def forward_bucketed(self, z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`forward_reference` with the experts in buckets of similar load, each bucket its own zero-padded block
+        whose capacity is at most twice the load of its lightest expert. One block padded to the busiest expert
+        multiplies the rows by the max/mean load, several times over on SFT and RL batches (chat-template tokens,
+        repeated in every conversation, route alike). The CPU path (`moe_impl` auto): it reads the loads on the
+        host. Same results as the reference (tested).
+        """
+        N, k = topk_idx.shape
+        E, _, L = self.w1.shape
+        accum = torch.float64 if z.dtype == torch.float64 else torch.float32
+        flat_expert = topk_idx.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)
+        token_of = order // k  # [N·k] source token of each sorted pair
+        expert_of = flat_expert[order]  # [N·k] non-decreasing
+        counts = torch.bincount(flat_expert, minlength=E)
+        slot = torch.arange(N * k, device=z.device) - (counts.cumsum(0) - counts)[expert_of]  # row in its expert
+        loads = counts.tolist()
+        # experts by load, heaviest first; a bucket takes the next expert while its capacity ≤ 2 × that load
+        buckets: list[list[int]] = []
+        for e in sorted((e for e in range(E) if loads[e]), key=lambda e: -loads[e]):
+            if not buckets or loads[buckets[-1][0]] > 2 * loads[e]:
+                buckets.append([])
+            buckets[-1].append(e)
+        if not buckets:
+            return torch.zeros(N, L, dtype=accum, device=z.device)
+        bucket_of, position = [0] * E, [0] * E
+        for b, experts in enumerate(buckets):
+            for j, e in enumerate(experts):
+                bucket_of[e], position[e] = b, j
+        pair_bucket = torch.tensor(bucket_of, device=z.device)[expert_of]
+        pair_position = torch.tensor(position, device=z.device)[expert_of]
+        w1, w3, w2 = (fake_quantize_weight(w, self.qat_scale_mode) for w in (self.w1, self.w3, self.w2))
+        rows = fake_quantize_input(z, self.qat_scale_mode)[token_of]  # [N·k, L] in expert order
+        outs, pair_ids = [], []
+        for b, experts in enumerate(buckets):
+            pairs = torch.nonzero(pair_bucket == b).flatten()
+            ex = torch.tensor(experts, device=z.device)
+            at = (pair_position[pairs], slot[pairs])
+            blocks = rows.new_zeros(len(experts), loads[experts[0]], L).index_put(at, rows[pairs])  # [e, cap, L]
+            act = self.glu(blocks @ w1[ex].transpose(1, 2), blocks @ w3[ex].transpose(1, 2), self.beta1, self.beta2)
+            outs.append((fake_quantize_input(act, self.qat_scale_mode) @ w2[ex].transpose(1, 2))[at])
+            pair_ids.append(pairs)
+        out = torch.cat(outs)[torch.argsort(torch.cat(pair_ids))]  # [N·k, L] in expert order
+        weighted = out.to(accum) * weights.reshape(-1)[order].unsqueeze(-1).to(accum)
+        return torch.zeros(N, z.shape[1], dtype=accum, device=z.device).index_add_(0, token_of, weighted)
 
     def forward_reference(self, z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Reference dispatch: sort the N·k (token, expert) pairs by expert into a zero-padded [E, capacity, L]

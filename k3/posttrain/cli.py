@@ -80,8 +80,19 @@ def cmd_make_sft(args) -> int:
     from k3.posttrain.conversations import write_conversations
     from k3.posttrain.sft_data import make_sft_dataset
 
-    efforts = [e.strip() for e in args.efforts.split(",") if e.strip()]
-    conversations = make_sft_dataset(args.problems, seed=args.seed, efforts=efforts)
+    from k3.posttrain.sft_data import KINDS
+
+    def listed(text):
+        return [part.strip() for part in text.split(",") if part.strip()]
+
+    efforts = listed(args.efforts)
+    kinds = listed(args.kinds) if args.kinds else list(KINDS)
+    try:
+        difficulties = [int(d) for d in listed(args.difficulties)]
+    except ValueError:
+        raise ValueError(f"--difficulties must be integers 1, 2 or 3, got {args.difficulties!r}") from None
+    conversations = make_sft_dataset(args.problems, seed=args.seed, efforts=efforts, kinds=kinds,
+                                     difficulties=difficulties)
     write_conversations(conversations, args.out)
     print(f"wrote {len(conversations):,} conversations ({args.problems:,} problems × {len(efforts)} effort "
           f"level{'s' if len(efforts) > 1 else ''}) to {args.out}", file=sys.stderr)
@@ -97,4 +108,8 @@ def add_make_sft_parser(data_subparsers) -> None:
                                                                         "level (default 1200)")
     p.add_argument("--seed", type=int, default=0, help="default 0; the same seed writes the same file")
     p.add_argument("--efforts", default="low,high,max", help="comma-separated effort levels (default low,high,max)")
+    p.add_argument("--kinds", help="comma-separated kinds of problems among arithmetic, sums, word, string, tools, "
+                                   "in their default shares (default: all)")
+    p.add_argument("--difficulties", default="1,2,3", help="comma-separated difficulties drawn uniformly; a repeated "
+                                                          "one counts twice (default 1,2,3)")
     p.set_defaults(func=cmd_make_sft)

@@ -1,8 +1,10 @@
 """A generated SFT data set, so the whole post-training path runs offline (`k3 data make-sft`).
 
-Four kinds of problems, each with an exact answer and worked reasoning, at difficulty 1–3:
+Five kinds of problems, each with an exact answer and worked reasoning, at difficulty 1–3:
 
     arithmetic_problem(rng, d)  expressions of d + 1 numbers (+ − * /, parentheses from d = 3), evaluated step by step
+    sum_problem(rng, d)         the easy tier: a sum of two numbers, one digit each (d = 1), one and two digits (2),
+                                two digits each (3); what a model of a few million parameters learns in minutes
     word_problem(rng, d)        shopping, travel, sharing, ages, savings: d steps of arithmetic in a short story
     string_problem(rng, d)      reverse a word, count a letter, sort / sum / find the largest of a list, initials
     tool_problem(rng, d)        prices from a key-value `lookup` tool, totals from a `calculator` tool
@@ -34,9 +36,10 @@ from typing import Any, NamedTuple
 from k3.posttrain.conversations import Conversation
 
 EFFORTS = ("low", "high", "max")
-KINDS = ("arithmetic", "word", "string", "tools")
-# shares of the data set by kind (of `KINDS`)
-KIND_WEIGHTS = (0.35, 0.3, 0.2, 0.15)
+KINDS = ("arithmetic", "sums", "word", "string", "tools")
+# shares of the data set by kind (of `KINDS`); a subset of the kinds keeps their relative shares
+KIND_WEIGHTS = (0.25, 0.15, 0.25, 0.2, 0.15)
+DIFFICULTIES = (1, 2, 3)
 SYSTEM_PROMPTS = ("You are a helpful assistant.", "You are a careful assistant. Answer exactly.",
                   "You solve problems step by step and give the final answer at the end.")
 SYSTEM_FRACTION = 0.3  # conversations that start with a system message
@@ -141,6 +144,19 @@ def arithmetic_problem(rng: random.Random, difficulty: int) -> Problem:
     question = rng.choice(("What is {}?", "Compute {}.", "Calculate {}.", "Evaluate {}.")).format(expr.text)
     steps = [(f"{'Then' if i else 'First'} {_VERBS[op]}", work) for i, (op, work) in enumerate(expr.steps)]
     return Problem(question, str(expr.value), steps, _inverse_check(expr.steps[-1][1]))
+
+
+def sum_problem(rng: random.Random, difficulty: int) -> Problem:
+    """The easy tier: a + b with one-digit numbers (difficulty 1), a one-digit and a two-digit number in either
+    order (2), two two-digit numbers (3). One step, worked as `arithmetic_problem`'s are."""
+    _check_difficulty(difficulty)
+    a = rng.randint(1, 9) if difficulty < 3 else rng.randint(10, 99)
+    b = rng.randint(1, 9) if difficulty == 1 else rng.randint(10, 99)
+    if difficulty == 2 and rng.random() < 0.5:
+        a, b = b, a
+    work = f"{a} + {b} = {a + b}"
+    question = rng.choice(("What is {}?", "Compute {}.", "Calculate {}.", "Evaluate {}.")).format(f"{a} + {b}")
+    return Problem(question, str(a + b), [("First add", work)], _inverse_check(work))
 
 
 # ---- word problems -------------------------------------------------------------------------------------------------
@@ -395,27 +411,35 @@ def problem_turns(problem: Problem | ToolProblem, effort: str, call_prefix: str 
     return messages
 
 
-GENERATORS = {"arithmetic": arithmetic_problem, "word": word_problem, "string": string_problem,
+GENERATORS = {"arithmetic": arithmetic_problem, "sums": sum_problem, "word": word_problem, "string": string_problem,
               "tools": tool_problem}
 
 
-def make_sft_dataset(num_problems: int = 1200, seed: int = 0, efforts: Sequence[str] = EFFORTS) -> list[Conversation]:
-    """`num_problems` problems, each as one conversation per effort in `efforts` (module docstring)."""
+def make_sft_dataset(num_problems: int = 1200, seed: int = 0, efforts: Sequence[str] = EFFORTS,
+                     kinds: Sequence[str] = KINDS, difficulties: Sequence[int] = DIFFICULTIES) -> list[Conversation]:
+    """`num_problems` problems, each as one conversation per effort in `efforts` (module docstring): of the `kinds`
+    in their `KIND_WEIGHTS` shares, each at a difficulty drawn uniformly from `difficulties` (a repeated value
+    counts twice)."""
     if num_problems < 1:
         raise ValueError(f"num_problems must be positive, got {num_problems}")
     bad = [e for e in efforts if e not in EFFORTS]
     if bad or not efforts:
         raise ValueError(f"efforts must be some of {', '.join(EFFORTS)}, got {', '.join(efforts) or 'none'}")
+    if not kinds or any(k not in KINDS for k in kinds):
+        raise ValueError(f"kinds must be some of {', '.join(KINDS)}, got {', '.join(kinds) or 'none'}")
+    if not difficulties or any(d not in DIFFICULTIES for d in difficulties):
+        raise ValueError(f"difficulty must be 1, 2 or 3, got {', '.join(map(str, difficulties)) or 'none'}")
+    weights = [KIND_WEIGHTS[KINDS.index(k)] for k in kinds]
     conversations = []
     for i in range(num_problems):
         rng = random.Random(f"sft:{seed}:{i}")
-        kind = rng.choices(KINDS, weights=KIND_WEIGHTS)[0]
-        difficulty = rng.randint(1, 3)
+        kind = rng.choices(kinds, weights=weights)[0]
+        difficulty = rng.choice(difficulties)
         problem = GENERATORS[kind](rng, difficulty)
         system = rng.choice(SYSTEM_PROMPTS) if rng.random() < SYSTEM_FRACTION else None
         follow_up = None
         if kind != "tools" and rng.random() < FOLLOW_UP_FRACTION:
-            follow_up = GENERATORS[kind](rng, rng.randint(1, 3))
+            follow_up = GENERATORS[kind](rng, rng.choice(difficulties))
         again = rng.choice(("Next one: ", "Another question: ", "And this one? "))
         tools = None
         if kind == "tools":

@@ -87,9 +87,12 @@ def test_only_the_routed_experts_are_quantized(monkeypatch):
     inputs = [s for s in seen if s[1] == "e4m3"]
     assert sorted(weights) == sorted([((E, I, L), "e2m1", "rceil")] * 2 * moe_layers
                                      + [((E, L, I), "e2m1", "rceil")] * moe_layers)
-    # per MoE layer: the N latent rows entering W1/W3, and the activation blocks [E, capacity, I] entering W2
+    # per MoE layer: the N latent rows entering W1/W3, and the activation blocks [experts, capacity, I] entering W2
+    # (the CPU path's buckets of experts of similar load: together at most the E experts of each layer)
     assert sorted(s[0] for s in inputs if len(s[0]) == 2) == [(N, L)] * moe_layers
-    assert [s[0][0] for s in inputs if len(s[0]) == 3] == [E] * moe_layers and all(s[0][-1] == I for s in inputs)
+    blocks = [s[0] for s in inputs if len(s[0]) == 3]
+    assert len(blocks) >= moe_layers and sum(b[0] for b in blocks) <= E * moe_layers
+    assert all(s[0][-1] == I for s in inputs)
 
 
 def test_qat_expert_paths_never_wait_for_the_device():

@@ -83,3 +83,29 @@ def test_refuses_chunks_that_could_overflow():
     z = torch.randn(1, 8, 1, 4, dtype=torch.float64)
     g10 = naive_kda_gate(z, torch.zeros(1, dtype=torch.float64), lower_bound=-10.0)
     torch_chunk_kda(q, k, v, g10, beta, chunk_size=8, gate_lower_bound=-10.0)
+
+
+@pytest.mark.parametrize("C", [1, 5, 16])
+def test_packed_documents_equal_padded_batch_with_gradients(C):
+    """`chunk_packed_documents` (documents padded only to a chunk multiple, the fast path) against the padded batch
+    `run_padded_documents(chunk_form, …)`: outputs, final states and every gradient, fp64 to 1e-12."""
+    from k3.ops.kda.reference import chunk_form, chunk_packed_documents, prepare_kda_inputs, run_padded_documents
+    from k3.ops.kda.torch_chunk import _factorised_scores
+
+    lengths = [5, 0, 1, 37, 16, 20]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    q, k, v, g, beta, _ = make_inputs(1, sum(lengths), 2, 8, 4, seed=6)
+    S0 = torch.randn(len(lengths), 2, 8, 4, dtype=torch.float64)
+    w_o, w_s = torch.randn_like(v), torch.randn_like(S0)
+    results = []
+    for packed in (True, False):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, S0)]
+        q2, k2, v2, g2, b2, S, bounds = prepare_kda_inputs(*leaves[:5], None, leaves[5], cu)
+        if packed:
+            o, S = chunk_packed_documents(q2, k2, v2, g2, b2, S, bounds, C, _factorised_scores)
+        else:
+            o, S = run_padded_documents(chunk_form, q2, k2, v2, g2, b2, S, bounds, C, _factorised_scores)
+        grads = torch.autograd.grad((o * w_o).sum() + (S * w_s).sum(), leaves)
+        results.append((o, S, *grads))
+    for name, a, b in zip("o S q k v g beta S0".split(), *results):
+        assert (a - b).abs().max() <= 1e-12, name

@@ -175,3 +175,26 @@ def test_cli_writes_the_same_file_for_the_same_seed(tmp_path):
     efforts = {json.loads(line)["reasoning_effort"] for line in outs[0].decode().splitlines()}
     assert efforts == {"low", "max"}
     assert len(read_conversations(tmp_path / "a.jsonl")) == 60
+
+
+@pytest.mark.parametrize("difficulty", [1, 2, 3])
+def test_sums_are_the_easy_tier(difficulty):
+    digits = {1: (1, 1), 2: (1, 2), 3: (2, 2)}[difficulty]
+    for i in range(100):
+        problem = sft_data.sum_problem(random.Random(i), difficulty)
+        a, b = (int(x) for x in problem.steps[0][1].split(" = ")[0].split(" + "))
+        assert sorted((len(str(a)), len(str(b)))) == list(digits)
+        assert problem.answer == str(a + b) and f"{a} + {b}" in problem.question
+    with pytest.raises(ValueError, match="difficulty"):
+        sft_data.sum_problem(random.Random(0), 0)
+
+
+def test_dataset_of_chosen_kinds_and_difficulties():
+    conversations = sft_data.make_sft_dataset(60, seed=5, kinds=["sums", "string"], difficulties=[1])
+    assert {c.id.split("-")[0] for c in conversations} == {"sums", "string"}
+    sums = [c for c in conversations if c.id.startswith("sums")]
+    # difficulty 1: two one-digit numbers
+    assert all(len(c.messages[-1]["content"].split()[-1].rstrip(".")) <= 2 for c in sums)
+    for bad in ({"kinds": ["poems"]}, {"kinds": []}, {"difficulties": [0]}, {"difficulties": []}):
+        with pytest.raises(ValueError):
+            sft_data.make_sft_dataset(2, **bad)

@@ -199,7 +199,7 @@ def chunk_form(q, k, v, g, beta, S, C, scores=None):
     `scores(q, k, beta, G) -> (Akk, Aqk)` builds the two intra-chunk matrices; the default is the exact
     direct form below, torch_chunk.py supplies the factorised one.
     """
-    B, T, H, K = k.shape
+    B, T, H, _ = k.shape
     V = v.shape[-1]
     if T == 0:
         return v.new_zeros(B, 0, H, V), S
@@ -210,7 +210,19 @@ def chunk_form(q, k, v, g, beta, S, C, scores=None):
     beta = F.pad(beta, (0, 0, 0, pad))
     q, k, v, g = (x.transpose(1, 2).reshape(B, H, NT, C, -1) for x in (q, k, v, g))  # [B, H, NT, C, ·]
     beta = beta.transpose(1, 2).reshape(B, H, NT, C, 1)  # [B, H, NT, C, 1]
+    o, S = chunk_hand_off(*chunk_intra(q, k, v, g, beta, scores), S)
+    o = o.reshape(B, H, NT * C, V)[:, :, :T].transpose(1, 2)  # [B, T, H, V]
+    return o, S
 
+
+def chunk_intra(q, k, v, g, beta, scores=None):
+    """Everything of the chunked form that is local to a chunk, for all chunks at once.
+
+    Inputs [B, H, NT, C, ·] (beta [B, H, NT, C, 1]). Returns the hand-off's operands: U [B, H, NT, C, V],
+    W [B, H, NT, C, K], q_in [B, H, NT, C, K], Aqk [B, H, NT, C, C], decay_chunk [B, H, NT, K, 1],
+    k_out [B, H, NT, C, K].
+    """
+    K, C = k.shape[-1], k.shape[-2]
     G = g.cumsum(-2)  # [B, H, NT, C, K]
     Akk, Aqk = (scores or _direct_scores)(q, k, beta, G)  # [B, H, NT, C, C] each
 
@@ -218,19 +230,74 @@ def chunk_form(q, k, v, g, beta, S, C, scores=None):
     # W = T·diag(β)(K⊙Γ) and U = T·diag(β)V with T = (I + Akk)^{-1}: one unit-lower-triangular solve for both.
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     rhs = torch.cat((beta * k * Gam, beta * v), -1)  # [B, H, NT, C, K+V]
-    W, U = torch.linalg.solve_triangular(eye + Akk, rhs, upper=False, unitriangular=True).split((K, V), -1)
+    W, U = torch.linalg.solve_triangular(eye + Akk, rhs, upper=False, unitriangular=True).split((K, v.shape[-1]), -1)
 
     q_in = q * Gam  # [B, H, NT, C, K], reads the incoming state
     k_out = k * (G[..., -1:, :] - G).exp()  # [B, H, NT, C, K], writes decayed to the chunk end
     decay_chunk = G[..., -1, :, None].exp()  # [B, H, NT, K, 1]
+    return U, W, q_in, Aqk, decay_chunk, k_out
 
+
+def chunk_hand_off(U, W, q_in, Aqk, decay_chunk, k_out, S):
+    """The state hand-off, chunk by chunk (operands from `chunk_intra`, S [B, H, K, V]): o [B, H, NT, C, V] and
+    the final state."""
     outs = []
-    for n in range(NT):
-        v_new = U[:, :, n] - W[:, :, n] @ S  # [B, H, C, V], the effective writes u_t
-        outs.append(q_in[:, :, n] @ S + Aqk[:, :, n] @ v_new)
-        S = decay_chunk[:, :, n] * S + k_out[:, :, n].transpose(-1, -2) @ v_new
-    o = torch.stack(outs, 2).reshape(B, H, NT * C, V)[:, :, :T].transpose(1, 2)  # [B, T, H, V]
-    return o, S
+    # unbind once: indexing chunk n inside the loop would make every backward step build and fill a gradient
+    # the size of the whole tensor (quadratic in the number of chunks); unbind's backward is one stack
+    chunks = zip(*(x.unbind(2) for x in (U, W, q_in, Aqk, decay_chunk, k_out)))
+    for U_n, W_n, q_in_n, Aqk_n, decay_n, k_out_n in chunks:
+        v_new = U_n - W_n @ S  # [B, H, C, V], the effective writes u_t
+        outs.append(q_in_n @ S + Aqk_n @ v_new)
+        S = decay_n * S + k_out_n.transpose(-1, -2) @ v_new
+    return torch.stack(outs, 2), S
+
+
+def chunk_packed_documents(q, k, v, g, beta, S0, bounds, C, scores=None):
+    """`chunk_form` over packed documents without padding them to the longest: each document is padded only to a
+    multiple of C and its chunks laid end to end, so the intra-chunk work is on the documents' own chunks; the
+    hand-off then runs over a [documents, chunks of the longest] grid of them, whose empty cells are identity
+    chunks (no output, state unchanged). Same results as `run_padded_documents(chunk_form, …)` (tested).
+
+    Inputs [1, T, H, ·] (q scaled), S0 [N, H, K, V], bounds [(bos, eos)] × N. Returns o [1, T, H, V] and the
+    final states [N, H, K, V].
+    """
+    H, V = k.shape[2], v.shape[-1]
+    N = len(bounds)
+    chunks = [-(-(eos - bos) // C) for bos, eos in bounds]
+    M, longest = sum(chunks), max(chunks)
+    if M == 0:
+        return v.new_zeros(1, 0, H, V), S0
+    # where every token goes in the end-to-end layout of M·C slots
+    first = [0]
+    for n in chunks[:-1]:
+        first.append(first[-1] + n * C)
+    slot = torch.cat([torch.arange(bos, eos, device=q.device) - bos + f for (bos, eos), f in zip(bounds, first)])
+
+    def chunked(x):  # [1, T, H, ·] -> [1, H, M, C, ·], pad slots zero (no decay, no write)
+        laid = x.new_zeros((M * C,) + x.shape[2:]).index_copy(0, slot, x[0])
+        return laid.view(1, M, C, H, -1).permute(0, 3, 1, 2, 4)
+
+    beta_c = beta.new_zeros(M * C, H).index_copy(0, slot, beta[0]).view(1, M, C, H).permute(0, 3, 1, 2)[..., None]
+    parts = chunk_intra(chunked(q), chunked(k), chunked(v), chunked(g), beta_c, scores)
+    # grid[n, j]: the compact index of document n's chunk j, or M (the identity chunk appended below)
+    grid = torch.full((N, longest), M, dtype=torch.long)
+    start = 0
+    for n, c in enumerate(chunks):
+        grid[n, :c] = torch.arange(start, start + c)
+        start += c
+    grid = grid.to(q.device)
+    laid_out = []
+    for i, x in enumerate(parts):
+        # the identity chunk: decay 1, everything else 0
+        pad = (torch.ones_like if i == 4 else torch.zeros_like)(x[:, :, :1])
+        x = torch.cat((x, pad), 2)[0].index_select(1, grid.flatten())  # [H, N·longest, ·, ·]
+        # contiguous, so each chunk of the hand-off is one strided batch of matrices (no copy per step)
+        laid_out.append(x.view(H, N, longest, *x.shape[2:]).transpose(0, 1).contiguous())  # [N, H, longest, ·, ·]
+    o_grid, S = chunk_hand_off(*laid_out, S0)  # [N, H, longest, C, V]
+    real = torch.cat([torch.arange(c, device=q.device) + n * longest for n, c in enumerate(chunks)])
+    o = o_grid.transpose(0, 1).reshape(H, N * longest, C, V).index_select(1, real)  # [H, M, C, V]
+    o = o.permute(1, 2, 0, 3).reshape(M * C, H, V).index_select(0, slot)  # [T, H, V]
+    return o.unsqueeze(0), S
 
 
 def _direct_scores(q, k, beta, G):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.kda.reference import chunk_form, prepare_kda_inputs, run_padded_documents
+from k3.ops.kda.reference import chunk_form, chunk_packed_documents, prepare_kda_inputs
 
 MAX_CHUNK = 16  # 16 tokens × |g_min| = 80 nats: the factorised exponents stay inside fp32 range
 
@@ -48,7 +48,10 @@ def torch_chunk_kda(
         raise ValueError(f"chunk_size {chunk_size} × |gate_lower_bound| {abs(gate_lower_bound)} exceeds 80 nats")
     v_dtype = v.dtype
     q, k, v, g, beta, S0, bounds = prepare_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-    o, S = run_padded_documents(chunk_form, q, k, v, g, beta, S0, bounds, chunk_size, _factorised_scores)
+    if bounds is None:
+        o, S = chunk_form(q, k, v, g, beta, S0, chunk_size, _factorised_scores)
+    else:
+        o, S = chunk_packed_documents(q, k, v, g, beta, S0, bounds, chunk_size, _factorised_scores)
     return o.to(v_dtype), (S if output_final_state else None)
 
 
