@@ -13,7 +13,8 @@ Fast paths beside the references (config `moe_impl`, `situ_impl`, `router_impl`;
 - routed experts as grouped GEMMs with the MoE gradient transform (`k3.ops.moe.grouped_latent_experts`)
   instead of the padded-batch dispatch of `LatentExperts.forward_reference`; a decode step's few (token,
   expert) pairs (N·k ≤ E/2) gather their experts instead (`gathered_latent_experts`), reading no other expert;
-  on the CPU ("auto") the padded dispatch in buckets of similar load (`LatentExperts.forward_bucketed`);
+  on the CPU ("auto") the padded dispatch in buckets of similar load (`LatentExperts.forward_bucketed`), and the
+  gathered experts for a decode or verify step's few pairs;
 - SiTU-GLU as fused Triton kernels (`k3.ops.situ.situ_glu`) instead of the autograd formula;
 - routing (`router_impl`): the fp32 router logits from bf16 GEMMs on the weight split in three, the top-k and
   QB cutoff in one Triton kernel (`k3.ops.router`) instead of one fp32 GEMM and `torch.topk`.
@@ -121,16 +122,18 @@ class LatentExperts(nn.Module):
 
         The grouped-GEMM path (`k3.ops.moe`, no host sync) or `forward_reference`, by `self.impl`.
         """
-        if use_fast(self.impl, "grouped", z) and self.glu is naive_situ_glu:
-            # a decode step's few pairs: read only the selected experts (the grouped GEMMs would run every expert)
-            few = topk_idx.numel() * 2 <= self.w1.shape[0]
+        # a decode or verify step's few pairs: read only the selected experts (the grouped GEMMs would run every
+        # expert, the CPU's buckets a padded block per load)
+        few = topk_idx.numel() * 2 <= self.w1.shape[0]
+        on_cpu = self.impl == "auto" and not z.is_cuda
+        if (use_fast(self.impl, "grouped", z) or (on_cpu and few)) and self.glu is naive_situ_glu:
             if self.qat_scale_mode is not None:
                 experts = qat_gathered_latent_experts if few else qat_grouped_latent_experts
                 return experts(z, topk_idx, weights, self.w1, self.w3, self.w2, self.beta1, self.beta2,
                                self.qat_scale_mode)
             experts = gathered_latent_experts if few else grouped_latent_experts
             return experts(z, topk_idx, weights, self.w1, self.w3, self.w2, self.beta1, self.beta2)
-        if self.impl == "auto" and not z.is_cuda:
+        if on_cpu:
             return self.forward_bucketed(z, topk_idx, weights)
         return self.forward_reference(z, topk_idx, weights)
 

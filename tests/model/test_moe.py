@@ -344,3 +344,29 @@ def test_bucketed_experts_equal_the_padded_reference(qat):
         results.append((out, *torch.autograd.grad((out * w_out).sum(), leaves)))
     for name, a, b in zip("out z weights w1 w3 w2".split(), *results):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("qat", [None, "rceil"])
+def test_few_pairs_on_the_cpu_gather_their_experts(qat, monkeypatch):
+    """A decode or verify step on the CPU (N·k ≤ E/2 pairs, `moe_impl` auto) takes the gathered experts, not the
+    buckets, and equals `forward_reference`: outputs and gradients, fp64 to 1e-12."""
+    from k3.model.moe import LatentExperts
+
+    torch.manual_seed(41)
+    E, L, I, N, k = 32, 32, 32, 5, 3  # 15 pairs ≤ 16; MX blocks of 32 along L and I
+    experts = LatentExperts(E, L, I, 4.0, 25.0, "auto", qat_scale_mode=qat).double()
+    with torch.no_grad():
+        for w in (experts.w1, experts.w3, experts.w2):
+            w.normal_(0.0, 0.2)
+    monkeypatch.setattr(experts, "forward_bucketed", None)  # a call to the buckets would fail
+    topk = torch.stack([torch.randperm(E)[:k] for _ in range(N)])
+    z = torch.randn(N, L, dtype=torch.float64, requires_grad=True)
+    weights = torch.rand(N, k, dtype=torch.float64, requires_grad=True)
+    w_out = torch.randn(N, L, dtype=torch.float64)
+    leaves = (z, weights, experts.w1, experts.w3, experts.w2)
+    results = []
+    for path in (experts.forward, experts.forward_reference):
+        out = path(z, topk, weights)
+        results.append((out, *torch.autograd.grad((out * w_out).sum(), leaves)))
+    for name, a, b in zip("out z weights w1 w3 w2".split(), *results):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0, msg=name)
