@@ -108,7 +108,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--prompts", type=int, default=8, help="N prompts per RL iteration")
     p.add_argument("--samples", type=int, default=8, help="K samples per prompt")
-    p.add_argument("--lr", type=float, default=3e-4, help="RL learning rate (default k3 rl's, 3e-4)")
+    p.add_argument("--lr", type=float, default=3e-5, help="RL learning rate (default k3 rl's, 3e-5)")
     p.add_argument("--threads", type=int, help="intra-op threads of every stage (default: torch's); 1 on a shared "
                                                 "machine, where spinning OpenMP threads slow each other down")
     args = p.parse_args()

@@ -52,6 +52,9 @@ from k3.train.loop import autocast_context
 from k3.train.metrics import MetricsLog
 
 DEFAULT_R_MAX = 5.0
+# `k3 mopd`'s learning rate: every token carries its own advantage, a denser signal than RL's group rewards, whose
+# lower default (`RLConfig.lr`) is measured on those (docs/post-training.md)
+DEFAULT_LR = 3e-4
 
 
 @dataclass(frozen=True)

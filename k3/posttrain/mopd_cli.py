@@ -51,11 +51,13 @@ def add_mopd_parser(sub) -> None:
 def config_from_args(args, stored: dict | None = None):
     """A `MOPDConfig` (imports torch): run.json's settings for a resume (`stored`), else the defaults, with the options
     given on top."""
-    from k3.posttrain.mopd import DEFAULT_R_MAX, MOPDConfig, Teacher
+    from k3.posttrain.mopd import DEFAULT_LR, DEFAULT_R_MAX, MOPDConfig, Teacher
     from k3.posttrain.rl_cli import config_from_args as rl_config_from_args
 
     args.init_from = args.student
     rl_cfg = rl_config_from_args(args, stored.get("rl_config") if stored else None)
+    if stored is None and args.lr is None:
+        rl_cfg.lr = DEFAULT_LR
     mopd = (stored or {}).get("mopd_config") or {}
     if args.teacher:
         teachers = [Teacher.parse(text) for text in args.teacher]

@@ -78,7 +78,7 @@ class RLConfig:
     b0_effort: str = "max"
     curriculum: TauCurriculum = field(default_factory=TauCurriculum)
     loss: LossConfig = field(default_factory=LossConfig)
-    lr: float = 3e-4
+    lr: float = 3e-5  # both optimizers step ~lr whatever the gradient's size: few groups need a small one (docs)
     warmup_iterations: int = 0
     weight_decay: float = 0.0
     grad_clip: float = 1.0

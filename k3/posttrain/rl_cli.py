@@ -41,7 +41,7 @@ def add_rl_parser(sub) -> None:
     p.add_argument("--b0-samples", type=positive(int), help="cold-start samples per task for b0 (default 8)")
     p.add_argument("--loss", choices=("k3", "grpo", "dapo"), help="policy loss (default k3)")
     p.add_argument("--reg-tau", type=float, help="τ_reg of the k3 loss (default 0.1)")
-    p.add_argument("--lr", type=positive(float), help="learning rate (default 3e-4)")
+    p.add_argument("--lr", type=positive(float), help="learning rate (default 3e-5)")
     p.add_argument("--tau-cap", type=positive(float), help="τ of the max-first phase (default 2)")
     p.add_argument("--tau-final", help="final τ per effort (default low=0.5,high=1,max=2)")
     p.add_argument("--max-first", type=int, help="iterations sampling only max effort (default 10)")

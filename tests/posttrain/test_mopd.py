@@ -16,8 +16,8 @@ from k3.config import get_preset
 from k3.model.model import build_model
 from k3.posttrain.envs import Task, get_environment
 from k3.posttrain.envs.strings import final_answer
-from k3.posttrain.mopd import (MOPDConfig, Teacher, TeacherScorer, distillation_advantages, distillation_rl_config,
-                               teacher_sequence)
+from k3.posttrain.mopd import (DEFAULT_LR, MOPDConfig, Teacher, TeacherScorer, distillation_advantages,
+                               distillation_rl_config, teacher_sequence)
 from k3.posttrain.rl import RLConfig, build_documents, pack_rows, row_tensors
 from k3.posttrain.rl_loss import LossConfig, policy_loss
 from k3.posttrain.rollout import Group, Trajectory
@@ -243,6 +243,7 @@ def test_mopd_command_two_teachers_checkpoints_and_resumes(runs, tmp_path, capsy
     assert "MOPD: 2 iterations" in capsys.readouterr().out
     info = json.loads((out / "run.json").read_text())
     assert info["mopd_config"]["r_max"] == 2.0
+    assert info["rl_config"]["lr"] == DEFAULT_LR  # MOPD's own default, not RL's
     assert [t["domain"] + ":" + t["effort"] for t in info["mopd_config"]["teachers"]] == ["math:high", "strings:low"]
     assert info["rl_config"]["envs"] == ["math", "strings"] and info["rl_config"]["efforts"] == ["low", "high"]
     tasks = [json.loads(line) for line in (out / "tasks.jsonl").read_text().splitlines()]
