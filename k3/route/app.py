@@ -30,14 +30,19 @@ import anyio
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import (
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Route
 
 from k3.route.admission import CLASSES, Admission, ClassBudget, estimate_tokens
-from k3.route.fleet import Balance, Fleet
-from k3.route.ring import PREFIX_CHARS, SESSION_HEADER, VIRTUAL_NODES, affinity_key
+from k3.route.config import RouterConfig
+from k3.route.fleet import Fleet
+from k3.route.ring import affinity_key
 from k3.serve.errors import APIError
-from k3.serve.state import MAX_REQUEST_BYTES
 
 log = logging.getLogger("k3.route")
 
@@ -51,40 +56,6 @@ RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError
 RESPONSE_IDS = 4096  # response id → conversation key, for `previous_response_id` (least recently used dropped)
 RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
 OFFLOAD_BYTES = 1 << 20  # bodies over this are parsed in a worker thread, off the event loop
-
-
-@dataclass
-class RouterConfig:
-    """Everything `k3 route` takes; every field is a flag of the same name."""
-
-    replicas: list[str]
-    balance: Balance = "affinity"
-    session_header: str = SESSION_HEADER
-    prefix_chars: int = PREFIX_CHARS
-    vnodes: int = VIRTUAL_NODES
-    health_interval: float = 1.0
-    health_timeout: float = 2.0
-    fail_after: int = 3
-    connect_timeout: float = 2.0
-    read_timeout: float = 600.0
-    long_threshold: int = 8192
-    short_budget_tokens: int = 1 << 20
-    short_max_requests: int = 512
-    long_budget_tokens: int = 1 << 20
-    long_max_requests: int = 16
-    bytes_per_token: float = 4.0
-    default_max_tokens: int = 4096
-    retry_after: float = 1.0
-    max_request_bytes: int = MAX_REQUEST_BYTES
-
-    def __post_init__(self) -> None:
-        if not self.replicas:
-            raise ValueError("give at least one --replica URL")
-        for url in self.replicas:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"a replica is an http(s) URL, got {url!r}")
-        if self.bytes_per_token <= 0 or self.health_interval <= 0 or self.fail_after < 1:
-            raise ValueError("bytes_per_token and health_interval must be positive, fail_after at least 1")
 
 
 @dataclass

@@ -38,7 +38,7 @@ FIELD_HELP = {
 
 def add_route_parser(subparsers) -> None:
     """Add `route` to `k3`'s subcommands."""
-    from k3.route.app import RouterConfig
+    from k3.route.config import RouterConfig
 
     p = subparsers.add_parser("route", help="fleet router: conversation affinity, failover and admission over "
                                             "k3 serve replicas")
@@ -64,7 +64,8 @@ def add_route_parser(subparsers) -> None:
 def cmd_route(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from k3.route.app import RouterConfig, create_router_app
+    from k3.route.app import create_router_app
+    from k3.route.config import RouterConfig
 
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(RouterConfig) if f.name != "replicas"}
     try:

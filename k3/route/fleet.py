@@ -12,15 +12,14 @@ import asyncio
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Literal
 
 import httpx
 
+from k3.route.config import Balance
 from k3.route.ring import VIRTUAL_NODES, Ring
 
 log = logging.getLogger("k3.route")
 
-Balance = Literal["affinity", "least-loaded"]
 
 
 @dataclass

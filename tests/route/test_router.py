@@ -20,7 +20,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from k3.infer.config import EngineConfig
-from k3.route.app import RouterConfig, create_router_app
+from k3.route.app import create_router_app
+from k3.route.config import RouterConfig
 from k3.route.ring import affinity_key
 from tests.serve.conftest import MODEL_NAME, LiveServer, make_engine, model, serve  # noqa: F401 (model: fixture)
 
