@@ -745,14 +745,19 @@ class AsyncEngine:
             except Exception:
                 self._early_aborts.discard(request_id)
                 raise
-            if request_id in self._early_aborts:
-                self._early_aborts.discard(request_id)
-                self.engine.abort(request_id)
-                return
-            with self._lock:
-                self._queues[request_id] = (loop, queue)
-                self._metrics = self.engine.metrics()
+            self._register(request_id, loop, queue)
         self._wake.set()
+
+    def _register(self, request_id, loop, queue) -> None:
+        """After the engine took a request (under `_engine_lock`): route its outputs to `queue`, unless the caller
+        left meanwhile (then abort it)."""
+        if request_id in self._early_aborts:
+            self._early_aborts.discard(request_id)
+            self.engine.abort(request_id)
+            return
+        with self._lock:
+            self._queues[request_id] = (loop, queue)
+            self._metrics = self.engine.metrics()
 
     def _loop(self) -> None:
         last_snapshot = 0.0

@@ -445,11 +445,5 @@ class DisaggregatedEngine(AsyncEngine):
             else:
                 self.transfers += 1
                 loop.call_soon_threadsafe(queue.put_nowait, first)
-            if request_id in self._early_aborts:
-                self._early_aborts.discard(request_id)
-                self.engine.abort(request_id)
-                return
-            with self._lock:
-                self._queues[request_id] = (loop, queue)
-                self._metrics = self.engine.metrics()
+            self._register(request_id, loop, queue)
         self._wake.set()
