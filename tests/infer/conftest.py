@@ -5,10 +5,8 @@ from k3.config import get_preset
 from k3.model.model import build_model
 
 
-@pytest.fixture(scope="session")
-def model():
-    """The debug preset in float32 with random AttnRes queries and router biases, so every path matters."""
-    m = build_model(get_preset("debug"), seed=0)
+def every_path_matters(m):
+    """Random AttnRes queries and router biases (zero at init), so every path of `m` matters; -> m in eval mode."""
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in m.named_parameters():
@@ -18,6 +16,12 @@ def model():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.05)
     return m.eval()
+
+
+@pytest.fixture(scope="session")
+def model():
+    """The debug preset in float32 with random AttnRes queries and router biases, so every path matters."""
+    return every_path_matters(build_model(get_preset("debug"), seed=0))
 
 
 @pytest.fixture(autouse=True)

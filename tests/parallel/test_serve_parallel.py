@@ -17,6 +17,7 @@ from k3.infer.engine import Engine, merge_output
 from k3.infer.transfer import DisaggregatedEngine, PrefillServer, PrefillWorker
 from k3.model.model import build_model
 from k3.parallel.inference import TPGroup, load_sharded, serving_engine, shard_model
+from tests.infer.conftest import every_path_matters
 from tests.parallel.spawn import run_workers
 
 LOGIT_TOL = 1e-4
@@ -40,16 +41,7 @@ def model(heads: int = 2):
     if heads != config.num_attention_heads:
         lin = dataclasses.replace(config.linear_attn_config, num_heads=heads)
         config = config.replace(num_attention_heads=heads, num_key_value_heads=heads, linear_attn_config=lin)
-    m = build_model(config, seed=0)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("_res_proj.weight"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-        for name, b in m.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.05)
-    return m.eval()
+    return every_path_matters(build_model(config, seed=0))
 
 
 def prompt(n, seed, V=512):
