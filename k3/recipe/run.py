@@ -190,7 +190,8 @@ class Runner:
         return 0
 
     def _env(self, stage: Stage) -> dict:
-        return dict(os.environ, **self.recipe.env, **stage.env)
+        # a stage's variables override the recipe's, which override the caller's environment
+        return {**os.environ, **self.recipe.env, **stage.env}
 
     def _run_stage(self, stage: Stage, continuing: bool) -> None:
         (self.out / stage.name).mkdir(parents=True, exist_ok=True)
