@@ -46,7 +46,7 @@ ALLOWED: dict[str, set[str]] = {
     "serve": {"config", "model", "checkpoint", "infer", "tokenizer", "chat", "vision", "spec",  # spec: --draft
               "parallel"},  # --tensor-parallel, --role (k3.serve.across)
     "posttrain": {"config", "model", "ops", "optim", "parallel", "checkpoint", "tokenizer", "runfolder", "train",
-                  "infer", "chat", "vision"},
+                  "infer", "chat", "vision", "sandbox"},  # sandbox: the code environment's program runner
     "route": {"serve"},  # the fleet router: serve's error bodies and request limit; it loads no model
     "sandbox": set(),  # stands alone: agents' execution environment, also usable without the model
     # speculative decoding's draft and its training: a frozen target, the training pieces, the plain generation loop

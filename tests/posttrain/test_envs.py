@@ -1,8 +1,11 @@
-"""Every environment's verifier on known right and wrong answers, the code runner's isolation, the tools, the
-registry, task files and episode state."""
+"""Every environment's verifier on known right and wrong answers (the code environment's also in a sandbox), the
+tools, the registry, task files and episode state. The program runners' limits, isolation and unforgeable assert
+report are tested once, in tests/sandbox/test_programs.py."""
 
 import json
+import shutil
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -10,7 +13,7 @@ import pytest
 from k3.chat.template import Reply, ToolCall
 from k3.posttrain.envs import (ENVIRONMENTS, Environment, Prompt, Task, TaskSampler, get_environment, load_tasks,
                                register, split_tasks)
-from k3.posttrain.envs.code import SubprocessRunner, extract_code
+from k3.posttrain.envs.code import CodeEnvironment, extract_code
 from k3.posttrain.envs.math import answers_match, final_number
 from k3.posttrain.envs.tools import calculate, call_tool
 
@@ -73,21 +76,26 @@ def test_code_verifier_right_and_wrong():
     assert _score("code", task, _reply("def add_const(x) return"))[0] == 0.0  # a syntax error
 
 
-def test_code_runner_limits_and_reports():
-    runner = SubprocessRunner(cpu_seconds=1, wall_seconds=5)
-    tests = ["assert f(2) == 4", "assert f(3) == 9", "assert f(0) == 1"]
-    report = runner.run("def f(x):\n    return x * x", tests)
-    assert (report.passed, report.total, report.all_passed) == (2, 3, False)
-    assert runner.run("while True:\n    pass", tests).passed == 0  # the CPU limit ends it
-    assert runner.run("x = bytearray(1 << 34)", tests).error.startswith("MemoryError")
-    assert runner.run("import os\nos._exit(0)", tests).error.startswith("crash")
-    # what the candidate prints cannot pass for the harness's report
-    fake = "print('\\nK3RESULT-' + '0' * 32 + ':' + '{\"passed\": 3, \"error\": null}')"
-    assert runner.run(fake, tests).passed == 0
-    # it runs in an empty temporary directory with an empty environment
-    probe = runner.run("import os\ncwd = os.listdir('.')\nenv = dict(os.environ)",
-                       ["assert cwd == []", "assert 'HOME' not in env"])
-    assert probe.all_passed
+def test_code_verifier_in_a_sandbox(monkeypatch):
+    """The same environment with every candidate in a fresh sandbox: one class attribute changes."""
+    from k3.sandbox.programs import SandboxRunner
+
+    folder = tempfile.mkdtemp(prefix="k3-sandbox-test-")  # not under pytest's 0700 folders: the sandbox uid reads it
+    runner = None
+    try:
+        try:
+            runner = SandboxRunner(folder)
+        except (RuntimeError, OSError) as e:
+            pytest.skip(f"sandboxes cannot run here: {e}")
+        task = Task("where", "code", {"prompt": "?", "tests": ["import os\nassert os.getcwd() == '/home/user'"]})
+        assert _score("code", task, _reply("x = 1"))[0] == 0.0  # the default runs on the host
+        monkeypatch.setattr(CodeEnvironment, "programs", runner)
+        assert _score("code", task, _reply("x = 1"))[0] == 1.0
+        test_code_verifier_right_and_wrong()
+    finally:
+        if runner is not None:
+            runner.manager.close(kill_all=True)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_extract_code():

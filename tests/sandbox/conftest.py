@@ -1,6 +1,6 @@
 """Fixtures for the sandbox tests: one manager (and its base template) per session, a sandbox per test, and the
-HTTP server on loopback. Everything skips with the failing probe's reason on a host without bubblewrap, user
-namespaces or overlayfs; tests that need limits or pause also skip without writable cgroups."""
+HTTP server on loopback. Everything that needs a sandbox skips with the failing probe's reason on a host without
+bubblewrap, user namespaces or overlayfs; tests that need limits or pause also skip without writable cgroups."""
 
 from __future__ import annotations
 
@@ -28,9 +28,15 @@ def _skip_reason(*names: str) -> str | None:
     return None
 
 
+def _needs_sandboxes(item) -> bool:
+    # test_programs.py runs each test on both program runners: the subprocess one needs no sandbox
+    callspec = getattr(item, "callspec", None)
+    return callspec is None or callspec.params.get("runner") != "subprocess"
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "tests/sandbox/" not in str(item.fspath).replace(os.sep, "/"):
+        if "tests/sandbox/" not in str(item.fspath).replace(os.sep, "/") or not _needs_sandboxes(item):
             continue
         reason = _skip_reason(*BASE_PROBES)
         if reason is None and "cgroups" in item.keywords:

@@ -1,18 +1,16 @@
 """Code tasks checked by unit tests: the reply writes a Python function, the task's asserts run it in a separate,
-resource-limited process, and the reward is 1 when every assert passes.
+resource-limited program, and the reward is 1 when every assert passes.
 
-The runner is behind one small interface (`CodeRunner.run(code, tests) -> TestReport`) so the agent sandbox
-(`k3.sandbox`) can replace the default `SubprocessRunner` without touching the environment:
+The asserts run through `k3.sandbox.programs.run_asserts` (the one place k3 runs generated programs, shared with
+HumanEval): a fresh `python -I` in an empty folder with an empty environment, its own session killed at the wall
+limit, CPU, memory, file-size and open-file limits, and a report line tagged by a per-run random token so what
+the candidate prints cannot pass for it (docs/sandbox.md, "Running generated programs").
 
-- a fresh `python -I` (no user site, no PYTHON* variables) in an empty temporary directory with an empty
-  environment, its own session (the whole group is killed on timeout);
-- inside, before any candidate code runs, the harness lowers its own limits: CPU seconds, address space, file
-  size, open files, no core dumps;
-- the harness reads the code and tests from stdin, runs each assert in a copy of the candidate's namespace and
-  reports the count on a line prefixed by a per-run random token, so what the candidate prints cannot pass for it.
-
-This is process isolation, not a security boundary (the network and the file system stay reachable); the sandbox
-issue's runner is the one for untrusted models at scale.
+Where it runs is the class attribute `programs`, a `k3.sandbox.programs.ProgramRunner`. The default is the plain
+subprocess runner: it needs no root, and a sandbox manager owns its state folder (it adopts, and stops the commands
+of, what it finds there), so every training process would need a folder of its own. A subclass (or a launcher)
+that sets `programs = SandboxRunner(state_dir)` runs each candidate in a fresh sandbox instead: no network, its
+own filesystem, a memory cgroup and a pids limit.
 
 The code is the reply's first fenced block (```python … ``` or ``` … ```), else its whole response. Tasks come
 from parameterised templates (`CODE_TEMPLATES`) whose tests are computed by a reference implementation.
@@ -20,90 +18,14 @@ from parameterised templates (`CODE_TEMPLATES`) whose tests are computed by a re
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import re
-import secrets
-import signal
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
 from k3.posttrain.envs import Environment, Prompt, Task, register
-
-
-@dataclass
-class TestReport:
-    passed: int
-    total: int
-    error: str | None = None  # "timeout", "crash: …", "syntax: …"
-
-    @property
-    def all_passed(self) -> bool:
-        return self.total > 0 and self.passed == self.total
-
-
-class CodeRunner(Protocol):
-    def run(self, code: str, tests: list[str]) -> TestReport: ...
-
-
-_HARNESS = r"""
-import json, resource, sys
-spec = json.loads(sys.stdin.read())
-for name, value in spec["limits"].items():
-    resource.setrlimit(getattr(resource, name), (value, value))
-token, passed, error = spec["token"], 0, None
-namespace = {"__name__": "candidate"}
-try:
-    exec(compile(spec["code"], "candidate.py", "exec"), namespace)
-except BaseException as e:
-    error = f"{type(e).__name__}: {e}"[:200]
-if error is None:
-    for test in spec["tests"]:
-        try:
-            exec(compile(test, "test.py", "exec"), dict(namespace))
-            passed += 1
-        except BaseException:
-            pass
-sys.stdout.flush()
-print("\n" + token + json.dumps({"passed": passed, "error": error}), flush=True)
-"""
-
-
-class SubprocessRunner:
-    """Runs candidate code and its asserts in a resource-limited child process (see the module docstring)."""
-
-    def __init__(self, cpu_seconds: int = 5, memory_bytes: int = 1 << 30, file_bytes: int = 1 << 20,
-                 wall_seconds: float = 10.0, output_bytes: int = 1 << 16):
-        self.limits = {"RLIMIT_CPU": cpu_seconds, "RLIMIT_AS": memory_bytes, "RLIMIT_FSIZE": file_bytes,
-                       "RLIMIT_NOFILE": 64, "RLIMIT_CORE": 0}
-        self.wall_seconds = wall_seconds
-        self.output_bytes = output_bytes
-
-    def run(self, code: str, tests: list[str]) -> TestReport:
-        token = "K3RESULT-" + secrets.token_hex(16) + ":"
-        spec = json.dumps({"code": code, "tests": tests, "token": token, "limits": self.limits})
-        with tempfile.TemporaryDirectory(prefix="k3-code-") as cwd:
-            proc = subprocess.Popen([sys.executable, "-I", "-c", _HARNESS], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=cwd,
-                                    env={"PATH": os.defpath}, start_new_session=True)
-            try:
-                out, _ = proc.communicate(spec.encode(), timeout=self.wall_seconds)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-                return TestReport(0, len(tests), "timeout")
-        text = out[-self.output_bytes:].decode(errors="replace")
-        lines = [line for line in text.splitlines() if line.startswith(token)]
-        if not lines:
-            return TestReport(0, len(tests), f"crash: exit code {proc.returncode}")
-        result = json.loads(lines[-1][len(token):])
-        return TestReport(result["passed"], len(tests), result["error"])
-
+from k3.sandbox.programs import Limits, ProgramRunner, SubprocessRunner, run_asserts
 
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -174,7 +96,9 @@ def make_code_task(template: CodeTemplate, rng: random.Random, task_id: str, env
 
 @register("code")
 class CodeEnvironment(Environment):
-    runner: CodeRunner = SubprocessRunner()
+    programs: ClassVar[ProgramRunner] = SubprocessRunner()  # where candidates run (see the module docstring)
+    # 5 CPU seconds, 10 s wall clock, 1 GiB address space, 1 MiB files, 64 open files, 16 MiB of output
+    limits: ClassVar[Limits] = Limits(wall_seconds=10.0, cpu_seconds=5, memory_mb=1024, file_bytes=1 << 20)
 
     @classmethod
     def make_tasks(cls, n: int, seed: int) -> list[Task]:
@@ -192,5 +116,6 @@ class CodeEnvironment(Environment):
     def verify(self) -> float:
         if not self.replies:
             return 0.0
-        report = self.runner.run(extract_code(self.replies[-1]["content"]), list(self.task.data["tests"]))
+        report = run_asserts(self.programs, extract_code(self.replies[-1]["content"]), list(self.task.data["tests"]),
+                             self.limits)
         return float(report.all_passed)
