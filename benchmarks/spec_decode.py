@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from provenance import save_result, table  # noqa: E402
 
-import k3.infer.engine as engine_module  # noqa: E402
+import k3.infer.speculative_step as speculative_step  # noqa: E402
 from k3.checkpoint import load_trained  # noqa: E402
 from k3.config import get_preset  # noqa: E402
 from k3.infer.api import RequestOutput, SamplingParams  # noqa: E402
@@ -49,7 +49,7 @@ class Timed:
     def __init__(self, drafter: DraftRunner):
         self.verify = self.draft = 0.0
         self.on = False
-        forward = engine_module.forward_with_features
+        forward = speculative_step.forward_with_features
         extend, propose = drafter.extend, drafter.propose
 
         def timed(fn, slot):
@@ -62,7 +62,7 @@ class Timed:
                         setattr(self, slot, getattr(self, slot) + time.perf_counter() - start)
             return wrapper
 
-        engine_module.forward_with_features = timed(forward, "verify")
+        speculative_step.forward_with_features = timed(forward, "verify")
         drafter.extend, drafter.propose = timed(extend, "draft"), timed(propose, "draft")
 
 

@@ -15,16 +15,17 @@ Requests may carry images (`MediaInput`s, k3/infer/media.py): the runner splices
 prompt's `<|media_pad|>` tokens, encoding each distinct image once (cached by content key, which also keys the
 prefix cache); the encoder comes from above (the model's `encode_media`), so this package never imports vision.
 
-With a drafter (`EngineConfig.speculative_tokens` > 0, k3/infer/speculative.py, docs/speculative.md) a step is
-`_speculative_step`: decodes verify their drafted tokens in the same ragged pass, accept exactly, roll their KDA
-states back to the last verified position, and the drafter drafts the next ones.
+With a drafter (`EngineConfig.speculative_tokens` > 0, docs/speculative.md) `step` hands the batch to
+`speculative_step` (k3/infer/speculative_step.py) in place of its decode step: decodes verify their drafted tokens in
+the same ragged pass, accept exactly, roll their KDA states back to the last verified position, and the drafter
+drafts the next ones.
 
 The engine knows no text: token ids in, token ids and logprobs out. Detokenization and stop strings live
 above it (`k3.chat.detokenize`), shared by the server, the CLI and evaluation.
 
 `Engine` is synchronous and single-threaded; `AsyncEngine` runs it in a background thread and streams
 outputs to asyncio consumers (what the server uses). Split after nano-vllm: sequence.py, scheduler.py,
-cache.py (the pool), prefix_cache.py, kv_pool.py, sampling.py, metrics.py; the runner is below.
+cache.py (the pool), prefix_cache.py, kv_pool.py, sampling.py, metrics.py, speculative_step.py; the runner is below.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import random
 import threading
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -57,17 +58,11 @@ from k3.infer.kv_pool import HostKVPool
 from k3.infer.media import MediaCache, RequestMedia, media_key
 from k3.infer.metrics import EngineMetrics
 from k3.infer.prefix_cache import PrefixCache
-from k3.infer.sampling import sample, target_distribution, token_logprob
+from k3.infer.sampling import sample
 from k3.infer.scheduler import Batch, Scheduler
 from k3.infer.sequence import Sequence, SequenceStatus
-from k3.infer.speculative import (
-    Drafter,
-    VerifyCapture,
-    accept,
-    draw,
-    forward_with_features,
-    speculative_positions,
-)
+from k3.infer.speculative import Drafter
+from k3.infer.speculative_step import speculative_step
 from k3.model.model import K3ForCausalLM
 
 
@@ -342,17 +337,12 @@ class Engine:
         if not batch.seqs:
             return []
         self._note_admissions(batch)
-        if self.drafter is not None:
-            return self._speculative_step(batch)
+        if self.drafter is not None:  # decodes verify their drafts instead (k3/infer/speculative_step.py)
+            return speculative_step(self, batch)
         m = self.metrics_state
-        # the rows that sample this step are known before the forward: their grammar masks fill meanwhile
         ready = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.counts))
                  if seq.num_computed + n == len(seq.tokens)]
-        masks = None
-        if any(batch.seqs[i].matcher is not None for i in ready):
-            if self._mask_worker is None:
-                self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="k3-grammar")
-            masks = self._mask_worker.submit(fill_bitmask, [batch.seqs[i].matcher for i in ready], self.vocab_size)
+        masks = self._grammar_masks([batch.seqs[i] for i in ready])
         # recording routes (RL routing replay) takes the runner, which reports them
         if (self.decoder is not None and self.runner.route_sink is None and len(ready) == len(batch.seqs)
                 and max(batch.counts) == 1 and not self.runner.runs_media(batch)):
@@ -365,155 +355,35 @@ class Engine:
         outputs = []
         if ready:
             seqs = [batch.seqs[i] for i in ready]
-            allowed = None if masks is None else unpack_bitmask(masks.result().to(logits.device), self.vocab_size)
-            tokens, logprobs = sample(logits[ready], [s.sampling for s in seqs], [s.generator for s in seqs],
-                                      [s.prompt_ids for s in seqs], [s.output_ids for s in seqs], allowed)
+            tokens, logprobs = self._sample(seqs, logits[ready], masks)
             now = time.monotonic()
-            for seq, tok, lp in zip(seqs, tokens, logprobs):
-                if seq.matcher is not None:
-                    accepted = seq.matcher.consume_token(tok)
-                    assert accepted, f"the grammar refused a token its own mask allowed: {seq.matcher.get_error()}"
-                outputs.append(self._append(seq, tok, lp, now))
+            outputs = [self._append(seq, tok, lp, now) for seq, tok, lp in zip(seqs, tokens, logprobs)]
         m.inc("steps_total")
         m.inc("forward_tokens_total", batch.num_tokens)
         m.inc("generation_tokens_total", len(ready))
         m.record_step(len(ready), batch.num_tokens)
         return outputs
 
-    def _speculative_step(self, batch: Batch) -> list[RequestOutput]:
-        """One step with speculative decoding (docs/speculative.md): decodes verify their drafts in the ragged
-        pass beside the prefill pieces; each verify emits its accepted drafts plus one token; KDA states roll back
-        to the last verified position; the drafter takes the verified positions and drafts the next tokens."""
-        m, model, pool = self.metrics_state, self.model, self.pool
-        seqs, counts = batch.seqs, batch.counts
-        starts = [s.num_computed for s in seqs]
-        ready = [i for i, (s, n) in enumerate(zip(seqs, counts)) if s.num_computed + n == len(s.tokens)]
-        verify = [bool(s.draft_tokens) for s in seqs]
-        assert all(n == 1 for v, n in zip(verify, counts) if v), "only decodes carry drafts"
-        plain = [i for i in ready if not verify[i]]
-        masks = None
-        if any(seqs[i].matcher is not None for i in plain):
-            if self._mask_worker is None:
-                self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="k3-grammar")
-            masks = self._mask_worker.submit(fill_bitmask, [seqs[i].matcher for i in plain], self.vocab_size)
-        ids, cu = [], [0]
-        for s, n in zip(seqs, counts):
-            ids += s.tokens[s.num_computed : s.num_computed + n] + s.draft_tokens
-            cu.append(len(ids))
-        rows_of = {}  # batch index -> its logits rows
-        logits_at = []
-        for i in ready:
-            first = cu[i] if verify[i] else cu[i + 1] - 1
-            rows_of[i] = list(range(len(logits_at), len(logits_at) + cu[i + 1] - first))
-            logits_at += range(first, cu[i + 1])
-        blocks, kda = [s.blocks for s in seqs], [s.kda_pages for s in seqs]
-        cache = gather(pool, blocks, kda, starts)
-        dev = pool.device
-        with torch.inference_mode(), VerifyCapture(model, cu, verify, self.config.spec_rollback) as capture:
-            logits, features = forward_with_features(model, torch.tensor(ids, device=dev)[None], cu, cache,
-                                                     torch.tensor(logits_at, dtype=torch.long, device=dev),
-                                                     self.drafter.feature_blocks)
-            scatter(pool, cache, blocks, kda, starts, [b - a for a, b in itertools.pairwise(cu)])
-            verified = {i: self._verify(seqs[i], logits[rows_of[i]]) for i in ready if verify[i]}
-            advanced = list(counts)  # verified tokens each sequence moves by
-            for i, (tokens, _) in verified.items():
-                advanced[i] = len(tokens)
-            capture.commit(pool, kda, {i: advanced[i] for i in verified})
-        spec_rows = list(verified)
-        for i, s in enumerate(seqs):
-            if i not in verified:
-                self.scheduler.after_forward(s, counts[i])
-        if plain:
-            ps = [seqs[i] for i in plain]
-            allowed = None if masks is None else unpack_bitmask(masks.result().to(logits.device), self.vocab_size)
-            plain_rows = torch.tensor([rows_of[i][-1] for i in plain], device=logits.device)
-            tokens, lps = sample(logits[plain_rows], [s.sampling for s in ps], [s.generator for s in ps],
-                                 [s.prompt_ids for s in ps], [s.output_ids for s in ps], allowed)
-            for i, tok, lp in zip(plain, tokens, lps):
-                if seqs[i].matcher is not None:
-                    accepted = seqs[i].matcher.consume_token(tok)
-                    assert accepted, f"the grammar refused a token its own mask allowed: {seqs[i].matcher.get_error()}"
-                verified[i] = ([tok], [lp])
-        now = time.monotonic()
-        for i in ready:
-            self._record(seqs[i], *verified[i], now)
-        for i in spec_rows:  # hashed only now: the verified tokens must be in `tokens`
-            self.scheduler.after_forward(seqs[i], advanced[i], decoding=True)
-        outputs = [self._output(seqs[i]) for i in ready]
-        with torch.inference_mode():
-            self._draft_next(batch, starts, advanced, cu, features)
-        m.inc("steps_total")
-        m.inc("forward_tokens_total", len(ids))
-        generated = sum(len(verified[i][0]) for i in ready)
-        m.inc("generation_tokens_total", generated)
-        m.record_step(generated, len(ids))
-        return outputs
+    def _grammar_masks(self, seqs: list[Sequence]) -> Future | None:
+        """Start filling the grammar bitmasks of the sequences that sample this step, in a worker thread while the
+        forward runs (they are known before it); None when none of them is constrained."""
+        if not any(s.matcher is not None for s in seqs):
+            return None
+        if self._mask_worker is None:
+            self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="k3-grammar")
+        return self._mask_worker.submit(fill_bitmask, [s.matcher for s in seqs], self.vocab_size)
 
-    def _verify(self, seq: Sequence, logits: torch.Tensor) -> tuple[list[int], list]:
-        """Accept or reject one sequence's drafts against the target's logits [k + 1, V] at the verified positions;
-        -> (emitted tokens up to the first stop, their logprobs). Counts acceptance."""
-        drafts, sp, m = seq.draft_tokens, seq.sampling, self.metrics_state
-        k = len(drafts)
-        histories = [seq.output_ids + drafts[:j] for j in range(k + 1)]
-        p = target_distribution(logits, [sp] * (k + 1), [seq.prompt_ids] * (k + 1), histories)
-        tokens, a = accept(p, seq.draft_probs[:k], drafts, seq.generator, sp.temperature <= 0)
-        for j in range(k):
-            self.spec_position_drafted[j] += 1
-            self.spec_position_accepted[j] += j < a
-        m.inc("spec_verifies_total")
-        m.inc("spec_draft_tokens_total", k)
-        m.inc("spec_accepted_tokens_total", a)
-        n_out, n_tok = len(seq.output_ids), len(seq.tokens)
-        for j, tok in enumerate(tokens):  # a stop ends the emission there
-            if self._stop_reason(seq, tok, n_out + j + 1, n_tok + j + 1) is not None:
-                tokens = tokens[: j + 1]
-                break
-        m.inc("spec_emitted_tokens_total", len(tokens))
-        kept = min(a, len(tokens))
-        seq.accepted_tokens += kept
-        seq.rejected_tokens += k - kept
-        seq.draft_tokens, seq.draft_probs = [], None
-        lps = [None] * len(tokens)
-        if sp.logprobs is not None:
-            raw = torch.log_softmax(logits.float(), dim=-1)
-            lps = [token_logprob(raw[j], tok, sp.logprobs) for j, tok in enumerate(tokens)]
-        return tokens, lps
-
-    def _draft_next(self, batch: Batch, starts: list[int], advanced: list[int], cu: list[int],
-                    features: torch.Tensor) -> None:
-        """Give the drafter the positions this step verified (their features and the tokens after them) and draft
-        the next step's tokens for every sequence that decodes next."""
-        k = self.config.speculative_tokens
-        live = [i for i, s in enumerate(batch.seqs) if s.status is SequenceStatus.RUNNING]
-        if not live:
-            return
-        seqs = [batch.seqs[i] for i in live]
-        q_logits = self.drafter.extend(
-            [s.request_id for s in seqs], [starts[i] for i in live],
-            [features[cu[i] : cu[i] + advanced[i]] for i in live],
-            [s.tokens[starts[i] + 1 : starts[i] + advanced[i] + 1] for s, i in zip(seqs, live)])
-        want = [speculative_positions(k, s.sampling.max_tokens - len(s.output_ids))
-                if s.remaining == 1 and s.matcher is None else 0 for s in seqs]
-        rows = [r for r, w in enumerate(want) if w]
-        if not rows:
-            return
-        q_logits = q_logits[torch.tensor(rows, device=q_logits.device)]
-        drafts: dict[int, list[int]] = {r: [] for r in rows}
-        probs: dict[int, list[torch.Tensor]] = {r: [] for r in rows}
-        for j in range(max(want)):
-            # rows: the sequences still drafting, in q_logits' order
-            ss = [seqs[r] for r in rows]
-            q = target_distribution(q_logits, [s.sampling for s in ss], [s.prompt_ids for s in ss],
-                                    [s.output_ids + drafts[r] for s, r in zip(ss, rows)])
-            for n, (s, r) in enumerate(zip(ss, rows)):
-                tok = int(q[n].argmax()) if s.sampling.temperature <= 0 else draw(q[n], s.generator)
-                drafts[r].append(tok)
-                probs[r].append(q[n])
-            rows = [r for r in rows if want[r] > j + 1]
-            if rows:
-                q_logits = self.drafter.propose([seqs[r].request_id for r in rows], [drafts[r][-1] for r in rows])
-        for r, tokens in drafts.items():
-            seqs[r].draft_tokens, seqs[r].draft_probs = tokens, torch.stack(probs[r])
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, masks: Future | None) -> tuple[list[int], list]:
+        """One token per sequence from logits [n, V], under their grammar masks (`_grammar_masks`); each matcher
+        consumes its token. -> (tokens, logprobs)."""
+        allowed = None if masks is None else unpack_bitmask(masks.result().to(logits.device), self.vocab_size)
+        tokens, logprobs = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs],
+                                  [s.prompt_ids for s in seqs], [s.output_ids for s in seqs], allowed)
+        for seq, tok in zip(seqs, tokens):
+            if seq.matcher is not None:
+                accepted = seq.matcher.consume_token(tok)
+                assert accepted, f"the grammar refused a token its own mask allowed: {seq.matcher.get_error()}"
+        return tokens, logprobs
 
     def _note_admissions(self, batch: Batch) -> None:
         m = self.metrics_state

@@ -8,7 +8,8 @@ One engine step with speculation: every decoding sequence runs its last committe
 document of a ragged target pass (prefill pieces ride along); the pass gives logits at each of the k + 1 positions
 and the features of every position; `accept` decides each sequence's emitted tokens; the KDA layers' states and conv
 tails are set to those after the last verified position (`VerifyCapture`); MLA caches truncate by length alone;
-the drafter's cache takes the verified positions' features, and it drafts the next k tokens.
+the drafter's cache takes the verified positions' features, and it drafts the next k tokens. That step, which the
+engine runs in place of its decode step, is `speculative_step` (speculative_step.py); this file holds its pieces.
 
 The drafter is passed in (`Drafter`): this package knows no draft model (k3.spec implements one).
 """
@@ -298,10 +299,4 @@ def rollback_bytes(spec: CacheSpec, k: int, form: str) -> int:
     else:
         raise ValueError(f"rollback form must be one of {ROLLBACK_FORMS}, got {form!r}")
     return per_layer * len(spec.kda_layers)
-
-
-def speculative_positions(k: int, max_tokens_left: int) -> int:
-    """Drafts for a sequence with max_tokens_left tokens still allowed: never more than can be emitted (the k
-    drafts plus the corrected or bonus token)."""
-    return max(0, min(k, max_tokens_left - 1))
 
