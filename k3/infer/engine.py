@@ -343,11 +343,10 @@ class Engine:
         ready = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.counts))
                  if seq.num_computed + n == len(seq.tokens)]
         masks = self._grammar_masks([batch.seqs[i] for i in ready])
-        # recording routes (RL routing replay) takes the runner, which reports them
-        if (self.decoder is not None and self.runner.route_sink is None and len(ready) == len(batch.seqs)
-                and max(batch.counts) == 1 and not self.runner.runs_media(batch)):
+        if (self.decoder is not None and len(ready) == len(batch.seqs) and max(batch.counts) == 1
+                and not self.runner.runs_media(batch)):
             self.decoder.release_finished(self.scheduler.running)
-            logits = self.decoder.run(batch.seqs)
+            logits = self.decoder.run(batch.seqs, self.runner.route_sink)
         else:
             logits = self.runner.run(batch)
         for seq, n in zip(batch.seqs, batch.counts):

@@ -326,13 +326,15 @@ class K3ForCausalLM(nn.Module):
             loss=loss,
         )
 
-    def decode_step(self, input_ids: torch.Tensor, cache: K3Cache) -> torch.Tensor:
+    def decode_step(self, input_ids: torch.Tensor, cache: K3Cache,
+                    router_infos: Collector | None = None) -> torch.Tensor:
         """One token per sequence against a paged cache (`PagedKDAState` / `PagedMLALatent` per layer, updated in
         place): input_ids [B, 1] on the model's device -> logits [B, V]. The inference engine's decode step:
         static shapes and no host sync (unlike `forward`, it does not read the ids back to check them; the
-        engine's own sampler produced them), so it can be captured as a CUDA graph."""
+        engine's own sampler produced them), so it can be captured as a CUDA graph. `router_infos`: gets every MoE
+        layer's RouterInfo (RL routing replay records them)."""
         B = input_ids.shape[0]
-        h = self.model(input_ids, SequenceLayout(B, 1), cache)
+        h = self.model(input_ids, SequenceLayout(B, 1), cache, router_infos)
         return self.lm_head(h[:, 0])
 
     @torch.no_grad()

@@ -37,7 +37,7 @@ def test_routes_recorded_on_the_paged_path_and_replayed(tokenizer):
     engine_model = _model(tokenizer).cast(torch.bfloat16).cuda().eval()
     engine = Engine(engine_model, EngineConfig(hash_block_size=8, max_running=16, max_step_tokens=4096,
                                                eos_token_ids=tuple(tokenizer.stop_ids)))
-    assert engine.decoder is not None  # CUDA decodes in place on the pool unless routes are recorded
+    assert engine.decoder is not None  # CUDA decodes in place on the pool, recording routes too
     recorder = RouteRecorder(engine)
     ro = Rollouts(engine, ChatTemplate(tokenizer), {"math": get_environment("math")}, samples_per_prompt=3,
                   max_tokens=24, recorder=recorder)
