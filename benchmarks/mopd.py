@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -56,17 +55,14 @@ def finished(run_dir: Path, iterations: int | None = None) -> bool:
     return bool(done) and (iterations is None or int(done[-1].parent.name.split("_")[1]) >= iterations)
 
 
-def tasks(domain: str, n: int, stream: str, max_tokens: int) -> list[dict]:
-    """`n` difficulty-1 problems of `domain` from their own stream; b0 = max_tokens (no budget but the length)."""
-    from k3.posttrain.sft_data import arithmetic_problem, string_problem
+def tasks(domain: str, n: int, seed: int, max_tokens: int) -> list[dict]:
+    """`n` difficulty-1 problems of `domain` (math: arithmetic) from the seed's stream; b0 = max_tokens (no budget
+    but the length)."""
+    from k3.posttrain.envs import get_environment
 
-    generator = arithmetic_problem if domain == "math" else string_problem
-    out = []
-    for i in range(n):
-        p = generator(random.Random(f"{stream}:{domain}:{i}"), 1)
-        out.append({"id": f"{stream}-{domain}-{i}", "env": domain, "b0": float(max_tokens),
-                    "data": {"question": p.question, "answer": p.answer}})
-    return out
+    kinds = ("arithmetic",) if domain == "math" else None
+    return [dict(t.to_json(), b0=float(max_tokens))
+            for t in get_environment(domain).make_tasks(n, seed, difficulties=(1,), kinds=kinds)]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -187,12 +183,12 @@ def main() -> None:
 
     heldout, train = {}, {}
     for domain in TEACHERS:
-        train[domain] = tasks(domain, args.train_tasks, "mopd-train", args.max_tokens)
+        train[domain] = tasks(domain, args.train_tasks, 11, args.max_tokens)
         heldout[domain] = work / f"heldout-{domain}.jsonl"
-        write_jsonl(heldout[domain], tasks(domain, args.heldout_tasks, "mopd-heldout", args.max_tokens))
+        write_jsonl(heldout[domain], tasks(domain, args.heldout_tasks, 12, args.max_tokens))
         write_jsonl(work / f"train-{domain}.jsonl", train[domain])
         # the runs' own evaluations (always at the first and last iteration) get two tasks: the measurement is below
-        write_jsonl(work / f"monitor-{domain}.jsonl", tasks(domain, 2, "mopd-monitor", args.max_tokens))
+        write_jsonl(work / f"monitor-{domain}.jsonl", tasks(domain, 2, 13, args.max_tokens))
     write_jsonl(work / "train-both.jsonl", [t for d in TEACHERS for t in train[d]])
     write_jsonl(work / "monitor-both.jsonl", [json.loads(line) for d in TEACHERS
                                               for line in (work / f"monitor-{d}.jsonl").read_text().splitlines()])

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -53,17 +52,12 @@ def finished(run_dir: Path) -> bool:
     return (run_dir / "run.json").exists() and any((run_dir / "checkpoints").glob("step_*/COMMITTED"))
 
 
-def arithmetic_tasks(n: int, stream: str, difficulties: tuple[int, ...], kind: str = "sums") -> list[dict]:
-    """`n` math tasks of the SFT generator `kind` (its difficulties in turn), from a random stream of their own."""
-    from k3.posttrain.sft_data import GENERATORS
+def sum_tasks(n: int, seed: int) -> list[dict]:
+    """`n` easy-tier math tasks (sums of difficulty 1 and 2 in turn), as `k3 data make-tasks --env math --kinds sums
+    --difficulties 1,2 --seed SEED` writes them."""
+    from k3.posttrain.envs import get_environment
 
-    tasks = []
-    for i in range(n):
-        d = difficulties[i % len(difficulties)]
-        p = GENERATORS[kind](random.Random(f"{stream}:{i}"), d)
-        tasks.append({"id": f"{stream}-{i}", "env": "math", "b0": None,
-                      "data": {"question": p.question, "answer": p.answer, "difficulty": d}})
-    return tasks
+    return [t.to_json() for t in get_environment("math").make_tasks(n, seed, difficulties=(1, 2), kinds=("sums",))]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -137,10 +131,9 @@ def main() -> None:
                               "--auto-resume"], log, args.threads) / 60
 
     # written once: a rerun keeps the tasks, with the b0 of an earlier run's tasks.jsonl if copied over them
-    for name, n, stream in (("rl_tasks.jsonl", args.train_tasks, "bench-rl-train"),
-                            ("rl_heldout.jsonl", args.heldout_tasks, "bench-rl-heldout")):
+    for name, n, seed in (("rl_tasks.jsonl", args.train_tasks, 1), ("rl_heldout.jsonl", args.heldout_tasks, 2)):
         if not (work / name).exists():
-            write_jsonl(work / name, arithmetic_tasks(n, stream, (1, 2)))
+            write_jsonl(work / name, sum_tasks(n, seed))
     rl_dir = work / "rl"
     iterations = args.rl_iterations
     max_first, anneal = max(1, iterations // 5), max(1, iterations // 2)

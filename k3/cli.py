@@ -7,7 +7,7 @@ import json
 import sys
 
 from k3.convert.cli import add_convert_parser
-from k3.posttrain.cli import add_make_sft_parser, add_sft_parser
+from k3.posttrain.cli import add_make_sft_parser, add_make_tasks_parser, add_sft_parser
 from k3.posttrain.rl_cli import add_rl_parser
 from k3.sandbox.cli import add_sandbox_parser
 from k3.serve.cli import add_serve_parser
@@ -308,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("data", help="write generated data sets (no download)")
     dsub = p.add_subparsers(dest="data_command", required=True)
     add_make_sft_parser(dsub)
+    add_make_tasks_parser(dsub)
     add_make_vision_parser(dsub)
     return parser
 

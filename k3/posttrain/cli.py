@@ -1,4 +1,5 @@
-"""`k3 sft` and `k3 data make-sft`: thin front ends over `k3.posttrain.sft` and `k3.posttrain.sft_data`."""
+"""`k3 sft`, `k3 data make-sft` and `k3 data make-tasks`: thin front ends over `k3.posttrain.sft`,
+`k3.posttrain.sft_data` and the RL environments' task generators."""
 
 from __future__ import annotations
 
@@ -113,3 +114,37 @@ def add_make_sft_parser(data_subparsers) -> None:
     p.add_argument("--difficulties", default="1,2,3", help="comma-separated difficulties drawn uniformly; a repeated "
                                                           "one counts twice (default 1,2,3)")
     p.set_defaults(func=cmd_make_sft)
+
+
+def cmd_make_tasks(args) -> int:
+    import json
+
+    from k3.posttrain.envs import get_environment
+
+    def listed(text):
+        return [part.strip() for part in text.split(",") if part.strip()] if text is not None else None
+
+    try:
+        difficulties = [int(d) for d in listed(args.difficulties)] if args.difficulties is not None else None
+    except ValueError:
+        raise ValueError(f"--difficulties must be integers 1, 2 or 3, got {args.difficulties!r}") from None
+    tasks = get_environment(args.env).make_tasks(args.tasks, args.seed, difficulties=difficulties,
+                                                 kinds=listed(args.kinds))
+    Path(args.out).write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
+    print(f"wrote {len(tasks):,} {args.env} tasks to {args.out}", file=sys.stderr)
+    return 0
+
+
+def add_make_tasks_parser(data_subparsers) -> None:
+    """Add `make-tasks` to `k3 data`'s subcommands."""
+    p = data_subparsers.add_parser("make-tasks", help="write an RL task file (k3 rl --tasks / --heldout) from an "
+                                                      "environment's generator")
+    p.add_argument("--env", required=True, help="an environment: code, math, strings, tools, or package.module:Class")
+    p.add_argument("--out", required=True, help="the JSONL file to write")
+    p.add_argument("--tasks", type=positive(int), default=256, help="how many (default 256)")
+    p.add_argument("--seed", type=int, default=0, help="default 0; another seed, other tasks (e.g. a held-out file)")
+    p.add_argument("--difficulties", help="comma-separated difficulties 1-3, taken in turn (default: the "
+                                          "environment's own, 1,2,3)")
+    p.add_argument("--kinds", help="math only: comma-separated kinds among arithmetic, sums, word, taken in turn "
+                                   "(default arithmetic,word)")
+    p.set_defaults(func=cmd_make_tasks)

@@ -22,8 +22,7 @@ The response is the same at every level and ends with the answer ("The answer is
 reply is its answer (what `k3.posttrain.envs.math` reads). The three conversations of a problem share an `id`, so
 they land on the same side of the held-out split. Everything is a function of the seed: problem i draws from
 `random.Random(f"sft:{seed}:{i}")`, so the file is the same on every machine and a longer one extends a shorter one.
-`math_problems(n, seed)` gives RL's math environment its (question, answer) pairs from another stream of the same
-generators.
+RL's environments (`k3.posttrain.envs`) draw their tasks from the same generators, from streams of their own.
 """
 
 from __future__ import annotations
@@ -455,19 +454,6 @@ def make_sft_dataset(num_problems: int = 1200, seed: int = 0, efforts: Sequence[
                 messages += problem_turns(follow_up, effort)
             conversations.append(Conversation(messages, tools, effort, f"{kind}-{seed}-{i:05d}"))
     return conversations
-
-
-def math_problems(n: int, seed: int = 0) -> list[tuple[str, str]]:
-    """`n` (question, exact answer) pairs for RL's math environment: arithmetic and word problems alternating,
-    difficulty 1, 2, 3 in turn, from a stream of its own (`random.Random(f"math:{seed}:{i}")`), so they are not the
-    SFT set's problems."""
-    problems = []
-    for i in range(n):
-        rng = random.Random(f"math:{seed}:{i}")
-        generator = arithmetic_problem if i % 2 == 0 else word_problem
-        problem = generator(rng, 1 + (i // 2) % 3)
-        problems.append((problem.question, problem.answer))
-    return problems
 
 
 def _check_difficulty(difficulty: int) -> None:

@@ -54,6 +54,47 @@ def test_math_answers_compare_exactly():
     assert final_number("5 apples and 3 pears make 8 fruit.") == 8
 
 
+def test_task_difficulties_and_kinds_narrow_the_generators():
+    math = get_environment("math")
+    # the default mixture: arithmetic and word problems in turn, difficulties 1, 2, 3 for each kind in turn
+    default = math.make_tasks(12, seed=0)
+    assert [(t.data["kind"], t.data["difficulty"]) for t in default[:6]] == [
+        ("arithmetic", 1), ("word", 1), ("arithmetic", 2), ("word", 2), ("arithmetic", 3), ("word", 3)]
+    sums = math.make_tasks(8, seed=1, difficulties=[1], kinds=["sums"])
+    assert all(t.data["kind"] == "sums" and t.data["difficulty"] == 1 for t in sums)
+    for t in sums:  # two one-digit numbers
+        a, b = (int(x) for x in __import__("re").findall(r"\d+", t.data["question"])[:2])
+        assert a < 10 and b < 10 and int(t.data["answer"]) == a + b
+        assert _score("math", t, _reply(f"The answer is {t.data['answer']}."))[0] == 1.0
+    assert [t.data["question"] for t in math.make_tasks(8, seed=2, kinds=["sums"], difficulties=[1])] != \
+        [t.data["question"] for t in sums]
+    strings = get_environment("strings").make_tasks(4, seed=0, difficulties=[2])
+    assert strings != get_environment("strings").make_tasks(4, seed=0)
+    with pytest.raises(ValueError, match="kinds must be some of arithmetic, sums, word"):
+        math.make_tasks(2, 0, kinds=["poetry"])
+    with pytest.raises(ValueError, match="difficulties must be some of 1, 2, 3"):
+        math.make_tasks(2, 0, difficulties=[4])
+    with pytest.raises(ValueError, match="no kinds"):
+        get_environment("tools").make_tasks(2, 0, kinds=["sums"])
+    with pytest.raises(ValueError, match="no difficulties or kinds"):
+        get_environment("code").make_tasks(2, 0, difficulties=[1])
+
+
+def test_make_tasks_command_writes_a_task_file_rl_reads(tmp_path):
+    import subprocess
+
+    out = tmp_path / "train.jsonl"
+    done = subprocess.run([sys.executable, "-m", "k3.cli", "data", "make-tasks", "--env", "math", "--kinds", "sums",
+                           "--difficulties", "1,2", "--tasks", "6", "--seed", "3", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    tasks = load_tasks(out)
+    assert tasks == get_environment("math").make_tasks(6, 3, difficulties=[1, 2], kinds=["sums"])
+    bad = subprocess.run([sys.executable, "-m", "k3.cli", "data", "make-tasks", "--env", "code", "--difficulties",
+                          "1", "--out", str(tmp_path / "x.jsonl")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "no difficulties or kinds" in bad.stderr
+
+
 def test_math_tasks_come_from_the_sft_generators():
     tasks = get_environment("math").make_tasks(6, seed=3)
     assert len({t.id for t in tasks}) == 6 and all(t.env == "math" for t in tasks)

@@ -152,14 +152,17 @@ def test_the_set_is_a_function_of_its_seed_and_every_conversation_renders(tmp_pa
         sft_data.arithmetic_problem(random.Random(0), 4)
 
 
-def test_math_problems_for_rl_are_exact_and_apart_from_the_sft_set():
-    pairs = sft_data.math_problems(60, seed=0)
-    assert len(pairs) == 60 and pairs == sft_data.math_problems(60, seed=0)
-    for question, answer in pairs[::2]:
-        assert evaluate(expression_of(question)) == Fraction(answer)
+def test_math_tasks_for_rl_are_exact_and_apart_from_the_sft_set():
+    from k3.posttrain.envs import get_environment
+
+    tasks = get_environment("math").make_tasks(60, seed=0)
+    assert len(tasks) == 60 and tasks == get_environment("math").make_tasks(60, seed=0)
+    for t in tasks[::2]:
+        assert t.data["kind"] == "arithmetic"
+        assert evaluate(expression_of(t.data["question"])) == Fraction(t.data["answer"])
     sft_questions = {m["content"] for c in sft_data.make_sft_dataset(200, seed=0) for m in c.messages
                      if m["role"] == "user"}
-    assert len({q for q, _ in pairs} & sft_questions) < 5  # another stream: overlaps only by chance
+    assert len({t.data["question"] for t in tasks} & sft_questions) < 5  # another stream: overlaps only by chance
 
 
 def test_cli_writes_the_same_file_for_the_same_seed(tmp_path):

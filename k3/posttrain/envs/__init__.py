@@ -24,6 +24,7 @@ import importlib
 import json
 import pkgutil
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -76,8 +77,10 @@ class Environment:
         self.replies: list[dict[str, Any]] = []  # every assistant turn, as {content, reasoning, tool_calls}
 
     @classmethod
-    def make_tasks(cls, n: int, seed: int) -> list[Task]:
-        """`n` generated tasks (deterministic in `seed`)."""
+    def make_tasks(cls, n: int, seed: int, difficulties: Sequence[int] | None = None,
+                   kinds: Sequence[str] | None = None) -> list[Task]:
+        """`n` generated tasks (deterministic in `seed`). `difficulties`, taken in turn, and `kinds` narrow them
+        where the environment has such choices (None: its own mixture); one without them refuses them."""
         raise NotImplementedError
 
     def reset(self, task: Task) -> Prompt:
@@ -105,6 +108,20 @@ class Environment:
 
 
 ENVIRONMENTS: dict[str, type[Environment]] = {}
+
+
+def task_difficulties(env: str, difficulties: Sequence[int] | None, kinds: Sequence[str] | None = None,
+                      known_kinds: Sequence[str] = ()) -> tuple[int, ...]:
+    """The difficulties a generator takes in turn (default 1, 2, 3), after refusing what it cannot honour: a
+    difficulty outside 1–3, or kinds for an environment with none or outside `known_kinds`."""
+    if kinds is not None and not known_kinds:
+        raise ValueError(f"the {env} environment has no kinds of task to choose from")
+    if kinds is not None and (not kinds or any(k not in known_kinds for k in kinds)):
+        raise ValueError(f"{env} task kinds must be some of {', '.join(known_kinds)}, got {', '.join(kinds) or 'none'}")
+    chosen = tuple(difficulties) if difficulties is not None else (1, 2, 3)
+    if not chosen or any(d not in (1, 2, 3) for d in chosen):
+        raise ValueError(f"{env} task difficulties must be some of 1, 2, 3, got {list(chosen)}")
+    return chosen
 
 
 def register(name: str):

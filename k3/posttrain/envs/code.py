@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -101,7 +101,10 @@ class CodeEnvironment(Environment):
     limits: ClassVar[Limits] = Limits(wall_seconds=10.0, cpu_seconds=5, memory_mb=1024, file_bytes=1 << 20)
 
     @classmethod
-    def make_tasks(cls, n: int, seed: int) -> list[Task]:
+    def make_tasks(cls, n: int, seed: int, difficulties: Sequence[int] | None = None,
+                   kinds: Sequence[str] | None = None) -> list[Task]:
+        if difficulties is not None or kinds is not None:
+            raise ValueError("the code environment's tasks have no difficulties or kinds to choose from")
         rng = random.Random(seed)
         return [make_code_task(CODE_TEMPLATES[i % len(CODE_TEMPLATES)], rng, f"code-{seed}-{i}", cls.name)
                 for i in range(n)]

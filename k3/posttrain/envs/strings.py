@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 
-from k3.posttrain.envs import Environment, Prompt, Task, register
+from k3.posttrain.envs import Environment, Prompt, Task, register, task_difficulties
 from k3.posttrain.envs.math import parse_number
 
 _ANSWER_IS = re.compile(r"answer is\s*", re.IGNORECASE)
@@ -37,12 +38,14 @@ def answers_equal(reply: str, answer: str) -> bool:
 @register("strings")
 class StringsEnvironment(Environment):
     @classmethod
-    def make_tasks(cls, n: int, seed: int) -> list[Task]:
+    def make_tasks(cls, n: int, seed: int, difficulties: Sequence[int] | None = None,
+                   kinds: Sequence[str] | None = None) -> list[Task]:
         from k3.posttrain.sft_data import string_problem
 
+        chosen = task_difficulties(cls.name, difficulties, kinds)
         tasks = []
         for i in range(n):
-            problem = string_problem(random.Random(f"strings:{seed}:{i}"), 1 + i % 3)
+            problem = string_problem(random.Random(f"strings:{seed}:{i}"), chosen[i % len(chosen)])
             tasks.append(Task(f"strings-{seed}-{i}", cls.name, {"question": problem.question, "answer": problem.answer}))
         return tasks
 

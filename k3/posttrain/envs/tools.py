@@ -15,11 +15,12 @@ import ast
 import json
 import operator
 import random
+from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
 from k3.chat.template import Reply
-from k3.posttrain.envs import Environment, Prompt, Task, register
+from k3.posttrain.envs import Environment, Prompt, Task, register, task_difficulties
 from k3.posttrain.envs.math import answers_match
 
 TOOLS = [
@@ -81,14 +82,16 @@ class ToolEnvironment(Environment):
     max_turns = 4
 
     @classmethod
-    def make_tasks(cls, n: int, seed: int) -> list[Task]:
-        """The SFT data's price questions (`k3.posttrain.sft_data.tool_problem`), difficulty 1, 2, 3 in turn, from a
-        stream of their own."""
+    def make_tasks(cls, n: int, seed: int, difficulties: Sequence[int] | None = None,
+                   kinds: Sequence[str] | None = None) -> list[Task]:
+        """The SFT data's price questions (`k3.posttrain.sft_data.tool_problem`), `difficulties` (default 1, 2, 3)
+        in turn, from a stream of their own."""
         from k3.posttrain import sft_data
 
+        chosen = task_difficulties(cls.name, difficulties, kinds)
         tasks = []
         for i in range(n):
-            problem = sft_data.tool_problem(random.Random(f"tools:{seed}:{i}"), 1 + i % 3)
+            problem = sft_data.tool_problem(random.Random(f"tools:{seed}:{i}"), chosen[i % len(chosen)])
             tasks.append(Task(f"tools-{seed}-{i}", cls.name,
                               {"question": problem.question, "table": problem.table, "answer": problem.answer}))
         return tasks
