@@ -1,3 +1,4 @@
+import os
 import random
 
 import pytest
@@ -17,6 +18,16 @@ def _corpus(n: int = 300) -> list[str]:
 def tokenizer():
     """A 512-token byte-level BPE with K3's special tokens, trained on a small mixed-script corpus."""
     return train_bpe(_corpus(), 512, show_progress=False)
+
+
+def pytest_configure(config):
+    # pytest-xdist workers share the machine's cores: each gets its share of intra-op threads, inherited by the
+    # commands tests start (two 2-thread workers on 2 cores ran some tests 10-30x slower than one thread each)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 def pytest_addoption(parser):

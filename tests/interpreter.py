@@ -29,7 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_module_in_interpreter(target: str) -> None:
     """`pytest -x` on `target` (a test file, or a file::test node id; a file that pytest would not collect by its
     name is collected too) with TRITON_INTERPRET=1; fails with the tail of its output."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    # one thread unless told otherwise: interpreted kernels are single-threaded Python, and idle threads spinning
+    # beside the other test worker's only slow both down
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "TRITON_INTERPRET": "1"}
     # 30 minutes: the KDA file is the slowest, ~15 on a 2-core machine beside another pytest worker
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(target)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
@@ -65,3 +67,10 @@ def cases(*values, gpu_only=()):
                               reason="a repeated path: on a GPU, or in the interpreter with K3_INTERPRETER_ALL=1")
     return [(pytest.param(*v, marks=mark) if isinstance(v, tuple) else pytest.param(v, marks=mark))
             if v in gpu_only else v for v in values]
+
+
+def repeats(*values) -> tuple:
+    """Values a test loops over that repeat a path its other values already take (as `cases`' gpu_only, for a
+    loop inside one test): all of them on a GPU and with K3_INTERPRETER_ALL=1, none otherwise in the
+    interpreter."""
+    return () if INTERPRETING and not INTERPRETER_ALL else values

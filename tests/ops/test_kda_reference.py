@@ -50,7 +50,8 @@ def test_chunk_matches_recurrent_fp64(T):
         q, k, v, g, beta, S0 = make_inputs(B, T, 2, 8, 8, seed=i, a_log=a_log, dt_bias=dt_bias)
         for init in (None, S0):
             ref, ref_S = naive_recurrent_kda(q, k, v, g, beta, initial_state=init, output_final_state=True)
-            for C in (1, 7, 16, 64):
+            # 1000 tokens: the long run in the kernels' chunk sizes; 1 and 7 take the same steps at the lengths above
+            for C in (16, 64) if T == 1000 else (1, 7, 16, 64):
                 tri, tri_S = naive_chunk_kda(
                     q, k, v, g, beta, chunk_size=C, initial_state=init, output_final_state=True
                 )

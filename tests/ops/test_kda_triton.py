@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops.kda import naive_kda_gate, naive_recurrent_kda
-from tests.interpreter import INTERPRETING, ON_GPU, cases, kernel_device, rerun_in_interpreter
+from tests.interpreter import INTERPRETING, ON_GPU, cases, kernel_device, repeats, rerun_in_interpreter
 
 F64 = torch.float64
 LAYER_TOL = 2e-3 if ON_GPU else 1e-3  # the KDA layer against its torch path (fp32 activations; tf32 on a GPU)
@@ -375,7 +375,11 @@ def _backward_switch_checks(monkeypatch, key, inputs, dev, new, base, ref, cu, a
     assert all(torch.equal(x.grad, g) for x, g in zip(leaves, kept[2:]))
 
 
-@pytest.mark.parametrize("dtype,all_bf16", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)])
+# fp32 inputs and all_bf16 only change what the kernels load and store; Q′ with all_bf16 also runs in
+# test_norm_sums_from_scores
+@pytest.mark.parametrize("dtype,all_bf16", cases((torch.bfloat16, False), (torch.float32, False),
+                                                 (torch.bfloat16, True),
+                                                 gpu_only=((torch.float32, False), (torch.bfloat16, True))))
 def test_state_bwd_on_qprime(dev, monkeypatch, dtype, all_bf16):
     """TUNING["state_bwd_qprime"]: `_state_bwd` on Q′ = Q⊙Γ − Aqk·W, with dŨ's Aqkᵀ·dO taken in `_bwd_vk` and
     `_bwd_vv`, passes the fp64 tolerances on packed documents (a one-token and an empty one among them), leaves o
@@ -400,10 +404,12 @@ def test_state_bwd_on_qprime(dev, monkeypatch, dtype, all_bf16):
     _backward_switch_checks(monkeypatch, "state_bwd_qprime", inputs, dev, qp, base, ref, cu, all_bf16)
 
 
-@pytest.mark.parametrize("dtype,all_bf16,others", [(torch.bfloat16, False, {"bwd_vk_cols": 16, "bwd_k_cols": 16}),
-                                                     (torch.float32, False, {}),
-                                                     (torch.bfloat16, True, {"state_bwd_qprime": True,
-                                                                             "bwd_k_rows": 32})])
+# fp32 inputs only change what the kernels load and store: the bf16 cases take the same branches
+@pytest.mark.parametrize("dtype,all_bf16,others", cases(
+    (torch.bfloat16, False, {"bwd_vk_cols": 16, "bwd_k_cols": 16}),
+    (torch.float32, False, {}),
+    (torch.bfloat16, True, {"state_bwd_qprime": True, "bwd_k_rows": 32}),
+    gpu_only=((torch.float32, False, {}),)))
 def test_norm_sums_from_scores(dev, monkeypatch, dtype, all_bf16, others):
     """TUNING["norms_from_scores"]: the norm backward's and dβ's sums over K taken from the scores (Euler's identity,
     in `_bwd_vv`, on the Ã the prepare keeps), `_bwd_k_block` finishing dq and dk and no `_bwd_norms`, passes the
@@ -875,7 +881,8 @@ def test_prefill_pipeline_segments_give_the_same_results(dev, monkeypatch, chunk
     cu = torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(len(lengths))], device=dev)
     inputs = make_raw(1, int(cu[-1]), 2, 32, 32, seed=56, N=len(lengths))
     outs = []
-    splits = ((1, []), (2, []), (3, []), (5, []), (64, []), (2, [0.5, 0.25]))  # (segments, prefill_segment_tail)
+    # (segments, prefill_segment_tail); at 64 (two chunks each) documents start, end and lie wholly inside segments
+    splits = ((1, []), (2, []), (64, []), (2, [0.5, 0.25])) + repeats((3, []), (5, []))
     for segments, tail in splits:
         monkeypatch.setitem(tc.TUNING, "prefill_segments", segments)
         monkeypatch.setitem(tc.TUNING, "prefill_segment_tail", tail)
@@ -984,8 +991,9 @@ def test_prefill_forward_32_token_chunks(dev, monkeypatch):
     the states for prefix caching (every second 32-token chunk)."""
     from k3.ops.kda import chunk as tc
 
+    # (150: more chunks of the kinds 31 and 65 end in)
     for T, dtype in ((1, torch.float32), (31, torch.bfloat16), (33, torch.float32), (65, torch.bfloat16),
-                     (150, torch.float32)):
+                     *repeats((150, torch.float32))):
         inputs = make_raw(2, T, 2, 32, 32, seed=60 + T, dtype=dtype)
         monkeypatch.setitem(tc.TUNING, "prefill_chunk", 16)
         out16 = _infer(inputs, dev)
@@ -1427,8 +1435,9 @@ SLICE_CASES = {
 }
 
 
+# all_bf16 only changes what the kernels load and store (varlen, two value-side slices: recompute_varlen_bf16)
 @pytest.mark.parametrize("case", cases(*SLICE_CASES, gpu_only=("recompute_fp32", "dense_bf16", "varlen_fp32_V64",
-                                                             "varlen_bf16_K16_V128")))
+                                                             "varlen_bf16_K16_V128", "varlen_all_bf16")))
 def test_backward_key_slices(dev, monkeypatch, case):
     """Every gradient of `chunk_kda` with the backward split into several key slices against the fp64 recurrence
     at the file's tolerances (initial state and dht included), and against one slice per kernel (bwd_vk_cols =
