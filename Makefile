@@ -33,7 +33,7 @@ demo: setup
 speedrun: setup
 	$(BIN)/k3 recipe run tiny --out runs/speedrun --resume
 
-# two workers (pytest-xdist), a test file per worker: on 2 cores the suite takes about two thirds of one worker's time
+# two workers (pytest-xdist), a test file per worker, each with its share of the cores' threads (tests/conftest.py)
 test: setup
 	$(BIN)/pytest -q -n 2 --dist loadfile
 
