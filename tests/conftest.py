@@ -30,6 +30,16 @@ def pytest_configure(config):
         torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test, restored after: engine and RL steps here are tiny, and on a shared machine
+    spinning OpenMP threads make them tens of times slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
 

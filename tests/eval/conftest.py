@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from k3.config import get_preset
 from k3.model.model import build_model
@@ -24,9 +23,5 @@ def endpoint(model, tokenizer):
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: the steps are tiny and the machine is shared (as tests/infer do)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread_here(one_thread):
+    """Every test in this folder runs with one intra-op thread (`one_thread`, tests/conftest.py)."""

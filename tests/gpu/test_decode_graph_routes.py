@@ -13,32 +13,19 @@ through graphs that hold every MoE layer's routes as static outputs, and records
 import pytest
 import torch
 
-from k3.config import get_preset
 from k3.infer.api import RequestOutput, SamplingParams
 from k3.infer.engine import Engine, merge_output
 from k3.model.model import build_model
 from k3.posttrain.replay import RouteRecorder
+from tests.gpu.conftest import gpu_config
 from tests.infer.conftest import every_path_matters
 from tests.infer.test_decode_routes import CFG, _arrivals, _prompt, _record
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
-
-
-def _gpu(preset="debug"):
-    return get_preset(preset).replace(kda_impl="triton", attention_backend="sdpa", moe_impl="grouped",
-                                      attn_res_impl="triton", situ_impl="triton", norm_impl="triton")
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
 
 def test_graph_routes_equal_runner_routes_fp32():
-    model = every_path_matters(build_model(_gpu(), seed=0, device="cuda"))
+    model = every_path_matters(build_model(gpu_config(), seed=0, device="cuda"))
     want_tokens, want_routes, _, _ = _record(Engine(model, CFG.replace(decode_path="gather")), _arrivals())
     engine = Engine(model, CFG.replace(decode_path="paged", cuda_graphs=True, graph_batch_sizes=(2, 4, 8)))
     tokens, routes, cached, decoder_steps = _record(engine, _arrivals())
@@ -50,7 +37,7 @@ def test_graph_routes_equal_runner_routes_fp32():
 
 
 def test_route_graphs_change_nothing_bf16():
-    model = build_model(_gpu("tiny"), seed=0, device="cuda", dtype=torch.bfloat16)
+    model = build_model(gpu_config("tiny"), seed=0, device="cuda", dtype=torch.bfloat16)
     cfg = CFG.replace(decode_path="paged", cuda_graphs=True, num_pages=400)
     outs = []
     for record in (False, True):

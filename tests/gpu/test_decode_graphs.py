@@ -13,29 +13,16 @@ give the gather/scatter engine's tokens (one H200).
 import pytest
 import torch
 
-from k3.config import get_preset
 from k3.infer.api import RequestOutput, SamplingParams
 from k3.infer.config import EngineConfig
 from k3.infer.engine import Engine, merge_output
 from k3.model.model import build_model
+from tests.gpu.conftest import gpu_config
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
 CFG = EngineConfig(hash_block_size=16, page_tokens=64, prefill_chunk_tokens=64, max_step_tokens=512, max_running=8,
                    eos_token_ids=(), num_pages=400)
-
-
-@pytest.fixture(autouse=True)
-def no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
-
-
-def _gpu(preset="debug", **kw):
-    return get_preset(preset).replace(kda_impl="triton", attention_backend="sdpa", moe_impl="grouped",
-                                      attn_res_impl="triton", situ_impl="triton", norm_impl="triton", **kw)
 
 
 def _run(engine, prompts, n):
@@ -55,7 +42,7 @@ def _prompts(V, lengths):
 
 
 def test_graphs_equal_gather_engine_fp32():
-    model = build_model(_gpu(), seed=0, device="cuda")
+    model = build_model(gpu_config(), seed=0, device="cuda")
     prompts = _prompts(512, [7, 70, 130, 1])
     want = _run(Engine(model, CFG.replace(decode_path="gather")), prompts, 40)
     engine = Engine(model, CFG.replace(decode_path="paged", cuda_graphs=True, graph_batch_sizes=(1, 2, 4, 8)))
@@ -68,7 +55,7 @@ def test_graphs_equal_gather_engine_fp32():
 
 
 def test_graph_replay_equals_eager_paged_bf16():
-    model = build_model(_gpu("tiny"), seed=0, device="cuda", dtype=torch.bfloat16)
+    model = build_model(gpu_config("tiny"), seed=0, device="cuda", dtype=torch.bfloat16)
     prompts = _prompts(8192, [33, 200, 5])
     eager = _run(Engine(model, CFG.replace(decode_path="paged", cuda_graphs=False)), prompts, 24)
     graphed = _run(Engine(model, CFG.replace(decode_path="paged", cuda_graphs=True)), prompts, 24)

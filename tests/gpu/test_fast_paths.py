@@ -23,15 +23,7 @@ from k3.ops.moe import grouped_latent_experts, grouped_situ_glu, naive_grouped_s
 from k3.ops.norm import naive_rms_norm, rms_norm_triton
 from k3.ops.situ import naive_situ_glu, situ_glu
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
 
 def rel(a, b):

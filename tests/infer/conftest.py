@@ -25,10 +25,5 @@ def model():
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: these steps are tiny, and on a shared 2-core machine two spinning OpenMP threads
-    make them tens of times slower. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread_here(one_thread):
+    """Every test in this folder runs with one intra-op thread (`one_thread`, tests/conftest.py)."""

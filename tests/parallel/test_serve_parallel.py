@@ -26,13 +26,7 @@ CFG = EngineConfig(hash_block_size=8, page_tokens=16, prefill_chunk_tokens=16, c
 CPU_POOL = 200 * 40_000
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread in this process too (the ranks run one each): the machine's cores are shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model(heads: int = 2):

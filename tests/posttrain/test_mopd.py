@@ -26,12 +26,7 @@ from k3.train.metrics import MetricsLog
 ENVS = {"math": get_environment("math"), "strings": get_environment("strings")}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _save_run(root, tokenizer, name, seed):

@@ -47,13 +47,8 @@ def policy(tmp_path, tokenizer):
     return tmp_path / "policy"
 
 
-def test_two_processes_equal_one(policy, tmp_path):
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        rl(_cfg(policy, tmp_path / "one"), progress=False, log=lambda *a: None)
-    finally:
-        torch.set_num_threads(n)
+def test_two_processes_equal_one(policy, tmp_path, one_thread):
+    rl(_cfg(policy, tmp_path / "one"), progress=False, log=lambda *a: None)
     assert run_workers(_worker, 2, str(policy), str(tmp_path / "two")) == [3, 3]
     one = MetricsLog(tmp_path / "one" / "metrics.jsonl").read()
     two = MetricsLog(tmp_path / "two" / "metrics.jsonl").read()

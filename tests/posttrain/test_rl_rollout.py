@@ -22,12 +22,7 @@ ENGINE = EngineConfig(hash_block_size=8, page_tokens=16, prefill_chunk_tokens=25
 LOGPROB_TOL = 1e-4  # engine vs trainer arithmetic (batched decode vs one packed forward), docs/inference.md
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(tokenizer, seed=0):

@@ -25,12 +25,7 @@ QUESTION = [{"role": "user", "content": "What is 12 + 7?"}]
 REPLIES = [("12 + 7 = 19.", "The answer is 19."), ("I guess five.", "It is 5.")]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(tokenizer):
