@@ -92,6 +92,25 @@ class Router(nn.Module):
         return use_fast(self.impl, "fast", x)
 
 
+def pairs_by_expert(topk_idx: torch.Tensor, num_experts: int):
+    """The N·k (token, expert) pairs of topk_idx [N, k] sorted by expert -> (order: sorted position -> pair,
+    token_of [N·k], expert_of [N·k] non-decreasing, counts [E] pairs per expert, slot [N·k]: row within its expert)."""
+    N, k = topk_idx.shape
+    flat_expert = topk_idx.reshape(-1)
+    order = torch.argsort(flat_expert, stable=True)
+    expert_of = flat_expert[order]
+    counts = torch.bincount(flat_expert, minlength=num_experts)
+    slot = torch.arange(N * k, device=topk_idx.device) - (counts.cumsum(0) - counts)[expert_of]
+    return order, order // k, expert_of, counts, slot
+
+
+def combine_pairs(out: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, token_of: torch.Tensor,
+                  accum: torch.dtype) -> torch.Tensor:
+    """Expert outputs out [N·k, L] in sorted-pair order -> their router-weighted sum per token [N, L] in `accum`."""
+    weighted = out.to(accum) * weights.reshape(-1)[order].unsqueeze(-1).to(accum)
+    return torch.zeros(weights.shape[0], out.shape[1], dtype=accum, device=out.device).index_add_(0, token_of, weighted)
+
+
 class LatentExperts(nn.Module):
     """Routed experts stacked per kind: w1 (gate) and w3 (up) [E, I, L], w2 (down) [E, L, I].
 
@@ -144,15 +163,10 @@ class LatentExperts(nn.Module):
         repeated in every conversation, route alike). The CPU path (`moe_impl` auto): it reads the loads on the
         host. Same results as the reference (tested).
         """
-        N, k = topk_idx.shape
+        N = topk_idx.shape[0]
         E, _, L = self.w1.shape
         accum = torch.float64 if z.dtype == torch.float64 else torch.float32
-        flat_expert = topk_idx.reshape(-1)
-        order = torch.argsort(flat_expert, stable=True)
-        token_of = order // k  # [N·k] source token of each sorted pair
-        expert_of = flat_expert[order]  # [N·k] non-decreasing
-        counts = torch.bincount(flat_expert, minlength=E)
-        slot = torch.arange(N * k, device=z.device) - (counts.cumsum(0) - counts)[expert_of]  # row in its expert
+        order, token_of, expert_of, counts, slot = pairs_by_expert(topk_idx, E)
         loads = counts.tolist()
         # experts by load, heaviest first; a bucket takes the next expert while its capacity ≤ 2 × that load
         buckets: list[list[int]] = []
@@ -180,8 +194,7 @@ class LatentExperts(nn.Module):
             outs.append((fake_quantize_input(act, self.qat_scale_mode) @ w2[ex].transpose(1, 2))[at])
             pair_ids.append(pairs)
         out = torch.cat(outs)[torch.argsort(torch.cat(pair_ids))]  # [N·k, L] in expert order
-        weighted = out.to(accum) * weights.reshape(-1)[order].unsqueeze(-1).to(accum)
-        return torch.zeros(N, z.shape[1], dtype=accum, device=z.device).index_add_(0, token_of, weighted)
+        return combine_pairs(out, weights, order, token_of, accum)
 
     def forward_reference(self, z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Reference dispatch: sort the N·k (token, expert) pairs by expert into a zero-padded [E, capacity, L]
@@ -189,14 +202,8 @@ class LatentExperts(nn.Module):
         rows are zero, so they produce zero and receive zero gradient. With Quantile Balancing the padding
         stays small; on CPUs this beats a per-expert loop of small matmuls by a wide margin.
         """
-        N, k = topk_idx.shape
         E, _, L = self.w1.shape
-        flat_expert = topk_idx.reshape(-1)
-        order = torch.argsort(flat_expert, stable=True)
-        token_of = order // k  # [N·k] source token of each sorted pair
-        expert_of = flat_expert[order]  # [N·k] non-decreasing
-        counts = torch.bincount(flat_expert, minlength=E)
-        slot = torch.arange(N * k, device=z.device) - (counts.cumsum(0) - counts)[expert_of]  # row in its expert
+        order, token_of, expert_of, counts, slot = pairs_by_expert(topk_idx, E)
         capacity = int(counts.max())
         w1, w3, w2 = (fake_quantize_weight(w, self.qat_scale_mode) for w in (self.w1, self.w3, self.w2))
         zq = fake_quantize_input(z, self.qat_scale_mode)
@@ -204,8 +211,7 @@ class LatentExperts(nn.Module):
         act = self.glu(blocks @ w1.transpose(1, 2), blocks @ w3.transpose(1, 2), self.beta1, self.beta2)  # [E, cap, I]
         out = (fake_quantize_input(act, self.qat_scale_mode) @ w2.transpose(1, 2))[expert_of, slot]  # [N·k, L]
         accum = torch.float64 if z.dtype == torch.float64 else torch.float32
-        weighted = out.to(accum) * weights.reshape(-1)[order].unsqueeze(-1).to(accum)
-        return torch.zeros(N, z.shape[1], dtype=accum, device=z.device).index_add_(0, token_of, weighted)
+        return combine_pairs(out, weights, order, token_of, accum)
 
 
 @dataclass

@@ -320,6 +320,22 @@ def test_router_impl_switch():
         get_preset("debug", router_impl="tf32")
 
 
+def _assert_equals_reference(experts, path, topk):
+    """`path` and `experts.forward_reference` on random fp64 tokens routed by `topk`: outputs and the gradients of
+    z, the router weights and W1, W3, W2 equal to 1e-12."""
+    (N, k), L = topk.shape, experts.w1.shape[2]
+    z = torch.randn(N, L, dtype=torch.float64, requires_grad=True)
+    weights = torch.rand(N, k, dtype=torch.float64, requires_grad=True)
+    w_out = torch.randn(N, L, dtype=torch.float64)
+    leaves = (z, weights, experts.w1, experts.w3, experts.w2)
+    results = []
+    for forward in (path, experts.forward_reference):
+        out = forward(z, topk, weights)
+        results.append((out, *torch.autograd.grad((out * w_out).sum(), leaves)))
+    for name, a, b in zip("out z weights w1 w3 w2".split(), *results):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("qat", [None, "rceil"])
 def test_bucketed_experts_equal_the_padded_reference(qat):
     """The CPU path (experts in buckets of similar load) against `forward_reference` (one block padded to the busiest
@@ -327,23 +343,14 @@ def test_bucketed_experts_equal_the_padded_reference(qat):
     from k3.model.moe import LatentExperts
 
     torch.manual_seed(40)
-    E, L, I, N, k = 16, 32, 32, 40, 3
+    E, L, I, N = 16, 32, 32, 40  # k = 3 (the top-k below)
     experts = LatentExperts(E, L, I, 4.0, 25.0, "auto", qat_scale_mode=qat).double()
     with torch.no_grad():
         for w in (experts.w1, experts.w3, experts.w2):
             w.normal_(0.0, 0.2)
     # skewed: expert 0 in every token's top-k, experts 1-3 often, 12-15 never
     topk = torch.stack([torch.zeros(N, dtype=torch.long), torch.randint(1, 4, (N,)), torch.randint(4, 12, (N,))], 1)
-    z = torch.randn(N, L, dtype=torch.float64, requires_grad=True)
-    weights = torch.rand(N, k, dtype=torch.float64, requires_grad=True)
-    w_out = torch.randn(N, L, dtype=torch.float64)
-    leaves = (z, weights, experts.w1, experts.w3, experts.w2)
-    results = []
-    for path in (experts.forward_bucketed, experts.forward_reference):
-        out = path(z, topk, weights)
-        results.append((out, *torch.autograd.grad((out * w_out).sum(), leaves)))
-    for name, a, b in zip("out z weights w1 w3 w2".split(), *results):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0, msg=name)
+    _assert_equals_reference(experts, experts.forward_bucketed, topk)
 
 
 @pytest.mark.parametrize("qat", [None, "rceil"])
@@ -360,13 +367,4 @@ def test_few_pairs_on_the_cpu_gather_their_experts(qat, monkeypatch):
             w.normal_(0.0, 0.2)
     monkeypatch.setattr(experts, "forward_bucketed", None)  # a call to the buckets would fail
     topk = torch.stack([torch.randperm(E)[:k] for _ in range(N)])
-    z = torch.randn(N, L, dtype=torch.float64, requires_grad=True)
-    weights = torch.rand(N, k, dtype=torch.float64, requires_grad=True)
-    w_out = torch.randn(N, L, dtype=torch.float64)
-    leaves = (z, weights, experts.w1, experts.w3, experts.w2)
-    results = []
-    for path in (experts.forward, experts.forward_reference):
-        out = path(z, topk, weights)
-        results.append((out, *torch.autograd.grad((out * w_out).sum(), leaves)))
-    for name, a, b in zip("out z weights w1 w3 w2".split(), *results):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0, msg=name)
+    _assert_equals_reference(experts, experts.forward, topk)
