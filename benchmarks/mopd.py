@@ -20,7 +20,7 @@ so an interrupted benchmark continues where it stopped.
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -55,18 +55,14 @@ def finished(run_dir: Path, iterations: int | None = None) -> bool:
     return bool(done) and (iterations is None or int(done[-1].parent.name.split("_")[1]) >= iterations)
 
 
-def tasks(domain: str, n: int, seed: int, max_tokens: int) -> list[dict]:
+def tasks(domain: str, n: int, seed: int, max_tokens: int) -> list:
     """`n` difficulty-1 problems of `domain` (math: arithmetic) from the seed's stream; b0 = max_tokens (no budget
     but the length)."""
     from k3.posttrain.envs import get_environment
 
     kinds = ("arithmetic",) if domain == "math" else None
-    return [dict(t.to_json(), b0=float(max_tokens))
+    return [dataclasses.replace(t, b0=float(max_tokens))
             for t in get_environment(domain).make_tasks(n, seed, difficulties=(1,), kinds=kinds)]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def evaluate_model(run_dir: Path, heldout: dict, max_tokens: int,
@@ -181,17 +177,19 @@ def main() -> None:
                               str(sft), "--max-steps", str(args.sft_steps), "--seq-len", "512", "--auto-resume"],
                              log, args.threads) / 60
 
-    heldout, train = {}, {}
+    from k3.posttrain.envs import write_tasks
+
+    heldout, train, monitor = {}, {}, {}
     for domain in TEACHERS:
         train[domain] = tasks(domain, args.train_tasks, 11, args.max_tokens)
-        heldout[domain] = work / f"heldout-{domain}.jsonl"
-        write_jsonl(heldout[domain], tasks(domain, args.heldout_tasks, 12, args.max_tokens))
-        write_jsonl(work / f"train-{domain}.jsonl", train[domain])
         # the runs' own evaluations (always at the first and last iteration) get two tasks: the measurement is below
-        write_jsonl(work / f"monitor-{domain}.jsonl", tasks(domain, 2, 13, args.max_tokens))
-    write_jsonl(work / "train-both.jsonl", [t for d in TEACHERS for t in train[d]])
-    write_jsonl(work / "monitor-both.jsonl", [json.loads(line) for d in TEACHERS
-                                              for line in (work / f"monitor-{d}.jsonl").read_text().splitlines()])
+        monitor[domain] = tasks(domain, 2, 13, args.max_tokens)
+        heldout[domain] = work / f"heldout-{domain}.jsonl"
+        write_tasks(heldout[domain], tasks(domain, args.heldout_tasks, 12, args.max_tokens))
+        write_tasks(work / f"train-{domain}.jsonl", train[domain])
+        write_tasks(work / f"monitor-{domain}.jsonl", monitor[domain])
+    write_tasks(work / "train-both.jsonl", [t for d in TEACHERS for t in train[d]])
+    write_tasks(work / "monitor-both.jsonl", [t for d in TEACHERS for t in monitor[d]])
     shared = ["--max-tokens", str(args.max_tokens), "--prompts", str(args.prompts), "--eval-every", "1000",
               "--checkpoint-every", "5"]
 

@@ -21,7 +21,6 @@ finished base, SFT or RL folder in `--work`, so an interrupted benchmark continu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -52,16 +51,12 @@ def finished(run_dir: Path) -> bool:
     return (run_dir / "run.json").exists() and any((run_dir / "checkpoints").glob("step_*/COMMITTED"))
 
 
-def sum_tasks(n: int, seed: int) -> list[dict]:
-    """`n` easy-tier math tasks (sums of difficulty 1 and 2 in turn), as `k3 data make-tasks --env math --kinds sums
-    --difficulties 1,2 --seed SEED` writes them."""
-    from k3.posttrain.envs import get_environment
+def write_sum_tasks(path: Path, n: int, seed: int) -> None:
+    """`n` easy-tier math tasks (sums of difficulty 1 and 2 in turn) to `path`, as `k3 data make-tasks --env math
+    --kinds sums --difficulties 1,2 --seed SEED` writes them."""
+    from k3.posttrain.envs import get_environment, write_tasks
 
-    return [t.to_json() for t in get_environment("math").make_tasks(n, seed, difficulties=(1, 2), kinds=("sums",))]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_tasks(path, get_environment("math").make_tasks(n, seed, difficulties=(1, 2), kinds=("sums",)))
 
 
 def evaluate_model(run_dir: Path, tasks, taus: dict[str, float], max_tokens: int) -> dict[str, dict]:
@@ -133,7 +128,7 @@ def main() -> None:
     # written once: a rerun keeps the tasks, with the b0 of an earlier run's tasks.jsonl if copied over them
     for name, n, seed in (("rl_tasks.jsonl", args.train_tasks, 1), ("rl_heldout.jsonl", args.heldout_tasks, 2)):
         if not (work / name).exists():
-            write_jsonl(work / name, sum_tasks(n, seed))
+            write_sum_tasks(work / name, n, seed)
     rl_dir = work / "rl"
     iterations = args.rl_iterations
     max_first, anneal = max(1, iterations // 5), max(1, iterations // 2)

@@ -77,21 +77,26 @@ def add_sft_parser(subparsers) -> None:
     p.set_defaults(func=cmd_sft)
 
 
+def _listed(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _difficulties(text: str) -> list[int]:
+    try:
+        return [int(d) for d in _listed(text)]
+    except ValueError:
+        raise ValueError(f"--difficulties must be integers 1, 2 or 3, got {text!r}") from None
+
+
 def cmd_make_sft(args) -> int:
     from k3.posttrain.conversations import write_conversations
     from k3.posttrain.sft_data import make_sft_dataset
 
     from k3.posttrain.sft_data import KINDS
 
-    def listed(text):
-        return [part.strip() for part in text.split(",") if part.strip()]
-
-    efforts = listed(args.efforts)
-    kinds = listed(args.kinds) if args.kinds else list(KINDS)
-    try:
-        difficulties = [int(d) for d in listed(args.difficulties)]
-    except ValueError:
-        raise ValueError(f"--difficulties must be integers 1, 2 or 3, got {args.difficulties!r}") from None
+    efforts = _listed(args.efforts)
+    kinds = _listed(args.kinds) if args.kinds else list(KINDS)
+    difficulties = _difficulties(args.difficulties)
     conversations = make_sft_dataset(args.problems, seed=args.seed, efforts=efforts, kinds=kinds,
                                      difficulties=difficulties)
     write_conversations(conversations, args.out)
@@ -117,20 +122,12 @@ def add_make_sft_parser(data_subparsers) -> None:
 
 
 def cmd_make_tasks(args) -> int:
-    import json
+    from k3.posttrain.envs import get_environment, write_tasks
 
-    from k3.posttrain.envs import get_environment
-
-    def listed(text):
-        return [part.strip() for part in text.split(",") if part.strip()] if text is not None else None
-
-    try:
-        difficulties = [int(d) for d in listed(args.difficulties)] if args.difficulties is not None else None
-    except ValueError:
-        raise ValueError(f"--difficulties must be integers 1, 2 or 3, got {args.difficulties!r}") from None
-    tasks = get_environment(args.env).make_tasks(args.tasks, args.seed, difficulties=difficulties,
-                                                 kinds=listed(args.kinds))
-    Path(args.out).write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
+    difficulties = _difficulties(args.difficulties) if args.difficulties is not None else None
+    kinds = _listed(args.kinds) if args.kinds is not None else None
+    tasks = get_environment(args.env).make_tasks(args.tasks, args.seed, difficulties=difficulties, kinds=kinds)
+    write_tasks(args.out, tasks)
     print(f"wrote {len(tasks):,} {args.env} tasks to {args.out}", file=sys.stderr)
     return 0
 

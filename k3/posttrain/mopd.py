@@ -41,8 +41,8 @@ import torch
 from k3.checkpoint import load_trained, resolve_checkpoint
 from k3.model.model import K3ForCausalLM
 from k3.posttrain.budget import EFFORTS, TauCurriculum
-from k3.posttrain.envs import Task, get_environment
-from k3.posttrain.rl import (Document, RLConfig, RLSummary, _check_out, _make_tasks, _write_tasks, pack_rows, rl,
+from k3.posttrain.envs import Task, get_environment, write_tasks
+from k3.posttrain.rl import (Document, RLConfig, RLSummary, _check_out, _make_tasks, pack_rows, rl,
                              row_tensors)
 from k3.posttrain.rl_loss import token_logprobs
 from k3.posttrain.rollout import Group, Trajectory
@@ -314,7 +314,7 @@ def mopd(cfg: MOPDConfig, resume: bool = False, log=print, progress: bool = True
         train, heldout = _make_tasks(rl_cfg, envs)
         out.mkdir(parents=True, exist_ok=True)
         for name, tasks in (("tasks.jsonl", train), ("heldout.jsonl", heldout)):
-            _write_tasks(out / name, [dataclasses.replace(t, b0=float(rl_cfg.max_tokens)) for t in tasks])
+            write_tasks(out / name, [dataclasses.replace(t, b0=float(rl_cfg.max_tokens)) for t in tasks])
         rl_cfg = dataclasses.replace(rl_cfg, tasks=str((out / "tasks.jsonl").resolve()),
                                      heldout=str((out / "heldout.jsonl").resolve()))
     info = dataclasses.replace(cfg, teachers=teachers).info()

@@ -47,7 +47,8 @@ from k3.infer.engine import Engine
 from k3.model.model import K3ForCausalLM, build_model
 from k3.optim import qk_clip_
 from k3.posttrain.budget import EFFORTS, TauCurriculum, budgeted_reward, over_budget
-from k3.posttrain.envs import Environment, Task, TaskSampler, get_environment, load_tasks, split_tasks
+from k3.posttrain.envs import (Environment, Task, TaskSampler, get_environment, load_tasks, split_tasks,
+                               write_tasks)
 from k3.posttrain.replay import RouteRecorder, replayed_routes
 from k3.posttrain.rl_loss import LossConfig, group_advantages, policy_loss, token_logprobs, token_weights
 from k3.posttrain.rollout import Group, Rollouts, clear_engine_cache, estimate_b0, run_episodes, sync_engine
@@ -601,8 +602,8 @@ def _start(cfg: RLConfig, out: Path, runtime, fresh: bool, log, scorer=None) -> 
         tasks = estimate_b0(b0_rollouts, train_tasks + heldout, cfg.b0_effort)
         train_tasks, heldout = tasks[:len(train_tasks)], tasks[len(train_tasks):]
         if runtime.is_main:
-            _write_tasks(out / "tasks.jsonl", train_tasks)
-            _write_tasks(out / "heldout.jsonl", heldout)
+            write_tasks(out / "tasks.jsonl", train_tasks)
+            write_tasks(out / "heldout.jsonl", heldout)
             shutil.copytree(ckpt / "tokenizer", out / "tokenizer", dirs_exist_ok=True)
             model_config.save(out / "config.json")
             git = git_state()
@@ -638,10 +639,6 @@ def _make_tasks(cfg: RLConfig, envs: dict[str, type[Environment]]) -> tuple[list
         train += tasks[:cfg.num_tasks]
         generated_heldout += tasks[cfg.num_tasks:]
     return train, heldout if heldout is not None else generated_heldout
-
-
-def _write_tasks(path: Path, tasks: list[Task]) -> None:
-    write_text_atomic(path, "".join(json.dumps(t.to_json(), ensure_ascii=False) + "\n" for t in tasks))
 
 
 def _check_out(out: Path, cfg: RLConfig, resume: bool) -> tuple[RLConfig, bool]:

@@ -181,6 +181,13 @@ def load_tasks(path: str | Path, envs: dict[str, type[Environment]] | None = Non
     return tasks
 
 
+def write_tasks(path: str | Path, tasks: list[Task]) -> None:
+    """Tasks to a JSONL file `load_tasks` reads, written atomically."""
+    from k3.checkpoint import write_text_atomic
+
+    write_text_atomic(path, "".join(json.dumps(t.to_json(), ensure_ascii=False) + "\n" for t in tasks))
+
+
 def split_tasks(tasks: list[Task], heldout: int, seed: int) -> tuple[list[Task], list[Task]]:
     """(train, held-out): `heldout` tasks drawn with `seed`, the rest for training, order kept."""
     if heldout >= len(tasks):
